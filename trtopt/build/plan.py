@@ -1,0 +1,92 @@
+"""The plan directory: ``plan.json`` schema, writer and reader (DESIGN.md §1).
+
+A plan dir holds the fused ``model.onnx``, ``plan.json`` (this schema), ``fusion_report.json`` and the
+tokenizer files. ``plan.json`` is versioned; readers refuse versions they do not know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from trtopt.errors import BuildError
+
+PLAN_VERSION = 1
+PLAN_FILE = "plan.json"
+MODEL_FILE = "model.onnx"
+REPORT_FILE = "fusion_report.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the build inferred from the graph (and config.json when present)."""
+
+    num_layers: int  # number of attention layers == number of kv_cache.{i} inputs
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA when < num_heads)
+    head_dim: int
+    vocab_size: int
+    dtype: str  # "float32" | "float16" | "bfloat16": dtype of the KV pools
+    eos_token_ids: tuple[int, ...]  # any of these ends a sequence
+    bos_token_id: int | None = None
+    model_type: str = ""  # e.g. "llama", "gpt2", "qwen2", "bert"; informational
+    sliding_window: int = 0  # 0 = none
+    max_position_embeddings: int = 0  # 0 = unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Runtime limits baked into the plan (and into TensorRT optimization profiles)."""
+
+    block_size: int = 16  # tokens per KV block
+    max_num_tokens: int = 2048  # T: tokens per engine step
+    max_num_seqs: int = 64  # S: sequences per engine step
+    max_model_len: int = 2048  # prompt + output tokens of one sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The contents of plan.json."""
+
+    model: ModelFacts
+    limits: Limits
+    kind: str = "paged"  # "paged" (LLM with the §3 signature) or "flash" (no cache, e.g. an encoder)
+    version: int = PLAN_VERSION
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.limits.max_model_len // self.limits.block_size)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PlanConfig:
+        version = d.get("version")
+        if version != PLAN_VERSION:
+            raise BuildError(
+                f"plan.json has version {version!r} but this trtopt reads version {PLAN_VERSION}; "
+                "rebuild the plan with `trtopt build`."
+            )
+        model = dict(d["model"])
+        model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
+        return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"), version=version)
+
+
+def write_plan(plan_dir: str | Path, config: PlanConfig) -> Path:
+    path = Path(plan_dir) / PLAN_FILE
+    path.write_text(config.to_json() + "\n")
+    return path
+
+
+def read_plan(plan_dir: str | Path) -> PlanConfig:
+    plan_dir = Path(plan_dir)
+    path = plan_dir / PLAN_FILE
+    if not path.is_file():
+        raise BuildError(f"{plan_dir} is not a plan directory (no {PLAN_FILE}); create one with `trtopt build MODEL -o {plan_dir}`.")
+    try:
+        data = json.loads(path.read_text())
+        return PlanConfig.from_dict(data)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise BuildError(f"{path} is corrupt ({e}); rebuild the plan with `trtopt build`.") from e
