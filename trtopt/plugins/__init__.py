@@ -1,0 +1,1 @@
+"""trtopt ops: one folder per op, each with the five faces of DESIGN.md §4."""

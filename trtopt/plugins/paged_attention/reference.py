@@ -1,0 +1,131 @@
+"""PagedAttention, face 3 of DESIGN.md §4: the plain torch reference.
+
+This is the numerical truth that the Triton kernel and the ONNX function body are tested against, and the op
+that the torch executor runs on CPU. It favours clarity: one vectorised attention per sequence, fp32 math.
+
+It reads ``query_start_loc`` and ``seq_lens`` on the host to slice per sequence (a synchronous ``.tolist()``),
+so it is correct on CUDA too, just not capturable in a CUDA graph; the kernel is the path for that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the K/V of every new token into the paged pool at its slot, in place; slot −1 is skipped.
+
+    k, v: [1, Hkv, T, D]; kv_cache: [num_blocks, 2, Hkv, block_size, D]; slot_mapping: int64 [T].
+    """
+    block_size = kv_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    # The advanced indices (blocks, 0, offsets) are split by a slice, so the selection is [n, Hkv, D].
+    kv_cache[blocks, 0, :, offsets, :] = k[0].transpose(0, 1)[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 1, :, offsets, :] = v[0].transpose(0, 1)[keep].to(kv_cache.dtype)
+
+
+def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``context_len`` cached keys and values of one sequence, in logical order: two [Hkv, L, D]."""
+    block_size = kv_cache.shape[3]
+    num_blocks = -(-context_len // block_size)
+    blocks = kv_cache[block_row[:num_blocks].long()]  # [nb, 2, Hkv, bs, D]
+    keys = blocks[:, 0].transpose(0, 1).flatten(1, 2)[:, :context_len]  # [Hkv, L, D]
+    values = blocks[:, 1].transpose(0, 1).flatten(1, 2)[:, :context_len]
+    return keys, values
+
+
+def attention_mask_bias(
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    causal: int,
+    sliding_window: int,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """The additive fp32 score bias [Hq or 1, n, L]: −inf where a key is hidden, ALiBi slope·(kpos − qpos) elsewhere."""
+    rel = (key_pos[None, :] - query_pos[:, None]).float()  # [n, L]
+    visible = torch.ones_like(rel, dtype=torch.bool)
+    if causal:
+        visible &= rel <= 0
+    if sliding_window > 0:
+        visible &= rel > -sliding_window
+    bias = torch.zeros_like(rel)[None]  # [1, n, L]
+    if alibi_slopes is not None:
+        bias = alibi_slopes.float()[:, None, None] * rel[None]  # [Hq, n, L]
+    return bias.masked_fill(~visible[None], float("-inf"))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    causal: int = 1,
+    sliding_window: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new K/V into the pool, then attend each new token over its sequence's cached keys.
+
+    q: [1, Hq, T, D]; k, v: [1, Hkv, T, D]; kv_cache: [num_blocks, 2, Hkv, block_size, D] (WRITTEN IN PLACE);
+    block_tables: int32 [S, max_blocks]; seq_lens: int32 [S] (context length after this step);
+    query_start_loc: int32 [S+1]; slot_mapping: int64 [T] (−1 = do not write); alibi_slopes: float32 [Hq] or None.
+    Returns (out [1, Hq, T, D] in q's dtype, kv_cache) — the same pool object, so callers can alias it.
+    """
+    assert q.shape[1] == num_heads and k.shape[1] == num_kv_heads and q.shape[3] == head_dim, (
+        f"q {tuple(q.shape)} / k {tuple(k.shape)} disagree with num_heads={num_heads}, "
+        f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
+    )
+    assert num_heads % num_kv_heads == 0, f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+    group = num_heads // num_kv_heads
+
+    write_kv(k, v, kv_cache, slot_mapping)
+
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, context_len in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        assert context_len >= n, f"sequence {s}: seq_lens={context_len} is shorter than its {n} new tokens"
+        keys, values = gather_context(kv_cache, block_tables[s], context_len)  # [Hkv, L, D]
+        keys = keys.float().repeat_interleave(group, dim=0)  # [Hq, L, D]: head h reads kv head h // group
+        values = values.float().repeat_interleave(group, dim=0)
+        query = q[0, :, lo:hi].float()  # [Hq, n, D]
+
+        query_pos = torch.arange(context_len - n, context_len, device=q.device)
+        key_pos = torch.arange(context_len, device=q.device)
+        bias = attention_mask_bias(
+            query_pos, key_pos, causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes
+        )
+        scores = query @ keys.transpose(1, 2) * scale + bias  # [Hq, n, L]
+        out[0, :, lo:hi] = (scores.softmax(dim=-1) @ values).to(q.dtype)
+    return out, kv_cache
+
+
+def copy_blocks_ref(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    """Copy whole blocks src → dst in every layer's pool, in place (copy-on-write).
+
+    pairs: int64 [P, 2] of (src, dst). All sources are read before any destination is written.
+    """
+    if pairs.numel() == 0:
+        return
+    assert pairs.ndim == 2 and pairs.shape[1] == 2, f"pairs must be [P, 2] (src, dst), got {tuple(pairs.shape)}"
+    for cache in kv_caches:
+        src = pairs[:, 0].to(device=cache.device, dtype=torch.long)
+        dst = pairs[:, 1].to(device=cache.device, dtype=torch.long)
+        cache[dst] = cache[src]  # the gather on the right materialises every source first
