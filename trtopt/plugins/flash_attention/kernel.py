@@ -1,0 +1,219 @@
+"""FlashAttention forward as a Triton kernel (face 4 of DESIGN.md §4).
+
+FA2 structure: one program per (query block, batch·head); it streams K/V blocks through an online softmax in
+fp32 registers and writes each output row once. Causal runs in two phases: key blocks every row of the query
+block may see (no mask arithmetic), then the diagonal blocks (masked). Head dims that are not a power of two
+(80, 96) are padded to the next one with load masks. GQA/MQA: query head h reads KV head h // (Hq / Hkv).
+
+`flash_attention_triton` has the signature of `reference.flash_attention_ref` and never reads device memory on
+the host: the grid comes from shapes alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# An additive bias of finfo.min (HF padding masks) times log2(e) would overflow fp32 to -inf, and a row masked
+# everywhere would then turn into NaN. Clamping keeps such rows finite (uniform weights, as softmax gives).
+_BIAS_FLOOR = -1.0e30
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _autotune_configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter runs every config it is given; one small config keeps CPU tests fast.
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    # Hopper: 128-row query blocks with 8 warps feed wgmma; 64-row blocks help short or small-batch shapes.
+    shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+@triton.jit
+def _attend_block_range(
+    acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
+    k_base, v_base, bias_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+    offs_m, offs_d, row_ok, start_n, end_n, Sk, causal_offset, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold key blocks [start_n, end_n) into the running softmax. MASKED blocks check bounds and causality."""
+    d_ok = offs_d < HEAD_DIM
+    for n0 in range(start_n, end_n, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kv_mask = (offs_n[:, None] < Sk) & d_ok[None, :]
+        else:
+            kv_mask = d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        # s: [BLOCK_M, BLOCK_N], in log2 units so the exponentials below are exp2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_BIAS:
+            # Rows past S must not be read: a full [B,Hq,S,Sk] bias has no padding rows.
+            b_mask = row_ok[:, None] & (offs_n[None, :] < Sk)
+            b = tl.load(bias_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
+            s += tl.maximum(b.to(tl.float32), _BIAS_FLOOR) * 1.4426950408889634
+        if MASKED:
+            visible = offs_n[None, :] < Sk
+            if IS_CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_autotune_configs(), key=["S", "Sk", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP"])
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, Bias, Out,
+    qk_scale,  # softmax scale · log2(e)
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    Hq, S, Sk,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Heaviest causal query blocks (the last ones) start first, which evens out the tail of the launch.
+    num_m_blocks = tl.cdiv(S, BLOCK_M)
+    start_m = (num_m_blocks - 1 - tl.program_id(0)) if IS_CAUSAL else tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    kvh = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    bias_base = Bias + b * stride_bb + h * stride_bh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Query row i sees keys j <= i + (Sk - S) when causal. Blocks below `full_end` are visible to every row.
+    causal_offset = Sk - S
+    if IS_CAUSAL:
+        first_row_last_key = start_m * BLOCK_M + causal_offset
+        full_end = tl.maximum((first_row_last_key + 1) // BLOCK_N * BLOCK_N, 0)
+        full_end = tl.minimum(full_end, Sk // BLOCK_N * BLOCK_N)
+        masked_end = tl.minimum(start_m * BLOCK_M + BLOCK_M + causal_offset, Sk)
+    else:
+        full_end = Sk // BLOCK_N * BLOCK_N
+        masked_end = Sk
+
+    acc, l_i, m_i = _attend_block_range(
+        acc, l_i, m_i, q, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_d, offs_m < S, 0, full_end, Sk, causal_offset, qk_scale,
+        BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, HAS_BIAS, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_block_range(
+        acc, l_i, m_i, q, k_base, v_base, bias_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        offs_m, offs_d, offs_m < S, full_end, masked_end, Sk, causal_offset, qk_scale,
+        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, HAS_BIAS, DOT_PRECISION,
+    )
+
+    # Rows that see no key at all (causal with S > Sk) have l_i == 0: they output zeros, not NaN.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None,
+                  num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, H, S, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, S, D = q.shape
+    if (Hq, D) != (num_heads, head_dim):
+        raise ValueError(f"q is {tuple(q.shape)} but num_heads={num_heads}, head_dim={head_dim}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[1] != num_kv_heads or k.shape[3] != D:
+        raise ValueError(f"k/v must be [B={B}, Hkv={num_kv_heads}, Sk, D={D}]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v must share one dtype of {_SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q/k/v on different devices: {q.device}, {k.device}, {v.device}")
+    if attn_bias is not None:
+        if attn_bias.dim() > 4 or not attn_bias.is_floating_point():
+            raise ValueError(f"attn_bias must be a float tensor broadcastable to [B,Hq,S,Sk]; got {attn_bias.dtype} "
+                             f"{tuple(attn_bias.shape)}")
+        if attn_bias.device != q.device:
+            raise ValueError(f"attn_bias is on {attn_bias.device}, q on {q.device}")
+
+
+def flash_attention_triton(
+    q: torch.Tensor,  # [B, Hq, S, D], any strides
+    k: torch.Tensor,  # [B, Hkv, Sk, D]
+    v: torch.Tensor,  # [B, Hkv, Sk, D]
+    attn_bias: torch.Tensor | None = None,  # additive, broadcastable to [B, Hq, S, Sk]
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    causal: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + bias [+ causal mask]) · v, fp32 accumulation, output [B, Hq, S, D] in q's dtype.
+
+    Causal means query i sees keys j <= i + (Sk − S). Rows that see no key output zeros. `out`, if given, is a
+    preallocated output buffer (any strides) to write instead of a new tensor.
+    """
+    _check_inputs(q, k, v, attn_bias, num_heads, num_kv_heads, head_dim)
+    B, Hq, S, D = q.shape
+    Sk = k.shape[2]
+    if out is None:
+        out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (B, Hq, S, D) or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {q.dtype} {(B, Hq, S, D)} on {q.device}; got {out.dtype} {tuple(out.shape)}")
+    if S == 0:
+        return out
+    if attn_bias is not None:
+        # expand() gives broadcast dims stride 0: the kernel reads the same bias values, nothing is copied.
+        bias = attn_bias.expand(B, Hq, S, Sk)
+        bias_strides = bias.stride()
+    else:
+        bias = q  # never read: HAS_BIAS=False compiles the loads away
+        bias_strides = (0, 0, 0, 0)
+    grid = lambda meta: (triton.cdiv(S, meta["BLOCK_M"]), B * Hq)  # noqa: E731 - the autotuner needs a callable
+    _flash_fwd_kernel[grid](
+        q, k, v, bias, out,
+        scale * _LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *bias_strides, *out.stride(),
+        Hq, S, Sk,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        IS_CAUSAL=bool(causal), HAS_BIAS=attn_bias is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def flash_attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> float:
+    """Matmul FLOPs of one forward (2 GEMMs · 2 FLOP per MAC), halved for causal as FA papers count it."""
+    flops = 4.0 * batch * heads * seq_q * seq_k * head_dim
+    return flops / 2 if causal else flops
+
+
+__all__ = ["flash_attention_triton", "flash_attention_flops"]

@@ -1,0 +1,397 @@
+"""PagedAttention, the KV write and copy_blocks as Triton kernels (face 4 of DESIGN.md §4).
+
+One launch of the attention kernel serves a whole mixed step: prefill chunks, decode rows and speculative rows of
+many sequences, packed in T rows with no padding. The grid cannot depend on per-sequence lengths (they live on the
+device), so it is sized from shapes alone:
+
+- axis 0 walks query tiles of BLOCK_Q tokens. Sequence s owns tiles starting at `qsl[s] // BLOCK_Q + s`; that bound
+  is strictly increasing in s, so T // BLOCK_Q + S tiles cover every sequence, and a program finds its sequence by
+  a binary search over query_start_loc (the same scheme as vLLM's unified Triton attention). Tiles past the end of
+  their sequence exit at once.
+- axis 1 is the KV head. A tile holds BLOCK_Q tokens × the GROUP query heads that share that KV head, so each KV
+  block is read once per group (GQA/MQA) and the score matmul has BLOCK_Q·GROUP rows.
+- axis 2 splits the key range into NUM_SEGMENTS (flash-decoding) when tiles × heads would leave the GPU idle: long
+  contexts at small batch. A second small kernel merges the segments' partial softmaxes.
+
+Keys are walked in tiles of TILE_N positions; each key finds its physical block through block_tables, so the tile
+size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, block_size, D] (K at [:, 0], V at
+[:, 1]); block 0 is the null block and slot −1 means "do not write".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KV write: one program per token writes K and V of all its KV heads.
+# ---------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(
+    K, V, Cache, SlotMapping,
+    stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
+    stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SlotMapping + t)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # k, v: [BLOCK_H, BLOCK_D] for this token
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    dst = Cache + block * stride_cb + offset * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    tl.store(dst, k.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(Cache.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention over the paged pool.
+# ---------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest s with qsl[s] // BLOCK_Q + s <= tile (binary search; the key is strictly increasing in s)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(QueryStartLoc + mid) // BLOCK_Q + mid
+        if start <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, Cache, BlockTables, SeqLens, QueryStartLoc, Alibi,
+    Out, PartAcc, PartMax, PartSum,
+    qk_scale,  # softmax scale · log2(e)
+    num_seqs, sliding_window,
+    stride_qh, stride_qt, stride_qd,
+    stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
+    stride_bt,
+    stride_oh, stride_ot, stride_od,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    seq = _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(QueryStartLoc + seq)
+    n_new = tl.load(QueryStartLoc + seq + 1) - q_begin
+    q_first = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first token of this tile, local to the sequence
+    if q_first >= n_new:
+        return
+    seq_len = tl.load(SeqLens + seq)
+    context = seq_len - n_new  # tokens cached before this step
+
+    # Row m of the tile is token q_first + m // GROUP_PAD, query head kvh·GROUP + m % GROUP_PAD.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_first + offs_m // GROUP_PAD
+    head = kvh * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok < n_new) & (offs_m % GROUP_PAD < GROUP)
+    row = (q_begin + tok).to(tl.int64)
+    pos = context + tok  # absolute position of each row's token
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    # q: [BLOCK_M, BLOCK_D]
+    q = tl.load(Q + head[:, None].to(tl.int64) * stride_qh + row[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    # Keys this tile needs: [kv_lo, kv_hi). Causal rows stop at their own position; a window starts later.
+    last_tok = tl.minimum(q_first + BLOCK_Q, n_new) - 1
+    if IS_CAUSAL:
+        kv_hi = context + last_tok + 1
+    else:
+        kv_hi = seq_len
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(context + q_first - sliding_window + 1, 0) // TILE_N * TILE_N
+    num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
+    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    seg_lo = kv_lo + segment * tiles_per_segment * TILE_N
+    seg_hi = tl.minimum(seg_lo + tiles_per_segment * TILE_N, kv_hi)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: rows with no visible key stay NaN-free
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = BlockTables + seq.to(tl.int64) * stride_bt
+    k_head = Cache + kvh.to(tl.int64) * stride_ch
+    for n0 in range(seg_lo, seg_hi, TILE_N):
+        kpos = n0 + tl.arange(0, TILE_N)
+        k_ok = kpos < seg_hi
+        block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (kpos % BLOCK_SIZE)[:, None] * stride_co + offs_d[None, :] * stride_cd
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + kv_off, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # s: [BLOCK_M, TILE_N], log2 units
+        if HAS_ALIBI:
+            s += slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
+        visible = k_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (kpos[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (kpos[None, :] > pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(k_head + stride_ckv + kv_off, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + head[:, None].to(tl.int64) * stride_oh + row[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty), mask=q_mask)
+    else:
+        # Partials are [T, Hq, NUM_SEGMENTS, (BLOCK_D)] fp32, contiguous; every segment writes, even an empty one.
+        part = (row * tl.num_programs(1) * GROUP + head) * NUM_SEGMENTS + segment
+        tl.store(PartMax + part, m_i, mask=row_ok)
+        tl.store(PartSum + part, l_i, mask=row_ok)
+        tl.store(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_segments_kernel(
+    PartAcc, PartMax, PartSum, Out,
+    num_heads, stride_oh, stride_ot, stride_od,
+    NUM_SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t, h] = Σ_seg exp2(m_seg − M)·acc_seg / Σ_seg exp2(m_seg − M)·l_seg (one program per row and head)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * num_heads + h) * NUM_SEGMENTS
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.load(PartMax + base + offs_s)
+    l = tl.load(PartSum + base + offs_s)
+    acc = tl.load(PartAcc + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :])  # [NUM_SEGMENTS, BLOCK_D]
+    w = tl.math.exp2(m - tl.max(m, 0))
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + h.to(tl.int64) * stride_oh + t * stride_ot + offs_d * stride_od,
+             out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launch planning (shapes only) and the launcher.
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PagedLaunch:
+    """How one step's attention is tiled; a pure function of shapes, so it never syncs with the device."""
+
+    block_q: int  # query tokens per tile
+    tile_n: int  # key positions per inner-loop iteration
+    num_segments: int  # key-range splits (flash-decoding); 1 = write the output directly
+    num_warps: int
+    num_stages: int
+
+
+def _device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a small number keeps split-KV exercised by small CPU tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_context: int,
+                      sm_count: int, *, interpret: bool = False) -> PagedLaunch:
+    """Pick the tiling from shapes: the mean new tokens per sequence tells decode-like steps from prefill-like."""
+    group_pad = triton.next_power_of_2(group)
+    tokens_per_seq = num_tokens / max(num_seqs, 1)
+    # tl.dot wants at least 16 rows; decode-like steps use the smallest tile, prefill-like ones 64/128 rows.
+    rows = 16 if tokens_per_seq <= 4 else (64 if tokens_per_seq <= 64 else 128)
+    block_q = max(1, rows // group_pad)
+    tile_n = 16 if interpret else 64
+    num_tiles = (num_tokens // block_q + num_seqs) * num_kv_heads
+    num_segments = 1
+    # Split the key range until the launch has about two programs per SM, each still holding >= 8 key tiles.
+    while num_segments < 64 and num_tiles * num_segments < 2 * sm_count \
+            and max_context >= num_segments * 2 * 8 * tile_n:
+        num_segments *= 2
+    if interpret:
+        num_segments = min(num_segments, 4)
+    num_warps = 8 if block_q * group_pad >= 128 else 4
+    return PagedLaunch(block_q=block_q, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
+                       num_stages=1 if interpret else 3)
+
+
+def _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                        num_heads, num_kv_heads, head_dim, alibi_slopes) -> None:
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[1] != num_heads or q.shape[3] != head_dim:
+        raise ValueError(f"q must be [1, num_heads={num_heads}, T, head_dim={head_dim}]; got {tuple(q.shape)}")
+    T = q.shape[2]
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != (1, num_kv_heads, T, head_dim):
+            raise ValueError(f"{name} must be [1, {num_kv_heads}, {T}, {head_dim}]; got {tuple(x.shape)}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[2] != num_kv_heads \
+            or kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache must be [num_blocks, 2, {num_kv_heads}, block_size, {head_dim}]; "
+                         f"got {tuple(kv_cache.shape)}")
+    if q.dtype not in _SUPPORTED_DTYPES or any(x.dtype != q.dtype for x in (k, v, kv_cache)):
+        raise ValueError(f"q/k/v/kv_cache must share one dtype of {_SUPPORTED_DTYPES}; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}, {kv_cache.dtype}")
+    S = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    expected = ((block_tables, torch.int32, 2), (seq_lens, torch.int32, 1), (query_start_loc, torch.int32, 1),
+                (slot_mapping, torch.int64, 1))
+    for (x, dtype, dims), name in zip(expected, ("block_tables", "seq_lens", "query_start_loc", "slot_mapping")):
+        if x.dtype != dtype or x.dim() != dims or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be a {dims}-D {dtype} tensor with unit last stride; "
+                             f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    if block_tables.shape[0] != S or query_start_loc.shape[0] != S + 1 or slot_mapping.shape[0] != T:
+        raise ValueError(f"metadata shapes disagree: block_tables {tuple(block_tables.shape)}, seq_lens [{S}], "
+                         f"query_start_loc {tuple(query_start_loc.shape)} (want [S+1]), slot_mapping "
+                         f"{tuple(slot_mapping.shape)} (want [T={T}])")
+    if alibi_slopes is not None and (alibi_slopes.shape != (num_heads,) or alibi_slopes.dtype != torch.float32
+                                     or not alibi_slopes.is_contiguous()):
+        raise ValueError(f"alibi_slopes must be contiguous float32 [{num_heads}]; got {alibi_slopes.dtype} "
+                         f"{tuple(alibi_slopes.shape)}")
+    tensors = [q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping]
+    if alibi_slopes is not None:
+        tensors.append(alibi_slopes)
+    if len({x.device for x in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted({str(x.device) for x in tensors})}")
+
+
+def _output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out must be {like.dtype} {shape} on {like.device}; got {out.dtype} {tuple(out.shape)} "
+                         f"on {out.device}")
+    return out
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """pool[slot // bs, 0, :, slot % bs, :] = k[0, :, t, :] (and V at index 1) for every t with slot >= 0."""
+    _, Hkv, T, D = k.shape
+    if T == 0:
+        return
+    _write_kv_kernel[(T,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3),
+        *kv_cache.stride(),
+        BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
+        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4 if Hkv * D >= 1024 else 1,
+    )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [1, Hq, T, D], any strides (e.g. a transposed view)
+    k: torch.Tensor,  # [1, Hkv, T, D]
+    v: torch.Tensor,  # [1, Hkv, T, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, Hkv, block_size, D], written in place
+    block_tables: torch.Tensor,  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [S], cached tokens after this step
+    query_start_loc: torch.Tensor,  # int32 [S+1]
+    slot_mapping: torch.Tensor,  # int64 [T], −1 = do not write
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    causal: int = 1,
+    sliding_window: int = 0,
+    alibi_slopes: torch.Tensor | None = None,  # float32 [Hq]
+    launch: PagedLaunch | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new K/V at slot_mapping, then attend each new token over its sequence's cache.
+
+    Returns (out [1, Hq, T, D] in q's dtype, kv_cache) — the same kv_cache object, written in place. `launch`
+    overrides the shape-derived tiling (benchmarks and tests use it to force split-KV or tile sizes); `out`, if
+    given, is a preallocated [1, Hq, T, D] buffer to write (CUDA graphs need fixed addresses).
+    """
+    _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                        num_heads, num_kv_heads, head_dim, alibi_slopes)
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0 = none); got {sliding_window}")
+    T, S = q.shape[2], seq_lens.shape[0]
+    write_kv_triton(k, v, kv_cache, slot_mapping)
+    out = _output_buffer(out, (1, num_heads, T, head_dim), q)
+    if T == 0 or S == 0:
+        return out, kv_cache
+
+    group = num_heads // num_kv_heads
+    block_size = kv_cache.shape[3]
+    interpret = q.device.type != "cuda"
+    if launch is None:
+        launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
+                                   _device_sm_count(q.device), interpret=interpret)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if launch.num_segments > 1:
+        parts = T * num_heads * launch.num_segments
+        part_acc = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_max = part_sum = out  # never touched when NUM_SEGMENTS == 1
+    grid = (T // launch.block_q + S, num_kv_heads, launch.num_segments)
+    _paged_attn_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, query_start_loc,
+        alibi_slopes if alibi_slopes is not None else q,
+        out, part_acc, part_max, part_sum,
+        scale * _LOG2E, S, sliding_window,
+        q.stride(1), q.stride(2), q.stride(3),
+        *kv_cache.stride(),
+        block_tables.stride(0),
+        out.stride(1), out.stride(2), out.stride(3),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch.block_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=launch.tile_n,
+        NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
+        HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    if launch.num_segments > 1:
+        _merge_segments_kernel[(T, num_heads)](
+            part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), out.stride(3),
+            NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out, kv_cache
+
+
+def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    """For every pool and every (src, dst) row of pairs (int64 [P, 2]): pool[dst] = pool[src], in place.
+
+    Whole blocks are contiguous slabs of the pool, so a gather + scatter along dim 0 moves them at copy bandwidth;
+    torch's index kernels do exactly that, and a hand-written kernel has nothing to add (see docs/benchmarks/NOTES.md).
+    """
+    if pairs.dim() != 2 or pairs.shape[1] != 2 or pairs.dtype != torch.int64:
+        raise ValueError(f"pairs must be int64 [P, 2] (src, dst); got {pairs.dtype} {tuple(pairs.shape)}")
+    if pairs.shape[0] == 0:
+        return
+    for cache in kv_caches:
+        idx = pairs.to(cache.device)
+        # index_select copies the sources first, so a block that is both a source and a destination is read
+        # before it is overwritten.
+        cache.index_copy_(0, idx[:, 1], cache.index_select(0, idx[:, 0]))
+
+
+__all__ = ["PagedLaunch", "plan_paged_launch", "paged_attention_triton", "write_kv_triton", "copy_blocks_triton"]
