@@ -1,0 +1,247 @@
+"""Structural matcher for one scaled-dot-product attention region, anchored at its Softmax.
+
+Shared by the FlashAttention and PagedAttention rules. It walks out from the Softmax and accepts only the forms
+that the exporters produce and that we can prove equal to ``softmax(q·kᵀ·scale + mask)·v``:
+
+    scores = MatMul(q·s_q, K(k)·s_k) [·c | /c] [+ mask | Where(cond, ·, fill)]
+    probs  = Softmax(scores, axis=-1) [Where(IsNaN(probs), 0, probs)]
+    out    = MatMul(probs, V(v))
+
+where s_q, s_k, c are scalar constants (the dynamo exporter applies √scale to both q and k), K(·) is an optional
+repeat_kv (Unsqueeze(2)→Expand→Reshape) followed by a transpose of the last two axes (a Transpose, or the
+Reshape→Transpose(0,2,1)→Reshape form of the dynamo exporter), and V(·) is an optional repeat_kv. Anything else
+raises ``NoMatch`` with the failing check, so an unproven pattern is never rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from trtopt.fusion_passes.trace import NoMatch
+
+# An additive mask value at or below this counts as "masked out" (HF uses finfo.min, exporters use -inf).
+MASKED = -1.0e4
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """How the mask enters the scores; ``value`` is the tensor the mask probe evaluates."""
+
+    kind: str  # "add": scores + value · "where_keep": Where(value, scores, fill) · "where_drop": Where(value, fill, scores)
+    value: ir.Value  # the additive bias or the boolean condition
+    fill: float = 0.0  # the masked-out score for the Where forms
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMatch:
+    """One matched attention region. q/k/v are the tensors at the op boundary: [B, H, T, D]."""
+
+    softmax: ir.Node
+    q: ir.Value  # [B, Hq, T, D], before any scale
+    k: ir.Value  # [B, Hkv, Tk, D], before repeat_kv and transpose (the Concat output in a cache graph)
+    v: ir.Value  # [B, Hkv, Tk, D], before repeat_kv
+    scale: float
+    mask: MaskSpec | None
+    out: ir.Value  # the output of MatMul(probs, v): [B, Hq, T, D]
+    out_node: ir.Node
+    repeat_kv: bool  # k and v were repeated to the query heads (GQA)
+    k_repeated: ir.Value  # k after repeat_kv, before the transpose: [B, Hq, Tk, D]
+    v_repeated: ir.Value  # v after repeat_kv: [B, Hq, Tk, D]
+    guard_nodes: tuple[ir.Node, ...]  # IsNaN/Where guards around the Softmax (dead after the rewrite)
+
+
+def scalar_constant(value: ir.Value | None) -> float | None:
+    """The float value of a one-element constant (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+            tensor = producer.attributes["value"].value
+    if tensor is None:
+        return None
+    array = tensor.numpy()
+    if array.size != 1:
+        return None
+    return float(array.reshape(()))
+
+
+def int_list_constant(value: ir.Value | None) -> list[int] | None:
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+            tensor = producer.attributes["value"].value
+    if tensor is None:
+        return None
+    return [int(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
+
+
+def _producer(value: ir.Value | None, what: str, near: ir.Node) -> ir.Node:
+    node = value.producer() if value is not None else None
+    if node is None:
+        raise NoMatch(f"{what} is a graph input or initializer, not computed", near.name or "")
+    return node
+
+
+def _strip_scalar_scale(value: ir.Value) -> tuple[ir.Value, float]:
+    """Walk back through Mul/Div by scalar constants; return the unscaled value and the product of the factors."""
+    factor = 1.0
+    while True:
+        node = value.producer()
+        if node is None or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+            return value, factor
+        a, b = node.inputs
+        cb = scalar_constant(b)
+        ca = scalar_constant(a) if node.op_type == "Mul" else None
+        if cb is not None:
+            factor *= cb if node.op_type == "Mul" else 1.0 / cb
+            value = a
+        elif ca is not None:
+            factor *= ca
+            value = b
+        else:
+            return value, factor
+
+
+def _perm(node: ir.Node) -> tuple[int, ...] | None:
+    attr = node.attributes.get("perm")
+    return tuple(attr.value) if attr is not None else None
+
+
+def _strip_repeat_kv(value: ir.Value) -> tuple[ir.Value, bool]:
+    """Undo HF's repeat_kv: x[:, :, None].expand(B, Hkv, n, T, D).reshape(B, Hkv·n, T, D).
+
+    The expand inserts the copies right after each kv head, so query head h reads kv head h // n, which is what
+    the trtopt ops do. A Tile (h % Hkv) would be a different mapping and is not accepted here.
+    """
+    reshape = value.producer()
+    if reshape is None or reshape.op_type != "Reshape":
+        return value, False
+    expand = reshape.inputs[0].producer()
+    if expand is None or expand.op_type != "Expand":
+        return value, False
+    unsqueeze = expand.inputs[0].producer()
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze":
+        return value, False
+    axes = int_list_constant(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else None
+    if axes is None and "axes" in unsqueeze.attributes:
+        axes = list(unsqueeze.attributes["axes"].value)
+    if axes != [2]:
+        raise NoMatch(f"repeat_kv-like Unsqueeze on axes {axes}, expected [2]", unsqueeze.name or "")
+    return unsqueeze.inputs[0], True
+
+
+def _strip_key_transpose(value: ir.Value) -> ir.Value:
+    """Undo kᵀ: a Transpose of the last two axes, or Reshape→Transpose(0,2,1)→Reshape (dynamo's 3-D form)."""
+    node = value.producer()
+    if node is None:
+        raise NoMatch("key operand of QKᵀ is not computed")
+    if node.op_type == "Transpose" and _perm(node) == (0, 1, 3, 2):
+        return node.inputs[0]
+    if node.op_type == "Reshape":
+        transpose = node.inputs[0].producer()
+        if transpose is not None and transpose.op_type == "Transpose" and _perm(transpose) == (0, 2, 1):
+            flatten = transpose.inputs[0].producer()
+            if flatten is not None and flatten.op_type == "Reshape":
+                # [B, H, S, D] → [B·H, S, D] → [B·H, D, S] → [B, H, D, S]: the outer reshapes only fold B·H.
+                return flatten.inputs[0]
+    raise NoMatch(f"key operand of QKᵀ is {node.op_type}, not a transpose of the last two axes", node.name or "")
+
+
+def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
+    """The MatMul that consumes the probabilities, looking through the IsNaN/Where guard."""
+    probs = softmax.outputs[0]
+    uses = [use.node for use in probs.uses()]
+    matmuls = [n for n in uses if n.op_type == "MatMul"]
+    if len(matmuls) == 1 and len(uses) == 1:
+        return matmuls[0], ()
+    isnan = [n for n in uses if n.op_type == "IsNaN"]
+    where = [n for n in uses if n.op_type == "Where"]
+    if len(isnan) == 1 and len(where) == 1 and len(uses) == 2:
+        guard = where[0]
+        fill = scalar_constant(guard.inputs[1])
+        if guard.inputs[0] is isnan[0].outputs[0] and guard.inputs[2] is probs and fill == 0.0:
+            after = [use.node for use in guard.outputs[0].uses()]
+            if len(after) == 1 and after[0].op_type == "MatMul":
+                return after[0], (isnan[0], guard)
+    raise NoMatch(f"Softmax output feeds {sorted(n.op_type for n in uses)}, not MatMul(probs, v)", softmax.name or "")
+
+
+def _is_qk(value: ir.Value) -> bool:
+    producer = _strip_scalar_scale(value)[0].producer()
+    return producer is not None and producer.op_type == "MatMul"
+
+
+def _mask_of(scores: ir.Value) -> tuple[ir.Value, MaskSpec | None]:
+    """Split the Softmax input into the raw (scaled) scores and the mask."""
+    node = scores.producer()
+    if node is not None and node.op_type == "Add":
+        a, b = node.inputs
+        # The scores side is the one that comes from the QKᵀ MatMul (possibly through a scale).
+        if _is_qk(a):
+            return a, MaskSpec("add", b)
+        if _is_qk(b):
+            return b, MaskSpec("add", a)
+        raise NoMatch("Add before Softmax has no QKᵀ operand", node.name or "")
+    if node is not None and node.op_type == "Where":
+        cond, x, y = node.inputs
+        fill_y, fill_x = scalar_constant(y), scalar_constant(x)
+        if fill_y is not None and fill_y <= MASKED:
+            return x, MaskSpec("where_keep", cond, fill_y)
+        if fill_x is not None and fill_x <= MASKED:
+            return y, MaskSpec("where_drop", cond, fill_x)
+        raise NoMatch("Where before Softmax does not fill with a large negative constant", node.name or "")
+    return scores, None
+
+
+def match_attention(softmax: ir.Node) -> AttentionMatch:
+    """Match the attention region around ``softmax`` or raise NoMatch with the failing check."""
+    axis = softmax.attributes.get("axis")
+    if axis is not None and axis.value not in (-1, 3):
+        raise NoMatch(f"Softmax over axis {axis.value}, not the key axis", softmax.name or "")
+    out_node, guards = _softmax_consumer(softmax)
+    probs_side = out_node.inputs[0]
+    expected = guards[-1].outputs[0] if guards else softmax.outputs[0]
+    if probs_side is not expected:
+        raise NoMatch("probabilities are the right operand of the output MatMul", out_node.name or "")
+
+    raw_scores, mask = _mask_of(softmax.inputs[0])
+    scores, post_scale = _strip_scalar_scale(raw_scores)
+    qk = _producer(scores, "the Softmax input", softmax)
+    if qk.op_type != "MatMul":
+        raise NoMatch(f"scores come from {qk.op_type}, not a QKᵀ MatMul", qk.name or "")
+
+    q, q_scale = _strip_scalar_scale(qk.inputs[0])
+    k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
+    k_rep = _strip_key_transpose(k_t)
+    k_rep, k_scale_inner = _strip_scalar_scale(k_rep)
+    k, k_repeated = _strip_repeat_kv(k_rep)
+    v, v_repeated = _strip_repeat_kv(out_node.inputs[1])
+    if k_repeated != v_repeated:
+        raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
+
+    scale = post_scale * q_scale * k_scale * k_scale_inner
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise NoMatch(f"attention scale {scale} is not a positive finite constant", qk.name or "")
+    return AttentionMatch(
+        softmax=softmax,
+        q=q,
+        k=k,
+        v=v,
+        scale=scale,
+        mask=mask,
+        out=out_node.outputs[0],
+        out_node=out_node,
+        repeat_kv=k_repeated,
+        k_repeated=k_rep,
+        v_repeated=out_node.inputs[1],
+        guard_nodes=guards,
+    )

@@ -1,0 +1,66 @@
+"""Rule: project only the rows in ``logits_indices`` to logits (DESIGN.md §3).
+
+The LM head is the MatMul (or Gemm on a 3-D-free graph) that produces the ``logits`` output. A Gather by
+``logits_indices`` on its hidden-state input makes it compute N rows instead of T, and a Squeeze turns
+[1, N, vocab] into the [N, vocab] float32 output of the paged signature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from trtopt.errors import FusionError
+
+RULE = "logits_gather"
+
+
+def _lm_head(logits: ir.Value) -> tuple[ir.Node, list[ir.Node]]:
+    """The MatMul that produces ``logits`` and the element-wise nodes between it and the output."""
+    between = []
+    node = logits.producer()
+    while node is not None and node.op_type in ("Cast", "Identity"):
+        between.append(node)
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "MatMul":
+        found = node.op_type if node is not None else "a graph input"
+        raise FusionError(
+            f"the `logits` output is computed by {found}, not by an LM-head MatMul, so the build cannot gather "
+            "the rows in logits_indices. Export the model with a plain MatMul LM head (trtopt export does)."
+        )
+    return node, between
+
+
+def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
+    """Insert the Gather before the LM head and make ``logits`` [N, vocab] float32; returns 1."""
+    graph = model.graph
+    outputs = list(graph.outputs)
+    logits = next((v for v in outputs if v.name == "logits"), None)
+    if logits is None:
+        raise FusionError("the graph has no `logits` output; export a causal LM with optimum-style output names.")
+    head, _ = _lm_head(logits)
+
+    indices = ir.Value(name="logits_indices", shape=ir.Shape(["N"]), type=ir.TensorType(ir.DataType.INT64))
+    graph.inputs.append(indices)
+    gather = ir.Node("", "Gather", [head.inputs[0], indices], [ir.AttrInt64("axis", 1)], name="logits_gather")
+    # hidden: [1, T, H] → [1, N, H]
+    head.replace_input_with(0, gather.outputs[0])
+    graph.insert_before(head, gather)
+
+    axes = ir.Value(name="logits_squeeze_axes", const_value=ir.tensor(np.array([0], dtype=np.int64)))
+    axes.shape, axes.type = ir.Shape([1]), ir.TensorType(ir.DataType.INT64)
+    graph.register_initializer(axes)
+    logits.name = "logits_batched"
+    squeeze = ir.Node("", "Squeeze", [logits, axes], name="logits_squeeze")
+    tail: list[ir.Node] = [squeeze]
+    result = squeeze.outputs[0]
+    if logits.dtype != ir.DataType.FLOAT:
+        cast = ir.Node("", "Cast", [result], [ir.AttrInt64("to", ir.DataType.FLOAT)], name="logits_cast")
+        tail.append(cast)
+        result = cast.outputs[0]
+    result.name = "logits"
+    result.shape = ir.Shape(["N", vocab_size if vocab_size else "vocab"])
+    result.type = ir.TensorType(ir.DataType.FLOAT)
+    graph.extend(tail)
+    graph.outputs[outputs.index(logits)] = result
+    return 1

@@ -1,0 +1,174 @@
+"""Prove what an exported attention mask means by evaluating it.
+
+The mask-building subgraphs of the exporters differ wildly (GatherND over a bool cache position grid, sliced
+causal buffers, Where(Expand(And(...)))...), so instead of pattern-matching them we cut out the subgraph that
+computes the mask, run it on onnxruntime for a few (past, new) lengths with no padding (batch 1, attention_mask
+all ones, which is what the paged runtime gives), and read off which key positions each query may see.
+
+The mask is accepted only if every probed row is exactly a causal range [p − W + 1, p] with one W for all rows
+(W = 0: no sliding window, as far as the probes reach). Any other value, e.g. an ALiBi bias that is not 0/−inf,
+or a mask that differs per head, is refused, so the rewrite never changes what the graph computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from trtopt.fusion_passes.attention_match import MASKED, MaskSpec
+from trtopt.fusion_passes.trace import NoMatch
+
+# Initializers bigger than this may not be pulled into a probe (the mask never needs weight matrices).
+_MAX_PROBE_INITIALIZER = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeInputs:
+    """How to feed the graph inputs that a mask may read."""
+
+    input_ids: str
+    position_ids: str
+    attention_mask: str | None
+    past: tuple[ir.Value, ...]  # the past-key/value graph inputs: [B, Hkv, P, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalWindow:
+    """The proven meaning of a mask: causal, with a sliding window of ``window`` tokens (0 = none seen)."""
+
+    window: int
+
+
+def _slice_nodes(graph: ir.Graph, target: ir.Value) -> tuple[list[ir.Node], list[ir.Value], list[ir.Value]]:
+    """Nodes, graph inputs and initializers that ``target`` depends on, nodes in graph order."""
+    needed: set[int] = set()
+    inputs: dict[str, ir.Value] = {}
+    initializers: dict[str, ir.Value] = {}
+    stack = [target]
+    seen_values: set[int] = set()
+    while stack:
+        value = stack.pop()
+        if value is None or id(value) in seen_values:
+            continue
+        seen_values.add(id(value))
+        node = value.producer()
+        if node is None:
+            if value.is_graph_input():
+                inputs[value.name] = value
+            elif value.const_value is not None:
+                initializers[value.name] = value
+            continue
+        if id(node) in needed:
+            continue
+        needed.add(id(node))
+        stack.extend(node.inputs)
+    nodes = [n for n in graph if id(n) in needed]
+    return nodes, list(inputs.values()), list(initializers.values())
+
+
+def _output_info(target: ir.Value) -> onnx.ValueInfoProto:
+    if target.type is not None:
+        return ir.serde.serialize_value(target)
+    # Legacy exports carry no intermediate types; ORT accepts an output with an empty type.
+    return onnx.helper.make_value_info(target.name, onnx.TypeProto())
+
+
+def _probe_model(model: ir.Model, target: ir.Value) -> tuple[onnx.ModelProto, list[ir.Value]]:
+    nodes, inputs, initializers = _slice_nodes(model.graph, target)
+    for init in initializers:
+        if init.const_value.size > _MAX_PROBE_INITIALIZER:
+            raise NoMatch(f"the mask reads the large initializer {init.name}; refusing to treat it as a mask")
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in nodes],
+        "mask_probe",
+        [ir.serde.serialize_value(v) for v in inputs],
+        [_output_info(target)],
+        [ir.serde.serialize_tensor(v.const_value) for v in initializers],
+    )
+    for proto, init in zip(graph.initializer, initializers):
+        proto.name = init.name
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version), inputs
+
+
+def _feeds(inputs: list[ir.Value], roles: ProbeInputs, past_len: int, new_len: int) -> dict[str, np.ndarray]:
+    past_by_name = {v.name: v for v in roles.past}
+    feeds = {}
+    for value in inputs:
+        dtype = ir.DataType(value.dtype).numpy()
+        if value.name == roles.input_ids:
+            feeds[value.name] = np.zeros((1, new_len), dtype=dtype)
+        elif value.name == roles.position_ids:
+            feeds[value.name] = np.arange(past_len, past_len + new_len, dtype=dtype)[None]
+        elif value.name == roles.attention_mask:
+            feeds[value.name] = np.ones((1, past_len + new_len), dtype=dtype)
+        elif value.name in past_by_name:
+            _, heads, _, head_dim = (d if isinstance(d, int) else 1 for d in value.shape)
+            feeds[value.name] = np.zeros((1, heads, past_len, head_dim), dtype=dtype)
+        else:
+            raise NoMatch(f"the mask depends on the graph input {value.name}, which the probe cannot feed")
+    return feeds
+
+
+def _allowed(mask: MaskSpec, value: np.ndarray, new_len: int, total: int) -> np.ndarray:
+    """Boolean [new_len, total]: which keys each query may see, from the evaluated mask."""
+    full = np.broadcast_to(value, value.shape[:-2] + (new_len, total)).reshape(-1, new_len, total)
+    if not (full == full[:1]).all():
+        raise NoMatch("the mask differs across batch/heads (an ALiBi-like or per-head bias)")
+    rows = full[0]
+    if mask.kind == "add":
+        keep = rows == 0.0
+        if not (keep | (rows <= MASKED)).all():
+            raise NoMatch("the additive mask has values other than 0 and a large negative (an ALiBi-like bias)")
+        return keep
+    as_bool = rows.astype(bool)
+    return as_bool if mask.kind == "where_keep" else ~as_bool
+
+
+def _window_of(allowed: np.ndarray, past_len: int) -> int | None:
+    """The W such that row j sees exactly [p − W + 1, p] for p = past_len + j; None for an unbounded window."""
+    window: int | None = None
+    for j, row in enumerate(allowed):
+        p = past_len + j
+        seen = np.flatnonzero(row)
+        if seen.size == 0 or seen[-1] != p or seen.size != seen[-1] - seen[0] + 1:
+            raise NoMatch(f"the mask is not causal: query at position {p} sees keys {seen.tolist()[:8]}...")
+        if seen[0] > 0:
+            w = p - int(seen[0]) + 1
+            if window is not None and w != window:
+                raise NoMatch(f"the mask's window changes between rows ({window} vs {w})")
+            window = w
+    return window
+
+
+def probe_causal(
+    model: ir.Model, mask: MaskSpec, roles: ProbeInputs, *, long_len: int = 512
+) -> CausalWindow:
+    """Evaluate ``mask`` for several lengths; return its causal window or raise NoMatch."""
+    import onnxruntime as ort
+
+    proto, inputs = _probe_model(model, mask.value)
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises its own exception types; any failure means "cannot prove"
+        raise NoMatch(f"the mask subgraph does not run on its own ({type(e).__name__}: {str(e)[:200]})") from e
+    window: int | None = None
+    probes = [(0, 4), (3, 1), (5, 3), (max(long_len - 3, 0), 3)]
+    for past_len, new_len in probes:
+        try:
+            (value,) = session.run([mask.value.name], _feeds(inputs, roles, past_len, new_len))
+        except NoMatch:
+            raise
+        except Exception as e:
+            raise NoMatch(f"the mask subgraph failed for past={past_len}, new={new_len} ({type(e).__name__})") from e
+        rows_window = _window_of(_allowed(mask, np.asarray(value), new_len, past_len + new_len), past_len)
+        if rows_window is not None:
+            if window is not None and window != rows_window:
+                raise NoMatch(f"the mask's window differs between probes ({window} vs {rows_window})")
+            window = rows_window
+        elif window is not None and past_len + new_len > window:
+            raise NoMatch("the mask is windowed for some lengths and not for others")
+    return CausalWindow(window or 0)

@@ -1,0 +1,21 @@
+"""Building trtopt nodes on onnx-ir with the attribute set every trtopt node carries (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+DOMAIN = "trtopt"  # == trtopt.plugins.common.DOMAIN (checked in tests)
+OPSET_VERSION = 1
+
+
+def trtopt_node(op_type: str, inputs: list[ir.Value | None], attrs: list[ir.Attr], *, num_outputs: int, name: str) -> ir.Node:
+    """A node in the trtopt domain; ``plugin_namespace`` lets the TensorRT parser pick the plugin over the body."""
+    attrs = [*attrs, ir.AttrString("plugin_namespace", DOMAIN)]
+    # Trailing absent optional inputs are dropped rather than written as "".
+    while inputs and inputs[-1] is None:
+        inputs = inputs[:-1]
+    return ir.Node(DOMAIN, op_type, inputs, attrs, num_outputs=num_outputs, name=name)
+
+
+def declare_domain(model: ir.Model) -> None:
+    model.opset_imports[DOMAIN] = OPSET_VERSION

@@ -1,0 +1,260 @@
+"""Rule: attention with a KV cache → trtopt.PagedAttention, and the paged signature of DESIGN.md §3.
+
+A cache graph has, per layer, ``present = Concat(past, new, axis=2)`` for keys and values. Every attention that
+reads such a pair is replaced by one PagedAttention node that takes the *new* k/v, writes them into the layer's
+pool and attends over the pool. The rewrite is all-or-nothing: the paged signature drops every past/present
+tensor, so if any cache-reading attention cannot be proven (see attention_match and mask_probe), the build stops
+with a FusionError that lists why, and the graph is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from trtopt.errors import FusionError
+from trtopt.fusion_passes.attention_match import AttentionMatch, match_attention
+from trtopt.fusion_passes.context import PassContext
+from trtopt.fusion_passes.mask_probe import ProbeInputs, probe_causal
+from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
+from trtopt.fusion_passes.trace import NoMatch
+from trtopt.fusion_passes.ops import declare_domain, trtopt_node
+
+RULE = "paged_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayer:
+    """One proven attention of a cache graph, ready to rewrite."""
+
+    match: AttentionMatch
+    past_key: ir.Value  # graph input [B, Hkv, P, D]
+    past_value: ir.Value
+    present_key: ir.Value  # Concat output, a graph output
+    present_value: ir.Value
+    k_new: ir.Value  # [B, Hkv, T, D]
+    v_new: ir.Value
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int
+
+
+def cache_concats(graph: ir.Graph) -> list[ir.Node]:
+    """Concat(past_input, new) nodes whose output is a graph output: the signature of a KV-cache graph."""
+    outputs = {id(v) for v in graph.outputs}
+    found = []
+    for node in graph:
+        if node.op_type == "Concat" and len(node.inputs) == 2 and node.inputs[0] is not None:
+            if node.inputs[0].is_graph_input() and id(node.outputs[0]) in outputs:
+                found.append(node)
+    return found
+
+
+def _cache_pair(value: ir.Value, what: str) -> ir.Node:
+    node = value.producer()
+    if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or not node.inputs[0].is_graph_input():
+        raise NoMatch(f"{what} do not come from Concat(past input, new)", node.name if node else "")
+    axis = node.attributes["axis"].value
+    if axis not in (2, -2):
+        raise NoMatch(f"{what} are concatenated on axis {axis}, not the sequence axis 2", node.name or "")
+    return node
+
+
+def _static_dim(value: ir.Value, axis: int) -> int | None:
+    if value.shape is None or len(value.shape) != 4:
+        return None
+    dim = value.shape[axis]
+    return dim if isinstance(dim, int) else None
+
+
+def _head_dims(match: AttentionMatch, past_key: ir.Value, ctx: PassContext) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim): from the past input's shape where static, else config.json."""
+    hkv = _static_dim(past_key, 1) or ctx.dims.num_kv_heads
+    head_dim = _static_dim(past_key, 3) or ctx.dims.head_dim
+    num_heads = _static_dim(match.q, 1) or ctx.dims.num_heads
+    if num_heads is None and not match.repeat_kv:
+        num_heads = hkv
+    if hkv is None or head_dim is None or num_heads is None:
+        raise NoMatch("cannot tell the head counts from the graph; put the model's config.json next to it")
+    if ctx.dims.num_kv_heads is not None and ctx.dims.num_kv_heads != hkv:
+        raise NoMatch(f"past input has {hkv} kv heads but config.json says {ctx.dims.num_kv_heads}")
+    if num_heads % hkv != 0 or (num_heads != hkv) != match.repeat_kv:
+        raise NoMatch(f"{num_heads} query heads and {hkv} kv heads do not match the graph's repeat_kv")
+    return num_heads, hkv, head_dim
+
+
+def _roles(graph: ir.Graph, pasts: list[ir.Value]) -> ProbeInputs:
+    names = {v.name for v in graph.inputs}
+    for required in ("input_ids", "position_ids"):
+        if required not in names:
+            raise FusionError(
+                f"the cache graph has no `{required}` input; the paged signature needs it. "
+                "Re-export with optimum-style inputs (input_ids, attention_mask, position_ids, past_key_values.*)."
+            )
+    mask = "attention_mask" if "attention_mask" in names else None
+    return ProbeInputs("input_ids", "position_ids", mask, tuple(pasts))
+
+
+def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: PassContext) -> PagedLayer:
+    match = match_attention(softmax)
+    k_cat = _cache_pair(match.k, "keys")
+    v_cat = _cache_pair(match.v, "values")
+    if match.mask is None:
+        raise NoMatch("no mask before Softmax, so the attention is not causal over the cache", softmax.name or "")
+    window = probe_causal(model, match.mask, roles, long_len=ctx.probe_len).window
+    num_heads, hkv, head_dim = _head_dims(match, k_cat.inputs[0], ctx)
+    return PagedLayer(
+        match=match,
+        past_key=k_cat.inputs[0],
+        past_value=v_cat.inputs[0],
+        present_key=k_cat.outputs[0],
+        present_value=v_cat.outputs[0],
+        k_new=k_cat.inputs[1],
+        v_new=v_cat.inputs[1],
+        num_heads=num_heads,
+        num_kv_heads=hkv,
+        head_dim=head_dim,
+        window=window,
+    )
+
+
+def _layer_index(layer: PagedLayer, graph: ir.Graph) -> tuple[int, int]:
+    found = re.search(r"\.(\d+)\.", layer.past_key.name or "")
+    position = list(graph.inputs).index(layer.past_key)
+    return (int(found.group(1)) if found else position, position)
+
+
+def _new_input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
+    return ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The per-step graph inputs shared by every layer (§3)."""
+
+    block_tables: ir.Value
+    seq_lens: ir.Value
+    query_start_loc: ir.Value
+    slot_mapping: ir.Value
+
+
+def _step_inputs() -> StepInputs:
+    return StepInputs(
+        block_tables=_new_input("block_tables", ir.DataType.INT32, ["S", "max_blocks"]),
+        seq_lens=_new_input("seq_lens", ir.DataType.INT32, ["S"]),
+        query_start_loc=_new_input("query_start_loc", ir.DataType.INT32, ["S_plus_1"]),
+        slot_mapping=_new_input("slot_mapping", ir.DataType.INT64, ["T"]),
+    )
+
+
+def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepInputs) -> ir.Node:
+    m = layer.match
+    attrs = [
+        ir.AttrInt64("num_heads", layer.num_heads),
+        ir.AttrInt64("num_kv_heads", layer.num_kv_heads),
+        ir.AttrInt64("head_dim", layer.head_dim),
+        ir.AttrFloat32("scale", m.scale),
+        ir.AttrInt64("causal", 1),
+        ir.AttrInt64("sliding_window", layer.window),
+    ]
+    inputs = [m.q, layer.k_new, layer.v_new, cache, step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping]
+    node = trtopt_node("PagedAttention", inputs, attrs, num_outputs=2, name=f"PagedAttention_{index}")
+    out, cache_out = node.outputs
+    out.name = f"paged_attention.{index}.out"
+    out.shape, out.type = m.out.shape, m.out.type
+    cache_out.name = f"kv_cache_out.{index}"
+    cache_out.shape, cache_out.type = cache.shape, cache.type
+    return node
+
+
+def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None:
+    graph = model.graph
+    step = _step_inputs()
+    cache_inputs, cache_outputs = [], []
+    for index, layer in enumerate(layers):
+        dtype = layer.past_key.dtype
+        cache = _new_input(f"kv_cache.{index}", dtype, ["num_blocks", 2, layer.num_kv_heads, block_size, layer.head_dim])
+        node = _paged_node(layer, index, cache, step)
+        graph.insert_after(layer.match.out_node, node)
+        ir.convenience.replace_all_uses_with(layer.match.out, node.outputs[0])
+        cache_inputs.append(cache)
+        cache_outputs.append(node.outputs[1])
+
+    presents = {id(layer.present_key) for layer in layers} | {id(layer.present_value) for layer in layers}
+    cut: dict[int, int] = {}
+    for layer in layers:
+        for tensor in (layer.past_key, layer.past_value, layer.present_key, layer.present_value):
+            cut[id(tensor)] = layer.num_kv_heads
+        for tensor in (layer.match.k_repeated, layer.match.v_repeated):
+            cut[id(tensor)] = layer.num_heads
+    head_dims = {layer.head_dim for layer in layers}
+    assert len(head_dims) == 1, f"layers disagree on head_dim: {head_dims}"
+    input_ids = next(v for v in graph.inputs if v.name == "input_ids")
+    rebind_cache_shapes(graph, cut, batch_source=input_ids, head_dim=head_dims.pop())
+    kept_outputs = [v for v in graph.outputs if id(v) not in presents]
+    graph.outputs.clear()
+    graph.outputs.extend(kept_outputs + cache_outputs)
+    RemoveUnusedNodesPass()(model)
+
+    pasts = {id(layer.past_key) for layer in layers} | {id(layer.past_value) for layer in layers}
+    dropped = [v for v in graph.inputs if id(v) in pasts or v.name == "attention_mask"]
+    for value in dropped:
+        users = [use.node.name or use.node.op_type for use in value.uses()]
+        if users:
+            raise FusionError(
+                f"`{value.name}` is still read by {users[:4]} outside attention, so the paged signature cannot drop "
+                "it. Re-export with explicit position_ids (positions must not be derived from the mask or the past)."
+            )
+    kept_inputs = [v for v in graph.inputs if id(v) not in {id(d) for d in dropped}]
+    graph.inputs.clear()
+    by_name = {v.name: v for v in kept_inputs}
+    for name in ("input_ids", "position_ids"):
+        by_name[name].shape = ir.Shape([1, "T"])
+    ordered = [by_name.pop("input_ids"), by_name.pop("position_ids")]
+    graph.inputs.extend(ordered + cache_inputs + list(by_name.values()))
+    graph.inputs.extend([step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping])
+    declare_domain(model)
+
+
+def _readers_outside(layers: list[PagedLayer], model: ir.Model) -> list[str]:
+    """Names of nodes that read a past input other than through a matched Concat or the masks' shape logic.
+
+    Those would be cut off from their input by the rewrite; they are checked after dead-code removal instead,
+    so this only reports past inputs that no matched layer consumes.
+    """
+    matched = {id(layer.past_key) for layer in layers} | {id(layer.past_value) for layer in layers}
+    return [concat.inputs[0].name for concat in cache_concats(model.graph) if id(concat.inputs[0]) not in matched]
+
+
+def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) -> int:
+    """Rewrite every cache attention to PagedAttention and the graph to the paged signature; return the count.
+
+    Returns 0 for a graph without cache I/O. Raises FusionError when the graph has cache I/O but some of its
+    attention could not be proven (the message lists the failed checks).
+    """
+    graph = model.graph
+    concats = cache_concats(graph)
+    if not concats:
+        return 0
+    roles = _roles(graph, [c.inputs[0] for c in concats])
+    layers: list[PagedLayer] = []
+    for softmax in [n for n in graph if n.op_type == "Softmax"]:
+        try:
+            layers.append(_prove_layer(model, softmax, roles, ctx))
+        except NoMatch as e:
+            ctx.trace.fail(RULE, softmax.name or "Softmax", e)
+    unmatched = _readers_outside(layers, model)
+    if not layers or unmatched:
+        reasons = "\n  ".join(ctx.trace.lines()) or "no Softmax found"
+        what = "no attention could be collapsed" if not layers else f"the cache inputs {unmatched[:4]} are not read by any fused attention"
+        raise FusionError(
+            f"the graph has KV-cache inputs/outputs but {what}, so it cannot be rewritten to the paged signature.\n"
+            f"  {reasons}\nRun `trtopt build --explain` for every region, or export the model with trtopt export."
+        )
+    layers.sort(key=lambda layer: _layer_index(layer, graph))
+    _rewrite(model, layers, block_size)
+    return len(layers)

@@ -1,0 +1,58 @@
+"""The ONE ordered pass list (STYLE.md §8): ``optimize`` runs every rule and returns the counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from trtopt.fusion_passes.cleanup import cleanup
+from trtopt.fusion_passes.context import HeadDims, PassContext
+from trtopt.fusion_passes.flash_attention import fuse_flash_attention
+from trtopt.fusion_passes.logits_gather import gather_logits
+from trtopt.fusion_passes.paged_attention import cache_concats, fuse_paged_attention
+from trtopt.fusion_passes.trace import MatchFailure, Trace
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What the pipeline did: per-pass counts in run order, the plan kind, and every region left unfused."""
+
+    counts: dict[str, int]  # pass name → rewrites (for cleanup: nodes removed)
+    kind: str  # "paged" (the graph had a KV cache) or "flash"
+    unfused: tuple[MatchFailure, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "counts": dict(self.counts),
+            "unfused": [dataclasses.asdict(f) for f in self.unfused],
+        }
+
+
+def optimize(model: ir.Model, *, dims: HeadDims = HeadDims(), block_size: int = 16, vocab_size: int | None = None,
+             probe_len: int = 512) -> FusionReport:
+    """Rewrite ``model`` in place into the plan graph; return the report.
+
+    A graph with KV-cache I/O becomes the paged signature of DESIGN.md §3 (or FusionError is raised); any other
+    graph keeps its signature and gets FlashAttention.
+    """
+    from trtopt.fusion_passes.layer_norm import fuse_layer_norm
+    from trtopt.fusion_passes.matmul_add import fuse_matmul_add
+    from trtopt.fusion_passes.rms_norm import fuse_rms_norm
+
+    ctx = PassContext(trace=Trace(), dims=dims, probe_len=probe_len)
+    counts: dict[str, int] = {}
+    counts["cleanup"] = cleanup(model)
+    paged = bool(cache_concats(model.graph))
+    if paged:
+        counts["paged_attention"] = fuse_paged_attention(model, ctx, block_size=block_size)
+        counts["logits_gather"] = gather_logits(model, vocab_size=vocab_size)
+    else:
+        counts["flash_attention"] = fuse_flash_attention(model, ctx)
+    # Norms and MatMul+Add run after attention: the QKᵀ MatMul + mask Add must not be taken for a biased MatMul.
+    counts["layer_norm"] = fuse_layer_norm(model)
+    counts["rms_norm"] = fuse_rms_norm(model)
+    counts["matmul_add"] = fuse_matmul_add(model)
+    counts["cleanup"] += cleanup(model)
+    return FusionReport(counts=counts, kind="paged" if paged else "flash", unfused=tuple(ctx.trace.failures))

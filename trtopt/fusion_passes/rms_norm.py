@@ -1,0 +1,79 @@
+"""Rule: decomposed RMSNorm → RMSNormalization (opset ≥ 23) or trtopt.RMSNorm (its body is the same math).
+
+    y = scale · x / sqrt(mean(x², axis=-1) + eps)
+
+as HF Llama/Qwen2 write it: Pow(x, 2) → ReduceMean(-1) → Add(eps) → Sqrt → Reciprocal|Div(1, ·) → Mul(x, ·),
+then Mul by the weight, with optional Casts to the compute dtype (each Cast must be a float→float cast).
+Both Mul orders are matched (``commute``); ReduceMean's axes may be an input (opset ≥ 18) or an attribute.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from trtopt.fusion_passes.attention_match import int_list_constant, scalar_constant
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain
+
+RULE = "rms_norm"
+_FLOATS = frozenset([ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE])
+
+
+class _RmsNorm(pattern.RewriteRuleClassBase):
+    def __init__(self, name: str, *, axes_as_input: bool, reciprocal: bool):
+        super().__init__(name)
+        self._axes_as_input = axes_as_input
+        self._reciprocal = reciprocal
+
+    def pattern(self, op, x, scale, epsilon, axes, one):
+        x_square = op.Pow(x, 2.0)
+        if self._axes_as_input:
+            mean_square = op.ReduceMean(x_square, axes, keepdims=1, _allow_other_attributes=True)
+        else:
+            mean_square = op.ReduceMean(x_square, axes=[-1], keepdims=1, _allow_other_attributes=True)
+        rms = op.Sqrt(op.Add(mean_square, epsilon))
+        inv = op.Reciprocal(rms) if self._reciprocal else op.Div(one, rms)
+        normalized = op.Mul(x, inv)
+        normalized = pattern.OrValue([op.Cast(normalized, _allow_other_attributes=True), normalized])
+        return op.Mul(scale, normalized)
+
+    def check(self, context, x, scale, epsilon, axes=None, one=None, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if scalar_constant(epsilon) is None:
+            return result.fail("epsilon is not a scalar constant", epsilon)
+        if self._axes_as_input and int_list_constant(axes) != [-1]:
+            return result.fail("ReduceMean is not over the last axis only", axes)
+        if not self._reciprocal and scalar_constant(one) != 1.0:
+            return result.fail("Div numerator is not 1", one)
+        if x.dtype is not None and x.dtype not in _FLOATS:
+            return result.fail("input is not a float tensor", x)
+        return result
+
+    def rewrite(self, op, x, scale, epsilon, **_):
+        return op.RMSNorm(x, scale, epsilon=scalar_constant(epsilon), plugin_namespace=DOMAIN, _domain=DOMAIN)
+
+
+class _RmsNormStandard(_RmsNorm):
+    """The same match, rewritten to the standard opset-23 RMSNormalization."""
+
+    def rewrite(self, op, x, scale, epsilon, **_):
+        return op.RMSNormalization(x, scale, axis=-1, epsilon=scalar_constant(epsilon), stash_type=1)
+
+
+def _rules(standard: bool) -> pattern.RewriteRuleSet:
+    cls = _RmsNormStandard if standard else _RmsNorm
+    rules = [
+        cls.rule(f"RMSNorm_{a}_{r}", axes_as_input=a, reciprocal=r)
+        for a in (True, False)
+        for r in (True, False)
+    ]
+    return pattern.RewriteRuleSet(rules, commute=True)
+
+
+def fuse_rms_norm(model: ir.Model) -> int:
+    """Fuse every decomposed RMSNorm; returns the count."""
+    standard = model.opset_imports.get("", 0) >= 23
+    count = _rules(standard).apply_to_model(model)
+    if count and not standard:
+        declare_domain(model)
+    return count
