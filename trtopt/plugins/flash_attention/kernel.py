@@ -50,7 +50,11 @@ def _attend_block_range(
             kv_mask = (offs_n[:, None] < Sk) & d_ok[None, :]
         else:
             kv_mask = d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        if MASKED or BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)  # unmasked and unpadded: the loads vectorise freely
         # s: [BLOCK_M, BLOCK_N], in log2 units so the exponentials below are exp2
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS:
@@ -67,7 +71,11 @@ def _attend_block_range(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED or BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i

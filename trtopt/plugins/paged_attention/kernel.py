@@ -77,6 +77,59 @@ def _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_key_tiles(
+    acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
+    k_head, table, start, end, key_end, pos, row_ok, slope, qk_scale, sliding_window,
+    stride_cb, stride_ckv, stride_co, stride_cd,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold key tiles [start, end) (TILE_N-aligned) into the running softmax; keys >= key_end are never read."""
+    offs_t = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    # Tiles start at multiples of TILE_N and both sizes are powers of two, so a key's offset inside its block is
+    # (n0 % BLOCK_SIZE) + (t % BLOCK_SIZE): the per-element part of the address is loop-invariant.
+    in_tile = (offs_t % BLOCK_SIZE)[:, None] * stride_co + offs_d[None, :] * stride_cd  # [TILE_N, BLOCK_D]
+    for n0 in range(start, end, TILE_N):
+        kpos = n0 + offs_t
+        k_ok = kpos < key_end
+        if MASKED:
+            block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        else:
+            block = tl.load(table + kpos // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        kv_ptr = k_head + (block * stride_cb + (n0 % BLOCK_SIZE) * stride_co)[:, None] + in_tile
+        if MASKED or BLOCK_D != HEAD_DIM:
+            k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
+        else:
+            k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # s: [BLOCK_M, TILE_N], log2 units
+        if HAS_ALIBI:
+            s += slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
+        if MASKED:
+            visible = k_ok[None, :] & row_ok[:, None]
+            if IS_CAUSAL:
+                visible = visible & (kpos[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] > pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED or BLOCK_D != HEAD_DIM:
+            v = tl.load(kv_ptr + stride_ckv, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
+        else:
+            v = tl.load(kv_ptr + stride_ckv)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attn_kernel(
     Q, Cache, BlockTables, SeqLens, QueryStartLoc, Alibi,
     Out, PartAcc, PartMax, PartSum,
@@ -120,6 +173,8 @@ def _paged_attn_kernel(
                 mask=q_mask, other=0.0)
     if HAS_ALIBI:
         slope = tl.load(Alibi + head, mask=row_ok, other=0.0) * 1.4426950408889634
+    else:
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     # Keys this tile needs: [kv_lo, kv_hi). Causal rows stop at their own position; a window starts later.
     last_tok = tl.minimum(q_first + BLOCK_Q, n_new) - 1
@@ -140,29 +195,25 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     k_head = Cache + kvh.to(tl.int64) * stride_ch
-    for n0 in range(seg_lo, seg_hi, TILE_N):
-        kpos = n0 + tl.arange(0, TILE_N)
-        k_ok = kpos < seg_hi
-        block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (kpos % BLOCK_SIZE)[:, None] * stride_co + offs_d[None, :] * stride_cd
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + kv_off, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # s: [BLOCK_M, TILE_N], log2 units
-        if HAS_ALIBI:
-            s += slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
-        visible = k_ok[None, :] & row_ok[:, None]
-        if IS_CAUSAL:
-            visible = visible & (kpos[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & (kpos[None, :] > pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(k_head + stride_ckv + kv_off, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys below `full_end` are visible to every row of the tile (causal, no window), so those tiles skip the
+    # mask arithmetic; the rest (the diagonal, the window edge, the sequence end) are masked.
+    if IS_CAUSAL and not HAS_WINDOW:
+        full_end = (context + q_first + 1) // TILE_N * TILE_N
+    elif not IS_CAUSAL and not HAS_WINDOW:
+        full_end = seq_len // TILE_N * TILE_N
+    else:
+        full_end = 0
+    split = tl.maximum(tl.minimum(full_end, seg_hi), seg_lo)
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, k_head, table, seg_lo, split, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
+        stride_cb, stride_ckv, stride_co, stride_cd,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, k_head, table, split, seg_hi, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
+        stride_cb, stride_ckv, stride_co, stride_cd,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
+    )
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
