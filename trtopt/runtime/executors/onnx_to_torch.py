@@ -1,0 +1,360 @@
+"""An in-house onnx-ir → torch.fx converter (DESIGN.md §5, torch executor).
+
+onnx2torch fails on every dynamo export, so trtopt converts graphs itself. The result is a straight-line
+``torch.fx.GraphModule``: one call per ONNX node, weights as buffers (their dtypes kept), graph inputs as
+positional arguments in ONNX order, graph outputs as a tuple in ONNX order.
+
+Work done once at conversion instead of at every step:
+- constant folding: a node whose inputs are all constants is evaluated now (RoPE tables, masks of constants...);
+- shape folding: ``Shape`` of a value whose dims are static becomes a constant;
+- constant shape-like inputs (Reshape's shape, Slice's starts...) are baked into the call as Python lists;
+- common subexpressions (the same pure op on the same inputs, e.g. per-layer copies of one shape computation)
+  are computed once.
+
+trtopt-domain ops dispatch to ``trtopt_ops`` (Triton kernel on CUDA, torch reference elsewhere); PagedAttention
+writes the KV pool passed in as a graph input IN PLACE and returns that same tensor as ``kv_cache_out``. Any other
+model-local function (a trtopt op without a torch implementation) is inlined from its ONNX body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import operator
+import re
+from pathlib import Path
+from typing import Any, Collection
+
+import numpy as np
+import onnx_ir as ir
+import torch
+import torch.fx
+
+from trtopt.errors import BuildError
+from trtopt.runtime.executors.onnx_ops import MIN_OPSET, ONNX_TO_TORCH_DTYPE, STANDARD_OPS, OpSpec, as_ints
+from trtopt.runtime.executors.trtopt_ops import IMPURE_OPS, TRTOPT_OPS
+
+# Attributes that only address other consumers (the TensorRT parser) and never change the op's meaning.
+_IGNORED_ATTRS = frozenset({"plugin_namespace", "plugin_version", "aot"})
+# Contrib ops that exported graphs sometimes carry and that have an exact standard meaning.
+_CONTRIB_OPS = {("com.microsoft", "SimplifiedLayerNormalization"): STANDARD_OPS["SimplifiedLayerNormalization"]}
+
+
+class UnsupportedOpError(BuildError):
+    """The graph holds an op (or an attribute of one) that the torch converter cannot run."""
+
+
+@dataclasses.dataclass
+class ConvertedGraph:
+    """A converted model: call ``module(*inputs)`` with the tensors of ``input_names``, in that order."""
+
+    module: torch.fx.GraphModule
+    input_names: list[str]  # ONNX graph input names, the module's positional arguments in order
+    output_names: list[str]  # ONNX graph output names, the order of the returned tuple
+    opset: int  # the model's default-domain opset
+
+
+@dataclasses.dataclass(frozen=True)
+class _Const:
+    """A value known at conversion time."""
+
+    tensor: torch.Tensor
+
+
+_Value = _Const | torch.fx.Node | None
+
+
+def ir_tensor_to_torch(tensor: ir.TensorProtocol) -> torch.Tensor:
+    """Copy an onnx-ir tensor (in memory or external data) into a torch tensor of the same dtype."""
+    dtype = ONNX_TO_TORCH_DTYPE.get(int(tensor.dtype))
+    if dtype is None:
+        raise UnsupportedOpError(
+            f"tensor {tensor.name!r} has dtype {tensor.dtype.name}, which the torch executor cannot hold; "
+            "run this plan with --backend onnxruntime."
+        )
+    array = np.array(tensor.numpy(), copy=True, order="C")  # (not ascontiguousarray: it makes 0-d arrays 1-d)
+    if dtype == torch.bfloat16:
+        # numpy holds bf16 as ml_dtypes.bfloat16, which torch cannot read: reinterpret the bits.
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+@functools.cache
+def _accepted_kwargs(fn: Any) -> frozenset[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins such as torch.eq take no attributes
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_"))
+
+
+def _sanitize(name: str, taken: set[str]) -> str:
+    base = re.sub(r"\W", "_", name) or "v"
+    if base[0].isdigit():
+        base = "_" + base
+    candidate, i = base, 1
+    while candidate in taken:
+        candidate, i = f"{base}_{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _arg_key(arg: Any) -> Any:
+    """A hashable identity for CSE: fx nodes by identity, Python values by type and value."""
+    if isinstance(arg, list):
+        return ("list", tuple(arg))
+    if isinstance(arg, torch.fx.Node) or arg is None:
+        return arg
+    return (type(arg).__name__, arg)
+
+
+class _Converter:
+    def __init__(self, model: ir.Model, *, device: torch.device, body_ops: Collection[str]):
+        self.model = model
+        self.device = device
+        self.body_ops = frozenset(body_ops)  # trtopt op types to run from their function body
+        self.graph = torch.fx.Graph()
+        self.root = torch.nn.Module()
+        self.names: set[str] = set()
+        self.const_nodes: dict[int, torch.fx.Node] = {}  # id(tensor) → get_attr node
+        self.cse: dict[Any, torch.fx.Node] = {}
+        self.functions = {(f.domain, f.name, f.overload): f for f in model.functions.values()}
+
+    # -- values ------------------------------------------------------------------------------------------------------
+    def materialize(self, value: _Value) -> torch.fx.Node | None:
+        """An fx node for a value; a constant becomes a buffer of the root module (once per tensor)."""
+        if not isinstance(value, _Const):
+            return value
+        key = id(value.tensor)
+        if key not in self.const_nodes:
+            name = _sanitize(f"c_{len(self.const_nodes)}", self.names)
+            self.root.register_buffer(name, value.tensor)
+            self.const_nodes[key] = self.graph.get_attr(name)
+        return self.const_nodes[key]
+
+    def call_arg(self, value: _Value, position: int, spec: OpSpec, *, folding: bool = False) -> Any:
+        """How input `position` is passed: a Python list/number when constant and the op allows it; else a node
+        (or, when folding at conversion time, the constant tensor itself)."""
+        if isinstance(value, _Const):
+            if position in spec.list_inputs:
+                return as_ints(value.tensor)
+            if position in spec.scalar_inputs and value.tensor.dim() == 0:
+                return value.tensor.item()
+            if folding:
+                return value.tensor
+        return self.materialize(value)
+
+    # -- attributes --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def resolve_attrs(node: ir.Node, scope: dict[str, ir.Attr] | None) -> dict[str, ir.Attr]:
+        """The node's attributes, with references to the enclosing function's attributes replaced by values."""
+        attrs = {}
+        for name, attr in node.attributes.items():
+            if attr.is_ref():
+                if scope is not None and attr.ref_attr_name in scope:
+                    attrs[name] = scope[attr.ref_attr_name]
+                continue  # an unset reference leaves the attribute at its default
+            attrs[name] = attr
+        return attrs
+
+    def kwargs_for(self, node: ir.Node, spec: OpSpec, attrs: dict[str, ir.Attr], opset: int) -> dict:
+        op = f"{node.domain or 'ai.onnx'}::{node.op_type}"
+        accepted = _accepted_kwargs(spec.fn)
+        kwargs: dict[str, Any] = {}
+        for name, attr in attrs.items():
+            if name in _IGNORED_ATTRS:
+                continue
+            if name not in accepted:
+                raise UnsupportedOpError(
+                    f"node {node.name!r} ({op}, opset {opset}) has attribute {name!r}, which the torch converter "
+                    "does not implement; run this plan with --backend onnxruntime."
+                )
+            kwargs[name] = self.attr_value(node, op, attr)
+        if node.op_type == "Cast":
+            kwargs["to"] = self.dtype_of(node, kwargs["to"])
+        if node.op_type == "ConstantOfShape" and "value" in kwargs:
+            fill = kwargs.pop("value")
+            kwargs["value"], kwargs["dtype"] = fill.reshape(-1)[0].item(), fill.dtype
+        if spec.wants_num_outputs:
+            kwargs["_n"] = len(node.outputs)
+        return kwargs
+
+    def attr_value(self, node: ir.Node, op: str, attr: ir.Attr) -> Any:
+        kind = attr.type
+        if kind in (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS):
+            return list(attr.value)
+        if kind == ir.AttributeType.TENSOR:
+            return ir_tensor_to_torch(attr.value)
+        if kind in (ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING):
+            return attr.value
+        raise UnsupportedOpError(
+            f"node {node.name!r} ({op}) has a {kind.name} attribute {attr.name!r} (subgraphs and control flow are "
+            "not supported by the torch converter); run this plan with --backend onnxruntime."
+        )
+
+    @staticmethod
+    def dtype_of(node: ir.Node, onnx_dtype: int) -> torch.dtype:
+        if onnx_dtype not in ONNX_TO_TORCH_DTYPE:
+            raise UnsupportedOpError(
+                f"node {node.name!r} casts to ONNX dtype {onnx_dtype}, which the torch executor does not support."
+            )
+        return ONNX_TO_TORCH_DTYPE[onnx_dtype]
+
+    # -- nodes -------------------------------------------------------------------------------------------------------
+    def emit_graph(self, nodes, env: dict[ir.Value, _Value], opset: int, scope: dict[str, ir.Attr] | None) -> None:
+        for node in nodes:
+            outputs = self.emit_node(node, env, opset, scope)
+            for out, value in zip(node.outputs, outputs):
+                env[out] = value
+
+    def emit_node(self, node: ir.Node, env, opset: int, scope) -> list[_Value]:
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        op = node.op_type
+        attrs = self.resolve_attrs(node, scope)
+        inputs = [env[v] if v is not None else None for v in node.inputs]
+        if domain == "" and op == "Constant":
+            return [_Const(self.constant_value(node, attrs))]
+        if domain == "" and op == "Shape":
+            folded = self.fold_shape(node, attrs)
+            if folded is not None:
+                return [folded]
+        spec = self.find_spec(domain, op)
+        if spec is None:
+            function = self.functions.get((node.domain, op, node.overload))
+            if function is None:
+                raise UnsupportedOpError(
+                    f"node {node.name!r} uses op {domain or 'ai.onnx'}::{op} (opset "
+                    f"{self.model.opset_imports.get(domain, opset)}), which the torch converter does not implement "
+                    "and the model defines no function body for; run this plan with --backend onnxruntime, or add "
+                    "the op to trtopt/runtime/executors/onnx_ops.py."
+                )
+            return self.inline_function(function, node, inputs, attrs)
+        if domain == "" and opset < MIN_OPSET.get(op, 0):
+            raise UnsupportedOpError(
+                f"node {node.name!r}: {op} at opset {opset} has pre-opset-{MIN_OPSET[op]} semantics that the torch "
+                "converter does not implement; re-export the model at opset >= 17."
+            )
+        kwargs = self.kwargs_for(node, spec, attrs, opset)
+        pure = (domain, op) not in IMPURE_OPS
+        return self.emit_call(spec, inputs, kwargs, len(node.outputs), pure)
+
+    def find_spec(self, domain: str, op: str) -> OpSpec | None:
+        if domain == "":
+            return STANDARD_OPS.get(op)
+        if domain == "trtopt":
+            return None if op in self.body_ops else TRTOPT_OPS.get(op)
+        return _CONTRIB_OPS.get((domain, op))
+
+    def emit_call(self, spec: OpSpec, inputs: list[_Value], kwargs: dict, num_outputs: int, pure: bool):
+        while inputs and inputs[-1] is None:  # trailing absent optional inputs take the function's defaults
+            inputs.pop()
+        if pure and all(isinstance(v, _Const) or v is None for v in inputs):
+            args = [self.call_arg(v, i, spec, folding=True) for i, v in enumerate(inputs)]
+            if spec.wants_device:
+                kwargs = {**kwargs, "device": "cpu"}
+            result = spec.fn(*args, **kwargs)
+            results = list(result) if isinstance(result, (tuple, list)) else [result]
+            return [_Const(r) for r in results]
+
+        args = tuple(self.call_arg(v, i, spec) for i, v in enumerate(inputs))
+        if spec.wants_device:
+            kwargs = {**kwargs, "device": str(self.device)}
+        key = (spec.fn, tuple(_arg_key(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        call = self.cse.get(key) if pure else None
+        if call is None:
+            call = self.graph.call_function(spec.fn, args, kwargs)
+            if pure:
+                self.cse[key] = call
+        if num_outputs == 1:
+            return [call]
+        return [self.graph.call_function(operator.getitem, (call, i)) for i in range(num_outputs)]
+
+    def constant_value(self, node: ir.Node, attrs: dict[str, ir.Attr]) -> torch.Tensor:
+        (name, attr), = attrs.items()
+        if name == "value":
+            return ir_tensor_to_torch(attr.value)
+        as_tensor = {
+            "value_float": lambda v: torch.tensor(v, dtype=torch.float32),
+            "value_floats": lambda v: torch.tensor(list(v), dtype=torch.float32),
+            "value_int": lambda v: torch.tensor(v, dtype=torch.int64),
+            "value_ints": lambda v: torch.tensor(list(v), dtype=torch.int64),
+        }
+        if name not in as_tensor:
+            raise UnsupportedOpError(f"Constant node {node.name!r} uses {name!r}, which the torch converter cannot hold.")
+        return as_tensor[name](attr.value)
+
+    @staticmethod
+    def fold_shape(node: ir.Node, attrs: dict[str, ir.Attr]) -> _Const | None:
+        """Shape(x)[start:end] as a constant when those dims of x are static."""
+        shape = node.inputs[0].shape
+        if shape is None:
+            return None
+        start = attrs["start"].value if "start" in attrs else 0
+        end = attrs["end"].value if "end" in attrs else None
+        dims = list(shape.dims)[start:end]
+        if not all(isinstance(d, int) for d in dims):
+            return None
+        return _Const(torch.tensor(dims, dtype=torch.int64))
+
+    def inline_function(self, function: ir.Function, node: ir.Node, inputs: list[_Value], attrs) -> list[_Value]:
+        """Emit the body of a model-local function in place of the call (ONNX function semantics)."""
+        scope = {name: attr for name, attr in function.attributes.items() if attr.value is not None}
+        scope.update(attrs)
+        env: dict[ir.Value, _Value] = {}
+        for i, formal in enumerate(function.inputs):
+            env[formal] = inputs[i] if i < len(inputs) else None
+        opset = function.opset_imports.get("", self.model.opset_imports.get("", 0))
+        self.emit_graph(function, env, opset, scope)
+        return [env[out] for out in function.outputs]
+
+    # -- the whole graph ---------------------------------------------------------------------------------------------
+    def convert(self) -> ConvertedGraph:
+        graph = self.model.graph
+        opset = self.model.opset_imports.get("", 0)
+        if opset < 13:
+            raise UnsupportedOpError(
+                f"the model imports the ONNX default opset {opset}; the torch converter needs opset >= 13. "
+                "Re-export the model at opset >= 17."
+            )
+        env: dict[ir.Value, _Value] = {}
+        for value in graph.initializers.values():
+            env[value] = _Const(ir_tensor_to_torch(value.const_value))
+        input_names = []
+        for value in graph.inputs:
+            env[value] = self.graph.placeholder(_sanitize(value.name, self.names))
+            input_names.append(value.name)
+        self.emit_graph(graph, env, opset, None)
+        outputs = tuple(self.materialize(env[v]) for v in graph.outputs)
+        self.graph.output(outputs)
+        self.graph.eliminate_dead_code()
+        self.graph.lint()
+        module = torch.fx.GraphModule(self.root, self.graph, class_name="OnnxGraph").to(self.device)
+        return ConvertedGraph(module, input_names, [v.name for v in graph.outputs], opset)
+
+
+def load_onnx(path: str | Path) -> ir.Model:
+    """Load an ONNX model (and its external data, next to it) with onnx-ir."""
+    path = Path(path)
+    if not path.is_file():
+        raise BuildError(f"{path} does not exist; point at the model.onnx of a plan or model dir.")
+    try:
+        return ir.load(path)
+    except Exception as e:  # onnx-ir raises several types for corrupt files; all mean the same thing here
+        raise BuildError(f"{path} is not a readable ONNX model ({e}); rebuild it with `trtopt build`.") from e
+
+
+def onnx_to_torch(
+    model: ir.Model | str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    body_ops: Collection[str] = (),
+) -> ConvertedGraph:
+    """Convert an ONNX model into a torch.fx GraphModule on `device`.
+
+    body_ops: trtopt op types to run from their ONNX function body instead of the torch implementation (tests use
+    it to check the two agree). Raises UnsupportedOpError naming the op, domain, opset and node it cannot convert.
+    """
+    if not isinstance(model, ir.Model):
+        model = load_onnx(model)
+    return _Converter(model, device=torch.device(device), body_ops=body_ops).convert()

@@ -1,0 +1,58 @@
+"""trtopt-domain ops for the torch converter: the Triton kernel on CUDA, the torch reference elsewhere.
+
+The kernel modules import triton at module level, so they are imported lazily and only for CUDA tensors; when
+they are missing (no triton, or a build without them) the reference runs instead, which is always correct, just
+slower. A trtopt op that is not listed here is executed through its ONNX function body (the converter inlines it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Callable
+
+import torch
+
+from trtopt.runtime.executors.onnx_ops import OpSpec
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _impl(op: str, device_type: str) -> Callable[..., object]:
+    """The function that runs `op` ("paged_attention" or "flash_attention") for tensors on `device_type`."""
+    reference = getattr(importlib.import_module(f"trtopt.plugins.{op}.reference"), f"{op}_ref")
+    if device_type != "cuda":
+        return reference
+    try:
+        return getattr(importlib.import_module(f"trtopt.plugins.{op}.kernel"), f"{op}_triton")
+    except (ImportError, AttributeError) as e:
+        log.warning("trtopt.%s: Triton kernel unavailable (%s); running the torch reference on CUDA", op, e)
+        return reference
+
+
+def paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes=None,
+                    *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int = 1,
+                    sliding_window: int = 0):
+    """trtopt::PagedAttention. Writes kv_cache in place and returns it as the second output (the alias)."""
+    fn = _impl("paged_attention", q.device.type)
+    return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
+              sliding_window=sliding_window, alibi_slopes=alibi_slopes)
+
+
+def flash_attention(q, k, v, attn_bias=None, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                    causal: int = 0):
+    """trtopt::FlashAttention."""
+    fn = _impl("flash_attention", q.device.type)
+    return fn(q, k, v, attn_bias, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+              causal=causal)
+
+
+# Ops with side effects on an input (the KV pool) are never constant-folded nor deduplicated by the converter.
+TRTOPT_OPS: dict[str, OpSpec] = {
+    "PagedAttention": OpSpec(paged_attention),
+    "FlashAttention": OpSpec(flash_attention),
+}
+IMPURE_OPS = frozenset({("trtopt", "PagedAttention")})
