@@ -1,1 +1,42 @@
-"""trtopt ops: one folder per op, each with the five faces of DESIGN.md §4."""
+"""trtopt ops: one folder per op, each with the five faces of DESIGN.md §4.
+
+The two registries below are how the rest of trtopt finds an op. To add an op, create its folder with
+``schema.py`` (a ``SCHEMA``) and ``function.py`` (``make_function(opset)``) and add one line to each registry.
+Only ONNX-level modules are imported here, so importing the registry never pulls in torch or Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx
+
+from trtopt.plugins import common
+from trtopt.plugins.common import DOMAIN, OPSET_VERSION, OpSchema, attach_functions, make_node
+from trtopt.plugins.flash_attention import function as flash_attention_function
+from trtopt.plugins.flash_attention import schema as flash_attention_schema
+from trtopt.plugins.matmul_add import function as matmul_add_function
+from trtopt.plugins.matmul_add import schema as matmul_add_schema
+from trtopt.plugins.paged_attention import function as paged_attention_function
+from trtopt.plugins.paged_attention import schema as paged_attention_schema
+from trtopt.plugins.rms_norm import function as rms_norm_function
+from trtopt.plugins.rms_norm import schema as rms_norm_schema
+
+# op_type → its schema (attributes, optional inputs, shape inference).
+OP_SCHEMAS: dict[str, OpSchema] = {
+    paged_attention_schema.OP_TYPE: paged_attention_schema.SCHEMA,
+    flash_attention_schema.OP_TYPE: flash_attention_schema.SCHEMA,
+    rms_norm_schema.OP_TYPE: rms_norm_schema.SCHEMA,  # added by the fusion engineer
+    matmul_add_schema.OP_TYPE: matmul_add_schema.SCHEMA,  # added by the fusion engineer
+}
+
+# op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
+FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
+    paged_attention_schema.OP_TYPE: paged_attention_function.make_function,
+    flash_attention_schema.OP_TYPE: flash_attention_function.make_function,
+    rms_norm_schema.OP_TYPE: rms_norm_function.make_function,  # added by the fusion engineer
+    matmul_add_schema.OP_TYPE: matmul_add_function.make_function,  # added by the fusion engineer
+}
+
+__all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",
+           "common"]
