@@ -38,7 +38,10 @@ def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
     logits = next((v for v in outputs if v.name == "logits"), None)
     if logits is None:
         raise FusionError("the graph has no `logits` output; export a causal LM with optimum-style output names.")
-    head, _ = _lm_head(logits)
+    head, between = _lm_head(logits)
+    # Values after the Gather hold N rows, not T: drop their stale [batch, seq, ...] shapes.
+    for node in (head, *between):
+        node.outputs[0].shape = None
 
     indices = ir.Value(name="logits_indices", shape=ir.Shape(["N"]), type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.append(indices)
