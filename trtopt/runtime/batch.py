@@ -1,5 +1,8 @@
 """Typed stage contracts of the runtime (DESIGN.md §3, §6).
 
+Scheduler -> ScheduledBatch -> InputBuilder -> StepInputs -> Executor -> logits -> Sampler -> StepOutput ->
+Scheduler.update -> RequestOutput.
+
 StepInputs is the packed paged signature of one engine step, exactly the graph inputs of a built plan
 (minus the KV pools, which the executor owns).
 """
@@ -7,8 +10,12 @@ StepInputs is the packed paged signature of one engine step, exactly the graph i
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from trtopt.runtime.request import RequestMetrics
 
 
 @dataclasses.dataclass
@@ -30,3 +37,106 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step, as the scheduler decided it."""
+
+    request_id: str
+    token_ids: list[int]  # the num_new tokens to compute, at positions start_pos .. start_pos+num_new-1
+    start_pos: int  # tokens already in the cache (== num_computed_tokens before this step)
+    block_ids: list[int]  # the block table after allocation (covers start_pos + num_new tokens)
+    samples: bool  # True when this chunk reaches the end of the sequence, so a token is sampled
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    """Scheduler -> InputBuilder/engine: what runs in one step."""
+
+    seqs: list[ScheduledSeq]  # running requests first, then newly admitted ones
+    num_batched_tokens: int  # sum of num_new_tokens, <= max_num_batched_tokens
+    preempted_ids: list[str]  # requests preempted while building this batch (freed; they recompute later)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def sampling_ids(self) -> list[str]:
+        """Request ids that get a token this step, in logits-row order."""
+        return [s.request_id for s in self.seqs if s.samples]
+
+
+@dataclasses.dataclass
+class SampledToken:
+    """One token the sampler chose, with its logprobs (raw model log_softmax, before any penalty)."""
+
+    token_id: int
+    logprob: float | None = None  # None unless the request asked for logprobs
+    top_logprobs: dict[int, float] | None = None  # chosen token + top-k alternatives -> logprob
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Engine -> Scheduler.update: the tokens sampled this step."""
+
+    sampled: dict[str, SampledToken]  # request id -> its new token (only sequences that sampled)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput, plus the deltas of this step for streaming)."""
+
+    index: int  # which of the n completions
+    text: str  # all text so far (cut before a stop string unless include_stop_str_in_output)
+    token_ids: list[int]  # all generated token ids so far
+    delta_text: str  # text new since the previous RequestOutput (UTF-8 safe, stop-string safe)
+    delta_token_ids: list[int]  # token ids new since the previous RequestOutput
+    logprobs: list[dict[int, float]] | None  # per token: chosen + top alternatives; None unless asked
+    cumulative_logprob: float | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What the engine returns for a request after a step (and what LLM.generate returns at the end)."""
+
+    request_id: str
+    prompt: str | None  # the prompt text when one was given
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # one per completion, ordered by index
+    finished: bool  # every completion finished
+    metrics: "RequestMetrics"  # of completion 0: arrival, first token, finish times, cached prompt tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of engine load, for logs, metrics endpoints and tests."""
+
+    num_running: int  # sequences holding KV blocks and scheduled every step
+    num_waiting: int  # sequences queued for admission (new or preempted)
+    num_blocks_total: int  # usable blocks (the null block excluded)
+    num_blocks_free: int  # ref count 0 (may still hold a prefix-cached block)
+    num_preemptions: int  # since the engine started
+    num_steps: int
+    num_prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    num_generated_tokens: int
+    num_prefix_cache_hit_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.num_blocks_total - self.num_blocks_free

@@ -1,0 +1,329 @@
+"""LLMEngine: add_request / step / abort over one plan (DESIGN.md §6).
+
+One step = Scheduler.schedule -> InputBuilder.build -> Executor.execute -> Sampler -> Scheduler.update,
+then a RequestOutput (with text/token deltas for streaming) for every request that advanced. The engine
+is synchronous and single-threaded; the async server drives it from one task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from trtopt.build.plan import PlanConfig, read_plan
+from trtopt.errors import ConfigError, RequestError
+from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepOutput
+from trtopt.runtime.block_pool import BlockPool
+from trtopt.runtime.detokenizer import IncrementalDetokenizer
+from trtopt.runtime.executors.base import Executor
+from trtopt.runtime.input_builder import InputBuilder
+from trtopt.runtime.kv_cache_manager import KVCacheManager
+from trtopt.runtime.request import Request, RequestStatus
+from trtopt.runtime.sampler import Sampler
+from trtopt.runtime.sampling_params import SamplingParams
+from trtopt.runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# A prompt: text, chat messages, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
+PromptType = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Runtime knobs. None = take the plan's limit. Frozen: derived values are returned, never written back."""
+
+    num_blocks: int | None = None  # KV blocks per layer incl. the null block; None = from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0  # used when num_blocks is None
+    max_num_batched_tokens: int | None = None  # token budget per step (<= plan max_num_tokens)
+    max_num_seqs: int | None = None  # sequences per step (<= plan max_num_seqs)
+    max_model_len: int | None = None  # prompt + output tokens (<= plan max_model_len)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int | None = None  # seeds draws of requests that have no seed of their own
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedLimits:
+    """EngineConfig merged with the plan's limits and checked."""
+
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    max_blocks_per_seq: int
+
+
+def resolve_limits(plan: PlanConfig, config: EngineConfig) -> ResolvedLimits:
+    lim = plan.limits
+
+    def capped(name: str, value: int | None, plan_max: int) -> int:
+        if value is None:
+            return plan_max
+        if not 1 <= value <= plan_max:
+            raise ConfigError(f"{name}={value} must be in [1, {plan_max}] (the plan's limit); rebuild the plan to raise it.")
+        return value
+
+    max_model_len = capped("max_model_len", config.max_model_len, lim.max_model_len)
+    max_num_seqs = capped("max_num_seqs", config.max_num_seqs, lim.max_num_seqs)
+    max_tokens = capped("max_num_batched_tokens", config.max_num_batched_tokens, lim.max_num_tokens)
+    max_blocks_per_seq = -(-max_model_len // lim.block_size)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        m = plan.model
+        block_bytes = m.num_layers * 2 * m.num_kv_heads * lim.block_size * m.head_dim * _DTYPE_BYTES.get(m.dtype, 4)
+        # More blocks than every sequence at full length can use would only waste memory.
+        num_blocks = min(int(config.kv_cache_memory_gb * 2**30) // block_bytes, max_num_seqs * max_blocks_per_seq) + 1
+    if num_blocks - 1 < max_blocks_per_seq:
+        raise ConfigError(
+            f"{num_blocks - 1} usable KV blocks cannot hold one sequence of max_model_len={max_model_len} "
+            f"({max_blocks_per_seq} blocks of {lim.block_size}); raise num_blocks/kv_cache_memory_gb or lower max_model_len."
+        )
+    return ResolvedLimits(num_blocks, lim.block_size, max_tokens, max_num_seqs, max_model_len, max_blocks_per_seq)
+
+
+@dataclasses.dataclass
+class _Group:
+    """The n sequences of one request id, and what has been reported of them so far."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    num_reported: list[int]  # output tokens of each sequence already sent in a RequestOutput
+
+
+class LLMEngine:
+    def __init__(self, executor: Executor, plan: PlanConfig, tokenizer: Any = None, config: EngineConfig = EngineConfig()) -> None:
+        if plan.kind != "paged":
+            raise ConfigError(f"the plan is of kind {plan.kind!r}; LLMEngine runs 'paged' LLM plans built by `trtopt build`.")
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.limits = resolve_limits(plan, config)
+        executor.allocate_kv_cache(self.limits.num_blocks)
+        self.executor = executor
+        self.pool = BlockPool(self.limits.num_blocks, self.limits.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, copy_blocks=executor.copy_blocks)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_batched_tokens=self.limits.max_num_batched_tokens,
+            max_num_seqs=self.limits.max_num_seqs,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
+        self.sampler = Sampler(config.seed)
+        self._groups: dict[str, _Group] = {}
+        self._num_steps = 0
+        self._num_batched_tokens = 0
+        self._num_generated_tokens = 0
+
+    @classmethod
+    def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu", **config: Any) -> LLMEngine:
+        """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`."""
+        from trtopt.runtime.executors import create_executor  # the executors pull in heavy deps
+
+        plan = read_plan(plan_dir)
+        executor = create_executor(backend, plan_dir, plan, device=device)
+        return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config))
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises RequestError (and changes nothing) if the prompt or params are invalid."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(request_id, token_ids, params)
+        eos = tuple(self.plan.model.eos_token_ids)
+        seqs = []
+        for i in range(params.n):
+            seq_id = request_id if i == 0 else f"{request_id}#{i}"
+            req = Request(
+                seq_id, token_ids, params.for_completion(i), eos_token_ids=eos,
+                max_model_len=self.limits.max_model_len, parent_id=request_id, index=i, arrival_time=arrival_time,
+            )
+            if self.tokenizer is not None:
+                req.detok = IncrementalDetokenizer(self.tokenizer, token_ids, req.params)
+            seqs.append(req)
+        self.scheduler.add_request(seqs[0], seqs[1:])
+        self._groups[request_id] = _Group(text, token_ids, seqs, [0] * params.n)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of the request now and free its blocks. False if it is unknown or done."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for req in group.seqs:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            prompt = prompt["prompt"]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt = self._render_chat(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            return None, _token_list(prompt)
+        if not isinstance(prompt, str):
+            raise RequestError(f"a prompt must be text, chat messages or token ids, got {type(prompt).__name__}.")
+        if self.tokenizer is None:
+            raise RequestError("this plan has no tokenizer files; pass token ids ({'prompt_token_ids': [...]}) instead of text.")
+        return prompt, list(self.tokenizer(prompt, add_special_tokens=not _starts_with_bos(self.tokenizer, prompt)).input_ids)
+
+    def _render_chat(self, messages: Sequence[dict]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this plan's tokenizer has no chat template; send a plain text prompt instead of messages.")
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors for malformed messages
+            raise RequestError(f"chat messages could not be rendered ({e}); each needs 'role' and 'content'.") from e
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}.")
+        if request_id in self._groups or any(f"{request_id}#{i}" in self.scheduler.requests for i in range(1, params.n)):
+            raise RequestError(f"request id {request_id!r} is already in use; give each request a unique id.")
+        if not token_ids:
+            raise RequestError("the prompt is empty; send at least one token.")
+        vocab = self.plan.model.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}).")
+        if len(token_ids) >= self.limits.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.limits.max_model_len} "
+                "(prompt + at least one output token); shorten the prompt."
+            )
+        if params.n > self.limits.max_num_seqs:
+            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.limits.max_num_seqs}; ask for fewer completions.")
+        if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.limits.max_num_batched_tokens:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={self.limits.max_num_batched_tokens} "
+                "with chunked prefill off; shorten it or enable chunked prefill."
+            )
+
+    # ---- stepping ----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that got a token or finished."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        inputs = self.input_builder.build(batch)
+        try:
+            logits = self.executor.execute(inputs)  # [N, vocab]
+        except Exception:
+            self._fail_batch(batch)
+            raise
+        ids = batch.sampling_ids
+        reqs = [self.scheduler.requests[i] for i in ids]
+        sampled = self.sampler(logits[: len(ids)], reqs) if ids else []
+        changed = self.scheduler.update(batch, StepOutput(sampled=dict(zip(ids, sampled))))
+        self._num_steps += 1
+        self._num_batched_tokens += batch.num_batched_tokens
+        self._num_generated_tokens += len(ids)
+        return self._outputs(changed)
+
+    def _fail_batch(self, batch: ScheduledBatch) -> None:
+        """The executor raised: end the batch's requests as errors so nothing leaks, and forget cached
+        prefixes whose blocks may now hold partial writes. Other requests go on."""
+        log.exception("executor failed on a step of %d sequences; finishing them with finish_reason='error'", len(batch.seqs))
+        parents = {self.scheduler.requests[s.request_id].parent_id for s in batch.seqs if s.request_id in self.scheduler.requests}
+        for parent in parents:
+            group = self._groups.pop(parent)
+            for req in group.seqs:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+        self.pool.reset_prefix_cache()
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        parents = list(dict.fromkeys(r.parent_id for r in changed))
+        outs = []
+        for parent in parents:
+            group = self._groups[parent]
+            out = self._group_output(parent, group)
+            if out.finished:
+                del self._groups[parent]
+            outs.append(out)
+        return outs
+
+    def _group_output(self, request_id: str, group: _Group) -> RequestOutput:
+        completions = []
+        for i, req in enumerate(group.seqs):
+            out_ids = req.output_token_ids
+            delta_ids = out_ids[group.num_reported[i] :]
+            group.num_reported[i] = len(out_ids)
+            want_lp = req.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=req.index,
+                    text=req.detok.text if req.detok else "",
+                    token_ids=out_ids,
+                    delta_text=req.detok.take_delta() if req.detok else "",
+                    delta_token_ids=delta_ids,
+                    logprobs=list(req.logprobs) if want_lp else None,
+                    cumulative_logprob=req.cumulative_logprob if want_lp else None,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=all(c.finished for c in completions),
+            metrics=group.seqs[0].metrics,
+        )
+
+    # ---- introspection -----------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.requests) - len(s.running),
+            num_blocks_total=self.pool.num_usable_blocks,
+            num_blocks_free=self.pool.num_free_blocks,
+            num_preemptions=s.num_preemptions,
+            num_steps=self._num_steps,
+            num_prompt_tokens=self._num_batched_tokens - self._num_generated_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_prefix_cache_hit_tokens=s.num_cached_tokens,
+        )
+
+
+def load_tokenizer(plan_dir: str | Path) -> Any:
+    """The plan's HF tokenizer, or None when the plan dir has no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(plan_dir))
+    except (OSError, ValueError) as e:
+        log.warning("no tokenizer in %s (%s); only token-id prompts will work", plan_dir, e)
+        return None
+
+
+def _token_list(ids: Any) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RequestError("prompt token ids must be a list of integers.")
+    return list(ids)
+
+
+def _starts_with_bos(tokenizer: Any, text: str) -> bool:
+    """A chat template usually writes the BOS token itself; adding another would change the prompt."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and text.startswith(bos)

@@ -1,0 +1,143 @@
+"""Sampler: logits [N, vocab] -> one token per row, vectorised over the batch (DESIGN.md §6).
+
+Order of operations (vLLM's): min_tokens masking, penalties, then greedy argmax for temperature 0, or
+temperature -> top-k -> top-p -> min-p -> a draw for the others. The draw is an exponential race
+(argmax p/q with q ~ Exp(1), which samples from p): each seeded request draws its q from its own
+torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the model's raw
+log_softmax, before penalties and temperature, as in vLLM and HF `output_scores`-free comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from trtopt.runtime.batch import SampledToken
+from trtopt.runtime.request import Request
+
+
+@dataclasses.dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, as tensors (built once per step from the requests)."""
+
+    temperature: torch.Tensor  # float32 [N]; 0 = greedy
+    top_k: torch.Tensor  # int64 [N]; vocab = off
+    top_p: torch.Tensor  # float32 [N]
+    min_p: torch.Tensor  # float32 [N]
+    repetition: torch.Tensor  # float32 [N]
+    presence: torch.Tensor  # float32 [N]
+    frequency: torch.Tensor  # float32 [N]
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], vocab: int) -> SamplingTensors:
+        ps = [r.params for r in requests]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32)
+
+        return cls(
+            temperature=f32([0.0 if p.greedy else p.temperature for p in ps]),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64).clamp_(max=vocab),
+            top_p=f32([p.top_p for p in ps]),
+            min_p=f32([p.min_p for p in ps]),
+            repetition=f32([p.repetition_penalty for p in ps]),
+            presence=f32([p.presence_penalty for p in ps]),
+            frequency=f32([p.frequency_penalty for p in ps]),
+        )
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        # Draws for requests without a seed of their own.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
+        """logits: float32 [N, vocab], row i belongs to requests[i]."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
+        logits = logits.float()
+        n, vocab = logits.shape
+        t = SamplingTensors.from_requests(requests, vocab)
+        want_logprobs = [r.params.logprobs for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+
+        logits = logits.clone()
+        _mask_before_min_tokens(logits, requests)
+        _apply_penalties(logits, requests, t)
+        tokens = logits.argmax(dim=-1)  # greedy rows keep this
+        rows = torch.nonzero(t.temperature > 0).flatten()
+        if rows.numel():
+            x = logits[rows] / t.temperature[rows, None]
+            x = _filter_top_k_top_p_min_p(x, t.top_k[rows], t.top_p[rows], t.min_p[rows])
+            probs = torch.softmax(x, dim=-1)
+            q = torch.stack([self._exponential(requests[i].generator, vocab) for i in rows.tolist()])
+            tokens[rows] = (probs / q).argmax(dim=-1)
+        return _to_sampled(tokens, raw_logprobs, want_logprobs)
+
+    def _exponential(self, generator: torch.Generator | None, vocab: int) -> torch.Tensor:
+        return torch.empty(vocab).exponential_(generator=generator or self._generator)
+
+
+def _mask_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    for i, r in enumerate(requests):
+        if r.num_output_tokens < r.params.min_tokens:
+            banned = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if t < logits.shape[1]]
+            logits[i, banned] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], t: SamplingTensors) -> None:
+    """Repetition (over prompt + output, CTRL-style), presence and frequency (over output) penalties."""
+    if bool((t.repetition == 1).all() and (t.presence == 0).all() and (t.frequency == 0).all()):
+        return
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab, dtype=torch.float32)  # occurrences in the output
+    seen = torch.zeros(n, vocab, dtype=torch.bool)  # in prompt or output
+    for i, r in enumerate(requests):
+        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
+        counts[i].index_add_(0, out, torch.ones(out.numel()))
+        seen[i, torch.tensor(r.token_ids, dtype=torch.int64)] = True
+    rep = t.repetition[:, None].expand(n, vocab)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits -= t.frequency[:, None] * counts + t.presence[:, None] * (counts > 0).float()
+
+
+def _filter_top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """x: [M, vocab] temperature-scaled logits -> the same with filtered-out tokens at -inf."""
+    m, vocab = x.shape
+    if bool((top_k >= vocab).all() and (top_p >= 1).all() and (min_p <= 0).all()):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [M, V]
+    rank = torch.arange(vocab).expand(m, vocab)
+    drop = rank >= top_k[:, None]
+    probs = torch.softmax(sorted_x, dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _to_sampled(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, want: list[int | None]) -> list[SampledToken]:
+    token_list = tokens.tolist()
+    if raw_logprobs is None:
+        return [SampledToken(token_id=t) for t in token_list]
+    k_max = max(k for k in want if k is not None)
+    top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    out = []
+    for i, (tok, k) in enumerate(zip(token_list, want)):
+        if k is None:
+            out.append(SampledToken(token_id=tok))
+            continue
+        top = {tok: chosen[i]}
+        if k > 0:
+            top.update(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist()))
+        out.append(SampledToken(token_id=tok, logprob=chosen[i], top_logprobs=top))
+    return out

@@ -1,0 +1,89 @@
+"""SamplingParams: how one request is decoded (vLLM's field names, so users' code carries over).
+
+Every field is validated on construction; a bad value raises RequestError naming the field and the
+allowed range, so a caller (or the HTTP server, as a 400) can tell the user what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from trtopt.errors import RequestError
+
+# A temperature below this is treated as greedy: dividing logits by ~0 only produces inf/nan.
+_GREEDY_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Decoding options of one request. Frozen: the engine never writes back into it."""
+
+    n: int = 1  # completions per prompt; they share the prompt's KV blocks (copy-on-write)
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    top_p: float = 1.0  # keep the smallest set whose probability mass reaches top_p; 1 = off
+    min_p: float = 0.0  # drop tokens whose probability < min_p * the top probability; 0 = off
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # subtracted once for every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    seed: int | None = None  # completion i of this request uses seed + i; reproducible whatever the batch
+    max_tokens: int | None = 16  # None = until max_model_len
+    min_tokens: int = 0  # EOS and stop token ids are ignored before this many tokens
+    stop: tuple[str, ...] = ()  # stop strings; the output is cut before the first one
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the sequence (kept in token_ids)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; k >= 0 = logprob of the chosen token plus the top-k alternatives
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept the usual loose spellings (a single stop string, lists) but store tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
+        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k, "0 or -1 (off) or an integer >= 1")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "a number > 0")
+        _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", self.max_tokens, "an integer >= 1 or None")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", self.logprobs, "None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The params of completion `index` of an n>1 request: n=1 and its own seed (seed + index)."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v rejects nan
+
+
+def _check(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise RequestError(f"SamplingParams.{field}={value!r} is invalid: it must be {allowed}.")
+

@@ -1,0 +1,220 @@
+"""Scheduler: one token-budget rule for every step (DESIGN.md §6; vLLM v1's scheduler is the model).
+
+Each step the running requests come first, oldest first: one token each when decoding, or the next chunk
+of their prefill. Then waiting requests are admitted, first come first served, while the token budget,
+the sequence limit and the free blocks allow; a prompt larger than the budget left is chunked. There are
+no prefill or decode phases. When the pool runs out of blocks, the newest running request is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed (prefix caching makes
+that cheap). `update` appends the sampled tokens and applies the stop conditions.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from trtopt.runtime.batch import SampledToken, ScheduledBatch, ScheduledSeq, StepOutput
+from trtopt.runtime.kv_cache_manager import KVCacheManager
+from trtopt.runtime.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest (preempted first)
+        self.requests: dict[str, Request] = {}  # every unfinished sequence, including n>1 siblings not yet forked
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+
+    # ---- queue management ------------------------------------------------------------------------------
+
+    def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
+        """Queue a sequence; n>1 `siblings` fork from its blocks once its prompt is computed."""
+        for r in (request, *siblings):
+            assert r.request_id not in self.requests, f"duplicate request id {r.request_id!r}"
+            self.requests[r.request_id] = r
+        request.pending_forks = list(siblings)
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a sequence from outside (abort, error) wherever it is; its blocks are freed at once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:  # an n>1 sibling still waiting for its leader's prompt
+            leader = self.requests.get(req.parent_id)
+            assert leader is not None and req in leader.pending_forks, f"{request_id} is in no queue"
+            leader.pending_forks.remove(req)
+        self._finish(req, status)
+        return req
+
+    # ---- schedule ----------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, seqs, preempted)
+        # After a preemption the pool is tight: admitting someone now would only be preempted next.
+        if not preempted:
+            budget = self._schedule_waiting(budget, seqs)
+        return ScheduledBatch(seqs=seqs, num_batched_tokens=self.max_num_batched_tokens - budget, preempted_ids=preempted)
+
+    def _schedule_running(self, budget: int, seqs: list[ScheduledSeq], preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new >= 1, f"{req} is running with nothing to compute"
+            if not self._allocate_or_preempt(req, num_new, preempted):
+                break  # req preempted itself: everything after it is already gone too
+            seqs.append(self._scheduled_seq(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate req's slots, preempting the newest running requests until it fits. False if req itself went."""
+        while self.kv.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)  # first in line again: preemption must not cost it its turn
+
+    def _schedule_waiting(self, budget: int, seqs: list[ScheduledSeq]) -> int:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if len(self.running) + req.num_seats > self.max_num_seqs:
+                break
+            num_new = self._admit(req, budget)
+            if num_new is None:
+                break  # first come, first served: nobody jumps the head of the queue
+            seqs.append(self._scheduled_seq(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Move the head of the queue to running with its first chunk allocated; None if it does not fit."""
+        cached_blocks, num_cached = self.kv.get_computed_blocks(req.token_ids)
+        num_new = req.num_tokens - num_cached
+        if not self.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv.allocate_slots(req.request_id, req.token_ids, num_cached, num_new, cached_blocks) is None:
+            return None
+        self.waiting.popleft()
+        self.running.append(req)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+            req.metrics.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        self.num_cached_tokens += num_cached
+        return num_new
+
+    def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            samples=start + num_new == req.num_tokens,
+        )
+
+    # ---- update ------------------------------------------------------------------------------------------
+
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
+        """Advance every scheduled sequence; return those that got a token or finished, in batch order."""
+        changed = []
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished from outside after scheduling
+            req.num_computed_tokens += seq.num_new_tokens
+            if not seq.samples:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            self._append_token(req, output.sampled[req.request_id])
+            self._fork_siblings(req)
+            status = self._check_stop(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            changed.append(req)
+        return changed
+
+    def _append_token(self, req: Request, token: SampledToken) -> None:
+        now = time.monotonic()
+        req.token_ids.append(token.token_id)
+        if req.params.logprobs is not None:
+            req.logprobs.append(token.top_logprobs or {})
+            req.cumulative_logprob += token.logprob or 0.0
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+
+    def _fork_siblings(self, leader: Request) -> None:
+        """The leader's prompt is computed: its n>1 siblings share those blocks from now on."""
+        for sib in leader.pending_forks:
+            self.kv.fork(leader.request_id, sib.request_id)
+            # The sibling recomputes only the last prompt token, to get logits of its own to sample from;
+            # writing its K/V copies the shared last block first (copy-on-write).
+            sib.num_computed_tokens = leader.num_prompt_tokens - 1
+            sib.status = RequestStatus.RUNNING
+            sib.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(sib)
+        leader.pending_forks = []
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        token = req.token_ids[-1]
+        stop_str = req.detok.update(req.output_token_ids) if req.detok is not None else None
+        # The sampler masks EOS and stop ids before min_tokens; stop strings are ignored there as well.
+        if req.num_output_tokens > req.params.min_tokens:
+            if token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in req.params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        assert status.finished, f"{status} is not a finished status"
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+        req.status = status
+        req.metrics.finished_time = time.monotonic()
+        if req.detok is not None:
+            req.detok.finish()
