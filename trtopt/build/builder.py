@@ -1,0 +1,213 @@
+"""`trtopt build`: run the fusion pipeline on an exported model and write the plan dir (DESIGN.md §1).
+
+    source model (dir or .onnx) ──load──▶ onnx-ir model ──optimize──▶ fused graph ──validate──▶ plan dir
+                                                                                                model.onnx (+ .data)
+                                                                                                plan.json
+                                                                                                fusion_report.json
+                                                                                                tokenizer + config files
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+import onnx_ir as ir
+
+from trtopt.build.model_facts import head_dims_from_config, model_facts, read_json
+from trtopt.build.plan import MODEL_FILE, REPORT_FILE, Limits, PlanConfig, write_plan
+from trtopt.build.signature import check_signature
+from trtopt.build.source import load_source, resolve_model_path
+from trtopt.errors import BuildError, ConfigError
+from trtopt.fusion_passes.pipeline import FusionReport, optimize
+
+# Files copied from next to the source model so the plan dir is self-contained for the runtime and detokenizer.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
+EXTERNAL_DATA_FILE = "model.onnx.data"
+# Above this many weight bytes the plan's weights go to model.onnx.data (protobuf cannot hold 2 GiB).
+_EXTERNAL_DATA_THRESHOLD = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """What `trtopt build` produced."""
+
+    plan_dir: Path
+    config: PlanConfig
+    report: FusionReport
+    seconds: float
+
+
+def validate_limits(limits: Limits) -> None:
+    """ConfigError for option values the runtime cannot honour."""
+    if limits.block_size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size {limits.block_size} is not supported; choose one of {list(BLOCK_SIZES)}.")
+    for name in ("max_num_tokens", "max_num_seqs", "max_model_len"):
+        value = getattr(limits, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+    if limits.max_num_seqs > limits.max_num_tokens:
+        raise ConfigError(
+            f"--max-num-seqs {limits.max_num_seqs} exceeds --max-num-tokens {limits.max_num_tokens}: every scheduled "
+            "sequence needs at least one token per step. Lower --max-num-seqs or raise --max-num-tokens."
+        )
+
+
+def _prepare_out_dir(out_dir: Path, source_dir: Path, force: bool) -> None:
+    if out_dir.resolve() == source_dir.resolve():
+        raise BuildError(f"the plan dir {out_dir} is the model's own directory; choose another -o.")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not force:
+            raise BuildError(f"{out_dir} already exists and is not empty; pass --force to overwrite it.")
+        if out_dir.is_dir():
+            shutil.rmtree(out_dir)
+        else:
+            out_dir.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+class _Steps:
+    """Rich progress for the long steps; silent when progress is off (tests, libraries)."""
+
+    def __init__(self, enabled: bool):
+        self._progress = None
+        if enabled:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                      transient=False)
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[_Steps]:
+        if self._progress is None:
+            yield self
+            return
+        with self._progress:
+            yield self
+
+    @contextlib.contextmanager
+    def step(self, description: str) -> Iterator[None]:
+        if self._progress is None:
+            yield
+            return
+        task = self._progress.add_task(description, total=1)
+        yield
+        self._progress.update(task, completed=1)
+
+
+def _save(proto: onnx.ModelProto, out_dir: Path) -> Path:
+    path = out_dir / MODEL_FILE
+    weight_bytes = sum(len(t.raw_data) for t in proto.graph.initializer)
+    if weight_bytes > _EXTERNAL_DATA_THRESHOLD:
+        onnx.save(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=EXTERNAL_DATA_FILE, size_threshold=1024)
+    else:
+        onnx.save(proto, path)
+    # The full checker (with shape inference of the function bodies) reads the saved file, so 2 GiB models work.
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except onnx.checker.ValidationError as e:
+        raise BuildError(f"the fused graph failed the ONNX checker: {str(e)[:800]}. Please report this build.") from e
+    return path
+
+
+def _copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:
+    copied = []
+    for name in SIDE_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, out_dir / name)
+            copied.append(name)
+    return copied
+
+
+def _fit_limits(limits: Limits | None, max_model_len: int | None, config: dict) -> Limits:
+    """The given limits, or the defaults with max_model_len capped at the model's context (None = default 2048)."""
+    limits = limits or Limits()
+    if max_model_len is not None:
+        return dataclasses.replace(limits, max_model_len=max_model_len)
+    context = int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+    if context and limits.max_model_len > context:
+        return dataclasses.replace(limits, max_model_len=context)
+    return limits
+
+
+def build_plan(model_path: str | Path, out_dir: str | Path, *, limits: Limits | None = None,
+               max_model_len: int | None = None, force: bool = False, explain: bool = False,
+               progress: bool = True) -> BuildResult:
+    """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
+
+    ``limits`` default to Limits() with max_model_len capped at the model's context; ``max_model_len`` overrides
+    that field explicitly (and is then checked against the model's context).
+
+    Raises ConfigError for bad limits, BuildError for unreadable/unsafe inputs and FusionError when a cache graph
+    cannot be rewritten. ``explain`` keeps every unfused region in the report (they are always in
+    fusion_report.json; the CLI prints them with --explain).
+    """
+    start = time.perf_counter()
+    onnx_path = resolve_model_path(Path(model_path))
+    source_dir = onnx_path.parent
+    out_dir = Path(out_dir)
+    config_json = read_json(source_dir / "config.json")
+    generation_json = read_json(source_dir / "generation_config.json")
+    limits = _fit_limits(limits, max_model_len, config_json)
+    validate_limits(limits)
+
+    steps = _Steps(progress)
+    with steps.run():
+        with steps.step(f"loading {onnx_path.name}"):
+            model = load_source(onnx_path)
+        with steps.step("fusing (cleanup, attention, norms, MatMul+Add)"):
+            report = optimize(
+                model,
+                dims=head_dims_from_config(config_json),
+                block_size=limits.block_size,
+                vocab_size=config_json.get("vocab_size"),
+                probe_len=min(int(config_json.get("max_position_embeddings") or 512), 4096),
+            )
+        with steps.step("validating the plan graph"):
+            facts = model_facts(model, report.kind, config_json, generation_json)
+            if facts.max_position_embeddings and limits.max_model_len > facts.max_position_embeddings:
+                raise ConfigError(
+                    f"--max-model-len {limits.max_model_len} exceeds the model's max_position_embeddings "
+                    f"{facts.max_position_embeddings}; lower it."
+                )
+            check_signature(model, report.kind)
+            from trtopt.plugins import attach_functions
+
+            proto = attach_functions(ir.to_proto(model))
+            del model
+        with steps.step(f"writing {out_dir}"):
+            _prepare_out_dir(out_dir, source_dir, force)
+            _save(proto, out_dir)
+            config = PlanConfig(model=facts, limits=limits, kind=report.kind)
+            write_plan(out_dir, config)
+            copied = _copy_side_files(source_dir, out_dir)
+            seconds = time.perf_counter() - start
+            body = {
+                **report.to_dict(),
+                "source": str(onnx_path),
+                "copied_files": copied,
+                "seconds": round(seconds, 3),
+                "explain": explain,
+            }
+            (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
+    return BuildResult(plan_dir=out_dir, config=config, report=report, seconds=seconds)

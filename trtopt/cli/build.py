@@ -1,0 +1,60 @@
+"""`trtopt build`: fuse an exported model into a plan dir (thin over trtopt.build.builder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from trtopt.cli.common import console
+
+
+def _print_report(result, explain: bool) -> None:
+    report = result.report
+    table = Table("pass", "count", title=f"fusions ({report.kind} plan, {result.seconds:.1f} s)")
+    for name, count in report.counts.items():
+        table.add_row(name, str(count))
+    console.print(table)
+    facts = result.config.model
+    console.print(
+        f"[green]built[/] {result.plan_dir}: {facts.num_layers} layers, {facts.num_heads}/{facts.num_kv_heads} heads "
+        f"× {facts.head_dim}, vocab {facts.vocab_size}, {facts.dtype}"
+    )
+    if explain:
+        if not report.unfused:
+            console.print("every attention-like region fused.")
+        for failure in report.unfused:
+            console.print(f"[yellow]not fused[/] {failure.describe()}", highlight=False, soft_wrap=True)
+    elif report.unfused:
+        console.print(f"{len(report.unfused)} region(s) left unfused; run with --explain to see why.")
+
+
+def build(
+    model: Path = typer.Argument(..., help="An exported model: a .onnx file or a directory holding model.onnx."),
+    output: Path = typer.Option(..., "-o", "--output", help="The plan directory to write."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block: 8, 16, 32, 64 or 128."),
+    max_num_tokens: int = typer.Option(2048, "--max-num-tokens", help="Most tokens in one engine step (T)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most sequences in one engine step (S)."),
+    max_model_len: int = typer.Option(None, "--max-model-len",
+                                      help="Most tokens (prompt + output) per sequence [default: min(2048, the model's context)]."),
+    explain: bool = typer.Option(False, "--explain", help="Say, for each attention-like region left unfused, which check failed."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty plan directory."),
+):
+    """Fuse an exported ONNX model into a plan: attention → trtopt.PagedAttention (KV-cache graphs, rewritten to
+    the packed paged signature) or trtopt.FlashAttention (encoders), norms, MatMul+Add. Writes model.onnx,
+    plan.json, fusion_report.json and the tokenizer files, and prints the fusion counts.
+
+    Examples:
+
+        trtopt build out/smollm2-onnx -o out/smollm2-plan
+
+        trtopt build model.onnx -o plan --block-size 32 --max-model-len 4096 --explain --force
+    """
+    from trtopt.build.builder import build_plan
+    from trtopt.build.plan import Limits
+
+    limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
+    result = build_plan(model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain,
+                        progress=True)
+    _print_report(result, explain)
