@@ -50,9 +50,25 @@ def flash_attention(q, k, v, attn_bias=None, *, num_heads: int, num_kv_heads: in
               causal=causal)
 
 
+def matmul_add(x, weight, bias):
+    """trtopt::MatMulAdd: x @ weight + bias as one addmm."""
+    from trtopt.plugins.matmul_add.reference import matmul_add_ref
+
+    return matmul_add_ref(x, weight, bias)
+
+
+def rms_norm(x, scale, *, epsilon: float):
+    """trtopt::RMSNorm (below opset 23, where RMSNormalization does not exist)."""
+    from trtopt.plugins.rms_norm.reference import rms_norm_ref
+
+    return rms_norm_ref(x, scale, epsilon=epsilon)
+
+
 # Ops with side effects on an input (the KV pool) are never constant-folded nor deduplicated by the converter.
 TRTOPT_OPS: dict[str, OpSpec] = {
     "PagedAttention": OpSpec(paged_attention),
     "FlashAttention": OpSpec(flash_attention),
+    "MatMulAdd": OpSpec(matmul_add),
+    "RMSNorm": OpSpec(rms_norm),
 }
 IMPURE_OPS = frozenset({("trtopt", "PagedAttention")})

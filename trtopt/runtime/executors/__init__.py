@@ -1,0 +1,44 @@
+"""Executors: one plan, several engines (DESIGN.md §5). ``create_executor`` picks one by name.
+
+Backends import lazily, so a missing optional dependency (tensorrt) only disables its own backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trtopt.build.plan import PlanConfig
+from trtopt.errors import ConfigError
+from trtopt.runtime.executors.base import Executor
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, device: str = "cpu",
+                    num_blocks: int | None = None) -> Executor:
+    """Build the executor `backend` ("torch", "onnxruntime" or "tensorrt") for a plan dir.
+
+    device: "cpu" or "cuda" (onnxruntime: "cuda" selects the CUDA execution provider; tensorrt: always CUDA).
+    num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
+    """
+    if backend == "torch":
+        from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+        executor: Executor = TorchExecutor(plan_dir, plan, device=device)
+    elif backend == "onnxruntime":
+        from trtopt.runtime.executors.ort_executor import OrtExecutor
+
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else None
+        executor = OrtExecutor(plan_dir, plan, providers=providers)
+    elif backend == "tensorrt":
+        from trtopt.runtime.executors.trt_executor import TrtExecutor
+
+        executor = TrtExecutor(plan_dir, plan)
+    else:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    if num_blocks is not None:
+        executor.allocate_kv_cache(num_blocks)
+    return executor
+
+
+__all__ = ["BACKENDS", "Executor", "create_executor"]

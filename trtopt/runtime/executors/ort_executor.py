@@ -1,0 +1,111 @@
+"""The onnxruntime executor (DESIGN.md §5): the plan's model.onnx run as it is, trtopt ops by their function bodies.
+
+It is the independent check that the fused graph means what the original meant, and the portable fallback.
+
+KV pools: in ONNX semantics kv_cache_out.{i} is a new tensor, so ORT cannot write the pool it reads. The executor
+keeps two host buffers per layer and binds them with IOBinding: step n reads set A and writes set B, step n+1
+reads B and writes A. Nothing is allocated or copied by the executor per step; the copy of the pool inside the
+ScatterND of the function body is ORT's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from trtopt.build.plan import MODEL_FILE, PlanConfig
+from trtopt.errors import BuildError, ConfigError
+from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.signature import (
+    LOGITS, NUMPY_DTYPES, check_paged_plan, kv_dtype, kv_input, kv_output, kv_shape, step_tensors,
+)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def session_options(*, threads: int | None = None) -> ort.SessionOptions:
+    """All graph optimizations, one intra-op thread per available core, sequential execution."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads or _cpu_count()
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return options
+
+
+class OrtExecutor:
+    """Runs a paged plan on onnxruntime; pools are numpy arrays bound to the session through IOBinding."""
+
+    def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, providers: Sequence[str] | None = None,
+                 threads: int | None = None):
+        self.plan = plan
+        model_path = Path(plan_dir) / MODEL_FILE
+        if not model_path.is_file():
+            raise BuildError(f"{plan_dir} has no {MODEL_FILE}; build the plan with `trtopt build`.")
+        available = ort.get_available_providers()
+        providers = list(providers) if providers else ["CPUExecutionProvider"]
+        unknown = [p for p in providers if p not in available]
+        if unknown:
+            raise ConfigError(f"onnxruntime providers {unknown} are not available here (available: {available}).")
+        self.kv_dtype = kv_dtype(plan, NUMPY_DTYPES)
+        self.session = ort.InferenceSession(str(model_path), session_options(threads=threads), providers=providers)
+        input_names = [i.name for i in self.session.get_inputs()]
+        output_names = [o.name for o in self.session.get_outputs()]
+        check_paged_plan(plan, plan_dir, input_names, output_names)
+        self._pools: list[list[np.ndarray]] = [[], []]  # two sets of per-layer pools, swapped every step
+        self._current = 0  # index of the set that holds the live pools
+        self._pool_values: list[list[ort.OrtValue]] = [[], []]
+        self.num_blocks = 0
+
+    @property
+    def kv_caches(self) -> list[np.ndarray]:
+        """The live per-layer pools."""
+        return self._pools[self._current]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = kv_shape(self.plan, num_blocks)
+        layers = self.plan.model.num_layers
+        self._pools = [[np.zeros(shape, dtype=self.kv_dtype) for _ in range(layers)] for _ in range(2)]
+        # On CPU an OrtValue made from a numpy array shares its memory: both views stay valid as long as the array.
+        self._pool_values = [[ort.OrtValue.ortvalue_from_numpy(a) for a in pools] for pools in self._pools]
+        self._current = 0
+        self.num_blocks = num_blocks
+
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        assert self._pools[0], "allocate_kv_cache() must run before execute()"
+        binding = self.session.io_binding()
+        for name, tensor in step_tensors(step).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
+        live, spare = self._pool_values[self._current], self._pool_values[1 - self._current]
+        for layer in range(self.plan.model.num_layers):
+            binding.bind_ortvalue_input(kv_input(layer), live[layer])
+            binding.bind_ortvalue_output(kv_output(layer), spare[layer])
+        binding.bind_output(LOGITS, "cpu")
+        self.session.run_with_iobinding(binding)
+        self._current = 1 - self._current
+        logits = binding.get_outputs()[self._output_index(LOGITS)].numpy()
+        return torch.from_numpy(logits).reshape(-1, logits.shape[-1]).float()
+
+    def _output_index(self, name: str) -> int:
+        # IOBinding returns outputs in binding order: the KV outputs were bound first, logits last.
+        assert name == LOGITS
+        return self.plan.model.num_layers
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        index = np.asarray(pairs, dtype=np.int64)
+        assert index.min() >= 1 and index.max() < self.num_blocks, (
+            f"copy_blocks pairs {list(pairs)} must name blocks 1..{self.num_blocks - 1} (block 0 is the null block)"
+        )
+        for pool in self.kv_caches:
+            pool[index[:, 1]] = pool[index[:, 0]]  # fancy indexing on the right copies every source first

@@ -1,0 +1,93 @@
+"""The torch executor (DESIGN.md §5): the plan's model.onnx converted to torch.fx, KV pools written in place."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from trtopt.build.plan import MODEL_FILE, PlanConfig
+from trtopt.errors import ConfigError
+from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
+from trtopt.runtime.executors.signature import (
+    LOGITS, STEP_INPUT_NAMES, TORCH_DTYPES, check_paged_plan, kv_dtype, kv_input, kv_output, kv_shape, step_tensors,
+)
+
+
+class TorchExecutor:
+    """Runs a paged plan as a torch.fx GraphModule on CPU or CUDA.
+
+    The module's KV inputs are this executor's pools; trtopt::PagedAttention writes them in place and returns the
+    same tensor as kv_cache_out. If a layer's kv_cache_out is a new tensor instead (a plan whose attention runs as
+    its ONNX function body), it is copied back so the pool stays the one source of truth.
+    """
+
+    def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = ()):
+        self.plan = plan
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'.")
+        self.kv_dtype: torch.dtype = kv_dtype(plan, TORCH_DTYPES)
+        self._check_dtype(dtype)
+        started = time.perf_counter()
+        self.graph: ConvertedGraph = onnx_to_torch(Path(plan_dir) / MODEL_FILE, device=self.device,
+                                                   body_ops=body_ops)
+        self.convert_seconds = time.perf_counter() - started
+        check_paged_plan(plan, plan_dir, self.graph.input_names, self.graph.output_names)
+        layers = range(plan.model.num_layers)
+        self._step_positions = {name: self.graph.input_names.index(name) for name in STEP_INPUT_NAMES}
+        self._kv_positions = [self.graph.input_names.index(kv_input(i)) for i in layers]
+        self._kv_out_positions = [self.graph.output_names.index(kv_output(i)) for i in layers]
+        self._logits_position = self.graph.output_names.index(LOGITS)
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    def _check_dtype(self, dtype: torch.dtype | str | None) -> None:
+        # A plan is built for one dtype: its Cast nodes and constants name it, so it cannot be changed here.
+        if dtype is None:
+            return
+        wanted = TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+        if wanted != self.kv_dtype:
+            raise ConfigError(
+                f"dtype={dtype} was asked for but the plan was built in {self.plan.model.dtype}; export and build "
+                f"the model in that dtype (`trtopt export --dtype`), or leave dtype unset."
+            )
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = kv_shape(self.plan, num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(self.plan.model.num_layers)]
+        self.num_blocks = num_blocks
+
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        assert self.kv_caches, "allocate_kv_cache() must run before execute()"
+        feeds = step_tensors(step)
+        args: list[torch.Tensor | None] = [None] * len(self.graph.input_names)
+        for name, tensor in feeds.items():
+            args[self._step_positions[name]] = tensor.to(self.device, non_blocking=True)
+        for layer, position in enumerate(self._kv_positions):
+            args[position] = self.kv_caches[layer]
+        with torch.inference_mode():
+            outputs = self.graph.module(*args)
+            for layer, position in enumerate(self._kv_out_positions):
+                pool = self.kv_caches[layer]
+                if outputs[position] is not pool:
+                    pool.copy_(outputs[position])
+        logits = outputs[self._logits_position]
+        return logits.reshape(-1, logits.shape[-1]).float()
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        from trtopt.plugins.paged_attention.reference import copy_blocks_ref
+
+        index = torch.tensor(list(pairs), dtype=torch.int64)
+        assert int(index.min()) >= 1 and int(index.max()) < self.num_blocks, (
+            f"copy_blocks pairs {list(pairs)} must name blocks 1..{self.num_blocks - 1} (block 0 is the null block)"
+        )
+        with torch.inference_mode():
+            copy_blocks_ref(self.kv_caches, index)
