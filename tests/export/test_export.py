@@ -1,0 +1,100 @@
+import json
+
+import onnx
+import pytest
+
+from trtopt.errors import ExportError
+from trtopt.export import export_model
+from trtopt.export.exporter import TOLERANCE
+
+TINY = ["tiny-gpt2", "tiny-llama", "tiny-qwen2"]
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+@pytest.mark.parametrize("model", TINY)
+def test_tiny_export_matches_pytorch(exported, model, exporter):
+    result = exported(model, exporter)
+    # verification ran on both shapes and passed the fp32 tolerance
+    assert set(result.max_abs_error) == {"prompt (no past)", "decode (past 9)"}
+    assert max(result.max_rel_error.values()) <= TOLERANCE["fp32"]
+    proto = onnx.load(result.onnx_path, load_external_data=False)
+    inputs = [i.name for i in proto.graph.input]
+    outputs = [o.name for o in proto.graph.output]
+    config = json.loads((result.out_dir / "config.json").read_text())
+    layers = config.get("num_hidden_layers") or config["n_layer"]
+    assert inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert inputs[3:] == [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    assert outputs == ["logits"] + [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    # every dim of every input is symbolic, and the mask has its own length dim
+    for value in proto.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        dynamic = (0, 2) if value.name.startswith("past_key_values") else (0, 1)  # batch and sequence/past
+        assert all(dims[i].dim_param for i in dynamic), value.name
+    mask_len = proto.graph.input[1].type.tensor_type.shape.dim[1].dim_param
+    ids_len = proto.graph.input[0].type.tensor_type.shape.dim[1].dim_param
+    assert mask_len != ids_len
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (result.out_dir / name).is_file(), name
+
+
+@pytest.mark.slow
+def test_smollm2_export_matches_pytorch(exported):
+    result = exported("smollm2-135m", "dynamo")
+    assert max(result.max_rel_error.values()) <= TOLERANCE["fp32"]
+    assert (result.out_dir / "model.onnx.data").is_file()  # 540 MB of fp32 weights go to external data
+    assert json.loads((result.out_dir / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+def test_verification_can_fail(exported, tmp_path):
+    """Corrupt one weight of a real export: verification must catch it."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from trtopt.export.exporter import _load_model, _OptimumStyle, verify
+    from trtopt.export.models import resolve_model
+
+    result = exported("tiny-llama", "legacy")
+    proto = onnx.load(result.onnx_path)
+    # a layer weight (not the embedding, whose rows for unused token ids would not matter)
+    init = next(t for t in proto.graph.initializer if len(t.dims) == 2 and "embed" not in t.name)
+    arr = numpy_helper.to_array(init) * 1.01
+    init.CopyFrom(numpy_helper.from_array(arr, init.name))
+    bad = tmp_path / "model.onnx"
+    onnx.save(proto, bad)
+    hf = _load_model(resolve_model("tiny-llama"), __import__("torch").float32)
+    with pytest.raises(ExportError, match="differs from PyTorch"):
+        verify(bad, _OptimumStyle(hf).eval(), hf.config, "fp32")
+
+
+def test_missing_model(tmp_path):
+    with pytest.raises(ExportError, match="not found.*tiny-llama"):
+        export_model(str(tmp_path / "nope"), tmp_path / "out")
+
+
+def test_not_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    with pytest.raises(ExportError, match="unsupported architecture BertModel.*not a causal LM.*LlamaForCausalLM"):
+        export_model(tmp_path, tmp_path / "out")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ExportError, match="unsupported architecture FalconForCausalLM; supported"):
+        export_model(tmp_path, tmp_path / "out")
+
+
+def test_nonempty_output_needs_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="not empty.*--force"):
+        export_model("tiny-llama", out)
+    assert (out / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("kwargs,match", [({"exporter": "magic"}, "unknown exporter"),
+                                          ({"dtype": "int3"}, "unknown dtype"),
+                                          ({"opset": 9}, "opset 9 is not supported")])
+def test_bad_options(tmp_path, kwargs, match):
+    with pytest.raises(ExportError, match=match):
+        export_model("tiny-llama", tmp_path / "out", **kwargs)

