@@ -1,0 +1,91 @@
+import torch
+
+from trtopt.runtime.request import Request
+from trtopt.runtime.sampler import Sampler
+from trtopt.runtime.sampling_params import SamplingParams
+
+V = 50
+
+
+def req(prompt=(3, 4), out=(), **kw):
+    r = Request("r", list(prompt), SamplingParams(**kw), eos_token_ids=(0,), max_model_len=1000)
+    r.token_ids += list(out)
+    return r
+
+
+def logits_rows(n, seed=0):
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    x = logits_rows(3)
+    s = Sampler(seed=0)
+    got = s(x, [req(temperature=0), req(temperature=0.7, top_k=1), req(temperature=1.3, top_p=1e-6)])
+    assert [t.token_id for t in got] == x.argmax(-1).tolist()
+
+
+def test_seeded_draws_do_not_depend_on_batch_composition():
+    x = logits_rows(4, seed=1)
+    a = [Sampler()(x[2:3], [req(temperature=1.0, seed=7)])[0].token_id]
+    r1, r2 = req(temperature=1.0, seed=7), req(temperature=1.0, seed=7)
+    seq_alone = [Sampler()(x[2:3], [r1])[0].token_id for _ in range(20)]
+    seq_batched = [Sampler()(x, [req(temperature=0.5), req(temperature=0), r2, req(temperature=2.0)])[2].token_id for _ in range(20)]
+    assert seq_alone == seq_batched and a[0] == seq_alone[0]
+    assert len(set(seq_alone)) > 1  # it really samples
+
+
+def test_sampling_follows_the_distribution():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [0.0] * (V - 3)]) + 1e-30)
+    r = req(temperature=1.0, seed=3)
+    s = Sampler()
+    counts = torch.bincount(torch.tensor([s(x, [r])[0].token_id for _ in range(3000)]), minlength=V).float() / 3000
+    assert torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+    assert counts[3:].sum() == 0
+
+
+def test_top_k_top_p_min_p_keep_exactly_the_allowed_tokens():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04] + [0.0] * (V - 6))
+    x = torch.log(probs + 1e-30)[None]
+    cases = [({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1, 2}), ({"top_p": 0.65}, {0, 1}), ({"min_p": 0.3}, {0, 1, 2})]
+    for kw, allowed in cases:
+        r = req(temperature=1.0, seed=11, **kw)
+        seen = {Sampler()(x, [r])[0].token_id for _ in range(400)}
+        assert seen == allowed, kw
+
+
+def test_penalties_match_their_definition():
+    x = torch.tensor([[2.0, -1.0, 0.5, 1.0] + [-10.0] * (V - 4)])
+    prompt, out = [0], [1, 2, 2]
+    r = req(prompt=prompt, out=out, temperature=0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    # token 0: in prompt only -> 2.0/2 = 1.0; token 1: out once -> -1*2 - 0.5 - 0.25 = -2.75
+    # token 2: out twice -> 0.5/2 - 1.0 - 0.25 = -1.0; token 3: untouched 1.0
+    penalised = x.clone()
+    from trtopt.runtime.sampler import SamplingTensors, _apply_penalties
+
+    _apply_penalties(penalised, [r], SamplingTensors.from_requests([r], V))
+    assert torch.allclose(penalised[0, :4], torch.tensor([1.0, -2.75, -1.0, 1.0]))
+    assert Sampler()(x, [r])[0].token_id == 0  # ties at 1.0 go to the first index
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    x = torch.zeros(1, V)
+    x[0, 0] = 10.0  # EOS
+    x[0, 5] = 9.0  # a stop id
+    r = req(temperature=0, min_tokens=2, stop_token_ids=[5])
+    assert Sampler()(x, [r])[0].token_id not in (0, 5)
+    r.token_ids += [7, 8]
+    assert Sampler()(x, [r])[0].token_id == 0
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k_alternatives():
+    x = logits_rows(2, seed=4)
+    ra, rb = req(temperature=0, logprobs=3, repetition_penalty=1.5, out=(1, 2)), req(temperature=0)
+    a, b = Sampler()(x, [ra, rb])
+    lp = torch.log_softmax(x[0], -1)
+    assert abs(a.logprob - lp[a.token_id].item()) < 1e-6
+    top = lp.topk(3)
+    assert {k: round(v, 5) for k, v in a.top_logprobs.items()} == {
+        **{a.token_id: round(lp[a.token_id].item(), 5)},
+        **{i: round(v, 5) for i, v in zip(top.indices.tolist(), top.values.tolist())},
+    }
+    assert b.logprob is None and b.top_logprobs is None
