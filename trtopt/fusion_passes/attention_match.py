@@ -42,7 +42,9 @@ class AttentionMatch:
 
     softmax: ir.Node
     q: ir.Value  # [B, Hq, T, D], before any scale
-    k: ir.Value  # [B, Hkv, Tk, D], before repeat_kv and transpose (the Concat output in a cache graph)
+    k: ir.Value  # [B, Hkv, Tk, D] before repeat_kv and transpose (the Concat output in a cache graph),
+    #             or [B, Tk, Hkv, D] when k_heads_second is False
+    k_heads_second: bool
     v: ir.Value  # [B, Hkv, Tk, D], before repeat_kv
     scale: float
     mask: MaskSpec | None
@@ -139,20 +141,26 @@ def _strip_repeat_kv(value: ir.Value) -> tuple[ir.Value, bool]:
     return unsqueeze.inputs[0], True
 
 
-def _strip_key_transpose(value: ir.Value) -> ir.Value:
-    """Undo kᵀ: a Transpose of the last two axes, or Reshape→Transpose(0,2,1)→Reshape (dynamo's 3-D form)."""
+def _strip_key_transpose(value: ir.Value) -> tuple[ir.Value, bool]:
+    """Undo kᵀ: a Transpose of the last two axes, or Reshape→Transpose(0,2,1)→Reshape (dynamo's 3-D form).
+
+    Returns (k, heads_second): heads_second is False when the transpose came straight from [B, S, H, D]
+    (perm (0, 2, 3, 1), the legacy exporter's merged transposes); the rule then adds the [B, H, S, D] view.
+    """
     node = value.producer()
     if node is None:
         raise NoMatch("key operand of QKᵀ is not computed")
     if node.op_type == "Transpose" and _perm(node) == (0, 1, 3, 2):
-        return node.inputs[0]
+        return node.inputs[0], True
+    if node.op_type == "Transpose" and _perm(node) == (0, 2, 3, 1):
+        return node.inputs[0], False
     if node.op_type == "Reshape":
         transpose = node.inputs[0].producer()
         if transpose is not None and transpose.op_type == "Transpose" and _perm(transpose) == (0, 2, 1):
             flatten = transpose.inputs[0].producer()
             if flatten is not None and flatten.op_type == "Reshape":
                 # [B, H, S, D] → [B·H, S, D] → [B·H, D, S] → [B, H, D, S]: the outer reshapes only fold B·H.
-                return flatten.inputs[0]
+                return flatten.inputs[0], True
     raise NoMatch(f"key operand of QKᵀ is {node.op_type}, not a transpose of the last two axes", node.name or "")
 
 
@@ -221,9 +229,11 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
 
     q, q_scale = _strip_scalar_scale(qk.inputs[0])
     k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
-    k_rep = _strip_key_transpose(k_t)
+    k_rep, heads_second = _strip_key_transpose(k_t)
     k_rep, k_scale_inner = _strip_scalar_scale(k_rep)
     k, k_repeated = _strip_repeat_kv(k_rep)
+    if not heads_second and k_repeated:
+        raise NoMatch("keys are repeated to the query heads in [B, S, H, D] layout", qk.name or "")
     v, v_repeated = _strip_repeat_kv(out_node.inputs[1])
     if k_repeated != v_repeated:
         raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
@@ -235,6 +245,7 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
         softmax=softmax,
         q=q,
         k=k,
+        k_heads_second=heads_second,
         v=v,
         scale=scale,
         mask=mask,

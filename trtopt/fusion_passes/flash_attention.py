@@ -26,7 +26,7 @@ def _head_counts(match: AttentionMatch, ctx: PassContext) -> tuple[int, int, int
         return dim if isinstance(dim, int) else None
 
     num_heads = static(match.q, 1) or ctx.dims.num_heads
-    hkv = static(match.k, 1) or (ctx.dims.num_kv_heads if match.repeat_kv else num_heads)
+    hkv = static(match.v, 1) or (ctx.dims.num_kv_heads if match.repeat_kv else num_heads)
     head_dim = static(match.q, 3) or ctx.dims.head_dim
     if num_heads is None or hkv is None or head_dim is None:
         raise NoMatch("cannot tell the head counts from the graph; put the model's config.json next to it")
@@ -67,6 +67,12 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
             ctx.trace.fail(RULE, softmax.name or "Softmax", e)
             continue
         bias, extra = _bias(match, graph)
+        k = match.k
+        if not match.k_heads_second:
+            # k: [B, S, H, D] → [B, H, S, D], the op's layout (the graph had folded this into kᵀ).
+            to_heads = ir.Node("", "Transpose", [k], [ir.AttrInt64s("perm", [0, 2, 1, 3])], name=f"{softmax.name}.k_bhsd")
+            extra.append(to_heads)
+            k = to_heads.outputs[0]
         attrs = [
             ir.AttrInt64("num_heads", num_heads),
             ir.AttrInt64("num_kv_heads", hkv),
@@ -74,7 +80,7 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
             ir.AttrFloat32("scale", match.scale),
             ir.AttrInt64("causal", 0),
         ]
-        node = trtopt_node("FlashAttention", [match.q, match.k, match.v, bias], attrs, num_outputs=1, name=f"FlashAttention_{count}")
+        node = trtopt_node("FlashAttention", [match.q, k, match.v, bias], attrs, num_outputs=1, name=f"FlashAttention_{count}")
         node.outputs[0].name = f"flash_attention.{count}.out"
         node.outputs[0].shape, node.outputs[0].type = match.out.shape, match.out.type
         graph.insert_after(match.out_node, [*extra, node])

@@ -101,6 +101,8 @@ def _roles(graph: ir.Graph, pasts: list[ir.Value]) -> ProbeInputs:
 
 def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: PassContext) -> PagedLayer:
     match = match_attention(softmax)
+    if not match.k_heads_second:
+        raise NoMatch("keys are cached in [B, S, H, D] layout", softmax.name or "")
     k_cat = _cache_pair(match.k, "keys")
     v_cat = _cache_pair(match.v, "values")
     if match.mask is None:
