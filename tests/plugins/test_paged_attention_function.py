@@ -10,6 +10,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from test_paged_attention_reference import make_step
@@ -141,3 +143,16 @@ def test_function_is_generic_and_matches_the_model_opset():
     assert make_function(23).name == make_function(17).name == "PagedAttention"
     node = model.graph.node[0]
     assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "plugin_namespace")) == b"trtopt"
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), alibi=st.booleans(), block_size=st.sampled_from([16, 32]))
+def test_property_random_steps(data, alibi, block_size):
+    num_seqs = data.draw(st.integers(1, 4))
+    context_lens = data.draw(st.lists(st.integers(1, 80), min_size=num_seqs, max_size=num_seqs))
+    new_tokens = [data.draw(st.integers(1, min(c, 16))) for c in context_lens]
+    step = make_step(random.Random(data.draw(st.integers(0, 10_000))), context_lens=context_lens,
+                     new_tokens=new_tokens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                     block_size=block_size, skip_slots=data.draw(st.integers(0, 2)))
+    slopes = torch.rand(NUM_HEADS) if alibi else None
+    compare(session(23, torch.float32, alibi), step, alibi_slopes=slopes)
