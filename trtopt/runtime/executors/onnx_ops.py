@@ -37,6 +37,7 @@ ONNX_TO_TORCH_DTYPE: dict[int, torch.dtype] = {
 }
 
 IntsLike = Sequence[int] | torch.Tensor
+_INT64_MAX = 2**63 - 1
 
 
 def as_ints(value: IntsLike) -> list[int]:
@@ -197,7 +198,11 @@ def slice_(x, starts: IntsLike, ends: IntsLike, axes: IntsLike | None = None, st
             index[axis] = slice(max(min(start, dim), -dim - 1), max(min(end, dim), -dim - 1), step)
             continue
         # torch has no negative steps: select the range reversed, then flip.
-        start = min(max(start + dim if start < 0 else start, -1), dim - 1)
+        if end == _INT64_MAX:
+            # onnxruntime (and torch's exporters, which emit it) read INT64_MAX as "through the first element"
+            # for a negative step, although the spec's clamping would make the slice empty; follow onnxruntime.
+            end = -dim - 1
+        start = min(max(start + dim if start < 0 else start, 0), dim - 1)
         end = min(max(end + dim if end < 0 else end, -1), dim - 1)
         picked = list(range(start, end, step))
         if not picked:
