@@ -1,0 +1,33 @@
+"""The paged-KV LLM runtime (DESIGN.md §6). `LLM` and `SamplingParams` are the public entry points.
+
+Imports are lazy so that `import trtopt` stays cheap (no torch/transformers until they are used).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trtopt.runtime.engine import EngineConfig, LLMEngine
+    from trtopt.runtime.llm import LLM
+    from trtopt.runtime.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "trtopt.runtime.llm",
+    "LLMEngine": "trtopt.runtime.engine",
+    "EngineConfig": "trtopt.runtime.engine",
+    "SamplingParams": "trtopt.runtime.sampling_params",
+    "RequestOutput": "trtopt.runtime.batch",
+    "CompletionOutput": "trtopt.runtime.batch",
+    "EngineStats": "trtopt.runtime.batch",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trtopt.runtime' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

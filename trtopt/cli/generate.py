@@ -1,0 +1,84 @@
+"""`trtopt generate`: run prompts through a plan and stream the text as it is generated."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from trtopt.cli.common import console, err_console
+
+
+def generate(
+    plan: Path = typer.Argument(..., help="A plan dir built by `trtopt build`."),
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="A prompt; repeat for a batch."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user message with the chat template."),
+    system: str = typer.Option(None, "--system", help="A system message (with --chat)."),
+    backend: str = typer.Option("torch", help="torch or onnxruntime."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    max_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 = off."),
+    min_p: float = typer.Option(0.0),
+    repetition_penalty: float = typer.Option(1.0),
+    seed: int = typer.Option(None, help="Makes sampling reproducible."),
+    stop: list[str] = typer.Option(None, "--stop", help="A stop string; repeatable."),
+    n: int = typer.Option(1, help="Completions per prompt."),
+):
+    """Generate text for one or more prompts. A single prompt with n=1 is streamed token by token; with
+    several, each completion is printed as it finishes. Timings go to stderr.
+
+    Examples:
+
+        trtopt generate out/plan --chat --prompt "What is the capital of France?"
+
+        trtopt generate out/plan -p "Once upon a time" -p "The meaning of life is" --max-tokens 64
+
+        trtopt generate out/plan -p "Write a haiku" --temperature 0.8 --top-p 0.95 --seed 1 --n 2 --backend onnxruntime
+    """
+    from trtopt.runtime.llm import LLM
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+        seed=seed, max_tokens=max_tokens, stop=tuple(stop or ()),
+    )
+    started = time.perf_counter()
+    llm = LLM(plan, backend=backend, device=device)
+    err_console.print(f"loaded {plan} on {backend}/{device} in {time.perf_counter() - started:.1f} s; {_describe(params)}", highlight=False)
+    prompts = [_chat(p, system) if chat else p for p in prompt]
+    stream = len(prompts) == 1 and n == 1
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, on_output=_print_delta if stream else _print_finished)
+    elapsed = time.perf_counter() - started
+    if stream:
+        console.print()
+    num_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    ttft = outs[0].metrics.time_to_first_token
+    err_console.print(
+        f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tok/s); first token after {ttft:.2f} s", highlight=False
+    )
+
+
+def _chat(text: str, system: str | None) -> list[dict]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": text}]
+
+
+def _describe(p) -> str:
+    mode = "greedy" if p.greedy else f"temperature={p.temperature} top_p={p.top_p} top_k={p.top_k} min_p={p.min_p} seed={p.seed}"
+    return f"{mode}, max_tokens={p.max_tokens}, n={p.n}" + (f", stop={list(p.stop)}" if p.stop else "")
+
+
+def _print_delta(out) -> None:
+    console.print(out.outputs[0].delta_text, end="", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_finished(out) -> None:
+    if not out.finished:
+        return
+    for c in out.outputs:
+        console.rule(f"{out.request_id} [{c.index}] ({c.finish_reason})", style="dim")
+        console.print(c.text, markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,98 @@
+"""LLM: the offline batch API (vLLM's conventions, so users' code carries over).
+
+    from trtopt import LLM, SamplingParams
+    llm = LLM("out/plan")
+    outs = llm.generate(["Hello, my name is", [{"role": "user", "content": "Hi!"}]], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text, outs[0].metrics.time_to_first_token)
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from trtopt.errors import RequestError
+from trtopt.runtime.batch import RequestOutput
+from trtopt.runtime.engine import LLMEngine, PromptType
+from trtopt.runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu", **engine_config: Any) -> None:
+        """Load a plan dir built by `trtopt build`. engine_config: EngineConfig fields (num_blocks, max_num_seqs, ...)."""
+        self.engine = LLMEngine.from_plan(plan_dir, backend=backend, device=device, **engine_config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, continuously batched; results come back in prompt order.
+
+        A prompt is a string, a chat message list ([{"role": ..., "content": ...}], rendered with the chat
+        template), token ids, or {"prompt_token_ids": [...]}. `on_output` sees every intermediate
+        RequestOutput (for streaming). A bad prompt raises RequestError before anything runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompt_list, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except RequestError:
+            for rid in added:  # all or nothing: the batch does not half-run
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, on_output)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """generate() for one conversation or a list of conversations."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        return self.generate(list(messages), sampling_params)
+
+    def _run(self, ids: list[str], on_output: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+
+def _is_single_prompt(p: Any) -> bool:
+    if isinstance(p, (str, dict)):
+        return True
+    # A list of ints is one tokenized prompt; a list of role/content dicts is one conversation.
+    return isinstance(p, (list, tuple)) and bool(p) and (all(isinstance(x, int) for x in p) or all(isinstance(x, dict) and "role" in x for x in p))
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if _is_single_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise RequestError("prompts must be a prompt or a non-empty list of prompts (text, chat messages or token ids).")
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise RequestError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt.")
+    return params
