@@ -1,0 +1,53 @@
+"""`trtopt serve`: the OpenAI-compatible HTTP server over one plan (thin over trtopt.serving.server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from trtopt.cli.common import console
+
+
+def serve(
+    plan: Path = typer.Argument(..., help="A plan directory written by `trtopt build`."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 exposes it to the network)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    model_name: str = typer.Option(None, "--model-name", help="Model id clients send [default: the plan directory name]."),
+    api_key: str = typer.Option(None, "--api-key", envvar="TRTOPT_API_KEY",
+                                help="Require `Authorization: Bearer KEY` on /v1/* (or set TRTOPT_API_KEY)."),
+    backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
+    num_blocks: int = typer.Option(None, "--num-blocks", help="KV blocks per layer [default: from --kv-cache-memory-gb]."),
+    kv_cache_memory_gb: float = typer.Option(1.0, "--kv-cache-memory-gb", help="KV cache size when --num-blocks is unset."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+):
+    """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
+    `stream: true`), /health and /metrics (Prometheus). Requests are batched continuously by one engine.
+
+    Examples:
+
+        trtopt serve out/plan --port 8000
+
+        curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+            -d '{"model": "plan", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+
+        trtopt serve out/plan --host 0.0.0.0 --api-key secret --max-num-seqs 32 --max-model-len 1024
+    """
+    import uvicorn
+
+    from trtopt.runtime.engine import LLMEngine
+    from trtopt.serving.server import create_app
+
+    engine = LLMEngine.from_plan(
+        plan, backend=backend, device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+    )
+    name = model_name or Path(plan).resolve().name
+    app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
+    console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,173 @@
+"""OpenAI wire format: request bodies (pydantic, types only) and their mapping onto SamplingParams.
+
+Range checks live in SamplingParams (one place, one message per field); pydantic here only checks types, so
+a bad value reaches the user as the same RequestError text whether it came over HTTP or from Python.
+The field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trtopt.errors import RequestError
+from trtopt.runtime.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    # Unknown fields are ignored, as the OpenAI API does for forward compatibility.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _common_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported by trtopt; remove it from the request.")
+        given = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+        }
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None},
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=_stop_list(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16  # OpenAI's default for the legacy completions API
+    logprobs: int | None = None  # top alternatives per token (0..20); None = no logprobs
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (text or token ids). Batched prompts are refused, with what to do."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, list) and any(isinstance(x, (str, list)) for x in p):
+            raise RequestError("trtopt serves one prompt per request; send the prompts as separate (concurrent) requests.")
+        if isinstance(p, list) and not p or p == "":
+            raise RequestError("the prompt is empty; send at least one token.")
+        return p
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise RequestError("echo=true is not supported by trtopt; the prompt is in your request already.")
+        if self.suffix:
+            raise RequestError("suffix (insertion) is not supported by trtopt; remove it from the request.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of={self.best_of} is not supported (only best_of == n); use n instead.")
+        return self._common_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id... are passed through to the template
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them: content parts of type "text" joined into one string."""
+        out = []
+        for m in self.messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                if any(part.get("type") != "text" for part in m.content):
+                    raise RequestError("only text content parts are supported; send {'type': 'text', 'text': ...} parts.")
+                d["content"] = "".join(str(part.get("text", "")) for part in m.content)
+            d.setdefault("content", "")
+            out.append(d)
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true; set both.")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._common_params(max_tokens, logprobs)
+
+
+def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorInfo:
+    """An OpenAI-style error: HTTP status plus the body fields."""
+
+    status: int  # 400 bad request, 401 bad key, 404 unknown model/route, 413 body too large, 5xx ours
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]

@@ -1,0 +1,303 @@
+"""The OpenAI-compatible HTTP server: `create_app(engine, model_name)` → a FastAPI app.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`),
+GET /health, GET /metrics. Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}) with
+the right 4xx. A client that disconnects has its request aborted, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from trtopt.errors import RequestError
+from trtopt.runtime.batch import CompletionOutput, RequestOutput
+from trtopt.runtime.engine import LLMEngine
+from trtopt.runtime.sampling_params import SamplingParams
+from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from trtopt.serving.metrics import LatencyTracker, ServingMetrics
+from trtopt.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, usage
+from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer
+from trtopt.serving.tokenize import PromptTokens, tokenize_chat, tokenize_prompt
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt a max_model_len of thousands can hold
+
+
+class APIError(Exception):
+    """Raised inside a handler to answer with an OpenAI-style error."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
+def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving `engine` under the model id `model_name`.
+
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health and /metrics stay open).
+    max_body_bytes: larger request bodies get 413 before any parsing.
+    """
+    aengine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    metrics = ServingMetrics(aengine.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        aengine.start()
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="trtopt", lifespan=lifespan)
+    app.state.engine = aengine
+    app.state.metrics = metrics
+    app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    _install_error_handlers(app)
+    handler = _Handlers(aengine, model_name, metrics)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(ErrorInfo(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
+                                     code="invalid_api_key"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not aengine.is_running:
+            return _error_response(ErrorInfo(503, "the engine loop is not running", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
+        return {"object": "list", "data": [handler.model_card()]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_key(request)
+        return await handler.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_key(request)
+        return await handler.chat(body, request)
+
+    return app
+
+
+class _Handlers:
+    """The generation endpoints, sharing one engine and its metrics."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServingMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtopt",
+                "max_model_len": self.engine.max_model_len}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        def prepare() -> tuple[PromptTokens, SamplingParams]:
+            return tokenize_prompt(self.engine.tokenizer, body.single_prompt()), body.to_sampling_params()
+
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer)
+        return await self._serve("completions", body, request, prepare, renderer)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        def prepare() -> tuple[PromptTokens, SamplingParams]:
+            return tokenize_chat(self.engine.tokenizer, body.template_messages()), body.to_sampling_params()
+
+        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
+                                n=body.n, top_logprobs=body.top_logprobs or 0)
+        return await self._serve("chat", body, request, prepare, renderer)
+
+    async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
+                     prepare: Callable[[], tuple[PromptTokens, SamplingParams]], renderer: Renderer) -> Response:
+        arrival = time.monotonic()
+        if body.model != self.model_name:
+            self.metrics.requests.labels(endpoint, "rejected").inc()
+            raise APIError(ErrorInfo(404, f"the model {body.model!r} does not exist; this server serves "
+                                          f"{self.model_name!r} (see GET /v1/models).", param="model",
+                                     code="model_not_found"))
+        try:
+            prompt, params = prepare()
+            self._check_context(prompt, params)
+            stream = await self.engine.add_request(renderer.request_id, prompt.engine_prompt(), params)
+        except RequestError as e:
+            self.metrics.requests.labels(endpoint, "rejected").inc()
+            raise APIError(ErrorInfo(400, str(e))) from None
+        except EngineDeadError as e:
+            raise APIError(ErrorInfo(503, str(e), type="server_error")) from None
+        tracker = LatencyTracker(self.metrics, arrival)
+        if body.stream:
+            sse = self._sse(endpoint, stream, renderer, tracker, len(prompt.token_ids), body.include_usage)
+            return _SSEResponse(sse, media_type="text/event-stream")
+        return await self._collect(endpoint, stream, renderer, tracker, request)
+
+    def _check_context(self, prompt: PromptTokens, params: SamplingParams) -> None:
+        """vLLM's rule: prompt + max_tokens must fit the context; the engine would silently cut max_tokens."""
+        limit = self.engine.max_model_len
+        n = len(prompt.token_ids)
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens, but you requested {n + params.max_tokens} "
+                f"({n} in the prompt, {params.max_tokens} for the completion); reduce the prompt or max_tokens.")
+
+    async def _collect(self, endpoint: str, stream: RequestStream, renderer: Renderer, tracker: LatencyTracker,
+                       request: Request) -> Response:
+        final: RequestOutput | None = None
+        try:
+            async for out in stream:
+                tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
+                final = out
+                if await request.is_disconnected():
+                    self.metrics.requests.labels(endpoint, "disconnected").inc()
+                    return Response(status_code=499)
+        except RuntimeError as e:
+            self.metrics.requests.labels(endpoint, "error").inc()
+            raise APIError(ErrorInfo(500, str(e), type="server_error")) from None
+        finally:
+            stream.close()
+        assert final is not None and final.finished, "a stream ends with a finished output"
+        tracker.on_finish(time.monotonic())
+        self.metrics.requests.labels(endpoint, _outcome(final)).inc()
+        return JSONResponse(renderer.full_response(final))
+
+    async def _sse(self, endpoint: str, stream: RequestStream, renderer: Renderer, tracker: LatencyTracker,
+                   num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        outcome = "disconnected"  # unless the loop below completes: a cancelled generator is a client that left
+        try:
+            for chunk in renderer.stream_start():
+                yield _sse_event(chunk)
+            completion_tokens = 0
+            async for out in stream:
+                tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
+                for chunk in renderer.stream_chunks(out):
+                    yield _sse_event(chunk)
+                completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+                if out.finished:
+                    outcome = _outcome(out)
+            tracker.on_finish(time.monotonic())
+            if include_usage:
+                yield _sse_event(renderer.usage_chunk(usage(num_prompt_tokens, completion_tokens)))
+            yield "data: [DONE]\n\n"
+        except RuntimeError as e:  # the model failed mid-stream: headers are sent, so the error goes in-band
+            outcome = "error"
+            yield _sse_event(ErrorInfo(500, str(e), type="server_error").body())
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
+            self.metrics.requests.labels(endpoint, outcome).inc()
+
+
+def _outcome(out: RequestOutput) -> str:
+    reasons = {c.finish_reason for c in out.outputs}
+    return "error" if "error" in reasons else "ok"
+
+
+def _sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error_response(info: ErrorInfo) -> JSONResponse:
+    return JSONResponse(info.body(), status_code=info.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.info)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(ErrorInfo(400, "the request body is not valid JSON; send a JSON object."))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = f"invalid request: {param or 'body'}: {first.get('msg', 'invalid value')}"
+        return _error_response(ErrorInfo(400, msg, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(ErrorInfo(exc.status_code, str(exc.detail), type=kind))
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client leaving and always closes its generator, so an
+    abandoned stream aborts its request at once (whatever ASGI spec version the server speaks)."""
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream_then_stop() -> None:
+                    with contextlib.suppress(OSError):  # the socket went away mid-send
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _BodyLimitMiddleware:
+    """Answers 413 for request bodies over max_body_bytes, before the app parses them. The body is read here
+    (bounded by the limit) and replayed to the app; later receives (disconnect notices) pass straight through."""
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._reject(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:  # a chunked body, with no content-length to check up front
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replaying_receive() -> dict:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replaying_receive, send)
+
+    async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
+        info = ErrorInfo(413, f"the request body is larger than {self.max_body_bytes} bytes; send a shorter prompt.")
+        await _error_response(info)(scope, receive, send)
