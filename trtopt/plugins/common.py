@@ -25,6 +25,8 @@ PLUGIN_NAMESPACE = "trtopt"
 MIN_MODEL_OPSET = 17
 # Initializers that stand for an absent optional input: float32 zeros, named by shape ("trtopt_zeros_1x1x1x1").
 ZERO_INPUT_PREFIX = "trtopt_zeros_"
+# Bodies mask hidden scores with the lowest finite float32, not −inf, so a row that sees no key gives no NaN.
+LOWEST_FLOAT32 = -3.4028234663852886e38
 
 # Node attributes that only steer TensorRT's parser; every trtopt function declares them so ORT and the checker
 # accept them on the node, and the bodies ignore them.
@@ -59,9 +61,6 @@ class OpSchema:
     # (input shapes in node order, None for an absent/unknown input; normalized attributes) -> output shapes.
     # Raises BuildError when the shapes contradict each other or the attributes.
     infer_shapes: Callable[[Sequence[Shape | None], Mapping[str, Any]], list[Shape]] = field(repr=False)
-
-    def attribute(self, name: str) -> AttrSpec | None:
-        return next((a for a in self.attributes if a.name == name), None)
 
 
 def expect_dim(op: str, what: str, actual: Dim, expected: Dim) -> None:
@@ -170,8 +169,10 @@ def _set_attributes(node: onnx.NodeProto, attrs: Mapping[str, Any]) -> None:
     node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
 
 
-def _fill_absent_inputs(model: onnx.ModelProto, node: onnx.NodeProto, schema: OpSchema, attrs: Mapping[str, Any]) -> None:
-    """Wire a shared float32 zero initializer into every absent optional input of ``node``.
+def _fill_absent_inputs(
+    model: onnx.ModelProto, node: onnx.NodeProto, schema: OpSchema, attrs: Mapping[str, Any]
+) -> dict[str, Shape]:
+    """Wire a shared float32 zero initializer into every absent optional input of ``node``; returns their shapes.
 
     Why not keep "": a function body cannot branch on whether an optional input was given (OptionalHasElement
     needs an optional-typed value before opset 18, and ORT rejects a "" reference even in an untaken If branch),
@@ -179,9 +180,10 @@ def _fill_absent_inputs(model: onnx.ModelProto, node: onnx.NodeProto, schema: Op
     when B is "" (it dereferences the missing input's type). TensorRT's Python plugins also take a fixed input
     list. Zeros are exactly "absent" for both ops (no ALiBi, no bias), so the node always has every input.
     """
-    missing = [i for i, formal in enumerate(schema.inputs) if i >= len(node.input) or not node.input[i]]
+    missing = [i for i in range(len(schema.inputs)) if i >= len(node.input) or not node.input[i]]
     if not missing:
-        return
+        return {}
+    wired: dict[str, Shape] = {}
     existing = {init.name for init in model.graph.initializer}
     while len(node.input) < len(schema.inputs):
         node.input.append("")
@@ -192,6 +194,8 @@ def _fill_absent_inputs(model: onnx.ModelProto, node: onnx.NodeProto, schema: Op
             model.graph.initializer.append(helper.make_tensor(name, TensorProto.FLOAT, shape, [0.0] * math.prod(shape)))
             existing.add(name)
         node.input[i] = name
+        wired[name] = shape
+    return wired
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -228,9 +232,7 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
                 f"{sorted(schema.optional_inputs)}) and outputs {list(schema.outputs)}; the node has "
                 f"{list(node.input)} -> {list(node.output)}. Fix the fusion rule that made it."
             )
-        _fill_absent_inputs(model, node, schema, attrs)
-        shapes.update({init.name: tuple(init.dims) for init in model.graph.initializer
-                       if init.name.startswith(ZERO_INPUT_PREFIX)})
+        shapes.update(_fill_absent_inputs(model, node, schema, attrs))
         input_shapes = [shapes.get(name) for name in node.input]
         if all(shape is not None for shape in input_shapes):
             schema.infer_shapes(input_shapes, attrs)
@@ -259,6 +261,7 @@ class BodyBuilder:
         self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self._count = itertools.count()
+        self._attrs: dict[str, str] = {}
 
     def op(self, op_type: str, *inputs: str, name: str | None = None, **attrs: Any) -> str:
         out = name or f"_{op_type.lower()}{next(self._count)}"
@@ -277,18 +280,20 @@ class BodyBuilder:
 
     def attr(self, ref: str, kind: type) -> str:
         """A 0-D constant holding the calling node's attribute ``ref`` (an int64 or float32 scalar)."""
+        if ref in self._attrs:
+            return self._attrs[ref]
         attr_name, attr_type = ("value_int", onnx.AttributeProto.INT) if kind is int else \
             ("value_float", onnx.AttributeProto.FLOAT)
         out = f"_attr_{ref}"
         node = helper.make_node("Constant", [], [out])
         node.attribute.append(helper.make_attribute_ref(attr_name, attr_type, ref_attr_name=ref))
         self.nodes.append(node)
+        self._attrs[ref] = out
         return out
 
     def dim(self, x: str, axis: int) -> str:
-        """Size of ``x`` along ``axis`` as a 1-D int64 [1] (Reshape/Concat-ready)."""
-        if axis == -1:
-            return self.op("Shape", x, start=-1)
+        """Size of ``x`` along ``axis`` (>= 0) as a 1-D int64 [1] (Reshape/Concat-ready)."""
+        assert axis >= 0, "count axes from the front: Shape(start=-1, end=0) would be empty"
         return self.op("Shape", x, start=axis, end=axis + 1)
 
     def scalar(self, x: str) -> str:
@@ -309,6 +314,3 @@ class BodyBuilder:
             attributes=[*attributes, *TENSORRT_ATTRIBUTES], doc_string=doc,
         )
 
-
-LOWEST_FLOAT32 = float(-3.4028234663852886e38)  # masks with a finite value so fully hidden rows give no NaN
-FLOAT = TensorProto.FLOAT
