@@ -1,0 +1,137 @@
+"""The torch and onnxruntime executors on built plans: same logits as each other and as the original graph."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from paged_driver import BlockSource, OriginalModel, Seq, make_step, packed_schedule
+from trtopt.build.plan import read_plan
+from trtopt.errors import BuildError, ConfigError
+from trtopt.runtime.executors import create_executor
+from trtopt.runtime.executors.ort_executor import OrtExecutor
+from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+NUM_BLOCKS = 24
+ATOL = 1e-4
+
+
+def prompts(vocab: int, lens=(21, 6, 1)) -> list[list[int]]:
+    rng = np.random.default_rng(sum(lens))
+    return [rng.integers(0, vocab, n).tolist() for n in lens]
+
+
+def generate_and_compare(plan_dir, export_dir, executors, *, chunk=8, decode_steps=4) -> dict[str, float]:
+    """Packed greedy generation; returns max |Δlogits| of each executor vs the original graph."""
+    plan = read_plan(plan_dir)
+    m = plan.model
+    original = OriginalModel(export_dir / "model.onnx", m.num_kv_heads, m.head_dim)
+    seqs = [Seq(p) for p in prompts(m.vocab_size)]
+    pasts = [original.new_state() for _ in seqs]
+    blocks = BlockSource(NUM_BLOCKS)
+    worst = {name: 0.0 for name in executors}
+    for counts in packed_schedule([len(s.tokens) for s in seqs], chunk=chunk, decode_steps=decode_steps):
+        active = [i for i, n in enumerate(counts) if n]
+        step = make_step([seqs[i] for i in active], [counts[i] for i in active], plan.limits.block_size, blocks)
+        got = {name: ex.execute(step) for name, ex in executors.items()}
+        for name, logits in got.items():
+            assert logits.dtype == torch.float32 and tuple(logits.shape) == (len(active), m.vocab_size)
+        for row, i in enumerate(active):
+            start = seqs[i].cached - counts[i]
+            expected, pasts[i] = original.step(pasts[i], seqs[i].tokens[start : seqs[i].cached], start)
+            for name, logits in got.items():
+                worst[name] = max(worst[name], float(np.abs(logits[row].numpy() - expected).max()))
+            if seqs[i].cached == len(seqs[i].tokens):
+                seqs[i].tokens.append(int(np.argmax(expected)))
+    return worst
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "tiny-qwen2"])
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_executors_match_original_graph(model, exporter, plan_dir, export_dir):
+    """Chunked prefill + prefill + decode rows of three sequences packed in each step, then decodes."""
+    built = plan_dir(model, exporter)
+    plan = read_plan(built)
+    executors = {
+        "torch": create_executor("torch", built, plan, num_blocks=NUM_BLOCKS),
+        "onnxruntime": create_executor("onnxruntime", built, plan, num_blocks=NUM_BLOCKS),
+    }
+    worst = generate_and_compare(built, export_dir(model, exporter), executors)
+    assert worst["torch"] <= ATOL and worst["onnxruntime"] <= ATOL, worst
+
+
+def test_function_body_path_matches_reference_path(plan_dir, export_dir):
+    """PagedAttention inlined from its ONNX body (kv_cache_out a new tensor, copied back) == the torch op."""
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    by_op = TorchExecutor(built, plan)
+    by_body = TorchExecutor(built, plan, body_ops=("PagedAttention", "RMSNorm", "MatMulAdd"))
+    assert not any("paged_attention" in str(n.target) for n in by_body.graph.module.graph.nodes)
+    for ex in (by_op, by_body):
+        ex.allocate_kv_cache(NUM_BLOCKS)
+    worst = generate_and_compare(built, export_dir("tiny-llama"), {"op": by_op, "body": by_body})
+    assert worst["op"] <= ATOL and worst["body"] <= ATOL, worst
+    for a, b in zip(by_op.kv_caches, by_body.kv_caches):
+        # The body redirects skipped writes to the null block 0; every real block must agree.
+        torch.testing.assert_close(a[1:], b[1:], atol=ATOL, rtol=0)
+
+
+def test_torch_pools_are_written_in_place_and_skip_slot_minus_one(plan_dir):
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    ex = TorchExecutor(built, plan)
+    ex.allocate_kv_cache(8)
+    pools = list(ex.kv_caches)
+    step = make_step([Seq([5, 6, 7])], [3], plan.limits.block_size, BlockSource(8))  # block 1, slots 16..18
+    step.slot_mapping[1] = -1  # the middle token's K/V is not written
+    ex.execute(step)
+    assert all(a is b for a, b in zip(pools, ex.kv_caches))
+    bs = plan.limits.block_size
+    for pool in ex.kv_caches:
+        per_slot = pool.permute(0, 3, 1, 2, 4).reshape(8 * bs, -1)  # [slot, K/V · Hkv · D]
+        written = per_slot.abs().sum(dim=1) > 0
+        assert written.nonzero().flatten().tolist() == [1 * bs + 0, 1 * bs + 2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_copy_blocks_forks_a_sequence(backend, plan_dir):
+    """A sequence whose blocks are copies (copy-on-write) decodes exactly like the original."""
+    built = plan_dir("tiny-qwen2")
+    plan = read_plan(built)
+    ex = create_executor(backend, built, plan, num_blocks=NUM_BLOCKS)
+    bs = plan.limits.block_size
+    source = BlockSource(NUM_BLOCKS)
+    parent = Seq(prompts(plan.model.vocab_size, lens=(bs + 5,))[0])
+    ex.execute(make_step([parent], [len(parent.tokens)], bs, source))
+    child = Seq(list(parent.tokens), cached=parent.cached, blocks=[source.take() for _ in parent.blocks])
+    ex.copy_blocks(list(zip(parent.blocks, child.blocks)))
+    for seq in (parent, child):
+        seq.tokens.append(3)
+    logits = ex.execute(make_step([parent, child], [1, 1], bs, source))
+    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+
+
+def test_factory_and_executor_errors(plan_dir, tmp_path):
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    with pytest.raises(ConfigError, match="unknown backend 'jax'"):
+        create_executor("jax", built, plan)
+    with pytest.raises(ConfigError, match="num_blocks must be >= 2"):
+        create_executor("torch", built, plan, num_blocks=1)
+    with pytest.raises(ConfigError, match="built in float32"):
+        TorchExecutor(built, plan, dtype=torch.float16)
+    with pytest.raises(ConfigError, match="not available"):
+        OrtExecutor(built, plan, providers=["NoSuchExecutionProvider"])
+    # A plan.json that disagrees with its graph (one layer too many) is refused by both executors.
+    broken = tmp_path / "broken"
+    shutil.copytree(built, broken)
+    data = json.loads((broken / "plan.json").read_text())
+    data["model"]["num_layers"] += 1
+    (broken / "plan.json").write_text(json.dumps(data))
+    for backend in ("torch", "onnxruntime"):
+        with pytest.raises(BuildError, match=r"missing inputs \['kv_cache\.\d+'\]"):
+            create_executor(backend, broken, read_plan(broken))
