@@ -16,6 +16,7 @@ import datetime
 import json
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,9 +87,11 @@ def bench_prefill() -> list[dict]:
         out = triton_fn()
         row["max_abs_err_vs_sdpa"] = float((out.float() - want.float()).abs().max())
         ms = bench_ms(triton_fn)
+        timings = getattr(_flash_fwd_kernel, "configs_timings", None) or {}
         row["triton"] = {"ms": ms, "tflops": flops / ms / 1e9,
-                         "config": str(_flash_fwd_kernel.best_config) if hasattr(_flash_fwd_kernel, "best_config")
-                         else None}
+                         "config": str(getattr(_flash_fwd_kernel, "best_config", None)),
+                         "autotune_ms": {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
+                                         for c, t in timings.items()}}
         for name in ("sdpa_cudnn", "sdpa_flash"):
             if "tflops" in row.get(name, {}):
                 row[f"speedup_vs_{name}"] = row["triton"]["tflops"] / row[name]["tflops"]
@@ -162,7 +165,7 @@ def bench_decode(copy_tbs: float) -> list[dict]:
                                                               step["slot_mapping"]))
         sweep = []
         for tile_n in (32, 64, 128):
-            for warps in (4, 8):
+            for warps in (4,):
                 for segs in sorted({1, plan.num_segments, 2 * plan.num_segments, max(1, plan.num_segments // 2)}):
                     launch = PagedLaunch(block_q=plan.block_q, tile_n=tile_n, num_segments=segs, num_warps=warps,
                                          num_stages=3)
@@ -193,7 +196,7 @@ def bench_decode(copy_tbs: float) -> list[dict]:
 def bench_paged_prefill() -> list[dict]:
     """Prefill through the paged kernel (4 × 2048 new tokens) vs the FlashAttention kernel on the same data."""
     from trtopt.plugins.flash_attention.kernel import flash_attention_flops, flash_attention_triton
-    from trtopt.plugins.paged_attention.kernel import paged_attention_triton
+    from trtopt.plugins.paged_attention.kernel import PagedLaunch, paged_attention_triton
 
     B, Hq, Hkv, S, D = 4, 32, 8, 2048, 128
     bs = BLOCK_SIZE
@@ -216,8 +219,24 @@ def bench_paged_prefill() -> list[dict]:
     err = float((out[0].unflatten(1, (B, S)).transpose(0, 1).float() - ref.float()).abs().max())
     paged_ms = bench_ms(lambda: paged_attention_triton(**step, **attrs))
     flash_ms = bench_ms(lambda: flash_attention_triton(qb, kb, vb, **attrs, causal=1))
+    sweep = []
+    for rows in (64, 128):
+        for tile_n in (32, 64, 128):
+            for warps in (4, 8):
+                launch = PagedLaunch(block_q=rows // (Hq // Hkv), tile_n=tile_n, num_segments=1, num_warps=warps,
+                                     num_stages=3)
+                try:
+                    got, _ = paged_attention_triton(**step, **attrs, launch=launch)
+                    e = float((got.float() - out.float()).abs().max())
+                    t = bench_ms(lambda: paged_attention_triton(**step, **attrs, launch=launch))
+                    sweep.append({**launch.__dict__, "ms": t, "tflops": flops / t / 1e9, "max_abs_err": e})
+                except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
+                    sweep.append({**launch.__dict__, "error": repr(exc)[:200]})
+    best = min((x for x in sweep if "ms" in x), key=lambda x: x["ms"])
     row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·S{S}·D{D}", "paged": {"ms": paged_ms, "tflops": flops / paged_ms / 1e9},
-           "flash": {"ms": flash_ms, "tflops": flops / flash_ms / 1e9}, "max_abs_err": err}
+           "flash": {"ms": flash_ms, "tflops": flops / flash_ms / 1e9}, "max_abs_err": err, "sweep": sweep,
+           "best_sweep": best}
+    print(f"paged prefill sweep best: {best}", flush=True)
     print(f"paged prefill {row['shape']}: paged {row['paged']['tflops']:.0f} TFLOP/s vs flash kernel "
           f"{row['flash']['tflops']:.0f}, err {err:.3g}", flush=True)
     return [row]
@@ -230,6 +249,11 @@ def bench_copy_blocks(copy_tbs: float) -> dict:
     caches = [torch.randn(2049, 2, 3, BLOCK_SIZE, 64, device="cuda", dtype=torch.bfloat16) for _ in range(30)]
     perm = torch.randperm(2048, device="cuda") + 1
     pairs = torch.stack([perm[:256], perm[256:512]], dim=1).contiguous()
+    want = [c.clone() for c in caches[:2]]
+    copy_blocks_triton(caches, pairs)
+    for w in want:
+        w[pairs[:, 1]] = w[pairs[:, 0]]
+    assert all(torch.equal(w, c) for w, c in zip(want, caches[:2])), "copy_blocks kernel moved the wrong data"
     ms = bench_ms(lambda: copy_blocks_triton(caches, pairs))
     moved = 2 * 30 * 256 * caches[0][0].numel() * caches[0].element_size()
     return {"layers": 30, "pairs": 256, "ms": ms, "tbs": moved / ms / 1e9, "copy_tbs": copy_tbs}
@@ -291,6 +315,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU; use --plot to draw existing results")
     skip = set(filter(None, args.skip.split(",")))
+    warnings.filterwarnings("ignore", message=".*(not used because|runtime disabled|require query, key and value).*")
     results = {"env": environment()}
     results["copy_tbs"] = copy_bandwidth_tbs()
     print(f"{results['env']}\ncopy bandwidth {results['copy_tbs']:.2f} TB/s", flush=True)

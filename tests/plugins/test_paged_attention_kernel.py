@@ -188,6 +188,20 @@ def test_copy_blocks_matches_reference(kernel_device: torch.device) -> None:
         torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_copy_blocks_kernel_copies_every_layer_in_one_launch() -> None:
+    """Disjoint sources and destinations (copy-on-write) take the single-launch kernel path."""
+    gen = torch.Generator().manual_seed(14)
+    caches = [torch.randn(40, 2, 4, 16, 80, generator=gen).half().cuda() for _ in range(5)]
+    expected = [c.cpu().clone() for c in caches]
+    pairs = torch.tensor([[3, 30], [7, 31], [3, 32], [12, 2]], dtype=torch.int64)
+    copy_blocks_ref(expected, pairs)
+    copy_blocks_triton(caches, pairs.cuda())
+    for got, want in zip(caches, expected):
+        torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)
+
+
 def test_launch_plan_depends_on_shapes_only() -> None:
     decode_long = plan_paged_launch(1, 1, 8, 4, 32768, sm_count=132)
     assert decode_long.num_segments > 1, "one long sequence must be split over the key range"

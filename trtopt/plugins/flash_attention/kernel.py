@@ -20,7 +20,7 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 # An additive bias of finfo.min (HF padding masks) times log2(e) would overflow fp32 to -inf, and a row masked
 # everywhere would then turn into NaN. Clamping keeps such rows finite (uniform weights, as softmax gives).
-_BIAS_FLOOR = -1.0e30
+_BIAS_FLOOR = tl.constexpr(-1.0e30)
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -28,8 +28,9 @@ def _autotune_configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         # The interpreter runs every config it is given; one small config keeps CPU tests fast.
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    # Hopper: 128-row query blocks with 8 warps feed wgmma; 64-row blocks help short or small-batch shapes.
-    shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
+    # Hopper (measured on H200, docs/benchmarks/NOTES.md): 128×128 with 8 warps wins long sequences at D=128,
+    # 64×64 with 4 warps wins shorter ones and D=64.
+    shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -81,7 +82,9 @@ def _attend_block_range(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_autotune_configs(), key=["S", "Sk", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP"])
+# Tuned per power-of-two bucket of the lengths, not per exact length: a runtime sees many lengths.
+@triton.autotune(configs=_autotune_configs(),
+                 key=["S_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP"])
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, Bias, Out,
@@ -91,7 +94,7 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ob, stride_oh, stride_om, stride_od,
-    Hq, S, Sk,
+    Hq, S, Sk, S_BUCKET, SK_BUCKET,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -210,7 +213,7 @@ def flash_attention_triton(
         q, k, v, bias, out,
         scale * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *bias_strides, *out.stride(),
-        Hq, S, Sk,
+        Hq, S, Sk, triton.next_power_of_2(S), triton.next_power_of_2(Sk),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
         IS_CAUSAL=bool(causal), HAS_BIAS=attn_bias is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

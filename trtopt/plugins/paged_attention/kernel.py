@@ -271,24 +271,29 @@ def _device_sm_count(device: torch.device) -> int:
 
 def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_context: int,
                       sm_count: int, *, interpret: bool = False) -> PagedLaunch:
-    """Pick the tiling from shapes: the mean new tokens per sequence tells decode-like steps from prefill-like."""
+    """Pick the tiling from shapes: the mean new tokens per sequence tells decode-like steps from prefill-like.
+
+    The thresholds come from the H200 sweep in docs/benchmarks/NOTES.md: decode reads fastest with 128-key tiles
+    and 4 warps once a program walks >= 2K keys; short per-program ranges (heavy split-KV) prefer 32-key tiles.
+    """
     group_pad = triton.next_power_of_2(group)
     tokens_per_seq = num_tokens / max(num_seqs, 1)
     # tl.dot wants at least 16 rows; decode-like steps use the smallest tile, prefill-like ones 64/128 rows.
     rows = 16 if tokens_per_seq <= 4 else (64 if tokens_per_seq <= 64 else 128)
     block_q = max(1, rows // group_pad)
-    tile_n = 16 if interpret else 64
     num_tiles = (num_tokens // block_q + num_seqs) * num_kv_heads
     num_segments = 1
-    # Split the key range until the launch has about two programs per SM, each still holding >= 8 key tiles.
-    while num_segments < 64 and num_tiles * num_segments < 2 * sm_count \
-            and max_context >= num_segments * 2 * 8 * tile_n:
+    # Split the key range until the launch has about two programs per SM, each keeping >= 256 keys.
+    while num_segments < 64 and num_tiles * num_segments < 2 * sm_count and max_context >= num_segments * 512:
         num_segments *= 2
+    keys_per_program = max_context // num_segments
     if interpret:
-        num_segments = min(num_segments, 4)
-    num_warps = 8 if block_q * group_pad >= 128 else 4
-    return PagedLaunch(block_q=block_q, tile_n=tile_n, num_segments=num_segments, num_warps=num_warps,
-                       num_stages=1 if interpret else 3)
+        return PagedLaunch(block_q=block_q, tile_n=16, num_segments=min(num_segments, 4), num_warps=4, num_stages=1)
+    if rows >= 64:
+        return PagedLaunch(block_q=block_q, tile_n=64, num_segments=num_segments, num_warps=8 if rows >= 128 else 4,
+                           num_stages=3)
+    tile_n = 128 if keys_per_program >= 2048 else (64 if keys_per_program >= 1024 else 32)
+    return PagedLaunch(block_q=block_q, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3)
 
 
 def _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
@@ -428,21 +433,52 @@ def paged_attention_triton(
     return out, kv_cache
 
 
+@triton.jit
+def _copy_blocks_kernel(PoolAddresses, Pairs, block_numel, DTYPE: tl.constexpr, CHUNK: tl.constexpr):
+    """pool[dst] = pool[src] for one (pool, pair, chunk): every layer's pool is copied in a single launch."""
+    pool = tl.load(PoolAddresses + tl.program_id(0)).to(tl.pointer_type(DTYPE))
+    pair = tl.program_id(1)
+    src = tl.load(Pairs + 2 * pair)
+    dst = tl.load(Pairs + 2 * pair + 1)
+    offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    values = tl.load(pool + src * block_numel + offs, mask=mask)
+    tl.store(pool + dst * block_numel + offs, values, mask=mask)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
 def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
     """For every pool and every (src, dst) row of pairs (int64 [P, 2]): pool[dst] = pool[src], in place.
 
-    Whole blocks are contiguous slabs of the pool, so a gather + scatter along dim 0 moves them at copy bandwidth;
-    torch's index kernels do exactly that, and a hand-written kernel has nothing to add (see docs/benchmarks/NOTES.md).
+    On CUDA one kernel copies every layer (a per-layer torch gather/scatter costs two launches per layer, which
+    dominates at copy-on-write sizes). The copies run in parallel, so no destination may also be a source: the
+    block manager's copy-on-write guarantees it (a fresh block is the destination), and pairs on the host are
+    checked; pairs that break it, and CPU pools, take the sequential torch path.
     """
     if pairs.dim() != 2 or pairs.shape[1] != 2 or pairs.dtype != torch.int64:
         raise ValueError(f"pairs must be int64 [P, 2] (src, dst); got {pairs.dtype} {tuple(pairs.shape)}")
-    if pairs.shape[0] == 0:
+    if pairs.shape[0] == 0 or not kv_caches:
         return
-    for cache in kv_caches:
-        idx = pairs.to(cache.device)
-        # index_select copies the sources first, so a block that is both a source and a destination is read
-        # before it is overwritten.
-        cache.index_copy_(0, idx[:, 1], cache.index_select(0, idx[:, 0]))
+    first = kv_caches[0]
+    uniform = all(c.shape == first.shape and c.dtype == first.dtype and c.device == first.device
+                  and c.is_contiguous() for c in kv_caches)
+    overlapping = pairs.device.type == "cpu" and bool(torch.isin(pairs[:, 1], pairs[:, 0]).any())
+    if first.device.type != "cuda" or not uniform or overlapping or first.dtype not in _TL_DTYPES:
+        for cache in kv_caches:
+            idx = pairs.to(cache.device)
+            # index_select copies the sources first, so a block that is also a destination is read before it is
+            # overwritten.
+            cache.index_copy_(0, idx[:, 1], cache.index_select(0, idx[:, 0]))
+        return
+    addresses = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64).to(first.device,
+                                                                                     non_blocking=True)
+    block_numel = first[0].numel()
+    chunk = min(4096, triton.next_power_of_2(block_numel))
+    grid = (len(kv_caches), pairs.shape[0], triton.cdiv(block_numel, chunk))
+    _copy_blocks_kernel[grid](addresses, pairs.to(first.device).contiguous(), block_numel,
+                              DTYPE=_TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
 
 
 __all__ = ["PagedLaunch", "plan_paged_launch", "paged_attention_triton", "write_kv_triton", "copy_blocks_triton"]
