@@ -1,0 +1,33 @@
+"""Serving fixtures: one tiny-llama plan and one live `trtopt serve` subprocess per test session (127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from live_server import API_KEY, start_server
+
+NUM_BLOCKS = 96  # small on purpose: 50 concurrent clients overflow it, so preemption runs under load
+
+
+@pytest.fixture(scope="session")
+def tiny_plan(export_dir, tmp_path_factory) -> Path:
+    from trtopt.build.builder import build_plan
+
+    out = tmp_path_factory.mktemp("serving") / "tiny-plan"
+    build_plan(export_dir("tiny-llama"), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(tiny_plan, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    srv = start_server(tiny_plan, log_path, "--api-key", API_KEY, "--num-blocks", str(NUM_BLOCKS),
+                       "--max-body-bytes", "65536")
+    yield srv
+    srv.process.terminate()
+    try:
+        srv.process.wait(15)
+    except subprocess.TimeoutExpired:
+        srv.process.kill()
