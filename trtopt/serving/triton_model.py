@@ -1,0 +1,133 @@
+"""Triton Inference Server Python-backend model for a trtopt plan (copied as `<repo>/<name>/1/model.py`).
+
+It runs inside Triton's Python stub, which provides `triton_python_backend_utils`; nothing else imports it.
+The model is decoupled: execute() only queues requests on the instance's EngineLoop and returns at once, and
+the loop's step thread sends each request's responses, so concurrent requests share every engine step
+(continuous batching) instead of being served one at a time.
+
+Inputs:  text_input BYTES [1]; max_tokens INT32 [1]; optional temperature FP32 [1], top_p FP32 [1],
+         stop_words BYTES [-1], stream BOOL [1], ignore_eos BOOL [1], seed INT64 [1].
+Outputs: text_output BYTES [1] (the new text when streaming, the whole completion otherwise);
+         step_batch_size INT32 [1] (the most requests that advanced together in one step while this one ran).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trtopt.errors import RequestError, TrtOptError
+from trtopt.runtime.batch import RequestOutput
+from trtopt.runtime.engine import LLMEngine
+from trtopt.runtime.sampling_params import SamplingParams
+from trtopt.serving.engine_loop import EngineLoop
+
+log = logging.getLogger("trtopt.triton")
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class _Reply:
+    """Sends the responses of one Triton request; called by the EngineLoop on the step thread."""
+
+    def __init__(self, request_id: str, sender: Any, stream: bool, loop: EngineLoop, step_sizes: dict[str, int]) -> None:
+        self.request_id = request_id
+        self.sender = sender
+        self.stream = stream
+        self.loop = loop
+        self.step_sizes = step_sizes  # request id -> most requests seen in one step with it (shared with the model)
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(item))), flags=_FINAL)
+            return
+        if self.sender.is_cancelled():  # the client went away (gRPC stream cancelled, HTTP closed)
+            self.loop.abort(self.request_id)
+            self.sender.send(flags=_FINAL)
+            return
+        self.step_sizes[self.request_id] = max(self.step_sizes.get(self.request_id, 0), self.loop.last_step_requests)
+        c = item.outputs[0]
+        if self.stream and (c.delta_text or item.finished):
+            self._send(c.delta_text, final=item.finished)
+        elif not self.stream and item.finished:
+            self._send(c.text, final=True)
+        if item.finished:
+            self.step_sizes.pop(self.request_id, None)
+
+    def _send(self, text: str, *, final: bool) -> None:
+        outputs = [
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("step_batch_size", np.array([self.step_sizes.get(self.request_id, 0)], dtype=np.int32)),
+        ]
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        plan_dir = version_dir / params["plan_dir"]  # an absolute plan_dir stays absolute
+        device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
+        limits = {k: int(params[k]) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks")
+                  if params.get(k)}
+        engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device, **limits)
+        self.loop = EngineLoop(engine)
+        self.loop.start()
+        self.step_sizes: dict[str, int] = {}
+        self.ids = itertools.count()
+        self.instance = args["model_instance_name"]
+        log.info("trtopt model %s loaded %s on %s", self.instance, plan_dir, device)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = f"{self.instance}-{next(self.ids)}"
+            try:
+                prompt, params, stream = _parse(request)
+                self.loop.add(request_id, prompt, params, _Reply(request_id, sender, stream, self.loop, self.step_sizes))
+            except TrtOptError as e:  # a bad request answers with its own error; the others go on
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+        return None
+
+    def finalize(self) -> None:
+        self.loop.stop()
+
+
+def _parse(request: Any) -> tuple[str, SamplingParams, bool]:
+    text = _scalar(request, "text_input")
+    if text is None:
+        raise _bad("text_input is required (a BYTES tensor holding the prompt).")
+    stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
+    stop_words = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop.as_numpy().reshape(-1)] if stop else []
+    kwargs: dict[str, Any] = {"stop": [s for s in stop_words if s]}
+    for name, cast in (("max_tokens", int), ("temperature", float), ("top_p", float), ("seed", int), ("ignore_eos", bool)):
+        value = _scalar(request, name)
+        if value is not None:
+            kwargs[name] = cast(value)
+    if "max_tokens" not in kwargs:
+        raise _bad("max_tokens is required (an INT32 tensor).")
+    stream = bool(_scalar(request, "stream") or False)
+    prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+    return prompt, SamplingParams(**kwargs), stream
+
+
+def _scalar(request: Any, name: str) -> Any:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise _bad(f"{name} must hold exactly one value, got {values.size}.")
+    value = values[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(message)
