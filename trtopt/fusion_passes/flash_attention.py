@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from trtopt.fusion_passes.attention_match import AttentionMatch, match_attention
 from trtopt.fusion_passes.context import PassContext
-from trtopt.fusion_passes.ops import declare_domain, trtopt_node
+from trtopt.fusion_passes.ops import declare_domain, replace_value, trtopt_node
 from trtopt.fusion_passes.trace import NoMatch
 
 RULE = "flash_attention"
@@ -84,7 +84,7 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
         node.outputs[0].name = f"flash_attention.{count}.out"
         node.outputs[0].shape, node.outputs[0].type = match.out.shape, match.out.type
         graph.insert_after(match.out_node, [*extra, node])
-        ir.convenience.replace_all_uses_with(match.out, node.outputs[0])
+        replace_value(match.out, node.outputs[0])
         count += 1
     if count:
         declare_domain(model)

@@ -19,3 +19,13 @@ def trtopt_node(op_type: str, inputs: list[ir.Value | None], attrs: list[ir.Attr
 
 def declare_domain(model: ir.Model) -> None:
     model.opset_imports[DOMAIN] = OPSET_VERSION
+
+
+def replace_value(old: ir.Value, new: ir.Value) -> None:
+    """Point every reader of ``old`` at ``new``; a graph output keeps its public name."""
+    was_output = old.is_graph_output()
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    if was_output:
+        name = old.name
+        old.name = f"{name}.replaced"
+        new.name = name

@@ -220,6 +220,16 @@ def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None
     graph.inputs.extend(ordered + cache_inputs + list(by_name.values()))
     graph.inputs.extend([step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping])
     declare_domain(model)
+    _forget_intermediate_shapes(graph)
+
+
+def _forget_intermediate_shapes(graph: ir.Graph) -> None:
+    """Drop the exporter's shapes of intermediate values: their symbols (batch, seq, past + seq) no longer mean
+    what they said, and ORT plans buffer reuse from declared symbolic dims. Runtimes re-infer them."""
+    for node in graph:
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.shape = None
 
 
 def _readers_outside(layers: list[PagedLayer], model: ir.Model) -> list[str]:
