@@ -139,7 +139,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize(prompt)
         self._validate(request_id, token_ids, params)
         eos = tuple(self.plan.model.eos_token_ids)
         seqs = []
@@ -167,7 +167,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) exactly as add_request would see them; RequestError if unusable."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:

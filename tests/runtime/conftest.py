@@ -1,0 +1,75 @@
+"""Plan fixtures for the runtime's end-to-end tests: each plan is exported and built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def built_plan(export_dir, tmp_path_factory):
+    """built_plan(model) -> plan dir built from the session's shared export of `model`."""
+    from trtopt.build.builder import build_plan
+
+    cache: dict[str, Path] = {}
+
+    def get(model: str) -> Path:
+        if model not in cache:
+            out = tmp_path_factory.mktemp(f"plan-{model}")
+            cache[model] = build_plan(export_dir(model), out, force=True, progress=False).plan_dir
+        return cache[model]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def executor_for(built_plan):
+    """executor_for(model, backend) -> a cached executor; engines re-allocate its KV pools, so it can be shared."""
+    from trtopt.build.plan import read_plan
+    from trtopt.runtime.executors import create_executor
+
+    cache: dict[tuple[str, str], object] = {}
+
+    def get(model: str, backend: str):
+        if (model, backend) not in cache:
+            plan_dir = built_plan(model)
+            cache[(model, backend)] = create_executor(backend, plan_dir, read_plan(plan_dir))
+        return cache[(model, backend)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine_for(built_plan, executor_for):
+    """engine_for(model, backend, **EngineConfig fields) -> a fresh LLMEngine on the shared executor."""
+    from trtopt.build.plan import read_plan
+    from trtopt.runtime.engine import EngineConfig, LLMEngine, load_tokenizer
+
+    tokenizers: dict[str, object] = {}
+
+    def make(model: str, backend: str = "torch", **config) -> LLMEngine:
+        plan_dir = built_plan(model)
+        if model not in tokenizers:
+            tokenizers[model] = load_tokenizer(plan_dir)
+        return LLMEngine(executor_for(model, backend), read_plan(plan_dir), tokenizers[model], EngineConfig(**config))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """hf_model(model) -> the HF PyTorch model behind an export alias (fp32, eval), cached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trtopt.export.models import resolve_model
+
+    cache: dict[str, object] = {}
+
+    def get(model: str):
+        if model not in cache:
+            cache[model] = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32).eval()
+        return cache[model]
+
+    return get
