@@ -1,4 +1,5 @@
-"""trtopt-domain ops for the torch converter: the Triton kernel on CUDA, the torch reference elsewhere.
+"""trtopt-domain ops for the torch converter: the Triton kernel on CUDA, the torch reference elsewhere (for
+PagedAttention on CPU, cpu_attention's batched SDPA path, which is checked against the reference).
 
 The kernel modules import triton at module level, so they are imported lazily and only for CUDA tensors; when
 they are missing (no triton, or a build without them) the reference runs instead, which is always correct, just
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 def _impl(op: str, device_type: str) -> Callable[..., object]:
     """The function that runs `op` ("paged_attention" or "flash_attention") for tensors on `device_type`."""
     reference = getattr(importlib.import_module(f"trtopt.plugins.{op}.reference"), f"{op}_ref")
+    if device_type == "cpu" and op == "paged_attention":
+        from trtopt.runtime.executors.cpu_attention import paged_attention_cpu
+
+        return paged_attention_cpu
     if device_type != "cuda":
         return reference
     try:
