@@ -133,3 +133,23 @@ def test_streamed_logprobs_match_non_streamed(client):
     chunks = list(client.completions.create(stream=True, **kwargs))
     streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(full.token_logprobs)
+
+
+def test_greedy_chat_equals_hf_transformers(client, tokenizer):
+    """End to end through HTTP: the served plan answers exactly as HF transformers' greedy generate does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trtopt.export.models import resolve_model
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, logprobs=True,
+                                            **GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-llama"), dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = hf.generate(**ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    expected = out[0, ids["input_ids"].shape[1]:].tolist()
+    assert served.usage.prompt_tokens == ids["input_ids"].shape[1]
+    assert served.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert [t.token for t in served.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in expected]

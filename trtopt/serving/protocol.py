@@ -8,7 +8,7 @@ The field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetiti
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -169,5 +169,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
-
-FinishReason = Literal["stop", "length", "abort", "error"]

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trtopt.errors import RequestError
-from trtopt.runtime.batch import CompletionOutput, RequestOutput
+from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -142,7 +142,8 @@ class _Handlers:
                                           f"{self.model_name!r} (see GET /v1/models).", param="model",
                                      code="model_not_found"))
         try:
-            prompt, params = prepare()
+            # Tokenizing (and rendering a chat template) costs up to ~100 ms for a max-size body: not on the loop.
+            prompt, params = await anyio.to_thread.run_sync(prepare)
             self._check_context(prompt, params)
             stream = await self.engine.add_request(renderer.request_id, prompt.engine_prompt(), params)
         except RequestError as e:
