@@ -112,7 +112,7 @@ def test_copy_blocks_forks_a_sequence(backend, plan_dir):
     for seq in (parent, child):
         seq.tokens.append(3)
     logits = ex.execute(make_step([parent, child], [1, 1], bs, source))
-    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)  # one batch, two rows: not bit-equal
 
 
 def test_factory_and_executor_errors(plan_dir, tmp_path):
