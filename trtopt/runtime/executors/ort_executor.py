@@ -85,20 +85,15 @@ class OrtExecutor:
         binding = self.session.io_binding()
         for name, tensor in step_tensors(step).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
+        binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
         live, spare = self._pool_values[self._current], self._pool_values[1 - self._current]
         for layer in range(self.plan.model.num_layers):
             binding.bind_ortvalue_input(kv_input(layer), live[layer])
             binding.bind_ortvalue_output(kv_output(layer), spare[layer])
-        binding.bind_output(LOGITS, "cpu")
         self.session.run_with_iobinding(binding)
         self._current = 1 - self._current
-        logits = binding.get_outputs()[self._output_index(LOGITS)].numpy()
+        logits = binding.get_outputs()[0].numpy()
         return torch.from_numpy(logits).reshape(-1, logits.shape[-1]).float()
-
-    def _output_index(self, name: str) -> int:
-        # IOBinding returns outputs in binding order: the KV outputs were bound first, logits last.
-        assert name == LOGITS
-        return self.plan.model.num_layers
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:

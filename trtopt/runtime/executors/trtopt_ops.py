@@ -13,7 +13,6 @@ import importlib
 import logging
 from typing import Callable
 
-import torch
 
 from trtopt.runtime.executors.onnx_ops import OpSpec
 
