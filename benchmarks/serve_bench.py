@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18777)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/serve_cpu.json"))
     args = parser.parse_args()
+    load_before = os.getloadavg()
     results = []
     for spec in args.plan:
         label, _, plan = spec.partition("=")
@@ -204,7 +205,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads()},
+                    "torch_threads": torch.get_num_threads(),
+                    # The machine is shared: a load average above the core count means other jobs competed.
+                    "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
         "settings": {k: v for k, v in vars(args).items() if k not in ("plan", "out", "port")},
         "results": results,
     }

@@ -168,6 +168,8 @@ def test_bad_request_gets_an_error_and_the_model_lives(triton):
     assert resp.status_code == 400 and "max_tokens" in resp.json()["error"]
     resp = _generate(base, {"text_input": "hi", "max_tokens": 2, "temperature": -1.0})
     assert resp.status_code == 400 and "temperature" in resp.json()["error"]
+    resp = _generate(base, {"text_input": " hello" * 600, "max_tokens": 2})
+    assert resp.status_code == 400 and "max_model_len" in resp.json()["error"]
     assert _generate(base, {"text_input": "hi", "max_tokens": 2, **GREEDY}).status_code == 200
 
 

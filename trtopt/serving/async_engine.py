@@ -1,8 +1,8 @@
 """AsyncLLMEngine: asyncio front of an EngineLoop, for the HTTP server.
 
 Each request gets a RequestStream (an async iterator over its RequestOutputs). The step thread hands outputs
-to the stream's asyncio.Queue through loop.call_soon_threadsafe; adds run in a worker thread so a step in
-progress (or a slow tokenizer) never stalls the event loop.
+to the stream's asyncio.Queue through loop.call_soon_threadsafe. Adds never block the event loop, even while
+a step runs: they are queued for the step thread and awaited as futures.
 """
 
 from __future__ import annotations
@@ -92,12 +92,12 @@ class AsyncLLMEngine:
         if not self.loop.is_running:
             self.loop.start()
         stream = RequestStream(request_id, self.loop)
-        added = asyncio.get_running_loop().run_in_executor(None, self.loop.add, request_id, prompt, params, stream.put)
+        added = self.loop.submit(request_id, prompt, params, stream.put)
         try:
-            await asyncio.shield(added)
+            await asyncio.wrap_future(added)
         except asyncio.CancelledError:
-            # The caller went away while the add waited for the lock; once it lands, abort it so no blocks leak.
-            added.add_done_callback(lambda f: f.exception() is None and self.loop.abort(request_id))
+            # The caller went away before the add landed; the abort is applied after it, so no blocks leak.
+            self.loop.abort(request_id)
             raise
         return stream
 

@@ -1,20 +1,23 @@
-"""EngineLoop: one background thread that steps an LLMEngine, so concurrent callers share engine steps.
+"""EngineLoop: one background thread that owns and steps an LLMEngine, so concurrent callers share engine steps.
 
 Both front ends use it: the HTTP server (through AsyncLLMEngine, which turns callbacks into asyncio queues) and
 the Triton Python-backend model (whose callbacks send Triton responses).
 
-Every touch of the engine happens under one lock. add() takes the lock itself (callers that must not block run
-it in a worker thread); abort() only queues the id, and the step thread applies it before its next step, so a
-cancelled caller never waits. Each request has one callback, called on the step thread with every
+Only the step thread touches the engine. Callers queue adds and aborts; before every step the thread applies
+all queued adds, then all queued aborts, so a new request joins the very next step (no caller can be starved
+by a busy loop) and an abort always lands after the add it cancels. submit() returns a Future that carries the
+add's RequestError back to its caller. Each request has one callback, called on the step thread with every
 RequestOutput and, if the request dies without finishing, with an exception (then never again).
 
-Failure isolation (DESIGN.md §7): a RequestError from add() reaches only its caller; an executor failure ends
-only the requests of that step (the engine frees their blocks) and the loop goes on.
+Failure isolation (DESIGN.md §7): a RequestError reaches only its caller; an executor failure ends only the
+requests of that step (the engine frees their blocks) and the loop goes on.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
 import logging
 import threading
 from typing import Callable
@@ -35,16 +38,28 @@ class EngineDeadError(RuntimeError):
     """The step loop is not running (stopped, or shutting down); servers report 503."""
 
 
+@dataclasses.dataclass
+class _Add:
+    """A queued add_request, with the future that reports how it went."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    callback: OutputCallback
+    done: concurrent.futures.Future  # result None once queued in the engine; RequestError if it was invalid
+
+
 class EngineLoop:
-    """Owns the stepping of one LLMEngine. start() it, add() requests, stop() it."""
+    """Owns the stepping of one LLMEngine. start() it, submit()/add() requests, stop() it."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._lock = threading.Lock()  # guards every call into self.engine and self._callbacks
+        self.engine = engine  # touched only by the step thread once start() ran
         self._wake = threading.Event()  # set when there is new work (an add or an abort)
-        self._aborts: collections.deque[str] = collections.deque()  # ids to abort before the next step
-        self._callbacks: dict[str, OutputCallback] = {}  # open requests
+        self._adds: collections.deque[_Add] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._callbacks: dict[str, OutputCallback] = {}  # open requests; step thread only
         self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
         self._stopping = False
         self._stats = engine.stats()  # refreshed by the step thread; read lock-free by metrics endpoints
         self.last_step_requests = 0  # requests that advanced together in the last step (evidence of batching)
@@ -53,24 +68,26 @@ class EngineLoop:
 
     def start(self) -> None:
         """Start the step thread (idempotent)."""
-        with self._lock:
+        with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="trtopt-step-loop", daemon=True)
                 self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the step thread; open requests are aborted and their callbacks get EngineDeadError."""
+        """Stop the step thread; open and queued requests are aborted and told with EngineDeadError."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        with self._lock:
-            for rid, callback in list(self._callbacks.items()):
-                self.engine.abort(rid)
-                _call(callback, EngineDeadError("the server is shutting down"))
-            self._callbacks.clear()
-            self._stats = self.engine.stats()
+        dead = EngineDeadError("the server is shutting down")
+        while self._adds:
+            self._adds.popleft().done.set_exception(dead)
+        for rid, callback in list(self._callbacks.items()):
+            self.engine.abort(rid)
+            _call(callback, dead)
+        self._callbacks.clear()
+        self._stats = self.engine.stats()
 
     @property
     def is_running(self) -> bool:
@@ -82,15 +99,20 @@ class EngineLoop:
 
     # ---- requests ----------------------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt: PromptType, params: SamplingParams, callback: OutputCallback) -> None:
-        """Queue a request (blocks while a step runs). Raises RequestError, changing nothing, if it is invalid."""
-        with self._lock:
-            if self._stopping:
-                raise EngineDeadError("the server is shutting down")
-            self.engine.add_request(request_id, prompt, params)
-            self._callbacks[request_id] = callback
-            self._stats = self.engine.stats()
+    def submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
+               callback: OutputCallback) -> concurrent.futures.Future:
+        """Queue a request for the next step. The future fails with RequestError (nothing queued) if it is invalid."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping:
+            done.set_exception(EngineDeadError("the server is shutting down"))
+            return done
+        self._adds.append(_Add(request_id, prompt, params, callback, done))
         self._wake.set()
+        return done
+
+    def add(self, request_id: str, prompt: PromptType, params: SamplingParams, callback: OutputCallback) -> None:
+        """submit() and wait until the request is queued (at most one step). Raises RequestError if invalid."""
+        self.submit(request_id, prompt, params, callback).result()
 
     def abort(self, request_id: str) -> None:
         """Abort the request before the next step (non-blocking). Its callback is not called again."""
@@ -101,20 +123,31 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping:
-            with self._lock:
-                self._apply_aborts()
-                busy = self.engine.has_unfinished_requests()
-                outputs = self._step() if busy else []
-                self._stats = self.engine.stats()
-                if outputs:
-                    self.last_step_requests = len(outputs)
-                for out in outputs:
-                    callback = self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
-                    if callback is not None:
-                        _call(callback, out)
-            if not busy:
+            self._apply_adds()
+            self._apply_aborts()
+            busy = self.engine.has_unfinished_requests()
+            outputs = self._step() if busy else []
+            self._stats = self.engine.stats()
+            if outputs:
+                self.last_step_requests = len(outputs)
+            for out in outputs:
+                callback = self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
+                if callback is not None:
+                    _call(callback, out)
+            if not busy and not self._adds and not self._aborts:
                 self._wake.wait(_IDLE_WAIT_S)
-                self._wake.clear()  # cleared after the wait: the next pass re-checks the engine under the lock
+                self._wake.clear()  # cleared after the wait: the next pass re-checks both queues
+
+    def _apply_adds(self) -> None:
+        while self._adds:
+            add = self._adds.popleft()
+            try:
+                self.engine.add_request(add.request_id, add.prompt, add.params)
+            except Exception as e:  # RequestError for bad input; anything else is reported to that caller too
+                add.done.set_exception(e)
+                continue
+            self._callbacks[add.request_id] = add.callback
+            add.done.set_result(None)
 
     def _apply_aborts(self) -> None:
         while self._aborts:

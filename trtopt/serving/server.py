@@ -176,7 +176,9 @@ class _Handlers:
                 if await request.is_disconnected():
                     self.metrics.requests.labels(endpoint, "disconnected").inc()
                     return Response(status_code=499)
-        except RuntimeError as e:
+        except EngineDeadError as e:  # shutting down mid-request
+            raise APIError(ErrorInfo(503, str(e), type="server_error")) from None
+        except RuntimeError as e:  # the model failed on a step of this request (the engine freed its blocks)
             self.metrics.requests.labels(endpoint, "error").inc()
             raise APIError(ErrorInfo(500, str(e), type="server_error")) from None
         finally:

@@ -13,6 +13,7 @@ Outputs: text_output BYTES [1] (the new text when streaming, the whole completio
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -45,7 +46,7 @@ class _Reply:
 
     def __call__(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
-            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(item))), flags=_FINAL)
+            _send_error(self.sender, item)
             return
         if self.sender.is_cancelled():  # the client went away (gRPC stream cancelled, HTTP closed)
             self.loop.abort(self.request_id)
@@ -86,18 +87,32 @@ class TritonPythonModel:
         log.info("trtopt model %s loaded %s on %s", self.instance, plan_dir, device)
 
     def execute(self, requests: list) -> None:
+        """Queue every request on the step loop and return at once (decoupled: responses come from the loop)."""
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{self.instance}-{next(self.ids)}"
             try:
                 prompt, params, stream = _parse(request)
-                self.loop.add(request_id, prompt, params, _Reply(request_id, sender, stream, self.loop, self.step_sizes))
             except TrtOptError as e:  # a bad request answers with its own error; the others go on
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+                _send_error(sender, e)
+                continue
+            reply = _Reply(request_id, sender, stream, self.loop, self.step_sizes)
+            queued = self.loop.submit(request_id, prompt, params, reply)
+            queued.add_done_callback(functools.partial(_answer_rejected, sender))
         return None
 
     def finalize(self) -> None:
         self.loop.stop()
+
+
+def _answer_rejected(sender: Any, queued: Any) -> None:
+    """An invalid prompt (too long, out of vocabulary) is found when the step thread adds it: answer from there."""
+    if queued.exception() is not None:
+        _send_error(sender, queued.exception())
+
+
+def _send_error(sender: Any, error: BaseException) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=_FINAL)
 
 
 def _parse(request: Any) -> tuple[str, SamplingParams, bool]:
