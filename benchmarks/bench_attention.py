@@ -42,6 +42,20 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
 
 
+def bench_graph_ms(fn) -> float:
+    """Time fn as a replayed CUDA graph: what the runtime's decode path does, with no host launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
 def copy_bandwidth_tbs() -> float:
     """Device-to-device copy of 1 GiB: bytes read + written per second."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -152,6 +166,11 @@ def bench_decode(copy_tbs: float) -> list[dict]:
                 want = got if want is None else want
                 ms = bench_ms(lambda: run_sdpa(backend, q_b, k_c, v_c, False, True))
                 row[name] = {"ms": ms, "tbs": kv_bytes / ms / 1e9}
+                try:
+                    g_ms = bench_graph_ms(lambda: run_sdpa(backend, q_b, k_c, v_c, False, True))
+                    row[name].update(graph_ms=g_ms, graph_tbs=kv_bytes / g_ms / 1e9)
+                except RuntimeError as err:
+                    row[name]["graph_error"] = str(err).splitlines()[0][:200]
             except RuntimeError as err:
                 row[name] = {"error": str(err).splitlines()[0][:200]}
         if want is not None:
@@ -160,7 +179,9 @@ def bench_decode(copy_tbs: float) -> list[dict]:
         plan = plan_paged_launch(B, B, Hkv, Hq // Hkv, step["block_tables"].shape[1] * BLOCK_SIZE,
                                  torch.cuda.get_device_properties(0).multi_processor_count)
         ms = bench_ms(lambda: paged_attention_triton(**step, **attrs))
-        row["triton"] = {"ms": ms, "tbs": kv_bytes / ms / 1e9, "launch": plan.__dict__}
+        g_ms = bench_graph_ms(lambda: paged_attention_triton(**step, **attrs))
+        row["triton"] = {"ms": ms, "tbs": kv_bytes / ms / 1e9, "launch": plan.__dict__, "graph_ms": g_ms,
+                         "graph_tbs": kv_bytes / g_ms / 1e9}
         row["kv_write_ms"] = bench_ms(lambda: write_kv_triton(step["k"], step["v"], step["kv_cache"],
                                                               step["slot_mapping"]))
         sweep = []
@@ -183,11 +204,15 @@ def bench_decode(copy_tbs: float) -> list[dict]:
         for name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
             if "ms" in row.get(name, {}):
                 row[f"speedup_vs_{name}"] = row[name]["ms"] / row["triton"]["ms"]
+            if "graph_ms" in row.get(name, {}):
+                row[f"graph_speedup_vs_{name}"] = row[name]["graph_ms"] / row["triton"]["graph_ms"]
         rows.append(row)
         print(f"decode {row['shape']}: triton {row['triton']['tbs']:.2f} TB/s ({ms:.3f} ms, plan {plan}), "
               f"best sweep {best['tbs']:.2f} TB/s ({best}), "
               + ", ".join(f"{n} {row[n].get('tbs', float('nan')):.2f}" for n in sdpa_backends())
-              + f", copy {copy_tbs:.2f}, write {row['kv_write_ms'] * 1e3:.1f} us", flush=True)
+              + f", copy {copy_tbs:.2f}, write {row['kv_write_ms'] * 1e3:.1f} us; graphs: triton "
+              f"{row['triton']['graph_tbs']:.2f}, "
+              + ", ".join(f"{n} {row[n].get('graph_tbs', float('nan')):.2f}" for n in sdpa_backends()), flush=True)
         del step, k_c, v_c
         torch.cuda.empty_cache()
     return rows
@@ -285,16 +310,18 @@ def plot(path: Path) -> Path:
     ax1.set_ylabel("TFLOP/s (causal, bf16)")
     ax1.set_title("Prefill: FlashAttention kernel vs SDPA")
     ax1.legend()
-    names = ["triton", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
-    width = 0.2
+    # Backends that took none of the shapes (SDPA's efficient kernel rejects GQA decode) are left out.
+    names = [n for n in ("triton", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient")
+             if any("tbs" in r.get(n, {}) for r in data["decode"])]
+    width = 0.8 / len(names)
     for i, name in enumerate(names):
         vals = [r.get(name, {}).get("tbs", 0.0) for r in data["decode"]]
-        ax2.bar([x + (i - 1.5) * width for x in range(len(vals))], vals, width, label=name)
+        ax2.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(vals))], vals, width, label=name)
     ax2.axhline(data["copy_tbs"], color="k", linestyle="--", label="D2D copy (read+write)")
     ax2.set_xticks(range(len(data["decode"])), [r["shape"] for r in data["decode"]], fontsize=7)
     ax2.set_ylabel("TB/s of KV read")
     ax2.set_title("Decode: PagedAttention (paged pool) vs SDPA (contiguous)")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"{data['env']['gpu']} · torch {data['env']['torch']} · triton {data['env']['triton']} · "
                  f"{data['env']['date']}", fontsize=9)
     fig.tight_layout()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trtopt.plugins.paged_attention.kernel import (
     PagedLaunch,
@@ -153,6 +155,25 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name: str, kernel_device: torch.device) -> None:
     run_both(CASES[name], kernel_device)
+
+
+@st.composite
+def random_steps(draw) -> Case:
+    """A mixed step: each sequence is a prefill, a prefill chunk or a decode row, over any GQA ratio/block size."""
+    num_seqs = draw(st.integers(1, 4))
+    new = tuple(draw(st.sampled_from([1, 1, 2, 5, 17])) for _ in range(num_seqs))
+    context = tuple(draw(st.sampled_from([0, 1, 15, 16, 33, 70])) for _ in range(num_seqs))
+    num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 2), (1, 4), (1, 8), (2, 3)]))
+    return Case(context=context, new=new, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                head_dim=draw(st.sampled_from([32, 80])), block_size=draw(st.sampled_from([16, 32, 64])),
+                sliding_window=draw(st.sampled_from([0, 0, 6])), alibi=draw(st.booleans()),
+                dropped_slots=draw(st.integers(0, 1)), seed=draw(st.integers(0, 1000)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=random_steps())
+def test_random_mixed_steps_match_reference(case: Case, kernel_device: torch.device) -> None:
+    run_both(case, kernel_device)
 
 
 @pytest.mark.parametrize("block_q, num_segments", [(1, 4), (4, 2), (2, 1)])

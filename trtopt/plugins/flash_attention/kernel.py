@@ -56,21 +56,26 @@ def _attend_block_range(
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_ptrs)  # unmasked and unpadded: the loads vectorise freely
-        # s: [BLOCK_M, BLOCK_N], in log2 units so the exponentials below are exp2
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, BLOCK_N], unscaled
         if HAS_BIAS:
             # Rows past S must not be read: a full [B,Hq,S,Sk] bias has no padding rows.
             b_mask = row_ok[:, None] & (offs_n[None, :] < Sk)
             b = tl.load(bias_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
-            s += tl.maximum(b.to(tl.float32), _BIAS_FLOOR) * 1.4426950408889634
+            qk = qk * qk_scale + tl.maximum(b.to(tl.float32), _BIAS_FLOOR) * 1.4426950408889634
         if MASKED:
             visible = offs_n[None, :] < Sk
             if IS_CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(visible, qk, float("-inf"))
+        # Scores are in log2 units so the exponentials are exp2. Without a bias the scale is folded into the
+        # subtraction (one FMA per score instead of a multiply and an add): the softmax is elementwise-bound.
+        if HAS_BIAS:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         if MASKED or BLOCK_D != HEAD_DIM:
@@ -82,9 +87,17 @@ def _attend_block_range(
     return acc, l_i, m_i
 
 
+def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """fp32 tiles of 128 rows spill registers and take ptxas minutes to compile: fp32 gets the 64-row configs."""
+    if named_args["Q"].dtype == torch.float32:
+        small = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
+        return small[:1] or configs[:1]
+    return configs
+
+
 # Tuned per power-of-two bucket of the lengths, not per exact length: a runtime sees many lengths.
-@triton.autotune(configs=_autotune_configs(),
-                 key=["S_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP"])
+@triton.autotune(configs=_autotune_configs(), key=["S_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP"],
+                 prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, Bias, Out,

@@ -106,19 +106,24 @@ def _attend_key_tiles(
             k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
         else:
             k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # s: [BLOCK_M, TILE_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
         if HAS_ALIBI:
-            s += slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
+            qk = qk * qk_scale + slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
         if MASKED:
             visible = k_ok[None, :] & row_ok[:, None]
             if IS_CAUSAL:
                 visible = visible & (kpos[None, :] <= pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] > pos[:, None] - sliding_window)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(visible, qk, float("-inf"))
+        # Scores are in log2 units (exp2); without ALiBi the scale folds into the subtraction as one FMA.
+        if HAS_ALIBI:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED or BLOCK_D != HEAD_DIM:
             v = tl.load(kv_ptr + stride_ckv, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
@@ -290,8 +295,9 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
     if interpret:
         return PagedLaunch(block_q=block_q, tile_n=16, num_segments=min(num_segments, 4), num_warps=4, num_stages=1)
     if rows >= 64:
-        return PagedLaunch(block_q=block_q, tile_n=64, num_segments=num_segments, num_warps=8 if rows >= 128 else 4,
-                           num_stages=3)
+        # Prefill-like: 128 query rows stream 32-key tiles best (registers stay free for the pipeline).
+        return PagedLaunch(block_q=block_q, tile_n=32 if rows >= 128 else 64, num_segments=num_segments,
+                           num_warps=4, num_stages=3)
     tile_n = 128 if keys_per_program >= 2048 else (64 if keys_per_program >= 1024 else 32)
     return PagedLaunch(block_q=block_q, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3)
 
