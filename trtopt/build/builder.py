@@ -120,6 +120,7 @@ def _save(proto: onnx.ModelProto, out_dir: Path) -> Path:
     if weight_bytes > _EXTERNAL_DATA_THRESHOLD:
         onnx.save(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
                   location=EXTERNAL_DATA_FILE, size_threshold=1024)
+        (out_dir / EXTERNAL_DATA_FILE).chmod(0o644)  # onnx writes it 0600; servers often run as another user
     else:
         onnx.save(proto, path)
     # The full checker (with shape inference of the function bodies) reads the saved file, so 2 GiB models work.
@@ -195,6 +196,9 @@ def build_plan(model_path: str | Path, out_dir: str | Path, *, limits: Limits | 
 
             proto = attach_functions(ir.to_proto(model))
             del model
+            # Weights the passes did not touch still point at the source's data file; pull them in so the plan
+            # dir is self-contained (the locations were checked to stay inside the source dir on load).
+            onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
         with steps.step(f"writing {out_dir}"):
             _prepare_out_dir(out_dir, source_dir, force)
             _save(proto, out_dir)

@@ -1,22 +1,41 @@
-"""Rule: constant folding and dead-code removal with onnxscript's optimizer.
+"""Rule: constant folding and dead-code removal with onnxscript's optimizer passes.
 
 Run first so that scales, axes and perms are constants the matchers can read (the legacy exporter emits them as
-Constant nodes), and last so that the nodes the fusions made dead are gone.
+Constant nodes, and computes shapes with long Shape→Gather→Unsqueeze→Concat chains), and last so that the nodes
+the fusions made dead are gone. onnxscript's full ``optimize`` also runs its default rewrite rules; on a 30-layer
+legacy export those take minutes (their matcher rescans the graph per node) and we fuse what we need ourselves,
+so only the folding and clean-up passes run here. Functions are never inlined: a plan's trtopt bodies must stay.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
-import onnxscript.optimizer
-from onnx_ir.passes.common import RemoveUnusedNodesPass
+import onnx_ir.passes.common as common_passes
+from onnxscript.optimizer._constant_folding import FoldConstantsPass
 
 RULE = "cleanup"
+# Inputs above this many elements are not folded, so weights are never duplicated; shapes and masks are tiny.
+_FOLD_INPUT_LIMIT = 1024
+_FOLD_OUTPUT_LIMIT = 1 << 16
 
 
 def cleanup(model: ir.Model) -> int:
     """Fold constants and drop dead nodes in place; returns how many nodes went away."""
     before = model.graph.num_nodes()
-    # input_size_limit bounds which initializers get folded, so big weights are never duplicated.
-    onnxscript.optimizer.optimize(model, num_iterations=2, input_size_limit=1024, output_size_limit=1 << 16)
-    RemoveUnusedNodesPass()(model)
+    ir.passes.PassManager(
+        [
+            ir.passes.PassManager(
+                [
+                    FoldConstantsPass(shape_inference=True, input_size_limit=_FOLD_INPUT_LIMIT,
+                                      output_size_limit=_FOLD_OUTPUT_LIMIT, should_fold=lambda node: None),
+                    common_passes.RemoveUnusedNodesPass(),
+                ],
+                steps=2,
+                early_stop=True,
+            ),
+            common_passes.CommonSubexpressionEliminationPass(),
+            common_passes.RemoveUnusedNodesPass(),
+            common_passes.RemoveUnusedOpsetsPass(),
+        ]
+    )(model)
     return max(before - model.graph.num_nodes(), 0)

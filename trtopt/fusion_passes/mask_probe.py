@@ -21,8 +21,9 @@ import onnx_ir as ir
 from trtopt.fusion_passes.attention_match import MASKED, MaskSpec
 from trtopt.fusion_passes.trace import NoMatch
 
-# Initializers bigger than this may not be pulled into a probe (the mask never needs weight matrices).
-_MAX_PROBE_INITIALIZER = 1 << 24
+# Initializers bigger than this may not be pulled into a probe. Legacy exports read the mask's shape and dtype off
+# the token embeddings (Shape(Gather(embed_tokens, ids))), so the embedding table must be allowed.
+_MAX_PROBE_INITIALIZER = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +80,15 @@ def _output_info(target: ir.Value) -> onnx.ValueInfoProto:
 def _probe_model(model: ir.Model, target: ir.Value) -> tuple[onnx.ModelProto, list[ir.Value]]:
     nodes, inputs, initializers = _slice_nodes(model.graph, target)
     for init in initializers:
-        if init.const_value.size > _MAX_PROBE_INITIALIZER:
+        if init.const_value.nbytes > _MAX_PROBE_INITIALIZER:
             raise NoMatch(f"the mask reads the large initializer {init.name}; refusing to treat it as a mask")
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in nodes],
         "mask_probe",
         [ir.serde.serialize_value(v) for v in inputs],
         [_output_info(target)],
-        [ir.serde.serialize_tensor(v.const_value) for v in initializers],
+        # Read external data into the probe (a model loaded from bytes cannot follow external-data paths).
+        [ir.serde.serialize_tensor(ir.Tensor(v.const_value.numpy(), name=v.name)) for v in initializers],
     )
     for proto, init in zip(graph.initializer, initializers):
         proto.name = init.name

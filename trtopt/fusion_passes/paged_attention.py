@@ -18,7 +18,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.attention_match import AttentionMatch, match_attention
 from trtopt.fusion_passes.context import PassContext
-from trtopt.fusion_passes.mask_probe import ProbeInputs, probe_causal
+from trtopt.fusion_passes.attention_match import MaskSpec
+from trtopt.fusion_passes.mask_probe import CausalWindow, ProbeInputs, probe_causal
 from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
 from trtopt.fusion_passes.trace import NoMatch
 from trtopt.fusion_passes.ops import declare_domain, trtopt_node
@@ -99,7 +100,23 @@ def _roles(graph: ir.Graph, pasts: list[ir.Value]) -> ProbeInputs:
     return ProbeInputs("input_ids", "position_ids", mask, tuple(pasts))
 
 
-def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: PassContext) -> PagedLayer:
+def _probe_once(model: ir.Model, mask: MaskSpec, roles: ProbeInputs, ctx: PassContext,
+                proven: dict[tuple[int, str], CausalWindow | NoMatch]) -> int:
+    """The mask's window; every layer usually shares one mask value, so each is probed once."""
+    key = (id(mask.value), mask.kind)
+    if key not in proven:
+        try:
+            proven[key] = probe_causal(model, mask, roles, long_len=ctx.probe_len)
+        except NoMatch as e:
+            proven[key] = e
+    result = proven[key]
+    if isinstance(result, NoMatch):
+        raise result
+    return result.window
+
+
+def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: PassContext,
+                 proven: dict[tuple[int, str], CausalWindow | NoMatch]) -> PagedLayer:
     match = match_attention(softmax)
     if not match.k_heads_second:
         raise NoMatch("keys are cached in [B, S, H, D] layout", softmax.name or "")
@@ -107,7 +124,7 @@ def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: Pas
     v_cat = _cache_pair(match.v, "values")
     if match.mask is None:
         raise NoMatch("no mask before Softmax, so the attention is not causal over the cache", softmax.name or "")
-    window = probe_causal(model, match.mask, roles, long_len=ctx.probe_len).window
+    window = _probe_once(model, match.mask, roles, ctx, proven)
     num_heads, hkv, head_dim = _head_dims(match, k_cat.inputs[0], ctx)
     return PagedLayer(
         match=match,
@@ -254,14 +271,15 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
         return 0
     roles = _roles(graph, [c.inputs[0] for c in concats])
     layers: list[PagedLayer] = []
+    proven: dict[tuple[int, str], CausalWindow | NoMatch] = {}
     for softmax in [n for n in graph if n.op_type == "Softmax"]:
         try:
-            layers.append(_prove_layer(model, softmax, roles, ctx))
+            layers.append(_prove_layer(model, softmax, roles, ctx, proven))
         except NoMatch as e:
             ctx.trace.fail(RULE, softmax.name or "Softmax", e)
     unmatched = _readers_outside(layers, model)
     if not layers or unmatched:
-        reasons = "\n  ".join(ctx.trace.lines()) or "no Softmax found"
+        reasons = "\n  ".join(ctx.trace.summary()) or "no Softmax found"
         what = "no attention could be collapsed" if not layers else f"the cache inputs {unmatched[:4]} are not read by any fused attention"
         raise FusionError(
             f"the graph has KV-cache inputs/outputs but {what}, so it cannot be rewritten to the paged signature.\n"

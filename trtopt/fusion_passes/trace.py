@@ -43,3 +43,11 @@ class Trace:
 
     def lines(self) -> list[str]:
         return [f.describe() for f in self.failures]
+
+    def summary(self, limit: int = 6) -> list[str]:
+        """One line per distinct (rule, reason), with how many regions failed that way and the first of them."""
+        groups: dict[tuple[str, str], list[MatchFailure]] = {}
+        for failure in self.failures:
+            groups.setdefault((failure.rule, failure.reason), []).append(failure)
+        lines = [f"[{rule}] {len(fs)} region(s), e.g. {fs[0].anchor}: {reason}" for (rule, reason), fs in groups.items()]
+        return lines[:limit] + ([f"... and {len(lines) - limit} more kinds"] if len(lines) > limit else [])
