@@ -25,7 +25,7 @@ def _print_report(result, explain: bool) -> None:
         if not report.unfused:
             console.print("every attention-like region fused.")
         for failure in report.unfused:
-            console.print(f"[yellow]not fused[/] {failure.describe()}", highlight=False, soft_wrap=True)
+            console.print("not fused: " + failure.describe(), markup=False, highlight=False, soft_wrap=True)
     elif report.unfused:
         console.print(f"{len(report.unfused)} region(s) left unfused; run with --explain to see why.")
 

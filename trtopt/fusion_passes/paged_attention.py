@@ -55,6 +55,19 @@ def cache_concats(graph: ir.Graph) -> list[ir.Node]:
     return found
 
 
+def has_cache_io(graph: ir.Graph) -> bool:
+    """A KV-cache graph: Concat(past, new) → present, or at least optimum-style past/present names.
+
+    The names catch cache forms the rule does not support (e.g. a sliding-window cache that trims the past before
+    the Concat), so such a graph fails loudly instead of being built as a cache-free plan.
+    """
+    if cache_concats(graph):
+        return True
+    has_past = any("past" in (v.name or "") for v in graph.inputs)
+    has_present = any("present" in (v.name or "") for v in graph.outputs)
+    return has_past and has_present
+
+
 def _cache_pair(value: ir.Value, what: str) -> ir.Node:
     node = value.producer()
     if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or not node.inputs[0].is_graph_input():
@@ -266,10 +279,11 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
     attention could not be proven (the message lists the failed checks).
     """
     graph = model.graph
-    concats = cache_concats(graph)
-    if not concats:
+    if not has_cache_io(graph):
         return 0
-    roles = _roles(graph, [c.inputs[0] for c in concats])
+    concats = cache_concats(graph)
+    pasts = [c.inputs[0] for c in concats] or [v for v in graph.inputs if "past" in (v.name or "")]
+    roles = _roles(graph, pasts)
     layers: list[PagedLayer] = []
     proven: dict[tuple[int, str], CausalWindow | NoMatch] = {}
     for softmax in [n for n in graph if n.op_type == "Softmax"]:
@@ -283,7 +297,7 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
         what = "no attention could be collapsed" if not layers else f"the cache inputs {unmatched[:4]} are not read by any fused attention"
         raise FusionError(
             f"the graph has KV-cache inputs/outputs but {what}, so it cannot be rewritten to the paged signature.\n"
-            f"  {reasons}\nRun `trtopt build --explain` for every region, or export the model with trtopt export."
+            f"  {reasons}\nExport the model with `trtopt export` (optimum-style I/O); docs/fusion.md lists the supported forms."
         )
     layers.sort(key=lambda layer: _layer_index(layer, graph))
     _rewrite(model, layers, block_size)

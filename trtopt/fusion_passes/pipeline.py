@@ -10,7 +10,7 @@ from trtopt.fusion_passes.cleanup import cleanup
 from trtopt.fusion_passes.context import HeadDims, PassContext
 from trtopt.fusion_passes.flash_attention import fuse_flash_attention
 from trtopt.fusion_passes.logits_gather import gather_logits
-from trtopt.fusion_passes.paged_attention import cache_concats, fuse_paged_attention
+from trtopt.fusion_passes.paged_attention import fuse_paged_attention, has_cache_io
 from trtopt.fusion_passes.trace import MatchFailure, Trace
 
 
@@ -44,7 +44,7 @@ def optimize(model: ir.Model, *, dims: HeadDims = HeadDims(), block_size: int = 
     ctx = PassContext(trace=Trace(), dims=dims, probe_len=probe_len)
     counts: dict[str, int] = {}
     counts["cleanup"] = cleanup(model)
-    paged = bool(cache_concats(model.graph))
+    paged = has_cache_io(model.graph)
     if paged:
         counts["paged_attention"] = fuse_paged_attention(model, ctx, block_size=block_size)
         counts["logits_gather"] = gather_logits(model, vocab_size=vocab_size)

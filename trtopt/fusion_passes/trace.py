@@ -20,7 +20,7 @@ class MatchFailure:
 
     def describe(self) -> str:
         where = f" (at {self.node})" if self.node and self.node != self.anchor else ""
-        return f"[{self.rule}] {self.anchor}: {self.reason}{where}"
+        return f"{self.rule} | {self.anchor}: {self.reason}{where}"
 
 
 class NoMatch(Exception):
@@ -49,5 +49,5 @@ class Trace:
         groups: dict[tuple[str, str], list[MatchFailure]] = {}
         for failure in self.failures:
             groups.setdefault((failure.rule, failure.reason), []).append(failure)
-        lines = [f"[{rule}] {len(fs)} region(s), e.g. {fs[0].anchor}: {reason}" for (rule, reason), fs in groups.items()]
+        lines = [f"{rule} | {len(fs)} region(s), e.g. {fs[0].anchor}: {reason}" for (rule, reason), fs in groups.items()]
         return lines[:limit] + ([f"... and {len(lines) - limit} more kinds"] if len(lines) > limit else [])
