@@ -48,3 +48,19 @@ def test_original_export_matches_onnxruntime(model, exporter, export_dir):
         for name, e, g in zip(converted.output_names, expected, got):
             assert e.shape == tuple(g.shape), (name, T, P)
             np.testing.assert_allclose(g.numpy(), e, atol=1e-4, rtol=0, err_msg=f"{name} at T={T} P={P} pad={pad}")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "tiny-qwen2"])
+@pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
+def test_shape_arithmetic_never_reads_device_data(model, exporter, export_dir):
+    """On the meta device (shapes, no data) the graph runs end to end: every shape computation is a host value,
+    so on CUDA nothing would sync with the GPU outside attention. Shapes must equal onnxruntime's."""
+    path = export_dir(model, exporter) / "model.onnx"
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    converted = onnx_to_torch(path, device="meta")
+    feeds = feeds_for(sess, 5, 12, 0, 100, np.random.default_rng(0))
+    expected = sess.run(None, feeds)
+    with torch.inference_mode():
+        got = converted.module(*[torch.from_numpy(feeds[n]).to("meta") for n in converted.input_names])
+    assert all(g.device.type == "meta" for g in got)
+    assert [tuple(g.shape) for g in got] == [e.shape for e in expected]

@@ -130,11 +130,12 @@ def dropout(x, ratio=None, training_mode=None, *, seed: int = 0, _n: int = 1):
 # Shapes and indexing.
 # ---------------------------------------------------------------------------------------------------------------------
 def shape(x, *, start: int = 0, end: int | None = None):
-    return torch.tensor(x.shape[start:end], dtype=torch.int64, device=x.device)
+    # Shapes live on the host whatever x's device: shape arithmetic then never syncs with the GPU.
+    return torch.tensor(x.shape[start:end], dtype=torch.int64)
 
 
 def size(x):
-    return torch.tensor(x.numel(), dtype=torch.int64, device=x.device)
+    return torch.tensor(x.numel(), dtype=torch.int64)
 
 
 def reshape(x, new_shape: IntsLike, *, allowzero: int = 0):
@@ -444,6 +445,7 @@ class OpSpec:
     scalar_inputs: tuple[int, ...] = ()  # input positions that, when a constant 0-d tensor, become a Python number
     wants_num_outputs: bool = False  # fn takes `_n`: how many outputs the node declares
     wants_device: bool = False  # fn creates a tensor from nothing and takes `device`
+    host_output: bool = False  # fn returns a host (CPU) tensor whatever its inputs' device (Shape, Size)
 
 
 def _binary(fn: Callable[[Any, Any], Any]) -> OpSpec:
@@ -504,8 +506,8 @@ STANDARD_OPS: dict[str, OpSpec] = {
     "Identity": OpSpec(identity),
     "Dropout": OpSpec(dropout, wants_num_outputs=True),
     # shapes and indexing
-    "Shape": OpSpec(shape),
-    "Size": OpSpec(size),
+    "Shape": OpSpec(shape, host_output=True),
+    "Size": OpSpec(size, host_output=True),
     "Reshape": OpSpec(reshape, list_inputs=(1,)),
     "Flatten": OpSpec(flatten),
     "Transpose": OpSpec(transpose),
@@ -523,9 +525,9 @@ STANDARD_OPS: dict[str, OpSpec] = {
     "Tile": OpSpec(tile, list_inputs=(1,)),
     "ConstantOfShape": OpSpec(constant_of_shape, list_inputs=(0,), wants_device=True),
     "Range": OpSpec(range_),
-    "Trilu": OpSpec(trilu),
-    "Pad": OpSpec(pad, list_inputs=(1, 3)),
-    "CumSum": OpSpec(cumsum),
+    "Trilu": OpSpec(trilu, scalar_inputs=(1,)),
+    "Pad": OpSpec(pad, list_inputs=(1, 3), scalar_inputs=(2,)),
+    "CumSum": OpSpec(cumsum, scalar_inputs=(1,)),
     # reductions, normalisations, matmuls
     "ReduceMean": OpSpec(reduce_mean, **_REDUCE),
     "ReduceSum": OpSpec(reduce_sum, **_REDUCE),

@@ -11,6 +11,10 @@ Work done once at conversion instead of at every step:
 - common subexpressions (the same pure op on the same inputs, e.g. per-layer copies of one shape computation)
   are computed once.
 
+Placement (device != cpu): Shape and Size produce host (CPU) tensors, and a standard op whose runtime inputs are
+all host runs on the host too, so shape arithmetic never syncs with the GPU. Host constants stay on the CPU; a
+device op that reads a host value as data gets an explicit transfer (read as a shape-like list it needs none).
+
 trtopt-domain ops dispatch to ``trtopt_ops`` (Triton kernel on CUDA, torch reference elsewhere); PagedAttention
 writes the KV pool passed in as a graph input IN PLACE and returns that same tensor as ``kv_cache_out``. Any other
 model-local function (a trtopt op without a torch implementation) is inlined from its ONNX body.
@@ -109,33 +113,76 @@ def _arg_key(arg: Any) -> Any:
     return (type(arg).__name__, arg)
 
 
+def to_device(x: torch.Tensor, device: str) -> torch.Tensor:
+    """A host value read as data by a device op."""
+    return x.to(device, non_blocking=True)
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """A device value that shape arithmetic needs (a data-dependent shape: this one syncs)."""
+    return x.cpu()
+
+
+def shape_like_values(graph: ir.Graph) -> set[ir.Value]:
+    """Values that only feed shapes: read as a shape-like input (Reshape's shape...), or computed by a standard
+    op whose every output is such a value. They are computed on the host."""
+    wanted: set[ir.Value] = set()
+    for node in reversed(list(graph)):
+        spec = STANDARD_OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if spec is None:
+            continue
+        for i in spec.list_inputs:
+            if i < len(node.inputs) and node.inputs[i] is not None:
+                wanted.add(node.inputs[i])
+        if not spec.host_output and node.outputs and all(o in wanted for o in node.outputs):
+            wanted.update(v for v in node.inputs if v is not None)
+    return wanted
+
+
 class _Converter:
     def __init__(self, model: ir.Model, *, device: torch.device, body_ops: Collection[str]):
         self.model = model
         self.device = device
+        self.split = device.type != "cpu"  # host and device differ: track where each value lives
         self.body_ops = frozenset(body_ops)  # trtopt op types to run from their function body
         self.graph = torch.fx.Graph()
         self.root = torch.nn.Module()
         self.names: set[str] = set()
-        self.const_nodes: dict[int, torch.fx.Node] = {}  # id(tensor) → get_attr node
+        self.const_nodes: dict[tuple[int, bool], torch.fx.Node] = {}  # (id(tensor), on host) → get_attr node
+        self.host: set[torch.fx.Node] = set()  # nodes whose value is a host tensor (only when split)
+        self.transfers: dict[torch.fx.Node, torch.fx.Node] = {}  # host node → its copy on the device
+        self.host_consts: dict[str, torch.Tensor] = {}  # constants read on the host, by attribute name
+        self.to_host_nodes: dict[torch.fx.Node, torch.fx.Node] = {}  # device node → its host copy
+        self.shape_like = shape_like_values(model.graph) if self.split else set()
         self.cse: dict[Any, torch.fx.Node] = {}
         self.functions = {(f.domain, f.name, f.overload): f for f in model.functions.values()}
 
     # -- values ------------------------------------------------------------------------------------------------------
-    def materialize(self, value: _Value) -> torch.fx.Node | None:
-        """An fx node for a value; a constant becomes a buffer of the root module (once per tensor)."""
+    def materialize(self, value: _Value, *, on_host: bool = False) -> torch.fx.Node | None:
+        """An fx node for a value; a constant becomes a buffer of the root module (once per tensor and place).
+
+        Host constants end up as plain CPU attributes, not buffers, so moving the module leaves them alone.
+        """
         if not isinstance(value, _Const):
             return value
-        key = id(value.tensor)
+        key = (id(value.tensor), on_host)
         if key not in self.const_nodes:
             name = _sanitize(f"c_{len(self.const_nodes)}", self.names)
-            self.root.register_buffer(name, value.tensor)
-            self.const_nodes[key] = self.graph.get_attr(name)
+            if on_host:
+                self.host_consts[name] = value.tensor
+                self.root.register_buffer(name, value.tensor)  # re-attached as a plain attribute in convert()
+                self.const_nodes[key] = self.graph.get_attr(name)
+                self.host.add(self.const_nodes[key])
+            else:
+                self.root.register_buffer(name, value.tensor)
+                self.const_nodes[key] = self.graph.get_attr(name)
         return self.const_nodes[key]
 
-    def call_arg(self, value: _Value, position: int, spec: OpSpec, *, folding: bool = False) -> Any:
+    def call_arg(self, value: _Value, position: int, spec: OpSpec, *, folding: bool = False,
+                 on_host: bool = False) -> Any:
         """How input `position` is passed: a Python list/number when constant and the op allows it; else a node
-        (or, when folding at conversion time, the constant tensor itself)."""
+        (or, when folding at conversion time, the constant tensor itself). A device op reading a host value as
+        data gets the value's device copy."""
         if isinstance(value, _Const):
             if position in spec.list_inputs:
                 return as_ints(value.tensor)
@@ -143,7 +190,30 @@ class _Converter:
                 return value.tensor.item()
             if folding:
                 return value.tensor
-        return self.materialize(value)
+            return self.materialize(value, on_host=on_host)
+        if value is None or not self.split or position in spec.list_inputs:
+            return value
+        if not on_host and value in self.host:
+            if value not in self.transfers:
+                self.transfers[value] = self.graph.call_function(to_device, (value, str(self.device)))
+            return self.transfers[value]
+        if on_host and value not in self.host and not spec.host_output:
+            if value not in self.to_host_nodes:
+                self.to_host_nodes[value] = self.graph.call_function(to_host, (value,))
+            return self.to_host_nodes[value]
+        return value
+
+    def runs_on_host(self, spec: OpSpec, inputs: list[_Value], standard: bool, shape_like: bool) -> bool:
+        """Shape/Size always; another standard op when every runtime input is already on the host, or when all
+        it computes is shape-like (e.g. a legacy export's ConstantOfShape → Where chain building Expand's shape)."""
+        if not self.split:
+            return False
+        if spec.host_output:
+            return True
+        if not standard:
+            return False
+        runtime = [v for v in inputs if isinstance(v, torch.fx.Node)]
+        return shape_like or (not spec.wants_device and all(v in self.host for v in runtime))
 
     # -- attributes --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -237,7 +307,9 @@ class _Converter:
             )
         kwargs = self.kwargs_for(node, spec, attrs, opset)
         pure = (domain, op) not in IMPURE_OPS
-        return self.emit_call(spec, inputs, kwargs, len(node.outputs), pure)
+        shape_like = bool(node.outputs) and all(o in self.shape_like for o in node.outputs)
+        return self.emit_call(spec, inputs, kwargs, len(node.outputs), pure, standard=domain == "",
+                              shape_like=shape_like)
 
     def find_spec(self, domain: str, op: str) -> OpSpec | None:
         if domain == "":
@@ -246,7 +318,8 @@ class _Converter:
             return None if op in self.body_ops else TRTOPT_OPS.get(op)
         return _CONTRIB_OPS.get((domain, op))
 
-    def emit_call(self, spec: OpSpec, inputs: list[_Value], kwargs: dict, num_outputs: int, pure: bool):
+    def emit_call(self, spec: OpSpec, inputs: list[_Value], kwargs: dict, num_outputs: int, pure: bool, *,
+                  standard: bool, shape_like: bool = False):
         while inputs and inputs[-1] is None:  # trailing absent optional inputs take the function's defaults
             inputs.pop()
         if pure and all(isinstance(v, _Const) or v is None for v in inputs):
@@ -257,18 +330,21 @@ class _Converter:
             results = list(result) if isinstance(result, (tuple, list)) else [result]
             return [_Const(r) for r in results]
 
-        args = tuple(self.call_arg(v, i, spec) for i, v in enumerate(inputs))
+        on_host = self.runs_on_host(spec, inputs, standard, shape_like)
+        args = tuple(self.call_arg(v, i, spec, on_host=on_host) for i, v in enumerate(inputs))
         if spec.wants_device:
-            kwargs = {**kwargs, "device": str(self.device)}
+            kwargs = {**kwargs, "device": "cpu" if on_host else str(self.device)}
         key = (spec.fn, tuple(_arg_key(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
         call = self.cse.get(key) if pure else None
         if call is None:
             call = self.graph.call_function(spec.fn, args, kwargs)
             if pure:
                 self.cse[key] = call
-        if num_outputs == 1:
-            return [call]
-        return [self.graph.call_function(operator.getitem, (call, i)) for i in range(num_outputs)]
+        outputs = [call] if num_outputs == 1 else [
+            self.graph.call_function(operator.getitem, (call, i)) for i in range(num_outputs)]
+        if on_host:
+            self.host.update(outputs + [call])
+        return outputs
 
     def constant_value(self, node: ir.Node, attrs: dict[str, ir.Attr]) -> torch.Tensor:
         (name, attr), = attrs.items()
@@ -330,6 +406,11 @@ class _Converter:
         self.graph.eliminate_dead_code()
         self.graph.lint()
         module = torch.fx.GraphModule(self.root, self.graph, class_name="OnnxGraph").to(self.device)
+        for name, tensor in self.host_consts.items():
+            # GraphModule registers every tensor attribute as a buffer and .to() moved it; a plain attribute on
+            # the CPU is what the host ops read (and later .to() calls leave it there).
+            delattr(module, name)
+            module.__dict__[name] = tensor
         return ConvertedGraph(module, input_names, [v.name for v in graph.outputs], opset)
 
 
