@@ -5,7 +5,7 @@ For each plan it starts `trtopt serve` on 127.0.0.1 and runs, in the same proces
   - `server x1`: one client, the same requests sequentially (what serving without batching would give);
   - baseline `offline`: the same requests added at once to an in-process LLMEngine and stepped to the end
     (no HTTP, no tokenization on the clock): the ceiling the server's batching can reach.
-Every request streams a completion of exactly --max-tokens tokens (ignore_eos) at temperature 0.
+Every request streams a greedy completion of a fixed length (ignore_eos) spread around --max-tokens.
 
     python benchmarks/serve_bench.py --plan tiny=/tmp/plan-tiny --plan smollm2=/tmp/plan-smol \
         --out docs/benchmarks/serve_cpu.json
@@ -28,7 +28,20 @@ from pathlib import Path
 
 import httpx
 
+NOTES = (
+    "TTFT is measured by the client from sending the request to the first streamed token. The offline baseline adds "
+    "every request at once, so its TTFT includes waiting for one of the --concurrency seats: compare its throughput, "
+    "not its TTFT. Run with OMP_NUM_THREADS=1 on a shared 2-core machine: with 2 intra-op threads and other jobs "
+    "running, OpenMP spin-waits made engine steps 10-30x slower at p90."
+)
+
 PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "birds", "sing")
+
+
+def max_tokens_of(i: int, mean: int) -> int:
+    """Output lengths spread over [mean/2, 3*mean/2] (deterministic), so closed-loop clients do not move in lockstep
+    (equal lengths would make all of them finish, and all new prompts prefill, in the same step)."""
+    return mean // 2 + (i * 37) % (mean + 1)
 
 
 def prompts(num: int, words: int) -> list[str]:
@@ -62,19 +75,20 @@ async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
 
 
 async def _clients(base_url: str, all_prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    queue = list(all_prompts)
+    queue = [(p, max_tokens_of(i, max_tokens)) for i, p in enumerate(all_prompts)]
     results = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
-            results.append(await _one(client, queue.pop(0), max_tokens))
+            prompt, n = queue.pop(0)
+            results.append({**await _one(client, prompt, n), "tokens": n})
 
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - start
     return summarize(f"server x{concurrency}", [r["ttft"] for r in results], [x for r in results for x in r["itl"]],
-                     len(results) * max_tokens, wall, len(results))
+                     sum(r["tokens"] for r in results), wall, len(results))
 
 
 def summarize(name: str, ttft: list[float], itl: list[float], tokens: int, wall: float, requests: int) -> dict:
@@ -112,7 +126,6 @@ def offline(plan: Path, all_prompts: list[str], max_tokens: int, max_num_seqs: i
     from trtopt.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine.from_plan(plan, max_num_seqs=max_num_seqs)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request("warmup", all_prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -120,7 +133,8 @@ def offline(plan: Path, all_prompts: list[str], max_tokens: int, max_num_seqs: i
     arrival, first, last, itl = {}, {}, {}, []
     for i, p in enumerate(all_prompts):
         arrival[str(i)] = time.perf_counter()
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens_of(i, max_tokens), temperature=0.0,
+                                                     ignore_eos=True))
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
@@ -132,7 +146,8 @@ def offline(plan: Path, all_prompts: list[str], max_tokens: int, max_num_seqs: i
                 last[o.request_id] = now
     wall = time.perf_counter() - start
     ttft = [first[k] - arrival[k] for k in arrival]
-    return summarize("offline LLMEngine (baseline)", ttft, itl, len(all_prompts) * max_tokens, wall, len(all_prompts))
+    tokens = sum(max_tokens_of(i, max_tokens) for i in range(len(all_prompts)))
+    return summarize("offline LLMEngine (baseline)", ttft, itl, tokens, wall, len(all_prompts))
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
@@ -188,7 +203,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64, help="requests in the concurrent run")
     parser.add_argument("--sequential-requests", type=int, default=8, help="requests in the one-client run")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="mean output length (each in [mean/2, 3*mean/2])")
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--port", type=int, default=18777)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/serve_cpu.json"))
@@ -208,6 +223,7 @@ def main() -> None:
                     "torch_threads": torch.get_num_threads(),
                     # The machine is shared: a load average above the core count means other jobs competed.
                     "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
+        "notes": NOTES,
         "settings": {k: v for k, v in vars(args).items() if k not in ("plan", "out", "port")},
         "results": results,
     }
