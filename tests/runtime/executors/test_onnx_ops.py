@@ -134,6 +134,21 @@ def test_op_matches_onnxruntime(op, inputs, consts, attrs, opset, tmp_path):
     check(one_node(op, inputs, consts, opset=opset, **attrs), inputs, tmp_path)
 
 
+FP16_CASES = [
+    ("MatMul", {"a": randn(2, 3, 8, dtype=np.float16), "b": randn(8, 4, dtype=np.float16)}, {}),
+    ("Add", {"a": randn(3, 4, dtype=np.float16), "b": randn(4, dtype=np.float16)}, {}),
+    ("Softmax", {"x": randn(3, 7, dtype=np.float16)}, {"axis": -1}),
+    ("Cast", {"x": randn(5)}, {"to": TensorProto.FLOAT16}),
+    ("LayerNormalization", {"x": randn(2, 8, dtype=np.float16), "s": randn(8, dtype=np.float16)}, {}),
+    ("Where", {"c": np.array([True, False]), "x": randn(2, dtype=np.float16), "y": randn(2, dtype=np.float16)}, {}),
+]
+
+
+@pytest.mark.parametrize("op,inputs,attrs", FP16_CASES, ids=[c[0] for c in FP16_CASES])
+def test_fp16_keeps_dtype(op, inputs, attrs, tmp_path):
+    check(one_node(op, inputs, **attrs), inputs, tmp_path, atol=2e-3)
+
+
 @pytest.mark.parametrize("opset,attrs,consts,outputs", [
     (18, {"num_outputs": 3}, {}, 3),  # uneven: 7 = 3 + 3 + 1
     (18, {"axis": 1}, {"split": ints(1, 6)}, 2),
@@ -214,3 +229,21 @@ def test_old_opset_is_refused(tmp_path):
     onnx.save(model, tmp_path / "m.onnx")
     with pytest.raises(UnsupportedOpError, match="opset 11"):
         onnx_to_torch(tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int32, np.bool_])
+def test_initializers_keep_their_dtype(dtype):
+    import ml_dtypes
+    import onnx_ir as ir
+
+    from trtopt.runtime.executors.onnx_to_torch import ir_tensor_to_torch
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    values = np.arange(-3, 3).reshape(2, 3).astype(np_dtype)
+    converted = ir_tensor_to_torch(ir.tensor(values))
+    want = {np.float32: torch.float32, np.float16: torch.float16, "bfloat16": torch.bfloat16, np.int32: torch.int32,
+            np.bool_: torch.bool}[dtype]
+    assert converted.dtype == want and tuple(converted.shape) == (2, 3)
+    assert converted.float().tolist() == values.astype(np.float32).tolist()
+    scalar = ir_tensor_to_torch(ir.tensor(np.array(7, dtype=np_dtype)))
+    assert scalar.dim() == 0  # 0-d stays 0-d (a Gather index must drop its axis)
