@@ -116,8 +116,15 @@ def _feeds(inputs: list[ir.Value], roles: ProbeInputs, past_len: int, new_len: i
 
 
 def _allowed(mask: MaskSpec, value: np.ndarray, new_len: int, total: int) -> np.ndarray:
-    """Boolean [new_len, total]: which keys each query may see, from the evaluated mask."""
-    full = np.broadcast_to(value, value.shape[:-2] + (new_len, total)).reshape(-1, new_len, total)
+    """Boolean [new_len, keys]: which keys each query may see, from the evaluated mask.
+
+    keys is the mask's last dim: ``total`` (= past + new), or fewer when the graph trims the past before the
+    Concat (a sliding-window cache); the kept keys are then the last ones.
+    """
+    keys = value.shape[-1] if value.ndim and value.shape[-1] != 1 else total
+    if keys > total:
+        raise NoMatch(f"the mask has {keys} key columns for {total} keys")
+    full = np.broadcast_to(value, value.shape[:-2] + (new_len, keys)).reshape(-1, new_len, keys)
     if not (full == full[:1]).all():
         raise NoMatch("the mask differs across batch/heads (an ALiBi-like or per-head bias)")
     rows = full[0]
@@ -131,11 +138,16 @@ def _allowed(mask: MaskSpec, value: np.ndarray, new_len: int, total: int) -> np.
 
 
 def _window_of(allowed: np.ndarray, past_len: int) -> int | None:
-    """The W such that row j sees exactly [p − W + 1, p] for p = past_len + j; None for an unbounded window."""
+    """The W such that row j sees exactly [p − W + 1, p] for p = past_len + j; None for an unbounded window.
+
+    Column c of ``allowed`` is key position c + (past_len + rows − columns): the columns are the last keys.
+    """
     window: int | None = None
+    new_len, keys = allowed.shape
+    first_key = past_len + new_len - keys
     for j, row in enumerate(allowed):
         p = past_len + j
-        seen = np.flatnonzero(row)
+        seen = np.flatnonzero(row) + first_key
         if seen.size == 0 or seen[-1] != p or seen.size != seen[-1] - seen[0] + 1:
             raise NoMatch(f"the mask is not causal: query at position {p} sees keys {seen.tolist()[:8]}...")
         if seen[0] > 0:
@@ -165,7 +177,7 @@ def probe_causal(
         except NoMatch:
             raise
         except Exception as e:
-            raise NoMatch(f"the mask subgraph failed for past={past_len}, new={new_len} ({type(e).__name__})") from e
+            raise NoMatch(f"the mask subgraph failed for past={past_len}, new={new_len} ({type(e).__name__}: {str(e)[:160]})") from e
         rows_window = _window_of(_allowed(mask, np.asarray(value), new_len, past_len + new_len), past_len)
         if rows_window is not None:
             if window is not None and window != rows_window:

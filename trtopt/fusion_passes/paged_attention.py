@@ -16,7 +16,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from trtopt.errors import FusionError
-from trtopt.fusion_passes.attention_match import AttentionMatch, match_attention
+from trtopt.fusion_passes.attention_match import AttentionMatch, int_list_constant, match_attention
 from trtopt.fusion_passes.context import PassContext
 from trtopt.fusion_passes.attention_match import MaskSpec
 from trtopt.fusion_passes.mask_probe import CausalWindow, ProbeInputs, probe_causal
@@ -36,6 +36,8 @@ class PagedLayer:
     past_value: ir.Value
     present_key: ir.Value  # Concat output, a graph output
     present_value: ir.Value
+    full_key: ir.Value  # the Concat outputs: [B, Hkv, P + T, D] (present may be a trimmed slice of them)
+    full_value: ir.Value
     k_new: ir.Value  # [B, Hkv, T, D]
     v_new: ir.Value
     num_heads: int
@@ -44,15 +46,43 @@ class PagedLayer:
     window: int
 
 
+def _past_of(value: ir.Value | None) -> ir.Value | None:
+    """The past graph input behind a Concat's first operand: the input itself, or a Slice of it on the sequence
+    axis (HF's sliding-window cache keeps only the last W − 1 entries before concatenating)."""
+    if value is None:
+        return None
+    if value.is_graph_input():
+        return value
+    node = value.producer()
+    if node is not None and node.op_type == "Slice" and node.inputs[0] is not None and node.inputs[0].is_graph_input():
+        axes = int_list_constant(node.inputs[3]) if len(node.inputs) > 3 else None
+        if axes in ([2], [-2]):
+            return node.inputs[0]
+    return None
+
+
+def _present_of(concat: ir.Node) -> ir.Value | None:
+    """The present graph output of a cache Concat: its output, or a sequence-axis Slice of it (sliding window)."""
+    out = concat.outputs[0]
+    if out.is_graph_output():
+        return out
+    for use in out.uses():
+        node = use.node
+        if node.op_type == "Slice" and use.idx == 0 and node.outputs[0].is_graph_output():
+            axes = int_list_constant(node.inputs[3]) if len(node.inputs) > 3 else None
+            if axes in ([2], [-2]):
+                return node.outputs[0]
+    return None
+
+
 def cache_concats(graph: ir.Graph) -> list[ir.Node]:
-    """Concat(past_input, new) nodes whose output is a graph output: the signature of a KV-cache graph."""
-    outputs = {id(v) for v in graph.outputs}
-    found = []
-    for node in graph:
-        if node.op_type == "Concat" and len(node.inputs) == 2 and node.inputs[0] is not None:
-            if node.inputs[0].is_graph_input() and id(node.outputs[0]) in outputs:
-                found.append(node)
-    return found
+    """Concat(past, new) nodes that produce a present output: the signature of a KV-cache graph."""
+    return [
+        node
+        for node in graph
+        if node.op_type == "Concat" and len(node.inputs) == 2
+        and _past_of(node.inputs[0]) is not None and _present_of(node) is not None
+    ]
 
 
 def has_cache_io(graph: ir.Graph) -> bool:
@@ -70,8 +100,10 @@ def has_cache_io(graph: ir.Graph) -> bool:
 
 def _cache_pair(value: ir.Value, what: str) -> ir.Node:
     node = value.producer()
-    if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or not node.inputs[0].is_graph_input():
+    if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or _past_of(node.inputs[0]) is None:
         raise NoMatch(f"{what} do not come from Concat(past input, new)", node.name if node else "")
+    if _present_of(node) is None:
+        raise NoMatch(f"{what}: the Concat(past, new) does not produce a present output", node.name or "")
     axis = node.attributes["axis"].value
     if axis not in (2, -2):
         raise NoMatch(f"{what} are concatenated on axis {axis}, not the sequence axis 2", node.name or "")
@@ -138,13 +170,15 @@ def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: Pas
     if match.mask is None:
         raise NoMatch("no mask before Softmax, so the attention is not causal over the cache", softmax.name or "")
     window = _probe_once(model, match.mask, roles, ctx, proven)
-    num_heads, hkv, head_dim = _head_dims(match, k_cat.inputs[0], ctx)
+    num_heads, hkv, head_dim = _head_dims(match, _past_of(k_cat.inputs[0]), ctx)
     return PagedLayer(
         match=match,
-        past_key=k_cat.inputs[0],
-        past_value=v_cat.inputs[0],
-        present_key=k_cat.outputs[0],
-        present_value=v_cat.outputs[0],
+        past_key=_past_of(k_cat.inputs[0]),
+        past_value=_past_of(v_cat.inputs[0]),
+        present_key=_present_of(k_cat),
+        present_value=_present_of(v_cat),
+        full_key=k_cat.outputs[0],
+        full_value=v_cat.outputs[0],
         k_new=k_cat.inputs[1],
         v_new=v_cat.inputs[1],
         num_heads=num_heads,
@@ -219,7 +253,8 @@ def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None
     presents = {id(layer.present_key) for layer in layers} | {id(layer.present_value) for layer in layers}
     cut: dict[int, int] = {}
     for layer in layers:
-        for tensor in (layer.past_key, layer.past_value, layer.present_key, layer.present_value):
+        for tensor in (layer.past_key, layer.past_value, layer.present_key, layer.present_value, layer.full_key,
+                       layer.full_value):
             cut[id(tensor)] = layer.num_kv_heads
         for tensor in (layer.match.k_repeated, layer.match.v_repeated):
             cut[id(tensor)] = layer.num_heads
@@ -269,7 +304,8 @@ def _readers_outside(layers: list[PagedLayer], model: ir.Model) -> list[str]:
     so this only reports past inputs that no matched layer consumes.
     """
     matched = {id(layer.past_key) for layer in layers} | {id(layer.past_value) for layer in layers}
-    return [concat.inputs[0].name for concat in cache_concats(model.graph) if id(concat.inputs[0]) not in matched]
+    pasts = [_past_of(concat.inputs[0]) for concat in cache_concats(model.graph)]
+    return [past.name for past in pasts if id(past) not in matched]
 
 
 def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) -> int:
@@ -282,7 +318,7 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
     if not has_cache_io(graph):
         return 0
     concats = cache_concats(graph)
-    pasts = [c.inputs[0] for c in concats] or [v for v in graph.inputs if "past" in (v.name or "")]
+    pasts = [_past_of(c.inputs[0]) for c in concats] or [v for v in graph.inputs if "past" in (v.name or "")]
     roles = _roles(graph, pasts)
     layers: list[PagedLayer] = []
     proven: dict[tuple[int, str], CausalWindow | NoMatch] = {}
