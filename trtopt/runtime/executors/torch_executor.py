@@ -11,6 +11,7 @@ import torch
 from trtopt.build.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.cuda_graphs import DecodeGraphs
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     LOGITS, STEP_INPUT_NAMES, TORCH_DTYPES, check_paged_plan, kv_dtype, kv_input, kv_output, kv_shape, step_tensors,
@@ -26,7 +27,7 @@ class TorchExecutor:
     """
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = ()):
+                 dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -45,6 +46,11 @@ class TorchExecutor:
         self._logits_position = self.graph.output_names.index(LOGITS)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        # Opt-in until the gpu test (tests/runtime/executors/test_cuda_graphs.py) has passed on a GPU.
+        self.decode_graphs = DecodeGraphs(
+            self._run, device=self.device, max_num_seqs=plan.limits.max_num_seqs,
+            max_blocks_per_seq=plan.max_blocks_per_seq,
+        ) if cuda_graphs and self.device.type == "cuda" else None
 
     def _check_dtype(self, dtype: torch.dtype | str | None) -> None:
         # A plan is built for one dtype: its Cast nodes and constants name it, so it cannot be changed here.
@@ -62,13 +68,23 @@ class TorchExecutor:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.plan.model.num_layers)]
         self.num_blocks = num_blocks
+        if self.decode_graphs is not None:
+            self.decode_graphs.reset()  # the captured graphs hold the old pools' addresses
 
     def execute(self, step: StepInputs) -> torch.Tensor:
         assert self.kv_caches, "allocate_kv_cache() must run before execute()"
         feeds = step_tensors(step)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.try_run(step)
+            if logits is not None:
+                return logits
+        return self._run({name: t.to(self.device, non_blocking=True) for name, t in feeds.items()})
+
+    def _run(self, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step on device-resident feeds; the pools are written in place. Returns logits [N, vocab] fp32."""
         args: list[torch.Tensor | None] = [None] * len(self.graph.input_names)
         for name, tensor in feeds.items():
-            args[self._step_positions[name]] = tensor.to(self.device, non_blocking=True)
+            args[self._step_positions[name]] = tensor
         for layer, position in enumerate(self._kv_positions):
             args[position] = self.kv_caches[layer]
         with torch.inference_mode():
@@ -77,8 +93,8 @@ class TorchExecutor:
                 pool = self.kv_caches[layer]
                 if outputs[position] is not pool:
                     pool.copy_(outputs[position])
-        logits = outputs[self._logits_position]
-        return logits.reshape(-1, logits.shape[-1]).float()
+            logits = outputs[self._logits_position]
+            return logits.reshape(-1, logits.shape[-1]).float()
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
