@@ -171,35 +171,44 @@ def bench_plan(label: str, plan: Path, args: argparse.Namespace, port: int) -> l
     return runs
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, title: str) -> None:
+    """One row per model: throughput, and p50/p95 TTFT, of each run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['model']}\n{r['run']}" for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    ax1.bar(labels, [r["throughput_tok_s"] for r in results], color="tab:blue")
-    ax1.set_ylabel("output tokens / s")
-    ax1.set_title("throughput")
-    x = range(len(results))
-    ax2.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in results], width=0.4, label="p50")
-    ax2.bar([i + 0.2 for i in x], [r["ttft_p95_ms"] for r in results], width=0.4, label="p95")
-    ax2.set_xticks(list(x), labels)
-    ax2.set_ylabel("ms")
-    ax2.set_yscale("log")
-    ax2.set_title("time to first token")
-    ax2.legend()
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"trtopt serve on CPU ({os.cpu_count()} cores), streaming completions")
+    models = list(dict.fromkeys(r["model"] for r in results))
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.4 * len(models)), squeeze=False)
+    for (ax1, ax2), model in zip(axes, models):
+        runs = [r for r in results if r["model"] == model]
+        labels = [r["run"].replace("offline LLMEngine (baseline)", "offline engine\n(baseline)") for r in runs]
+        x = range(len(runs))
+        bars = ax1.bar(labels, [r["throughput_tok_s"] for r in runs], color="tab:blue")
+        ax1.bar_label(bars, fmt="%.0f")
+        ax1.set_ylabel("output tokens / s")
+        ax1.set_title(f"{model}: throughput")
+        ax2.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in runs], width=0.4, label="p50")
+        ax2.bar([i + 0.2 for i in x], [r["ttft_p95_ms"] for r in runs], width=0.4, label="p95")
+        ax2.set_xticks(list(x), labels)
+        ax2.set_yscale("log")
+        ax2.set_ylabel("ms")
+        ax2.set_title(f"{model}: time to first token")
+        ax2.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def _title(doc: dict) -> str:
+    m = doc["machine"]
+    return (f"trtopt serve, streaming completions, CPU ({m['cpu_count']} cores, {m['torch_threads']} torch thread(s), "
+            f"load avg {m['loadavg_1m_before_after'][0]}), {doc['date'][:10]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", action="append", required=True, help="LABEL=PLAN_DIR (repeatable)")
+    parser.add_argument("--plan", action="append", default=[], help="LABEL=PLAN_DIR (repeatable)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64, help="requests in the concurrent run")
     parser.add_argument("--sequential-requests", type=int, default=8, help="requests in the one-client run")
@@ -207,7 +216,12 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--port", type=int, default=18777)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/serve_cpu.json"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing --out JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        doc = json.loads(args.out.read_text())
+        plot(doc["results"], args.out.with_suffix(".png"), _title(doc))
+        return
     load_before = os.getloadavg()
     results = []
     for spec in args.plan:
@@ -229,7 +243,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    plot(results, args.out.with_suffix(".png"))
+    plot(results, args.out.with_suffix(".png"), _title(doc))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

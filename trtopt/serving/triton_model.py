@@ -37,12 +37,12 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class _Reply:
     """Sends the responses of one Triton request; called by the EngineLoop on the step thread."""
 
-    def __init__(self, request_id: str, sender: Any, stream: bool, loop: EngineLoop, step_sizes: dict[str, int]) -> None:
+    def __init__(self, request_id: str, sender: Any, stream: bool, loop: EngineLoop) -> None:
         self.request_id = request_id
         self.sender = sender
         self.stream = stream
         self.loop = loop
-        self.step_sizes = step_sizes  # request id -> most requests seen in one step with it (shared with the model)
+        self.step_batch_size = 0  # most requests that advanced together in one step with this one
 
     def __call__(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -52,19 +52,17 @@ class _Reply:
             self.loop.abort(self.request_id)
             self.sender.send(flags=_FINAL)
             return
-        self.step_sizes[self.request_id] = max(self.step_sizes.get(self.request_id, 0), self.loop.last_step_requests)
+        self.step_batch_size = max(self.step_batch_size, self.loop.last_step_requests)
         c = item.outputs[0]
         if self.stream and (c.delta_text or item.finished):
             self._send(c.delta_text, final=item.finished)
         elif not self.stream and item.finished:
             self._send(c.text, final=True)
-        if item.finished:
-            self.step_sizes.pop(self.request_id, None)
 
     def _send(self, text: str, *, final: bool) -> None:
         outputs = [
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("step_batch_size", np.array([self.step_sizes.get(self.request_id, 0)], dtype=np.int32)),
+            pb_utils.Tensor("step_batch_size", np.array([self.step_batch_size], dtype=np.int32)),
         ]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0)
 
@@ -81,7 +79,6 @@ class TritonPythonModel:
         engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device, **limits)
         self.loop = EngineLoop(engine)
         self.loop.start()
-        self.step_sizes: dict[str, int] = {}
         self.ids = itertools.count()
         self.instance = args["model_instance_name"]
         log.info("trtopt model %s loaded %s on %s", self.instance, plan_dir, device)
@@ -96,7 +93,7 @@ class TritonPythonModel:
             except TrtOptError as e:  # a bad request answers with its own error; the others go on
                 _send_error(sender, e)
                 continue
-            reply = _Reply(request_id, sender, stream, self.loop, self.step_sizes)
+            reply = _Reply(request_id, sender, stream, self.loop)
             queued = self.loop.submit(request_id, prompt, params, reply)
             queued.add_done_callback(functools.partial(_answer_rejected, sender))
         return None
