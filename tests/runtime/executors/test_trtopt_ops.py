@@ -96,3 +96,12 @@ def test_paged_attention_with_window_and_alibi(window, alibi, tmp_path):
             np.testing.assert_allclose(got[0], expected[0], atol=1e-5, rtol=1e-5)
             # Block 0 is the null block: the body parks skipped writes there, the torch op skips them.
             np.testing.assert_array_equal(got[1][1:], expected[1][1:])
+
+
+def test_zero_markers_of_absent_inputs_become_none(plan_dir):
+    """attach_functions wires zeros for absent optional inputs (the bodies need a tensor); the torch op gets None."""
+    from trtopt.runtime.executors.trtopt_ops import paged_attention
+
+    converted = onnx_to_torch(plan_dir("tiny-llama") / "model.onnx")
+    calls = [n for n in converted.module.graph.nodes if n.target is paged_attention]
+    assert calls and all(len(n.args) == 8 for n in calls)  # alibi_slopes dropped: no ALiBi work at all

@@ -15,16 +15,17 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, device: str = "cpu",
-                    num_blocks: int | None = None) -> Executor:
+                    num_blocks: int | None = None, cuda_graphs: bool = False) -> Executor:
     """Build the executor `backend` ("torch", "onnxruntime" or "tensorrt") for a plan dir.
 
     device: "cpu" or "cuda" (onnxruntime: "cuda" selects the CUDA execution provider; tensorrt: always CUDA).
     num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
+    cuda_graphs: torch on CUDA only: replay decode steps from CUDA graphs (opt-in, see cuda_graphs.py).
     """
     if backend == "torch":
         from trtopt.runtime.executors.torch_executor import TorchExecutor
 
-        executor: Executor = TorchExecutor(plan_dir, plan, device=device)
+        executor: Executor = TorchExecutor(plan_dir, plan, device=device, cuda_graphs=cuda_graphs)
     elif backend == "onnxruntime":
         from trtopt.runtime.executors.ort_executor import OrtExecutor
 

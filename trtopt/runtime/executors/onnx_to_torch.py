@@ -36,6 +36,7 @@ import torch
 import torch.fx
 
 from trtopt.errors import BuildError
+from trtopt.plugins.common import ZERO_INPUT_PREFIX
 from trtopt.runtime.executors.onnx_ops import MIN_OPSET, ONNX_TO_TORCH_DTYPE, STANDARD_OPS, OpSpec, as_ints
 from trtopt.runtime.executors.trtopt_ops import IMPURE_OPS, TRTOPT_OPS
 
@@ -102,6 +103,13 @@ def _sanitize(name: str, taken: set[str]) -> str:
         candidate, i = f"{base}_{i}", i + 1
     taken.add(candidate)
     return candidate
+
+
+def _is_absent_marker(value: ir.Value | None, converted: _Value) -> bool:
+    """A zero initializer that attach_functions wires in for an absent optional input of a trtopt op (the bodies
+    need a tensor; the torch ops take None, which skips the work: no ALiBi, no bias)."""
+    return (value is not None and value.name is not None and value.name.startswith(ZERO_INPUT_PREFIX)
+            and isinstance(converted, _Const) and not bool(converted.tensor.any()))
 
 
 def _arg_key(arg: Any) -> Any:
@@ -305,6 +313,8 @@ class _Converter:
                 f"node {node.name!r}: {op} at opset {opset} has pre-opset-{MIN_OPSET[op]} semantics that the torch "
                 "converter does not implement; re-export the model at opset >= 17."
             )
+        if domain == "trtopt":
+            inputs = [None if _is_absent_marker(v, value) else value for v, value in zip(node.inputs, inputs)]
         kwargs = self.kwargs_for(node, spec, attrs, opset)
         pure = (domain, op) not in IMPURE_OPS
         shape_like = bool(node.outputs) and all(o in self.shape_like for o in node.outputs)
