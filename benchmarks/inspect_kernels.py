@@ -28,7 +28,9 @@ def describe(kernel) -> None:
 
 
 def compiled(jit_fn):
-    fn = getattr(jit_fn, "fn", jit_fn)  # unwrap the autotuner
+    from triton.runtime.autotuner import Autotuner
+
+    fn = jit_fn.fn if isinstance(jit_fn, Autotuner) else jit_fn  # a JITFunction's own .fn is the Python function
     for per_device in fn.device_caches.values():
         yield from per_device[0].values()
 

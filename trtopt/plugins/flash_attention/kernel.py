@@ -30,7 +30,8 @@ def _autotune_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # Hopper (measured on H200, docs/benchmarks/NOTES.md): 128×128 with 8 warps wins long sequences at D=128,
     # 64×64 with 4 warps wins shorter ones and D=64.
-    shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4)]
+    shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3),
+              (64, 128, 4, 3)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 

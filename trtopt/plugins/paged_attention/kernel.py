@@ -13,6 +13,9 @@ device), so it is sized from shapes alone:
 - axis 2 splits the key range into NUM_SEGMENTS (flash-decoding) when tiles × heads would leave the GPU idle: long
   contexts at small batch. A second small kernel merges the segments' partial softmaxes.
 
+The KV write is a separate small kernel launched first (a fused variant exists behind PagedLaunch.fused_write and
+measured slower; see docs/benchmarks/NOTES.md).
+
 Keys are walked in tiles of TILE_N positions; each key finds its physical block through block_tables, so the tile
 size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, block_size, D] (K at [:, 0], V at
 [:, 1]); block 0 is the null block and slot −1 means "do not write".
@@ -332,9 +335,10 @@ class PagedLaunch:
     num_segments: int  # key-range splits (flash-decoding); 1 = write the output directly
     num_warps: int
     num_stages: int
-    # The KV write runs inside the attention launch (new keys are then read from k/v, see _attend_key_tiles);
-    # False launches the separate _write_kv_kernel first. Measured in docs/benchmarks/NOTES.md.
-    fused_write: bool = True
+    # True runs the KV write inside the attention launch (new keys are then read from k/v, see
+    # _attend_key_tiles). Measured slower on H200 (decode 3.0 vs 4.1 TB/s: the extra mixed-source loop costs the
+    # main loop more than the saved ~2 µs launch), so the default is the separate _write_kv_kernel.
+    fused_write: bool = False
 
 
 def _device_sm_count(device: torch.device) -> int:
