@@ -18,8 +18,9 @@ from trtopt.errors import BuildError, ConfigError, FusionError
 def llama_plan(export_dir, tmp_path_factory):
     source = export_dir("tiny-llama", "dynamo")
     out = tmp_path_factory.mktemp("plan") / "tiny-llama"
-    return source, build_plan(source, out, limits=Limits(block_size=32, max_num_tokens=256, max_num_seqs=8),
-                              progress=False)
+    return source, build_plan(
+        source, out, limits=Limits(block_size=32, max_num_tokens=256, max_num_seqs=8), progress=False
+    )
 
 
 def test_plan_dir_contents(llama_plan):
@@ -36,8 +37,9 @@ def test_plan_dir_contents(llama_plan):
     assert facts.vocab_size == config["vocab_size"]
     assert facts.dtype == "float32" and facts.model_type == "llama"
     assert facts.eos_token_ids and facts.max_position_embeddings == config["max_position_embeddings"]
-    assert plan.limits == Limits(block_size=32, max_num_tokens=256, max_num_seqs=8,
-                                 max_model_len=min(2048, config["max_position_embeddings"]))
+    assert plan.limits == Limits(
+        block_size=32, max_num_tokens=256, max_num_seqs=8, max_model_len=min(2048, config["max_position_embeddings"])
+    )
     report = json.loads((plan_dir / "fusion_report.json").read_text())
     assert report["kind"] == "paged" and report["counts"]["paged_attention"] == facts.num_layers
     assert report["unfused"] == []
@@ -57,8 +59,9 @@ def test_cli_prints_the_fusion_table(llama_plan, tmp_path):
     from trtopt.cli.main import app
 
     source, _ = llama_plan
-    result = CliRunner().invoke(app, ["build", str(source), "-o", str(tmp_path / "p"), "--block-size", "16",
-                                      "--explain"])
+    result = CliRunner().invoke(
+        app, ["build", str(source), "-o", str(tmp_path / "p"), "--block-size", "16", "--explain"]
+    )
     assert result.exit_code == 0, result.output
     assert "paged_attention" in result.output and "every attention-like region fused" in result.output
     assert read_plan(tmp_path / "p").limits.block_size == 16
@@ -101,9 +104,13 @@ def _external_data_model(model_dir, location: str) -> None:
     weight.external_data.add(key="location", value=location)
     weight.external_data.add(key="offset", value="0")
     weight.external_data.add(key="length", value="64")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [weight],
+    )
     model_dir.mkdir(parents=True, exist_ok=True)
     onnx.save(helper.make_model(graph), str(model_dir / "model.onnx"))
 
@@ -140,16 +147,23 @@ def test_cache_graph_without_collapsible_attention(tmp_path):
         helper.make_node("Softmax", ["logits"], ["p"], axis=-1),
     ]
     graph = helper.make_graph(
-        nodes, "g",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"]),
-         helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "T"]),
-         helper.make_tensor_value_info("past_key_values.0.key", f, [1, 2, "P", 4]),
-         helper.make_tensor_value_info("k", f, [1, 2, "T", 4])],
-        [helper.make_tensor_value_info("logits", f, [1, "T", 8]),
-         helper.make_tensor_value_info("present.0.key", f, [1, 2, "L", 4]),
-         helper.make_tensor_value_info("p", f, [1, "T", 8])],
-        [numpy_helper.from_array(np.ones((8, 4), np.float32), "emb"),
-         numpy_helper.from_array(np.ones((4, 8), np.float32), "head")],
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "T"]),
+            helper.make_tensor_value_info("past_key_values.0.key", f, [1, 2, "P", 4]),
+            helper.make_tensor_value_info("k", f, [1, 2, "T", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", f, [1, "T", 8]),
+            helper.make_tensor_value_info("present.0.key", f, [1, 2, "L", 4]),
+            helper.make_tensor_value_info("p", f, [1, "T", 8]),
+        ],
+        [
+            numpy_helper.from_array(np.ones((8, 4), np.float32), "emb"),
+            numpy_helper.from_array(np.ones((4, 8), np.float32), "head"),
+        ],
     )
     (tmp_path / "m").mkdir()
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "m" / "model.onnx"))
@@ -158,11 +172,14 @@ def test_cache_graph_without_collapsible_attention(tmp_path):
     assert "not MatMul(probs, v)" in str(info.value)  # the failed check is named
 
 
-@pytest.mark.parametrize("limits,message", [
-    (Limits(block_size=7), "block-size"),
-    (Limits(max_num_seqs=0), "max-num-seqs"),
-    (Limits(max_num_tokens=8, max_num_seqs=16), "max-num-seqs"),
-])
+@pytest.mark.parametrize(
+    "limits,message",
+    [
+        (Limits(block_size=7), "block-size"),
+        (Limits(max_num_seqs=0), "max-num-seqs"),
+        (Limits(max_num_tokens=8, max_num_seqs=16), "max-num-seqs"),
+    ],
+)
 def test_bad_option_values(llama_plan, tmp_path, limits, message):
     source, _ = llama_plan
     with pytest.raises(ConfigError, match=message):

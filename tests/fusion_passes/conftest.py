@@ -45,11 +45,19 @@ def export_minilm(out: Path, exporter: str) -> Path:
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
         shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
         torch.onnx.export(Encoder(model), (ids, mask), dynamo=True, dynamic_shapes=shapes, **names).save(
-            str(out / "model.onnx"))
+            str(out / "model.onnx")
+        )
     else:
         axes = {n: {0: "B", 1: "S"} for n in ("input_ids", "attention_mask", "last_hidden_state")}
-        torch.onnx.export(Encoder(model), (ids, mask), str(out / "model.onnx"), dynamo=False, dynamic_axes=axes,
-                          opset_version=17, **names)
+        torch.onnx.export(
+            Encoder(model),
+            (ids, mask),
+            str(out / "model.onnx"),
+            dynamo=False,
+            dynamic_axes=axes,
+            opset_version=17,
+            **names,
+        )
     for name in MINILM_FILES:
         shutil.copy(minilm_source() / name, out / name)
     return out
@@ -92,8 +100,7 @@ def fused(export_dir):
             source = export_dir(model, exporter)
             config = json.loads((source / "config.json").read_text())
             graph = ir.load(str(source / "model.onnx"))
-            report = optimize(graph, dims=head_dims_from_config(config), block_size=4,
-                              vocab_size=config["vocab_size"])
+            report = optimize(graph, dims=head_dims_from_config(config), block_size=4, vocab_size=config["vocab_size"])
             cache[key] = Fused(source, config, attach_functions(ir.to_proto(graph)), report)
         return cache[key]
 

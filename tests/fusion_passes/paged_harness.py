@@ -28,8 +28,17 @@ def session(model_bytes_or_path) -> ort.InferenceSession:
 class PagedRunner:
     """Runs the fused graph one packed step at a time."""
 
-    def __init__(self, sess: ort.InferenceSession, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, num_blocks: int = 32, dtype=np.float32):
+    def __init__(
+        self,
+        sess: ort.InferenceSession,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int = 32,
+        dtype=np.float32,
+    ):
         self.sess = sess
         self.block_size = block_size
         self.caches = [np.zeros((num_blocks, 2, num_kv_heads, block_size, head_dim), dtype) for _ in range(num_layers)]
@@ -97,16 +106,26 @@ class ReferenceRunner:
         return by_name["logits"][0, -1], new_past
 
 
-def compare_generation(fused: ort.InferenceSession, original: ort.InferenceSession, *, num_layers: int,
-                       num_kv_heads: int, head_dim: int, block_size: int, prompts: list[list[int]],
-                       decode_steps: int = 4, chunk: int | None = None) -> float:
+def compare_generation(
+    fused: ort.InferenceSession,
+    original: ort.InferenceSession,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    prompts: list[list[int]],
+    decode_steps: int = 4,
+    chunk: int | None = None,
+) -> float:
     """Greedy multi-step generation of several packed sequences; returns the max |Δlogits| vs the original.
 
     Step 1 prefills every prompt (the first one in chunks of ``chunk`` when given, so chunked prefill and a
     finished prefill share a step), then each step decodes one token per sequence, all packed together.
     """
-    paged = PagedRunner(fused, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        block_size=block_size)
+    paged = PagedRunner(
+        fused, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size
+    )
     ref = ReferenceRunner(original)
     seqs = [Seq(list(p)) for p in prompts]
     pasts = [ref.new_state(num_kv_heads, head_dim) for _ in prompts]

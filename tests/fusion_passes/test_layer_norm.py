@@ -22,13 +22,24 @@ def _layer_norm_graph(opset: int, *, square_by_mul: bool):
     nodes = [const("axes", np.array([-1], np.int64)), const("two", np.float32(2.0)), const("eps", np.float32(1e-5))]
     nodes += _mean(opset, "x", "mean", "axes")
     nodes += [helper.make_node("Sub", ["x", "mean"], ["d"])]
-    nodes += [helper.make_node("Mul", ["d", "d"], ["dd"]) if square_by_mul else helper.make_node("Pow", ["d", "two"], ["dd"])]
+    nodes += [
+        helper.make_node("Mul", ["d", "d"], ["dd"]) if square_by_mul else helper.make_node("Pow", ["d", "two"], ["dd"])
+    ]
     nodes += _mean(opset, "dd", "var", "axes")
-    nodes += [helper.make_node("Add", ["var", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["std"]),
-              helper.make_node("Div", ["d", "std"], ["n"]), helper.make_node("Mul", ["n", "g"], ["ns"]),
-              helper.make_node("Add", ["ns", "b"], ["y"])]
-    return model(nodes, [helper.make_tensor_value_info("x", FLOAT, ["B", "T", 16])],
-                 [helper.make_tensor_value_info("y", FLOAT, ["B", "T", 16])], [("g", GAMMA), ("b", BETA)], opset=opset)
+    nodes += [
+        helper.make_node("Add", ["var", "eps"], ["ve"]),
+        helper.make_node("Sqrt", ["ve"], ["std"]),
+        helper.make_node("Div", ["d", "std"], ["n"]),
+        helper.make_node("Mul", ["n", "g"], ["ns"]),
+        helper.make_node("Add", ["ns", "b"], ["y"]),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", FLOAT, ["B", "T", 16])],
+        [helper.make_tensor_value_info("y", FLOAT, ["B", "T", 16])],
+        [("g", GAMMA), ("b", BETA)],
+        opset=opset,
+    )
 
 
 @pytest.mark.parametrize("opset,square_by_mul", [(17, False), (18, True)])

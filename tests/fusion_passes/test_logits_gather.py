@@ -20,8 +20,12 @@ def _lm(head_op: str = "MatMul"):
         nodes.append(helper.make_node("MatMul", ["hr", "head"], ["logits"]))
     else:
         nodes.append(helper.make_node("Einsum", ["hr", "head"], ["logits"], equation="btd,dv->btv"))
-    return model(nodes, [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"])],
-                 [helper.make_tensor_value_info("logits", FLOAT, [1, "T", 10])], [("emb", EMB), ("head", HEAD)])
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("logits", FLOAT, [1, "T", 10])],
+        [("emb", EMB), ("head", HEAD)],
+    )
 
 
 def test_lm_head_sees_only_the_gathered_rows():

@@ -60,32 +60,48 @@ class PerHead(torch.nn.Module):
 
 
 def _export(module: torch.nn.Module, tmp_path) -> ir.Model:
-    args = (torch.zeros(1, 3, dtype=torch.int64), torch.ones(1, 5, dtype=torch.int64),
-            torch.arange(2, 5)[None], torch.zeros(1, 2, 2, 4))
+    args = (
+        torch.zeros(1, 3, dtype=torch.int64),
+        torch.ones(1, 5, dtype=torch.int64),
+        torch.arange(2, 5)[None],
+        torch.zeros(1, 2, 2, 4),
+    )
     path = tmp_path / "mask.onnx"
-    torch.onnx.export(module, args, str(path), dynamo=False, opset_version=17,
-                      input_names=["input_ids", "attention_mask", "position_ids", "past"], output_names=["mask"],
-                      dynamic_axes={"input_ids": {1: "T"}, "attention_mask": {1: "L"}, "position_ids": {1: "T"},
-                                    "past": {2: "P"}})
+    torch.onnx.export(
+        module,
+        args,
+        str(path),
+        dynamo=False,
+        opset_version=17,
+        input_names=["input_ids", "attention_mask", "position_ids", "past"],
+        output_names=["mask"],
+        dynamic_axes={"input_ids": {1: "T"}, "attention_mask": {1: "L"}, "position_ids": {1: "T"}, "past": {2: "P"}},
+    )
     return ir.load(str(path))
 
 
 def _probe(model: ir.Model, kind: str = "add"):
-    roles = ProbeInputs("input_ids", "position_ids", "attention_mask",
-                        tuple(v for v in model.graph.inputs if v.name == "past"))
+    roles = ProbeInputs(
+        "input_ids", "position_ids", "attention_mask", tuple(v for v in model.graph.inputs if v.name == "past")
+    )
     return probe_causal(model, MaskSpec(kind, model.graph.outputs[0]), roles, long_len=64)
 
 
-@pytest.mark.parametrize("module,kind,window", [(Causal(), "add", 0), (Window(), "add", 3), (CausalBool(), "where_keep", 0)])
+@pytest.mark.parametrize(
+    "module,kind,window", [(Causal(), "add", 0), (Window(), "add", 3), (CausalBool(), "where_keep", 0)]
+)
 def test_causal_masks_are_proven(tmp_path, module, kind, window):
     assert _probe(_export(module, tmp_path), kind).window == window
 
 
-@pytest.mark.parametrize("module,reason", [
-    (AlibiLike(), "ALiBi-like"),
-    (PaddingOnly(), "not causal"),
-    (PerHead(), "differs across batch/heads"),
-])
+@pytest.mark.parametrize(
+    "module,reason",
+    [
+        (AlibiLike(), "ALiBi-like"),
+        (PaddingOnly(), "not causal"),
+        (PerHead(), "differs across batch/heads"),
+    ],
+)
 def test_other_masks_are_refused(tmp_path, module, reason):
     with pytest.raises(NoMatch, match=reason):
         _probe(_export(module, tmp_path))

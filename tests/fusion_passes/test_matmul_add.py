@@ -15,8 +15,12 @@ B = RNG.standard_normal(4).astype(np.float32)
 def _linear(shape, *, bias_first: bool, bias=B):
     add_inputs = ["b", "y"] if bias_first else ["y", "b"]
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", add_inputs, ["z"])]
-    return model(nodes, [helper.make_tensor_value_info("x", FLOAT, shape)],
-                 [helper.make_tensor_value_info("z", FLOAT, [*shape[:-1], 4])], [("w", W), ("b", bias)])
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", FLOAT, shape)],
+        [helper.make_tensor_value_info("z", FLOAT, [*shape[:-1], 4])],
+        [("w", W), ("b", bias)],
+    )
 
 
 @pytest.mark.parametrize("bias_first", [False, True])
@@ -40,9 +44,12 @@ def test_2d_linear_becomes_gemm():
 
 def test_residual_add_is_left_alone():
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "r"], ["z"])]
-    proto = model(nodes, [helper.make_tensor_value_info("x", FLOAT, [2, 3, 8]),
-                          helper.make_tensor_value_info("r", FLOAT, [2, 3, 4])],
-                  [helper.make_tensor_value_info("z", FLOAT, [2, 3, 4])], [("w", W)])
+    proto = model(
+        nodes,
+        [helper.make_tensor_value_info("x", FLOAT, [2, 3, 8]), helper.make_tensor_value_info("r", FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("z", FLOAT, [2, 3, 4])],
+        [("w", W)],
+    )
     count, fused = apply(proto, fuse_matmul_add)
     assert count == 0 and op_types(fused) == ["MatMul", "Add"]
 

@@ -53,7 +53,7 @@ def test_signature_and_checker(fused, model, exporter):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert node.domain == "trtopt" and attrs["plugin_namespace"] == b"trtopt"
         assert (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]) == (heads, kv_heads, head_dim)
-        assert attrs["scale"] == pytest.approx(head_dim ** -0.5, rel=1e-6)
+        assert attrs["scale"] == pytest.approx(head_dim**-0.5, rel=1e-6)
         assert attrs["causal"] == 1 and attrs["sliding_window"] == 0
     assert ("trtopt", 1) in [(o.domain, o.version) for o in result.proto.opset_import]
     # Nothing of the old mask/cache plumbing survives.
@@ -68,8 +68,14 @@ def test_paged_generation_matches_original(fused, model, exporter):
     result = fused(model, exporter)
     layers, _, kv_heads, head_dim = _dims(result.config)
     err = compare_generation(
-        session(result.proto.SerializeToString()), session(str(result.source / "model.onnx")),
-        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=4,
-        prompts=[[5, 17, 33, 2, 90, 11, 7, 41, 3], [3, 4, 99]], decode_steps=4, chunk=4,
+        session(result.proto.SerializeToString()),
+        session(str(result.source / "model.onnx")),
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=4,
+        prompts=[[5, 17, 33, 2, 90, 11, 7, 41, 3], [3, 4, 99]],
+        decode_steps=4,
+        chunk=4,
     )
     assert err <= 1e-4

@@ -13,18 +13,36 @@ SCALE = RNG.standard_normal(16).astype(np.float32)
 
 def _rms_graph(opset: int, *, reciprocal: bool, weight_first: bool):
     """HF LlamaRMSNorm as the exporters write it (axes as input from opset 18, as attribute before)."""
-    nodes = [const("two", np.float32(2.0)), const("eps", np.float32(1e-6)), const("one", np.float32(1.0)),
-             helper.make_node("Pow", ["x", "two"], ["sq"])]
+    nodes = [
+        const("two", np.float32(2.0)),
+        const("eps", np.float32(1e-6)),
+        const("one", np.float32(1.0)),
+        helper.make_node("Pow", ["x", "two"], ["sq"]),
+    ]
     if opset >= 18:
-        nodes += [const("axes", np.array([-1], np.int64)), helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1)]
+        nodes += [
+            const("axes", np.array([-1], np.int64)),
+            helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+        ]
     else:
         nodes += [helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1)]
     nodes += [helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["rms"])]
-    nodes += [helper.make_node("Reciprocal", ["rms"], ["inv"]) if reciprocal else helper.make_node("Div", ["one", "rms"], ["inv"])]
-    nodes += [helper.make_node("Mul", ["x", "inv"], ["normed"]),
-              helper.make_node("Mul", ["w", "normed"] if weight_first else ["normed", "w"], ["y"])]
-    return model(nodes, [helper.make_tensor_value_info("x", FLOAT, ["B", "T", 16])],
-                 [helper.make_tensor_value_info("y", FLOAT, ["B", "T", 16])], [("w", SCALE)], opset=opset)
+    nodes += [
+        helper.make_node("Reciprocal", ["rms"], ["inv"])
+        if reciprocal
+        else helper.make_node("Div", ["one", "rms"], ["inv"])
+    ]
+    nodes += [
+        helper.make_node("Mul", ["x", "inv"], ["normed"]),
+        helper.make_node("Mul", ["w", "normed"] if weight_first else ["normed", "w"], ["y"]),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", FLOAT, ["B", "T", 16])],
+        [helper.make_tensor_value_info("y", FLOAT, ["B", "T", 16])],
+        [("w", SCALE)],
+        opset=opset,
+    )
 
 
 @pytest.mark.parametrize("opset,reciprocal,weight_first", [(18, True, True), (17, False, True), (18, True, False)])

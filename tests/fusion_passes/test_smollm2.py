@@ -25,12 +25,19 @@ def test_smollm2_builds_and_generates_like_the_original(export_dir, exporter, tm
     assert facts.vocab_size == 49152 and 2 in facts.eos_token_ids
 
     tok = AutoTokenizer.from_pretrained(source)
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True, tokenize=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
     chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
     err = compare_generation(
-        session(str(tmp_path / "plan" / "model.onnx")), session(str(source / "model.onnx")),
-        num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
-        prompts=[chat, tok("The quick brown fox")["input_ids"]], decode_steps=6, chunk=16,
+        session(str(tmp_path / "plan" / "model.onnx")),
+        session(str(source / "model.onnx")),
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        prompts=[chat, tok("The quick brown fox")["input_ids"]],
+        decode_steps=6,
+        chunk=16,
     )
     assert err <= 1e-4

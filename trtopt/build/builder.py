@@ -1,10 +1,10 @@
 """`trtopt build`: run the fusion pipeline on an exported model and write the plan dir (DESIGN.md §1).
 
-    source model (dir or .onnx) ──load──▶ onnx-ir model ──optimize──▶ fused graph ──validate──▶ plan dir
-                                                                                                model.onnx (+ .data)
-                                                                                                plan.json
-                                                                                                fusion_report.json
-                                                                                                tokenizer + config files
+source model (dir or .onnx) ──load──▶ onnx-ir model ──optimize──▶ fused graph ──validate──▶ plan dir
+                                                                                            model.onnx (+ .data)
+                                                                                            plan.json
+                                                                                            fusion_report.json
+                                                                                            tokenizer + config files
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class _Steps:
         if enabled:
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                      transient=False)
+            self._progress = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False
+            )
 
     @contextlib.contextmanager
     def run(self) -> Iterator[_Steps]:
@@ -118,8 +119,14 @@ def _save(proto: onnx.ModelProto, out_dir: Path) -> Path:
     path = out_dir / MODEL_FILE
     weight_bytes = sum(len(t.raw_data) for t in proto.graph.initializer)
     if weight_bytes > _EXTERNAL_DATA_THRESHOLD:
-        onnx.save(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=EXTERNAL_DATA_FILE, size_threshold=1024)
+        onnx.save(
+            proto,
+            path,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=EXTERNAL_DATA_FILE,
+            size_threshold=1024,
+        )
         (out_dir / EXTERNAL_DATA_FILE).chmod(0o644)  # onnx writes it 0600; servers often run as another user
     else:
         onnx.save(proto, path)
@@ -151,9 +158,16 @@ def _fit_limits(limits: Limits | None, max_model_len: int | None, config: dict) 
     return limits
 
 
-def build_plan(model_path: str | Path, out_dir: str | Path, *, limits: Limits | None = None,
-               max_model_len: int | None = None, force: bool = False, explain: bool = False,
-               progress: bool = True) -> BuildResult:
+def build_plan(
+    model_path: str | Path,
+    out_dir: str | Path,
+    *,
+    limits: Limits | None = None,
+    max_model_len: int | None = None,
+    force: bool = False,
+    explain: bool = False,
+    progress: bool = True,
+) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
 
     ``limits`` default to Limits() with max_model_len capped at the model's context; ``max_model_len`` overrides

@@ -17,8 +17,10 @@ def resolve_model_path(path: Path) -> Path:
     if path.is_dir():
         path = path / MODEL_FILE
     if not path.is_file():
-        raise BuildError(f"{path} does not exist; pass an exported .onnx file or a directory holding {MODEL_FILE} "
-                         "(create one with `trtopt export`).")
+        raise BuildError(
+            f"{path} does not exist; pass an exported .onnx file or a directory holding {MODEL_FILE} "
+            "(create one with `trtopt export`)."
+        )
     return path
 
 
@@ -48,8 +50,10 @@ def check_external_data(model: onnx.ModelProto, model_dir: Path) -> None:
         size = sizes.setdefault(target, target.stat().st_size)
         end = int(info.get("offset", 0)) + int(info.get("length", 0))
         if end > size:
-            raise BuildError(f"the external data file {target} is truncated ({size} bytes, tensor {name!r} needs "
-                             f"{end}); re-export the model.")
+            raise BuildError(
+                f"the external data file {target} is truncated ({size} bytes, tensor {name!r} needs "
+                f"{end}); re-export the model."
+            )
 
 
 def load_source(path: Path) -> ir.Model:
@@ -57,12 +61,16 @@ def load_source(path: Path) -> ir.Model:
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, OSError) as e:
-        raise BuildError(f"{path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]}); "
-                         "check the path, or re-export it with `trtopt export`.") from e
+        raise BuildError(
+            f"{path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]}); "
+            "check the path, or re-export it with `trtopt export`."
+        ) from e
     # protobuf parses many non-ONNX byte strings into an almost empty message; a model has nodes and an opset.
     if not proto.graph.node or not proto.opset_import or not proto.graph.output:
-        raise BuildError(f"{path} is not an ONNX model (no graph nodes, outputs or opset); "
-                         "check the path, or re-export it with `trtopt export`.")
+        raise BuildError(
+            f"{path} is not an ONNX model (no graph nodes, outputs or opset); "
+            "check the path, or re-export it with `trtopt export`."
+        )
     check_external_data(proto, path.parent)
     del proto
     try:

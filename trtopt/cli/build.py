@@ -36,9 +36,14 @@ def build(
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block: 8, 16, 32, 64 or 128."),
     max_num_tokens: int = typer.Option(2048, "--max-num-tokens", help="Most tokens in one engine step (T)."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most sequences in one engine step (S)."),
-    max_model_len: int = typer.Option(None, "--max-model-len",
-                                      help="Most tokens (prompt + output) per sequence [default: min(2048, the model's context)]."),
-    explain: bool = typer.Option(False, "--explain", help="Say, for each attention-like region left unfused, which check failed."),
+    max_model_len: int = typer.Option(
+        None,
+        "--max-model-len",
+        help="Most tokens (prompt + output) per sequence [default: min(2048, the model's context)].",
+    ),
+    explain: bool = typer.Option(
+        False, "--explain", help="Say, for each attention-like region left unfused, which check failed."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty plan directory."),
 ):
     """Fuse an exported ONNX model into a plan: attention → trtopt.PagedAttention (KV-cache graphs, rewritten to
@@ -55,6 +60,7 @@ def build(
     from trtopt.build.plan import Limits
 
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
-    result = build_plan(model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain,
-                        progress=True)
+    result = build_plan(
+        model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True
+    )
     _print_report(result, explain)

@@ -31,7 +31,8 @@ MASKED = -1.0e4
 class MaskSpec:
     """How the mask enters the scores; ``value`` is the tensor the mask probe evaluates."""
 
-    kind: str  # "add": scores + value · "where_keep": Where(value, scores, fill) · "where_drop": Where(value, fill, scores)
+    # "add": scores + value · "where_keep": Where(value, scores, fill) · "where_drop": Where(value, fill, scores)
+    kind: str
     value: ir.Value  # the additive bias or the boolean condition
     fill: float = 0.0  # the masked-out score for the Where forms
 

@@ -26,8 +26,12 @@ def cleanup(model: ir.Model) -> int:
         [
             ir.passes.PassManager(
                 [
-                    FoldConstantsPass(shape_inference=True, input_size_limit=_FOLD_INPUT_LIMIT,
-                                      output_size_limit=_FOLD_OUTPUT_LIMIT, should_fold=lambda node: None),
+                    FoldConstantsPass(
+                        shape_inference=True,
+                        input_size_limit=_FOLD_INPUT_LIMIT,
+                        output_size_limit=_FOLD_OUTPUT_LIMIT,
+                        should_fold=lambda node: None,
+                    ),
                     common_passes.RemoveUnusedNodesPass(),
                 ],
                 steps=2,

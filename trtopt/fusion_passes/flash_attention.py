@@ -44,7 +44,9 @@ def _bias(match: AttentionMatch, graph: ir.Graph) -> tuple[ir.Value | None, list
         return mask.value, []
     dtype = match.q.dtype
     zero = ir.Value(name=f"{match.softmax.name}.bias_zero", const_value=ir.tensor(np.array(0.0, dtype=dtype.numpy())))
-    fill = ir.Value(name=f"{match.softmax.name}.bias_fill", const_value=ir.tensor(np.array(mask.fill, dtype=dtype.numpy())))
+    fill = ir.Value(
+        name=f"{match.softmax.name}.bias_fill", const_value=ir.tensor(np.array(mask.fill, dtype=dtype.numpy()))
+    )
     for value in (zero, fill):
         value.shape, value.type = ir.Shape([]), ir.TensorType(dtype)
         graph.register_initializer(value)
@@ -70,7 +72,9 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
         k = match.k
         if not match.k_heads_second:
             # k: [B, S, H, D] → [B, H, S, D], the op's layout (the graph had folded this into kᵀ).
-            to_heads = ir.Node("", "Transpose", [k], [ir.AttrInt64s("perm", [0, 2, 1, 3])], name=f"{softmax.name}.k_bhsd")
+            to_heads = ir.Node(
+                "", "Transpose", [k], [ir.AttrInt64s("perm", [0, 2, 1, 3])], name=f"{softmax.name}.k_bhsd"
+            )
             extra.append(to_heads)
             k = to_heads.outputs[0]
         attrs = [
@@ -80,7 +84,9 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
             ir.AttrFloat32("scale", match.scale),
             ir.AttrInt64("causal", 0),
         ]
-        node = trtopt_node("FlashAttention", [match.q, k, match.v, bias], attrs, num_outputs=1, name=f"FlashAttention_{count}")
+        node = trtopt_node(
+            "FlashAttention", [match.q, k, match.v, bias], attrs, num_outputs=1, name=f"FlashAttention_{count}"
+        )
         node.outputs[0].name = f"flash_attention.{count}.out"
         node.outputs[0].shape, node.outputs[0].type = match.out.shape, match.out.type
         graph.insert_after(match.out_node, [*extra, node])

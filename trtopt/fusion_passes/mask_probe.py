@@ -158,9 +158,7 @@ def _window_of(allowed: np.ndarray, past_len: int) -> int | None:
     return window
 
 
-def probe_causal(
-    model: ir.Model, mask: MaskSpec, roles: ProbeInputs, *, long_len: int = 512
-) -> CausalWindow:
+def probe_causal(model: ir.Model, mask: MaskSpec, roles: ProbeInputs, *, long_len: int = 512) -> CausalWindow:
     """Evaluate ``mask`` for several lengths; return its causal window or raise NoMatch."""
     import onnxruntime as ort
 
@@ -177,7 +175,9 @@ def probe_causal(
         except NoMatch:
             raise
         except Exception as e:
-            raise NoMatch(f"the mask subgraph failed for past={past_len}, new={new_len} ({type(e).__name__}: {str(e)[:160]})") from e
+            raise NoMatch(
+                f"the mask subgraph failed for past={past_len}, new={new_len} ({type(e).__name__}: {str(e)[:160]})"
+            ) from e
         rows_window = _window_of(_allowed(mask, np.asarray(value), new_len, past_len + new_len), past_len)
         if rows_window is not None:
             if window is not None and window != rows_window:

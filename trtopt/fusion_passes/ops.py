@@ -8,7 +8,9 @@ DOMAIN = "trtopt"  # == trtopt.plugins.common.DOMAIN (checked in tests)
 OPSET_VERSION = 1
 
 
-def trtopt_node(op_type: str, inputs: list[ir.Value | None], attrs: list[ir.Attr], *, num_outputs: int, name: str) -> ir.Node:
+def trtopt_node(
+    op_type: str, inputs: list[ir.Value | None], attrs: list[ir.Attr], *, num_outputs: int, name: str
+) -> ir.Node:
     """A node in the trtopt domain; ``plugin_namespace`` lets the TensorRT parser pick the plugin over the body."""
     attrs = [*attrs, ir.AttrString("plugin_namespace", DOMAIN)]
     # Trailing absent optional inputs are dropped rather than written as "".

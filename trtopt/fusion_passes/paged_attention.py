@@ -80,8 +80,10 @@ def cache_concats(graph: ir.Graph) -> list[ir.Node]:
     return [
         node
         for node in graph
-        if node.op_type == "Concat" and len(node.inputs) == 2
-        and _past_of(node.inputs[0]) is not None and _present_of(node) is not None
+        if node.op_type == "Concat"
+        and len(node.inputs) == 2
+        and _past_of(node.inputs[0]) is not None
+        and _present_of(node) is not None
     ]
 
 
@@ -145,8 +147,13 @@ def _roles(graph: ir.Graph, pasts: list[ir.Value]) -> ProbeInputs:
     return ProbeInputs("input_ids", "position_ids", mask, tuple(pasts))
 
 
-def _probe_once(model: ir.Model, mask: MaskSpec, roles: ProbeInputs, ctx: PassContext,
-                proven: dict[tuple[int, str], CausalWindow | NoMatch]) -> int:
+def _probe_once(
+    model: ir.Model,
+    mask: MaskSpec,
+    roles: ProbeInputs,
+    ctx: PassContext,
+    proven: dict[tuple[int, str], CausalWindow | NoMatch],
+) -> int:
     """The mask's window; every layer usually shares one mask value, so each is probed once."""
     key = (id(mask.value), mask.kind)
     if key not in proven:
@@ -160,8 +167,13 @@ def _probe_once(model: ir.Model, mask: MaskSpec, roles: ProbeInputs, ctx: PassCo
     return result.window
 
 
-def _prove_layer(model: ir.Model, softmax: ir.Node, roles: ProbeInputs, ctx: PassContext,
-                 proven: dict[tuple[int, str], CausalWindow | NoMatch]) -> PagedLayer:
+def _prove_layer(
+    model: ir.Model,
+    softmax: ir.Node,
+    roles: ProbeInputs,
+    ctx: PassContext,
+    proven: dict[tuple[int, str], CausalWindow | NoMatch],
+) -> PagedLayer:
     match = match_attention(softmax)
     if not match.k_heads_second:
         raise NoMatch("keys are cached in [B, S, H, D] layout", softmax.name or "")
@@ -199,7 +211,7 @@ def _new_input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepInputs:
+class StepTensors:
     """The per-step graph inputs shared by every layer (§3)."""
 
     block_tables: ir.Value
@@ -208,8 +220,8 @@ class StepInputs:
     slot_mapping: ir.Value
 
 
-def _step_inputs() -> StepInputs:
-    return StepInputs(
+def _step_tensors() -> StepTensors:
+    return StepTensors(
         block_tables=_new_input("block_tables", ir.DataType.INT32, ["S", "max_blocks"]),
         seq_lens=_new_input("seq_lens", ir.DataType.INT32, ["S"]),
         query_start_loc=_new_input("query_start_loc", ir.DataType.INT32, ["S_plus_1"]),
@@ -217,7 +229,7 @@ def _step_inputs() -> StepInputs:
     )
 
 
-def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepInputs) -> ir.Node:
+def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensors) -> ir.Node:
     m = layer.match
     attrs = [
         ir.AttrInt64("num_heads", layer.num_heads),
@@ -227,7 +239,16 @@ def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepInputs
         ir.AttrInt64("causal", 1),
         ir.AttrInt64("sliding_window", layer.window),
     ]
-    inputs = [m.q, layer.k_new, layer.v_new, cache, step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping]
+    inputs = [
+        m.q,
+        layer.k_new,
+        layer.v_new,
+        cache,
+        step.block_tables,
+        step.seq_lens,
+        step.query_start_loc,
+        step.slot_mapping,
+    ]
     node = trtopt_node("PagedAttention", inputs, attrs, num_outputs=2, name=f"PagedAttention_{index}")
     out, cache_out = node.outputs
     out.name = f"paged_attention.{index}.out"
@@ -237,24 +258,34 @@ def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepInputs
     return node
 
 
-def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None:
-    graph = model.graph
-    step = _step_inputs()
+def _insert_paged_nodes(
+    graph: ir.Graph, layers: list[PagedLayer], block_size: int, step: StepTensors
+) -> tuple[list[ir.Value], list[ir.Value]]:
+    """One PagedAttention per layer, read by whatever read the old attention output; returns the pool I/O."""
     cache_inputs, cache_outputs = [], []
     for index, layer in enumerate(layers):
-        dtype = layer.past_key.dtype
-        cache = _new_input(f"kv_cache.{index}", dtype, ["num_blocks", 2, layer.num_kv_heads, block_size, layer.head_dim])
+        dims = ["num_blocks", 2, layer.num_kv_heads, block_size, layer.head_dim]
+        cache = _new_input(f"kv_cache.{index}", layer.past_key.dtype, dims)
         node = _paged_node(layer, index, cache, step)
         graph.insert_after(layer.match.out_node, node)
         ir.convenience.replace_all_uses_with(layer.match.out, node.outputs[0])
         cache_inputs.append(cache)
         cache_outputs.append(node.outputs[1])
+    return cache_inputs, cache_outputs
 
-    presents = {id(layer.present_key) for layer in layers} | {id(layer.present_value) for layer in layers}
+
+def _rebind_shapes(graph: ir.Graph, layers: list[PagedLayer]) -> None:
+    """Re-source the size reads of every tensor the rewrite removes (see shape_rebind)."""
     cut: dict[int, int] = {}
     for layer in layers:
-        for tensor in (layer.past_key, layer.past_value, layer.present_key, layer.present_value, layer.full_key,
-                       layer.full_value):
+        for tensor in (
+            layer.past_key,
+            layer.past_value,
+            layer.present_key,
+            layer.present_value,
+            layer.full_key,
+            layer.full_value,
+        ):
             cut[id(tensor)] = layer.num_kv_heads
         for tensor in (layer.match.k_repeated, layer.match.v_repeated):
             cut[id(tensor)] = layer.num_heads
@@ -262,11 +293,10 @@ def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None
     assert len(head_dims) == 1, f"layers disagree on head_dim: {head_dims}"
     input_ids = next(v for v in graph.inputs if v.name == "input_ids")
     rebind_cache_shapes(graph, cut, batch_source=input_ids, head_dim=head_dims.pop())
-    kept_outputs = [v for v in graph.outputs if id(v) not in presents]
-    graph.outputs.clear()
-    graph.outputs.extend(kept_outputs + cache_outputs)
-    RemoveUnusedNodesPass()(model)
 
+
+def _drop_cache_inputs(graph: ir.Graph, layers: list[PagedLayer]) -> list[ir.Value]:
+    """Remove past inputs and attention_mask (dead by now); FusionError if something else still reads one."""
     pasts = {id(layer.past_key) for layer in layers} | {id(layer.past_value) for layer in layers}
     dropped = [v for v in graph.inputs if id(v) in pasts or v.name == "attention_mask"]
     for value in dropped:
@@ -276,9 +306,24 @@ def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None
                 f"`{value.name}` is still read by {users[:4]} outside attention, so the paged signature cannot drop "
                 "it. Re-export with explicit position_ids (positions must not be derived from the mask or the past)."
             )
-    kept_inputs = [v for v in graph.inputs if id(v) not in {id(d) for d in dropped}]
+    dropped_ids = {id(v) for v in dropped}
+    return [v for v in graph.inputs if id(v) not in dropped_ids]
+
+
+def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None:
+    graph = model.graph
+    step = _step_tensors()
+    cache_inputs, cache_outputs = _insert_paged_nodes(graph, layers, block_size, step)
+    _rebind_shapes(graph, layers)
+
+    presents = {id(layer.present_key) for layer in layers} | {id(layer.present_value) for layer in layers}
+    kept_outputs = [v for v in graph.outputs if id(v) not in presents]
+    graph.outputs.clear()
+    graph.outputs.extend(kept_outputs + cache_outputs)
+    RemoveUnusedNodesPass()(model)
+
+    by_name = {v.name: v for v in _drop_cache_inputs(graph, layers)}
     graph.inputs.clear()
-    by_name = {v.name: v for v in kept_inputs}
     for name in ("input_ids", "position_ids"):
         by_name[name].shape = ir.Shape([1, "T"])
     ordered = [by_name.pop("input_ids"), by_name.pop("position_ids")]
@@ -297,12 +342,8 @@ def _forget_intermediate_shapes(graph: ir.Graph) -> None:
                 value.shape = None
 
 
-def _readers_outside(layers: list[PagedLayer], model: ir.Model) -> list[str]:
-    """Names of nodes that read a past input other than through a matched Concat or the masks' shape logic.
-
-    Those would be cut off from their input by the rewrite; they are checked after dead-code removal instead,
-    so this only reports past inputs that no matched layer consumes.
-    """
+def _unread_pasts(layers: list[PagedLayer], model: ir.Model) -> list[str]:
+    """Past inputs of cache Concats that no proven layer reads: the all-or-nothing rewrite must refuse then."""
     matched = {id(layer.past_key) for layer in layers} | {id(layer.past_value) for layer in layers}
     pasts = [_past_of(concat.inputs[0]) for concat in cache_concats(model.graph)]
     return [past.name for past in pasts if id(past) not in matched]
@@ -327,13 +368,18 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
             layers.append(_prove_layer(model, softmax, roles, ctx, proven))
         except NoMatch as e:
             ctx.trace.fail(RULE, softmax.name or "Softmax", e)
-    unmatched = _readers_outside(layers, model)
+    unmatched = _unread_pasts(layers, model)
     if not layers or unmatched:
         reasons = "\n  ".join(ctx.trace.summary()) or "no Softmax found"
-        what = "no attention could be collapsed" if not layers else f"the cache inputs {unmatched[:4]} are not read by any fused attention"
+        what = (
+            "no attention could be collapsed"
+            if not layers
+            else f"the cache inputs {unmatched[:4]} are not read by any fused attention"
+        )
         raise FusionError(
             f"the graph has KV-cache inputs/outputs but {what}, so it cannot be rewritten to the paged signature.\n"
-            f"  {reasons}\nExport the model with `trtopt export` (optimum-style I/O); docs/fusion.md lists the supported forms."
+            f"  {reasons}\nExport the model with `trtopt export` (optimum-style I/O); "
+            "docs/fusion.md lists the supported forms."
         )
     layers.sort(key=lambda layer: _layer_index(layer, graph))
     _rewrite(model, layers, block_size)

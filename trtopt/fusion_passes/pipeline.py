@@ -30,8 +30,14 @@ class FusionReport:
         }
 
 
-def optimize(model: ir.Model, *, dims: HeadDims = HeadDims(), block_size: int = 16, vocab_size: int | None = None,
-             probe_len: int = 512) -> FusionReport:
+def optimize(
+    model: ir.Model,
+    *,
+    dims: HeadDims = HeadDims(),
+    block_size: int = 16,
+    vocab_size: int | None = None,
+    probe_len: int = 512,
+) -> FusionReport:
     """Rewrite ``model`` in place into the plan graph; return the report.
 
     A graph with KV-cache I/O becomes the paged signature of DESIGN.md §3 (or FusionError is raised); any other

@@ -62,11 +62,7 @@ class _RmsNormStandard(_RmsNorm):
 
 def _rules(standard: bool) -> pattern.RewriteRuleSet:
     cls = _RmsNormStandard if standard else _RmsNorm
-    rules = [
-        cls.rule(f"RMSNorm_{a}_{r}", axes_as_input=a, reciprocal=r)
-        for a in (True, False)
-        for r in (True, False)
-    ]
+    rules = [cls.rule(f"RMSNorm_{a}_{r}", axes_as_input=a, reciprocal=r) for a in (True, False) for r in (True, False)]
     return pattern.RewriteRuleSet(rules, commute=True)
 
 

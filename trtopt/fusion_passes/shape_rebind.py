@@ -51,8 +51,9 @@ def rebind_cache_shapes(graph: ir.Graph, cut: dict[int, int], *, batch_source: i
 
     cut: id(value) → its head count (dim 1): kv heads for past/present, query heads after repeat_kv.
     """
-    batch = ir.Node("", "Shape", [batch_source], [ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)],
-                    name="paged_batch_size")
+    batch = ir.Node(
+        "", "Shape", [batch_source], [ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)], name="paged_batch_size"
+    )
     sources = {
         0: batch.outputs[0],
         # Proven never read (see _reads_only); it only keeps the vector's length.

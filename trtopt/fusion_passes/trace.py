@@ -49,5 +49,7 @@ class Trace:
         groups: dict[tuple[str, str], list[MatchFailure]] = {}
         for failure in self.failures:
             groups.setdefault((failure.rule, failure.reason), []).append(failure)
-        lines = [f"{rule} | {len(fs)} region(s), e.g. {fs[0].anchor}: {reason}" for (rule, reason), fs in groups.items()]
+        lines = [
+            f"{rule} | {len(fs)} region(s), e.g. {fs[0].anchor}: {reason}" for (rule, reason), fs in groups.items()
+        ]
         return lines[:limit] + ([f"... and {len(lines) - limit} more kinds"] if len(lines) > limit else [])

@@ -21,5 +21,10 @@ def make_function(opset: int) -> onnx.FunctionProto:
     inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean, b.attr("epsilon", float))))
     normalized = b.op("CastLike", b.op("Mul", x, inv_rms), "x")
     b.op("Mul", "scale", normalized, name="y")
-    return b.function(OP_TYPE, INPUTS, OUTPUTS, [a.name for a in SCHEMA.attributes],
-                      doc="RMSNorm over the last axis; see trtopt/plugins/rms_norm/schema.py.")
+    return b.function(
+        OP_TYPE,
+        INPUTS,
+        OUTPUTS,
+        [a.name for a in SCHEMA.attributes],
+        doc="RMSNorm over the last axis; see trtopt/plugins/rms_norm/schema.py.",
+    )
