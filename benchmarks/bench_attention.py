@@ -12,7 +12,6 @@ output is also checked against the baseline before it is timed, so a fast wrong 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import platform
@@ -185,13 +184,6 @@ def bench_decode(copy_tbs: float) -> list[dict]:
                          "graph_tbs": kv_bytes / g_ms / 1e9}
         row["kv_write_ms"] = bench_ms(lambda: write_kv_triton(step["k"], step["v"], step["kv_cache"],
                                                               step["slot_mapping"]))
-        fused = dataclasses.replace(plan, fused_write=True)
-        got, _ = paged_attention_triton(**step, **attrs, launch=fused)
-        f_ms = bench_ms(lambda: paged_attention_triton(**step, **attrs, launch=fused))
-        f_graph = bench_graph_ms(lambda: paged_attention_triton(**step, **attrs, launch=fused))
-        row["fused_write"] = {"ms": f_ms, "tbs": kv_bytes / f_ms / 1e9, "graph_ms": f_graph,
-                              "graph_tbs": kv_bytes / f_graph / 1e9,
-                              "max_abs_err_vs_separate": float((got.float() - out.float()).abs().max())}
         sweep = []
         for tile_n in (32, 64, 128):
             for stages in (3, 4):
@@ -218,8 +210,7 @@ def bench_decode(copy_tbs: float) -> list[dict]:
         print(f"decode {row['shape']}: triton {row['triton']['tbs']:.2f} TB/s ({ms:.3f} ms, plan {plan}), "
               f"best sweep {best['tbs']:.2f} TB/s ({best}), "
               + ", ".join(f"{n} {row[n].get('tbs', float('nan')):.2f}" for n in sdpa_backends())
-              + f", copy {copy_tbs:.2f}, write {row['kv_write_ms'] * 1e3:.1f} us, fused-write triton "
-              f"{row['fused_write']['tbs']:.2f} (graph {row['fused_write']['graph_tbs']:.2f}); graphs: triton "
+              + f", copy {copy_tbs:.2f}, write {row['kv_write_ms'] * 1e3:.1f} us; graphs: triton "
               f"{row['triton']['graph_tbs']:.2f}, "
               + ", ".join(f"{n} {row[n].get('graph_tbs', float('nan')):.2f}" for n in sdpa_backends()), flush=True)
         del step, k_c, v_c
@@ -230,7 +221,7 @@ def bench_decode(copy_tbs: float) -> list[dict]:
 def bench_paged_prefill() -> list[dict]:
     """Prefill through the paged kernel (4 × 2048 new tokens) vs the FlashAttention kernel on the same data."""
     from trtopt.plugins.flash_attention.kernel import flash_attention_flops, flash_attention_triton
-    from trtopt.plugins.paged_attention.kernel import PagedLaunch, paged_attention_triton, plan_paged_launch
+    from trtopt.plugins.paged_attention.kernel import PagedLaunch, paged_attention_triton
 
     B, Hq, Hkv, S, D = 4, 32, 8, 2048, 128
     bs = BLOCK_SIZE
@@ -252,9 +243,6 @@ def bench_paged_prefill() -> list[dict]:
     ref = flash_attention_triton(qb, kb, vb, **attrs, causal=1)
     err = float((out[0].unflatten(1, (B, S)).transpose(0, 1).float() - ref.float()).abs().max())
     paged_ms = bench_ms(lambda: paged_attention_triton(**step, **attrs))
-    plan = plan_paged_launch(B * S, B, Hkv, Hq // Hkv, S, torch.cuda.get_device_properties(0).multi_processor_count)
-    fused = dataclasses.replace(plan, fused_write=True)
-    fused_ms = bench_ms(lambda: paged_attention_triton(**step, **attrs, launch=fused))
     flash_ms = bench_ms(lambda: flash_attention_triton(qb, kb, vb, **attrs, causal=1))
     sweep = []
     for rows in (64, 128):
@@ -271,12 +259,10 @@ def bench_paged_prefill() -> list[dict]:
                     sweep.append({**launch.__dict__, "error": repr(exc)[:200]})
     best = min((x for x in sweep if "ms" in x), key=lambda x: x["ms"])
     row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·S{S}·D{D}", "paged": {"ms": paged_ms, "tflops": flops / paged_ms / 1e9},
-           "fused_write": {"ms": fused_ms, "tflops": flops / fused_ms / 1e9},
            "flash": {"ms": flash_ms, "tflops": flops / flash_ms / 1e9}, "max_abs_err": err, "sweep": sweep,
            "best_sweep": best}
     print(f"paged prefill sweep best: {best}", flush=True)
-    print(f"paged prefill {row['shape']}: paged {row['paged']['tflops']:.0f} TFLOP/s (fused write "
-          f"{row['fused_write']['tflops']:.0f}) vs flash kernel "
+    print(f"paged prefill {row['shape']}: paged {row['paged']['tflops']:.0f} TFLOP/s vs flash kernel "
           f"{row['flash']['tflops']:.0f}, err {err:.3g}", flush=True)
     return [row]
 

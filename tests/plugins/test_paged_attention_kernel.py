@@ -176,14 +176,10 @@ def test_random_mixed_steps_match_reference(case: Case, kernel_device: torch.dev
     run_both(case, kernel_device)
 
 
-@pytest.mark.parametrize("block_q, num_segments, fused_write", [(1, 4, True), (4, 2, True), (2, 1, True),
-                                                                 (4, 2, False), (2, 1, False)])
-def test_forced_tilings_match_reference(block_q: int, num_segments: int, fused_write: bool,
-                                        kernel_device: torch.device) -> None:
-    """Split-KV, odd query tiles and the separate KV write give the default tiling's answer (tile_n 16 crosses
-    blocks of 32; a dropped slot makes the fused path read one new key from the pool)."""
-    launch = PagedLaunch(block_q=block_q, tile_n=16, num_segments=num_segments, num_warps=4, num_stages=1,
-                         fused_write=fused_write)
+@pytest.mark.parametrize("block_q, num_segments", [(1, 4), (4, 2), (2, 1)])
+def test_forced_tilings_match_reference(block_q: int, num_segments: int, kernel_device: torch.device) -> None:
+    """Split-KV and odd query tiles give the default tiling's answer (tile_n 16 crosses blocks of 32)."""
+    launch = PagedLaunch(block_q=block_q, tile_n=16, num_segments=num_segments, num_warps=4, num_stages=1)
     case = Case(context=(45, 0, 7), new=(1, 11, 3), num_heads=8, num_kv_heads=2, block_size=32, dropped_slots=2,
                 seed=10)
     run_both(case, kernel_device, launch=launch)

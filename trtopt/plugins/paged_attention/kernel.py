@@ -13,8 +13,9 @@ device), so it is sized from shapes alone:
 - axis 2 splits the key range into NUM_SEGMENTS (flash-decoding) when tiles × heads would leave the GPU idle: long
   contexts at small batch. A second small kernel merges the segments' partial softmaxes.
 
-The KV write is a separate small kernel launched first (a fused variant exists behind PagedLaunch.fused_write and
-measured slower; see docs/benchmarks/NOTES.md).
+The KV write is a separate small kernel launched first. A variant that fused it into the attention launch (commit
+2680905) was exact but measured 25-40% slower on H200 and was removed; see docs/benchmarks/NOTES.md.
+Rows are expected to belong to sequences (query_start_loc[S] == T); rows past it are not written.
 
 Keys are walked in tiles of TILE_N positions; each key finds its physical block through block_tables, so the tile
 size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, block_size, D] (K at [:, 0], V at
@@ -84,17 +85,11 @@ def _attend_key_tiles(
     acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
     k_head, table, start, end, key_end, pos, row_ok, slope, qk_scale, sliding_window,
     stride_cb, stride_ckv, stride_co, stride_cd,
-    k_new, v_new, SlotMapping, q_begin, context, stride_kt, stride_kd, stride_vt, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    MASKED: tl.constexpr, MIXED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Fold key tiles [start, end) (TILE_N-aligned) into the running softmax; keys >= key_end are never read.
-
-    MIXED tiles hold keys of this step's new tokens (positions >= context). With the write fused into the same
-    launch, another program may still be writing those slots, so a new key whose slot is >= 0 is read from the
-    k/v inputs (the very values being written) and only a new key with slot −1 (not written) from the pool.
-    """
+    """Fold key tiles [start, end) (TILE_N-aligned) into the running softmax; keys >= key_end are never read."""
     offs_t = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -104,30 +99,17 @@ def _attend_key_tiles(
     for n0 in range(start, end, TILE_N):
         kpos = n0 + offs_t
         k_ok = kpos < key_end
-        if MIXED:
-            new_row = (q_begin + kpos - context).to(tl.int64)
-            slot = tl.load(SlotMapping + new_row, mask=k_ok & (kpos >= context), other=-1)
-            from_input = k_ok & (kpos >= context) & (slot >= 0)
-            from_pool = k_ok & ~from_input
-            block = tl.load(table + kpos // BLOCK_SIZE, mask=from_pool, other=0).to(tl.int64)
-            kv_ptr = k_head + (block * stride_cb + (n0 % BLOCK_SIZE) * stride_co)[:, None] + in_tile
-            pool_mask = from_pool[:, None] & d_ok[None, :]
-            input_mask = from_input[:, None] & d_ok[None, :]
-            # The two masks are disjoint and masked lanes load 0, so the sum selects without extra traffic.
-            k = tl.load(kv_ptr, mask=pool_mask, other=0.0) + tl.load(
-                k_new + new_row[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=input_mask, other=0.0)
+        if MASKED:
+            block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
         else:
-            if MASKED:
-                block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-            else:
-                block = tl.load(table + kpos // BLOCK_SIZE).to(tl.int64)
-                kv_mask = d_ok[None, :]
-            kv_ptr = k_head + (block * stride_cb + (n0 % BLOCK_SIZE) * stride_co)[:, None] + in_tile
-            if MASKED or BLOCK_D != HEAD_DIM:
-                k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
-            else:
-                k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
+            block = tl.load(table + kpos // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        kv_ptr = k_head + (block * stride_cb + (n0 % BLOCK_SIZE) * stride_co)[:, None] + in_tile
+        if MASKED or BLOCK_D != HEAD_DIM:
+            k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
+        else:
+            k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
         if HAS_ALIBI:
             qk = qk * qk_scale + slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
@@ -147,10 +129,7 @@ def _attend_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MIXED:
-            v = tl.load(kv_ptr + stride_ckv, mask=pool_mask, other=0.0) + tl.load(
-                v_new + new_row[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=input_mask, other=0.0)
-        elif MASKED or BLOCK_D != HEAD_DIM:
+        if MASKED or BLOCK_D != HEAD_DIM:
             v = tl.load(kv_ptr + stride_ckv, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
         else:
             v = tl.load(kv_ptr + stride_ckv)
@@ -160,53 +139,24 @@ def _attend_key_tiles(
 
 
 @triton.jit
-def _write_rows(
-    k_new, v_new, cache_head, SlotMapping, first_row, num_tokens,
-    stride_kt, stride_kd, stride_vt, stride_vd, stride_cb, stride_ckv, stride_co, stride_cd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
-):
-    """pool[slot // bs, :, head, slot % bs] = (k, v) of rows [first_row, first_row + ROWS) of one KV head."""
-    rows = (first_row + tl.arange(0, ROWS)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(SlotMapping + rows, mask=rows < num_tokens, other=-1)
-    mask = (slot >= 0)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_new + rows[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(v_new + rows[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=mask)
-    dst = cache_head + ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co)[:, None] \
-        + offs_d[None, :] * stride_cd
-    tl.store(dst, k.to(cache_head.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_ckv, v.to(cache_head.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _paged_attn_kernel(
-    Q, K, V, Cache, BlockTables, SeqLens, QueryStartLoc, SlotMapping, Alibi,
+    Q, Cache, BlockTables, SeqLens, QueryStartLoc, Alibi,
     Out, PartAcc, PartMax, PartSum,
     qk_scale,  # softmax scale · log2(e)
-    num_tokens, num_seqs, sliding_window,
+    num_seqs, sliding_window,
     stride_qh, stride_qt, stride_qd,
-    stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     stride_bt,
     stride_oh, stride_ot, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    FUSED_WRITE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     segment = tl.program_id(2)
-    k_new = K + kvh.to(tl.int64) * stride_kh
-    v_new = V + kvh.to(tl.int64) * stride_vh
-    if FUSED_WRITE:
-        if segment == 0:
-            # The KV write: program `tile` stores flat rows [tile·BLOCK_Q, +BLOCK_Q) of this KV head (the grid
-            # covers every row). Nothing in this launch reads these slots from the pool (see _attend_key_tiles).
-            _write_rows(k_new, v_new, Cache + kvh.to(tl.int64) * stride_ch, SlotMapping, tile * BLOCK_Q, num_tokens,
-                        stride_kt, stride_kd, stride_vt, stride_vd, stride_cb, stride_ckv, stride_co, stride_cd,
-                        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_Q)
 
     seq = _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(QueryStartLoc + seq)
@@ -255,38 +205,23 @@ def _paged_attn_kernel(
     table = BlockTables + seq.to(tl.int64) * stride_bt
     k_head = Cache + kvh.to(tl.int64) * stride_ch
     # Keys below `full_end` are visible to every row of the tile (causal, no window), so those tiles skip the
-    # mask arithmetic; the rest (the diagonal, the window edge, the sequence end) are masked. With the fused
-    # write, tiles from `context` on hold new keys and take the mixed (input or pool) path.
+    # mask arithmetic; the rest (the diagonal, the window edge, the sequence end) are masked.
     if IS_CAUSAL and not HAS_WINDOW:
         full_end = (context + q_first + 1) // TILE_N * TILE_N
     elif not IS_CAUSAL and not HAS_WINDOW:
         full_end = seq_len // TILE_N * TILE_N
     else:
         full_end = 0
-    if FUSED_WRITE:
-        old_end = tl.minimum(full_end, context // TILE_N * TILE_N)
-    else:
-        old_end = full_end
-    split_old = tl.maximum(tl.minimum(old_end, seg_hi), seg_lo)
-    split_full = tl.maximum(tl.minimum(full_end, seg_hi), split_old)
+    split = tl.maximum(tl.minimum(full_end, seg_hi), seg_lo)
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, k_head, table, seg_lo, split_old, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
+        acc, l_i, m_i, q, k_head, table, seg_lo, split, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
         stride_cb, stride_ckv, stride_co, stride_cd,
-        k_new, v_new, SlotMapping, q_begin, context, stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, False, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
     )
-    if FUSED_WRITE:
-        acc, l_i, m_i = _attend_key_tiles(
-            acc, l_i, m_i, q, k_head, table, split_old, split_full, seg_hi, pos, row_ok, slope, qk_scale,
-            sliding_window, stride_cb, stride_ckv, stride_co, stride_cd,
-            k_new, v_new, SlotMapping, q_begin, context, stride_kt, stride_kd, stride_vt, stride_vd,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, True, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
-        )
     acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, k_head, table, split_full, seg_hi, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
+        acc, l_i, m_i, q, k_head, table, split, seg_hi, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
         stride_cb, stride_ckv, stride_co, stride_cd,
-        k_new, v_new, SlotMapping, q_begin, context, stride_kt, stride_kd, stride_vt, stride_vd,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, FUSED_WRITE, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
     )
 
     if NUM_SEGMENTS == 1:
@@ -335,10 +270,6 @@ class PagedLaunch:
     num_segments: int  # key-range splits (flash-decoding); 1 = write the output directly
     num_warps: int
     num_stages: int
-    # True runs the KV write inside the attention launch (new keys are then read from k/v, see
-    # _attend_key_tiles). Measured slower on H200 (decode 3.0 vs 4.1 TB/s: the extra mixed-source loop costs the
-    # main loop more than the saved ~2 µs launch), so the default is the separate _write_kv_kernel.
-    fused_write: bool = False
 
 
 def _device_sm_count(device: torch.device) -> int:
@@ -469,9 +400,9 @@ def paged_attention_triton(
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0 = none); got {sliding_window}")
     T, S = q.shape[2], seq_lens.shape[0]
+    write_kv_triton(k, v, kv_cache, slot_mapping)
     out = _output_buffer(out, (1, num_heads, T, head_dim), q)
     if T == 0 or S == 0:
-        write_kv_triton(k, v, kv_cache, slot_mapping)
         return out, kv_cache
 
     group = num_heads // num_kv_heads
@@ -481,8 +412,6 @@ def paged_attention_triton(
         launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
                                    _device_sm_count(q.device), interpret=interpret)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if not launch.fused_write:
-        write_kv_triton(k, v, kv_cache, slot_mapping)
     if launch.num_segments > 1:
         parts = T * num_heads * launch.num_segments
         part_acc = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
@@ -490,23 +419,20 @@ def paged_attention_triton(
         part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_max = part_sum = out  # never touched when NUM_SEGMENTS == 1
-    # T // block_q + S >= cdiv(T, block_q) tiles (S >= 1), so the fused write also covers every row.
     grid = (T // launch.block_q + S, num_kv_heads, launch.num_segments)
     _paged_attn_kernel[grid](
-        q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+        q, kv_cache, block_tables, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else q,
         out, part_acc, part_max, part_sum,
-        scale * _LOG2E, T, S, sliding_window,
+        scale * _LOG2E, S, sliding_window,
         q.stride(1), q.stride(2), q.stride(3),
-        k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3),
         *kv_cache.stride(),
         block_tables.stride(0),
         out.stride(1), out.stride(2), out.stride(3),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch.block_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
-        HAS_WINDOW=sliding_window > 0, FUSED_WRITE=launch.fused_write,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if launch.num_segments > 1:
