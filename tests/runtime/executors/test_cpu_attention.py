@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trtopt.plugins.paged_attention.reference import paged_attention_ref
+from trtopt.runtime.executors import cpu_attention
 from trtopt.runtime.executors.cpu_attention import paged_attention_cpu
 
 
@@ -77,3 +78,28 @@ def test_window_and_alibi_fall_back_to_reference():
     expected, _ = paged_attention_ref(q, k, v, cache.clone(), tables, lens, qsl, slots, **attrs)
     got, _ = paged_attention_cpu(q, k, v, cache, tables, lens, qsl, slots, **attrs)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("lens,batched", [([40, 33, 47], True), ([900, 3, 5, 2], False)])
+def test_uneven_decode_contexts_use_per_sequence_attention(lens, batched):
+    """One long context among short ones: the batched gather would be mostly padding, so each sequence runs alone.
+    Both paths must give the reference's numbers."""
+    block_size, hkv, d, hq = 16, 2, 16, 4
+    tables = torch.zeros((len(lens), -(-max(lens) // block_size)), dtype=torch.int32)
+    next_block = 1
+    for s, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        tables[s, :blocks] = torch.arange(next_block, next_block + blocks, dtype=torch.int32)
+        next_block += blocks
+    cache = torch.randn((next_block, 2, hkv, block_size, d))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    slots = torch.tensor([int(tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for s, n in enumerate(lens)])
+    q, k, v = torch.randn((1, hq, len(lens), d)), torch.randn((1, hkv, len(lens), d)), torch.randn((1, hkv, len(lens), d))
+    attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=0.25)
+    expected, _ = paged_attention_ref(q, k, v, cache.clone(), tables, seq_lens, qsl, slots, **attrs)
+    with unittest.mock.patch.object(cpu_attention, "_decode", wraps=cpu_attention._decode) as decode:
+        got, _ = paged_attention_cpu(q, k, v, cache, tables, seq_lens, qsl, slots, **attrs)
+    assert decode.called == batched
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

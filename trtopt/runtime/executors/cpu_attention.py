@@ -4,7 +4,8 @@ The torch reference (trtopt.plugins.paged_attention.reference) is the numerical 
 calls per sequence and layer; on a 2-core CPU those calls, not the FLOPs, dominate a decode step. Here:
 
 - an all-decode step (one new token per sequence) runs as ONE batched SDPA over every sequence's blocks, gathered
-  with one index op and masked by seq_lens (no per-sequence Python loop, whatever the batch size);
+  with one index op and masked by seq_lens (no per-sequence Python loop, whatever the batch size), unless the
+  contexts are so uneven that the gather would copy mostly padding;
 - any other step (prefill chunks mixed in) runs one SDPA per sequence, causal with the chunk's offset;
 - GQA goes through SDPA's enable_gqa (no repeat_interleave copies).
 
@@ -84,6 +85,13 @@ def paged_attention_cpu(q, k, v, kv_cache, block_tables, seq_lens, query_start_l
     lens = seq_lens.tolist()
     if not lens:
         return torch.zeros_like(q), kv_cache
-    if all(hi - lo == 1 for lo, hi in zip(starts, starts[1:])):
+    if all(hi - lo == 1 for lo, hi in zip(starts, starts[1:])) and _padding_is_cheap(lens, kv_cache.shape[3]):
         return _decode(q, kv_cache, block_tables, seq_lens, max(lens), scale), kv_cache
     return _per_sequence(q, kv_cache, block_tables, starts, lens, scale), kv_cache
+
+
+def _padding_is_cheap(lens: list[int], block_size: int) -> bool:
+    """The batched decode gathers every sequence up to the longest one; with very uneven contexts (one long
+    sequence among short ones) that copies mostly padding, and one SDPA per sequence is cheaper."""
+    padded = len(lens) * -(-max(lens) // block_size) * block_size
+    return padded <= 2 * sum(lens) + 4 * block_size * len(lens)
