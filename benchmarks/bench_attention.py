@@ -79,7 +79,9 @@ def run_sdpa(backend, q, k, v, causal: bool, gqa: bool):
 
 
 def bench_prefill() -> list[dict]:
-    from trtopt.plugins.flash_attention.kernel import _flash_fwd_kernel, flash_attention_flops, flash_attention_triton
+    from trtopt.plugins.flash_attention.kernel import (
+        _flash_fwd_kernel, _tma_eligible, flash_attention_flops, flash_attention_triton,
+    )
 
     rows = []
     for B, H, S, D in PREFILL_SHAPES:
@@ -106,11 +108,19 @@ def bench_prefill() -> list[dict]:
                          "config": str(getattr(_flash_fwd_kernel, "best_config", None)),
                          "autotune_ms": {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
                                          for c, t in timings.items()}}
+        row["triton"]["tma"] = _tma_eligible(q, k, v, out)
+        pointer_fn = lambda: flash_attention_triton(q, k, v, num_heads=H, num_kv_heads=H,  # noqa: E731
+                                                    head_dim=D, scale=D**-0.5, causal=1, use_tma=False)
+        p_err = float((pointer_fn().float() - want.float()).abs().max())
+        p_ms = bench_ms(pointer_fn)
+        row["triton_pointer_loads"] = {"ms": p_ms, "tflops": flops / p_ms / 1e9, "max_abs_err_vs_sdpa": p_err,
+                                       "config": str(getattr(_flash_fwd_kernel, "best_config", None))}
         for name in ("sdpa_cudnn", "sdpa_flash"):
             if "tflops" in row.get(name, {}):
                 row[f"speedup_vs_{name}"] = row["triton"]["tflops"] / row[name]["tflops"]
         rows.append(row)
-        print(f"prefill {row['shape']}: triton {row['triton']['tflops']:.0f} TFLOP/s, "
+        print(f"prefill {row['shape']}: triton {row['triton']['tflops']:.0f} TFLOP/s (tma={row['triton']['tma']}; "
+              f"pointer loads {row['triton_pointer_loads']['tflops']:.0f}), "
               f"cudnn {row['sdpa_cudnn'].get('tflops', float('nan')):.0f}, "
               f"flash {row['sdpa_flash'].get('tflops', float('nan')):.0f}, err {row['max_abs_err_vs_sdpa']:.3g}",
               flush=True)

@@ -55,7 +55,7 @@ def tolerance(dtype: torch.dtype) -> dict:
             torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
 
 
-def run_both(case: Case, device: torch.device) -> None:
+def run_both(case: Case, device: torch.device, use_tma: bool | None = None) -> None:
     q, k, v, bias = make_inputs(case, device)
     attrs = dict(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                  scale=case.head_dim**-0.5, causal=case.causal)
@@ -63,7 +63,7 @@ def run_both(case: Case, device: torch.device) -> None:
                                None if bias is None else bias.cpu().float(), **attrs)
     out = torch.full((case.batch, case.num_heads, case.seq_q, case.head_dim), float("nan"), dtype=case.dtype,
                      device=device)
-    got = flash_attention_triton(q, k, v, bias, out=out, **attrs)
+    got = flash_attention_triton(q, k, v, bias, out=out, use_tma=use_tma, **attrs)
     assert got is out
     assert not torch.isnan(got).any(), "NaN in the output: a row was skipped"
     torch.testing.assert_close(got.cpu().float(), want, **tolerance(case.dtype))
@@ -83,6 +83,19 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name: str, kernel_device: torch.device) -> None:
     run_both(CASES[name], kernel_device)
+
+
+TMA_CASES = {
+    "causal_gqa2": Case(2, 4, 2, 37, 37, 64, causal=1, dtype=torch.float16, seed=20),
+    "causal_q_shorter_hd128": Case(1, 2, 1, 5, 50, 128, causal=1, dtype=torch.float16, seed=21),
+    "padding_bias": Case(2, 2, 2, 19, 19, 64, causal=0, bias="padding", dtype=torch.float16, seed=22),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TMA_CASES))
+def test_tma_path_matches_reference(name: str, kernel_device: torch.device) -> None:
+    """The bulk-tensor-copy path (Hopper on GPU; the interpreter emulates descriptors on CPU)."""
+    run_both(TMA_CASES[name], kernel_device, use_tma=True)
 
 
 def test_rejects_bad_inputs(kernel_device: torch.device) -> None:

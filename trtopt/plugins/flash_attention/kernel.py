@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _LOG2E = 1.4426950408889634
 # An additive bias of finfo.min (HF padding masks) times log2(e) would overflow fp32 to -inf, and a row masked
@@ -32,17 +33,29 @@ def _autotune_configs() -> list[triton.Config]:
     # 64×64 with 4 warps wins shorter ones and D=64.
     shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3),
               (64, 128, 4, 3)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_set_tma_blocks)
+            for m, n, w, s in shapes]
+
+
+def _set_tma_blocks(nargs: dict) -> None:
+    """TMA descriptors carry their box shape, which depends on the config being launched."""
+    if isinstance(nargs["desc_q"], TensorDescriptor):
+        block_m, block_n, block_d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
+        nargs["desc_q"].block_shape = [1, 1, block_m, block_d]
+        nargs["desc_o"].block_shape = [1, 1, block_m, block_d]
+        nargs["desc_k"].block_shape = [1, 1, block_n, block_d]
+        nargs["desc_v"].block_shape = [1, 1, block_n, block_d]
 
 
 @triton.jit
 def _attend_block_range(
     acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
-    k_base, v_base, bias_base,
+    k_base, v_base, bias_base, desc_k, desc_v, b32, kvh32,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
     offs_m, offs_d, row_ok, start_n, end_n, Sk, causal_offset, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold key blocks [start_n, end_n) into the running softmax. MASKED blocks check bounds and causality."""
     d_ok = offs_d < HEAD_DIM
@@ -53,7 +66,10 @@ def _attend_block_range(
         else:
             kv_mask = d_ok[None, :]
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        if MASKED or BLOCK_D != HEAD_DIM:
+        if USE_TMA:
+            # The copy engine zero-fills keys past Sk; the masked phase hides their scores.
+            k = desc_k.load([b32, kvh32, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif MASKED or BLOCK_D != HEAD_DIM:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_ptrs)  # unmasked and unpadded: the loads vectorise freely
@@ -79,7 +95,9 @@ def _attend_block_range(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASKED or BLOCK_D != HEAD_DIM:
+        if USE_TMA:
+            v = desc_v.load([b32, kvh32, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif MASKED or BLOCK_D != HEAD_DIM:
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -97,11 +115,12 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> 
 
 
 # Tuned per power-of-two bucket of the lengths, not per exact length: a runtime sees many lengths.
-@triton.autotune(configs=_autotune_configs(), key=["S_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP"],
+@triton.autotune(configs=_autotune_configs(), key=["S_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_BIAS", "GROUP", "USE_TMA"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, Bias, Out,
+    desc_q, desc_k, desc_v, desc_o,  # TMA descriptors of q/k/v/out when USE_TMA, else unused placeholders
     qk_scale,  # softmax scale · log2(e)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -110,7 +129,7 @@ def _flash_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     Hq, S, Sk, S_BUCKET, SK_BUCKET,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Heaviest causal query blocks (the last ones) start first, which evens out the tail of the launch.
@@ -121,12 +140,16 @@ def _flash_fwd_kernel(
     h = bh % Hq
     kvh = (h // GROUP).to(tl.int64)
     h = h.to(tl.int64)
+    b32, h32, kvh32 = b.to(tl.int32), h.to(tl.int32), kvh.to(tl.int32)  # descriptor coordinates are int32
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
+    if USE_TMA:
+        q = desc_q.load([b32, h32, start_m * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh
@@ -147,20 +170,24 @@ def _flash_fwd_kernel(
         masked_end = Sk
 
     acc, l_i, m_i = _attend_block_range(
-        acc, l_i, m_i, q, k_base, v_base, bias_base,
+        acc, l_i, m_i, q, k_base, v_base, bias_base, desc_k, desc_v, b32, kvh32,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
         offs_m, offs_d, offs_m < S, 0, full_end, Sk, causal_offset, qk_scale,
-        BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, HAS_BIAS, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, HAS_BIAS, DOT_PRECISION, USE_TMA,
     )
     acc, l_i, m_i = _attend_block_range(
-        acc, l_i, m_i, q, k_base, v_base, bias_base,
+        acc, l_i, m_i, q, k_base, v_base, bias_base, desc_k, desc_v, b32, kvh32,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
         offs_m, offs_d, offs_m < S, full_end, masked_end, Sk, causal_offset, qk_scale,
-        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, HAS_BIAS, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, HAS_BIAS, DOT_PRECISION, USE_TMA,
     )
 
     # Rows that see no key at all (causal with S > Sk) have l_i == 0: they output zeros, not NaN.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if USE_TMA:
+        # The copy engine drops rows past S.
+        desc_o.store([b32, h32, start_m * BLOCK_M, 0], out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+        return
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=q_mask)
 
@@ -200,11 +227,13 @@ def flash_attention_triton(
     scale: float,
     causal: int = 0,
     out: torch.Tensor | None = None,
+    use_tma: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q·kᵀ·scale + bias [+ causal mask]) · v, fp32 accumulation, output [B, Hq, S, D] in q's dtype.
 
     Causal means query i sees keys j <= i + (Sk − S). Rows that see no key output zeros. `out`, if given, is a
-    preallocated output buffer (any strides) to write instead of a new tensor.
+    preallocated output buffer (any strides) to write instead of a new tensor. `use_tma` picks Hopper's bulk
+    tensor copies for q/k/v/out (None: wherever the chip, dtype, head_dim and strides allow it).
     """
     _check_inputs(q, k, v, attn_bias, num_heads, num_kv_heads, head_dim)
     B, Hq, S, D = q.shape
@@ -222,17 +251,37 @@ def flash_attention_triton(
     else:
         bias = q  # never read: HAS_BIAS=False compiles the loads away
         bias_strides = (0, 0, 0, 0)
+    if use_tma is None:
+        use_tma = _tma_eligible(q, k, v, out)
+    if use_tma:
+        # The box shape is a placeholder: _set_tma_blocks sets it for each config the autotuner launches.
+        descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, D]) for t in (q, k, v, out)]
+    else:
+        descs = [q, k, v, out]
     grid = lambda meta: (triton.cdiv(S, meta["BLOCK_M"]), B * Hq)  # noqa: E731 - the autotuner needs a callable
     _flash_fwd_kernel[grid](
-        q, k, v, bias, out,
+        q, k, v, bias, out, *descs,
         scale * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *bias_strides, *out.stride(),
         Hq, S, Sk, triton.next_power_of_2(S), triton.next_power_of_2(Sk),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
         IS_CAUSAL=bool(causal), HAS_BIAS=attn_bias is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_TMA=bool(use_tma),
     )
     return out
+
+
+def _tma_eligible(*tensors: torch.Tensor) -> bool:
+    """Bulk tensor copies need Hopper+, 16-byte aligned bases and strides, unit last stride, and (here) an unpadded
+    power-of-two head_dim so boxes never cross D."""
+    first = tensors[0]
+    if first.device.type != "cuda" or torch.cuda.get_device_capability(first.device)[0] < 9:
+        return False
+    if first.dtype not in (torch.float16, torch.bfloat16) or first.shape[-1] not in (64, 128):
+        return False
+    size = first.element_size()
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+               for t in tensors)
 
 
 def flash_attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> float:
