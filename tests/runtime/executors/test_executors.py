@@ -135,3 +135,14 @@ def test_factory_and_executor_errors(plan_dir, tmp_path):
     for backend in ("torch", "onnxruntime"):
         with pytest.raises(BuildError, match=r"missing inputs \['kv_cache\.\d+'\]"):
             create_executor(backend, broken, read_plan(broken))
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_logits_can_be_modified_in_place_by_the_caller(backend, plan_dir):
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    ex = create_executor(backend, built, plan, num_blocks=8)
+    logits = ex.execute(make_step([Seq([4, 5, 6])], [3], plan.limits.block_size, BlockSource(8)))
+    logits[0, 0] = -1.0  # a sampler applying a penalty
+    logits.sub_(1.0)
+    assert float(logits[0, 0]) == -2.0

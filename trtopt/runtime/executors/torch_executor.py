@@ -94,7 +94,9 @@ class TorchExecutor:
                 if outputs[position] is not pool:
                     pool.copy_(outputs[position])
             logits = outputs[self._logits_position]
-            return logits.reshape(-1, logits.shape[-1]).float()
+        # Made outside inference mode, the copy is an ordinary tensor that callers may modify in place (the
+        # sampler's penalties do); an inference tensor would refuse that.
+        return logits.reshape(-1, logits.shape[-1]).to(torch.float32, copy=True)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
