@@ -40,7 +40,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 @pytest.fixture(scope="module")
 def smollm2(engine_for):
-    return lambda backend, **cfg: engine_for(MODEL, backend, max_model_len=256, **cfg)
+    return lambda backend, **cfg: engine_for(MODEL, backend, **{"max_model_len": 256, **cfg})
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +98,16 @@ def test_a_all_at_once(smollm2, reference, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_b_staggered_with_chunked_prefill(smollm2, reference, backend):
-    engine = smollm2(backend, enable_prefix_caching=False, max_num_batched_tokens=24)
+    engine = smollm2(backend, enable_prefix_caching=False, max_num_batched_tokens=48)
     done = run(engine, [(5 * i, str(i), p) for i, p in enumerate(prompts())])
     assert_matches(done, reference, engine)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_c_tiny_pool_preempts(smollm2, reference, backend):
-    # 8 sequences of up to ~140 tokens need ~70 blocks of 16; 24 usable blocks force preemption.
-    engine = smollm2(backend, enable_prefix_caching=False, num_blocks=25)
+    # The chats alone need 5 x ~4 blocks of 16 for their prompts and grow to ~7 blocks each;
+    # 12 usable blocks (enough for one sequence of max_model_len=128) force preemption.
+    engine = smollm2(backend, enable_prefix_caching=False, num_blocks=13, max_model_len=128)
     done = run(engine, [(0, str(i), p) for i, p in enumerate(prompts())])
     assert engine.stats().num_preemptions > 0
     assert_matches(done, reference, engine)

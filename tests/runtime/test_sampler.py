@@ -89,3 +89,43 @@ def test_logprobs_are_raw_log_softmax_with_top_k_alternatives():
         **{i: round(v, 5) for i, v in zip(top.indices.tolist(), top.values.tolist())},
     }
     assert b.logprob is None and b.top_logprobs is None
+
+
+def reference_keep(x: torch.Tensor, k: int, p: float, mp: float) -> set[int]:
+    """Plain HF-order filtering of one row over the whole vocabulary: top-k, top-p on the top-k
+    distribution, then min-p."""
+    order = x.argsort(descending=True).tolist()
+    keep = order[:k] if k > 0 else order
+    probs = torch.softmax(x[keep], -1).tolist()
+    kept, mass = [], 0.0
+    for tok, q in zip(keep, probs):
+        if p < 1 and mass >= p and kept:
+            break
+        kept.append(tok)
+        mass += q
+    top = probs[0]
+    return {tok for tok, q in zip(kept, probs) if q >= mp * top or tok == keep[0]}
+
+
+def test_candidate_shortcut_equals_full_vocabulary_filtering():
+    from trtopt.runtime.sampler import _candidates
+
+    vocab = 3000  # > the 1024 candidates, so both the shortcut and the full-sort fallback run
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        m = 6
+        scale = [0.05, 0.5, 3.0][trial % 3]  # flat rows force the fallback, peaked rows take the shortcut
+        x = torch.randn(m, vocab, generator=g) * scale
+        ks = [0, 5, 40, 0, 0, 0] if trial % 4 else [0, 5, 40, 2000, 0, 0]  # a top-k > 1024 forces the full sort
+        top_k = torch.tensor([ks[(i + trial) % 6] for i in range(m)])
+        top_p = torch.tensor([[1.0, 0.9, 0.5, 0.999, 0.3, 1.0][(i + 2 * trial) % 6] for i in range(m)])
+        min_p = torch.tensor([[0.0, 0.0, 0.1, 0.0, 0.0, 0.05][(i + 3 * trial) % 6] for i in range(m)])
+        k_t = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+        # As in the sampler, rows with no filter at all are drawn from the whole vocabulary, not from here.
+        rows = torch.nonzero(~((k_t >= vocab) & (top_p >= 1) & (min_p <= 0))).flatten()
+        x, top_k, top_p, min_p, k_t = x[rows], top_k[rows], top_p[rows], min_p[rows], k_t[rows]
+        vals, ids = _candidates(x, k_t, top_p, min_p)
+        for i in range(len(rows)):
+            got = set(ids[i][vals[i] > float("-inf")].tolist())
+            want = reference_keep(x[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+            assert got == want, (trial, i, int(top_k[i]), float(top_p[i]), float(min_p[i]))

@@ -1,9 +1,8 @@
 """Sampler: logits [N, vocab] -> one token per row, vectorised over the batch (DESIGN.md §6).
 
 Order of operations (vLLM's): min_tokens masking, penalties, then greedy argmax for temperature 0, or
-temperature -> top-k -> top-p -> min-p -> a draw for the others. The draw is an exponential race
-(argmax p/q with q ~ Exp(1), which samples from p): each seeded request draws its q from its own
-torch.Generator, so its tokens do not depend on what else is in the batch. Logprobs are the model's raw
+temperature -> top-k -> top-p -> min-p -> a draw for the others. Each seeded request draws with its own
+torch.Generator (one uniform per step, inverse-CDF), so its tokens do not depend on what else is in the batch. Logprobs are the model's raw
 log_softmax, before penalties and temperature, as in vLLM and HF `output_scores`-free comparisons.
 """
 
@@ -66,21 +65,32 @@ class Sampler:
         want_logprobs = [r.params.logprobs for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
 
-        logits = logits.clone()
-        _mask_before_min_tokens(logits, requests)
-        _apply_penalties(logits, requests, t)
+        if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t):
+            logits = logits.clone()  # the executor's logits stay as they came
+            _mask_before_min_tokens(logits, requests)
+            _apply_penalties(logits, requests, t)
         tokens = logits.argmax(dim=-1)  # greedy rows keep this
         rows = torch.nonzero(t.temperature > 0).flatten()
         if rows.numel():
             x = logits[rows] / t.temperature[rows, None]
-            x = _filter_top_k_top_p_min_p(x, t.top_k[rows], t.top_p[rows], t.min_p[rows])
-            probs = torch.softmax(x, dim=-1)
-            q = torch.stack([self._exponential(requests[i].generator, vocab) for i in rows.tolist()])
-            tokens[rows] = (probs / q).argmax(dim=-1)
+            top_k, top_p, min_p = t.top_k[rows], t.top_p[rows], t.min_p[rows]
+            # Unfiltered rows draw from the whole vocabulary; filtered ones from a few candidates.
+            unfiltered = (top_k >= vocab) & (top_p >= 1) & (min_p <= 0)
+            for group in (unfiltered, ~unfiltered):
+                sub = torch.nonzero(group).flatten()
+                if sub.numel():
+                    cand_logits, cand_ids = _candidates(x[sub], top_k[sub], top_p[sub], min_p[sub])  # [M, K]
+                    gens = [requests[i].generator or self._generator for i in rows[sub].tolist()]
+                    tokens[rows[sub]] = _draw(cand_logits, cand_ids, gens)
         return _to_sampled(tokens, raw_logprobs, want_logprobs)
 
-    def _exponential(self, generator: torch.Generator | None, vocab: int) -> torch.Tensor:
-        return torch.empty(vocab).exponential_(generator=generator or self._generator)
+
+def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Inverse-CDF sampling with one uniform per row from the row's own generator. Returns token ids [M]."""
+    cdf = torch.softmax(cand_logits, dim=-1).cumsum(dim=-1)  # [M, K]
+    u = torch.cat([torch.rand(1, generator=g) for g in generators])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+    return cand_ids.gather(1, picks).squeeze(1)
 
 
 def _mask_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -90,9 +100,13 @@ def _mask_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -
             logits[i, banned] = float("-inf")
 
 
+def _has_penalties(t: SamplingTensors) -> bool:
+    return not bool((t.repetition == 1).all() and (t.presence == 0).all() and (t.frequency == 0).all())
+
+
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], t: SamplingTensors) -> None:
     """Repetition (over prompt + output, CTRL-style), presence and frequency (over output) penalties."""
-    if bool((t.repetition == 1).all() and (t.presence == 0).all() and (t.frequency == 0).all()):
+    if not _has_penalties(t):
         return
     n, vocab = logits.shape
     counts = torch.zeros(n, vocab, dtype=torch.float32)  # occurrences in the output
@@ -107,21 +121,45 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], t: Sampl
     logits -= t.frequency[:, None] * counts + t.presence[:, None] * (counts > 0).float()
 
 
-def _filter_top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """x: [M, vocab] temperature-scaled logits -> the same with filtered-out tokens at -inf."""
+# Candidates taken with topk before any full sort: sorting [M, vocab] on a CPU costs ~10 ms per row.
+_CANDIDATES = 1024
+
+
+def _candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, V] temperature-scaled logits -> (filtered logits [M, K], their token ids [M, K]).
+
+    Filters in HF/vLLM order: top-k, then top-p over the top-k distribution, then min-p. Removed tokens are
+    -inf. Only the top K tokens are kept when that provably loses nothing (every row's top-k, top-p or
+    min-p cut falls inside them); otherwise K = V.
+    """
     m, vocab = x.shape
     if bool((top_k >= vocab).all() and (top_p >= 1).all() and (min_p <= 0).all()):
-        return x
-    sorted_x, order = x.sort(dim=-1, descending=True)  # [M, V]
-    rank = torch.arange(vocab).expand(m, vocab)
-    drop = rank >= top_k[:, None]
-    probs = torch.softmax(sorted_x, dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        return x, torch.arange(vocab).expand(m, vocab)
+    k = int(top_k.max()) if bool((top_k < vocab).all()) else min(vocab, _CANDIDATES)
+    vals, ids = x.topk(k, dim=-1)  # sorted descending
+    in_top_k = top_k <= k  # rows whose top-k cut lies inside the candidates; the others have top-k off
+    full_logp = None  # [M, K] log-probs under the whole row, for the rows with top-k off
+    if not bool(in_top_k.all()):
+        full_logp = torch.log_softmax(x, dim=-1).gather(1, ids)
+        if not bool(((top_k >= vocab) | in_top_k).all() and _cut_inside(full_logp, in_top_k, top_p, min_p).all()):
+            vals, ids = x.sort(dim=-1, descending=True)
+            k, full_logp = vocab, None
+    vals = vals.masked_fill(torch.arange(k).expand(m, k) >= top_k[:, None], float("-inf"))
+    logp = torch.log_softmax(vals, dim=-1)  # the top-k distribution where its cut is inside
+    if full_logp is not None:
+        logp = torch.where(in_top_k[:, None], logp, full_logp)
+    probs = logp.exp()
+    # Drop a token when the mass strictly before it already reaches top_p (top_p = 1 never drops: rounding).
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
     drop |= probs < min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
+    drop[:, 0] = False  # the most likely token always stays
+    return vals.masked_fill(drop, float("-inf")), ids
+
+
+def _cut_inside(full_logp: torch.Tensor, in_top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[M] bool: every token outside the K candidates is removed anyway by top-k, top-p or min-p."""
+    mass = full_logp.exp()  # [M, K]
+    return in_top_k | (mass.sum(dim=-1) >= top_p) | (mass[:, -1] < min_p * mass[:, 0])
 
 
 def _to_sampled(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, want: list[int | None]) -> list[SampledToken]:
