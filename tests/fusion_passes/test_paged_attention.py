@@ -79,3 +79,36 @@ def test_paged_generation_matches_original(fused, model, exporter):
         chunk=4,
     )
     assert err <= 1e-4
+
+
+def test_fp16_export_keeps_fp16_pools_and_float32_logits(tmp_path):
+    """fp16: pools in fp16, RMSNorm fused across HF's fp32 upcast, logits cast to float32 (§3)."""
+    import numpy as np
+    from paged_harness import PagedRunner, ReferenceRunner, Seq
+
+    from trtopt.build.builder import build_plan
+    from trtopt.export import export_model
+
+    export_model("tiny-llama", tmp_path / "onnx", exporter="dynamo", dtype="fp16", force=True)
+    result = build_plan(tmp_path / "onnx", tmp_path / "plan", progress=False)
+    facts = result.config.model
+    assert facts.dtype == "float16"
+    assert result.report.counts["rms_norm"] == 5 and result.report.counts["paged_attention"] == facts.num_layers
+    plan = onnx.load(str(tmp_path / "plan" / "model.onnx"))
+    assert plan.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+
+    paged = PagedRunner(
+        session(str(tmp_path / "plan" / "model.onnx")),
+        num_layers=facts.num_layers,
+        num_kv_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim,
+        block_size=16,
+        dtype=np.float16,
+    )
+    ref = ReferenceRunner(session(str(tmp_path / "onnx" / "model.onnx")))
+    seq = Seq([5, 17, 33, 2, 90])
+    got = paged.step([seq], [5])[0]
+    want, _ = ref.step(ref.new_state(facts.num_kv_heads, facts.head_dim, np.float16), seq.tokens, 0)
+    want = want.astype(np.float32)
+    # fp16 storage: the bound is fp16 resolution at the logits' scale, not the fp32 1e-4.
+    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max())

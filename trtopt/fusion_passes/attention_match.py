@@ -95,10 +95,14 @@ def _producer(value: ir.Value | None, what: str, near: ir.Node) -> ir.Node:
 
 
 def _strip_scalar_scale(value: ir.Value) -> tuple[ir.Value, float]:
-    """Walk back through Mul/Div by scalar constants; return the unscaled value and the product of the factors."""
+    """Walk back through Mul/Div by scalar constants and float Casts; return the unscaled value and the product of
+    the factors."""
     factor = 1.0
     while True:
         node = value.producer()
+        if node is not None and node.op_type == "Cast" and node.attributes["to"].value in _FLOAT_TYPES:
+            value = node.inputs[0]
+            continue
         if node is None or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
             return value, factor
         a, b = node.inputs
@@ -165,23 +169,41 @@ def _strip_key_transpose(value: ir.Value) -> tuple[ir.Value, bool]:
     raise NoMatch(f"key operand of QKᵀ is {node.op_type}, not a transpose of the last two axes", node.name or "")
 
 
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _is_float_cast(node: ir.Node | None) -> bool:
+    """A Cast between float types: exporters wrap fp16 attention in fp32 casts; the ops accumulate in fp32."""
+    return node is not None and node.op_type == "Cast" and node.attributes["to"].value in _FLOAT_TYPES
+
+
 def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
-    """The MatMul that consumes the probabilities, looking through the IsNaN/Where guard."""
-    probs = softmax.outputs[0]
-    uses = [use.node for use in probs.uses()]
-    matmuls = [n for n in uses if n.op_type == "MatMul"]
-    if len(matmuls) == 1 and len(uses) == 1:
-        return matmuls[0], ()
-    isnan = [n for n in uses if n.op_type == "IsNaN"]
-    where = [n for n in uses if n.op_type == "Where"]
-    if len(isnan) == 1 and len(where) == 1 and len(uses) == 2:
-        guard = where[0]
-        fill = scalar_constant(guard.inputs[1])
-        if guard.inputs[0] is isnan[0].outputs[0] and guard.inputs[2] is probs and fill == 0.0:
-            after = [use.node for use in guard.outputs[0].uses()]
-            if len(after) == 1 and after[0].op_type == "MatMul":
-                return after[0], (isnan[0], guard)
-    raise NoMatch(f"Softmax output feeds {sorted(n.op_type for n in uses)}, not MatMul(probs, v)", softmax.name or "")
+    """The MatMul that consumes the probabilities, looking through float Casts and the IsNaN/Where guard."""
+    value = softmax.outputs[0]
+    passed: list[ir.Node] = []
+    while True:
+        uses = [use.node for use in value.uses()]
+        if len(uses) == 1 and uses[0].op_type == "MatMul":
+            return uses[0], tuple(passed)
+        if len(uses) == 1 and _is_float_cast(uses[0]):
+            passed.append(uses[0])
+            value = uses[0].outputs[0]
+            continue
+        isnan = [n for n in uses if n.op_type == "IsNaN"]
+        where = [n for n in uses if n.op_type == "Where"]
+        if len(isnan) == 1 and len(where) == 1 and len(uses) == 2:
+            guard = where[0]
+            if (
+                guard.inputs[0] is isnan[0].outputs[0]
+                and guard.inputs[2] is value
+                and scalar_constant(guard.inputs[1]) == 0.0
+            ):
+                passed += [isnan[0], guard]
+                value = guard.outputs[0]
+                continue
+        raise NoMatch(
+            f"Softmax output feeds {sorted(n.op_type for n in uses)}, not MatMul(probs, v)", softmax.name or ""
+        )
 
 
 def _is_qk(value: ir.Value) -> bool:
@@ -235,7 +257,10 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
     k, k_repeated = _strip_repeat_kv(k_rep)
     if not heads_second and k_repeated:
         raise NoMatch("keys are repeated to the query heads in [B, S, H, D] layout", qk.name or "")
-    v, v_repeated = _strip_repeat_kv(out_node.inputs[1])
+    v_side, v_scale = _strip_scalar_scale(out_node.inputs[1])  # only float Casts are expected here
+    if v_scale != 1.0:
+        raise NoMatch("values are scaled before the output MatMul", out_node.name or "")
+    v, v_repeated = _strip_repeat_kv(v_side)
     if k_repeated != v_repeated:
         raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
 
@@ -254,6 +279,6 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
         out_node=out_node,
         repeat_kv=k_repeated,
         k_repeated=k_rep,
-        v_repeated=out_node.inputs[1],
+        v_repeated=v_side,
         guard_nodes=guards,
     )

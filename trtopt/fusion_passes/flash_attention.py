@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from trtopt.fusion_passes.attention_match import AttentionMatch, match_attention
 from trtopt.fusion_passes.context import PassContext
-from trtopt.fusion_passes.ops import declare_domain, replace_value, trtopt_node
+from trtopt.fusion_passes.ops import cast_like_original, declare_domain, replace_value, trtopt_node
 from trtopt.fusion_passes.trace import NoMatch
 
 RULE = "flash_attention"
@@ -88,9 +88,10 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
             "FlashAttention", [match.q, k, match.v, bias], attrs, num_outputs=1, name=f"FlashAttention_{count}"
         )
         node.outputs[0].name = f"flash_attention.{count}.out"
-        node.outputs[0].shape, node.outputs[0].type = match.out.shape, match.out.type
+        node.outputs[0].shape = match.out.shape
+        node.outputs[0].type = ir.TensorType(match.q.dtype) if match.q.dtype is not None else match.out.type
         graph.insert_after(match.out_node, [*extra, node])
-        replace_value(match.out, node.outputs[0])
+        replace_value(match.out, cast_like_original(graph, node.outputs[0], match.out, node))
         count += 1
     if count:
         declare_domain(model)

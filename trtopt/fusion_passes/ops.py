@@ -31,3 +31,15 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
         name = old.name
         old.name = f"{name}.replaced"
         new.name = name
+
+
+def cast_like_original(graph: ir.Graph, fused: ir.Value, original: ir.Value, after: ir.Node) -> ir.Value:
+    """``fused`` (the op's output, in q's dtype) as a drop-in for ``original``: a Cast is added after ``after``
+    when the exporter had computed attention in another dtype (fp16 models upcast to fp32 around Softmax)."""
+    fused.type = ir.TensorType(fused.dtype) if fused.dtype is not None else original.type
+    if original.dtype is None or fused.dtype is None or original.dtype == fused.dtype:
+        return fused
+    cast = ir.Node("", "Cast", [fused], [ir.AttrInt64("to", original.dtype)], name=f"{after.name}.cast")
+    graph.insert_after(after, cast)
+    cast.outputs[0].type = original.type
+    return cast.outputs[0]

@@ -22,7 +22,7 @@ from trtopt.fusion_passes.attention_match import MaskSpec
 from trtopt.fusion_passes.mask_probe import CausalWindow, ProbeInputs, probe_causal
 from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
 from trtopt.fusion_passes.trace import NoMatch
-from trtopt.fusion_passes.ops import declare_domain, trtopt_node
+from trtopt.fusion_passes.ops import cast_like_original, declare_domain, trtopt_node
 
 RULE = "paged_attention"
 
@@ -252,7 +252,8 @@ def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensor
     node = trtopt_node("PagedAttention", inputs, attrs, num_outputs=2, name=f"PagedAttention_{index}")
     out, cache_out = node.outputs
     out.name = f"paged_attention.{index}.out"
-    out.shape, out.type = m.out.shape, m.out.type
+    out.shape = m.out.shape
+    out.type = ir.TensorType(m.q.dtype) if m.q.dtype is not None else m.out.type
     cache_out.name = f"kv_cache_out.{index}"
     cache_out.shape, cache_out.type = cache.shape, cache.type
     return node
@@ -268,7 +269,8 @@ def _insert_paged_nodes(
         cache = _new_input(f"kv_cache.{index}", layer.past_key.dtype, dims)
         node = _paged_node(layer, index, cache, step)
         graph.insert_after(layer.match.out_node, node)
-        ir.convenience.replace_all_uses_with(layer.match.out, node.outputs[0])
+        out = cast_like_original(graph, node.outputs[0], layer.match.out, node)
+        ir.convenience.replace_all_uses_with(layer.match.out, out)
         cache_inputs.append(cache)
         cache_outputs.append(node.outputs[1])
     return cache_inputs, cache_outputs

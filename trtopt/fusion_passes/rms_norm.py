@@ -3,7 +3,7 @@
     y = scale · x / sqrt(mean(x², axis=-1) + eps)
 
 as HF Llama/Qwen2 write it: Pow(x, 2) → ReduceMean(-1) → Add(eps) → Sqrt → Reciprocal|Div(1, ·) → Mul(x, ·),
-then Mul by the weight, with optional Casts to the compute dtype (each Cast must be a float→float cast).
+then Mul by the weight, with the optional Casts of HF's fp16/bf16 path (x → fp32 at the start, back at the end).
 Both Mul orders are matched (``commute``); ReduceMean's axes may be an input (opset ≥ 18) or an attribute.
 """
 
@@ -26,6 +26,10 @@ class _RmsNorm(pattern.RewriteRuleClassBase):
         self._reciprocal = reciprocal
 
     def pattern(self, op, x, scale, epsilon, axes, one):
+        # HF upcasts fp16/bf16 to fp32 first; x binds to the tensor before that Cast, so the fused op sees the
+        # model's dtype (its body and RMSNormalization's stash_type do the fp32 math themselves).
+        # (tag_var is given because onnxscript 0.7.2 cannot clone an untagged backtracking OrValue for commute.)
+        x = pattern.OrValue([op.Cast(x, _allow_other_attributes=True), x], tag_var="upcast", tag_values=[True, False])
         x_square = op.Pow(x, 2.0)
         if self._axes_as_input:
             mean_square = op.ReduceMean(x_square, axes, keepdims=1, _allow_other_attributes=True)
@@ -47,6 +51,9 @@ class _RmsNorm(pattern.RewriteRuleClassBase):
             return result.fail("Div numerator is not 1", one)
         if x.dtype is not None and x.dtype not in _FLOATS:
             return result.fail("input is not a float tensor", x)
+        # The fused output has x's dtype; the original's is the weight's (HF: weight * normalized.to(x.dtype)).
+        if x.dtype is not None and scale.dtype is not None and x.dtype != scale.dtype:
+            return result.fail("input and weight dtypes differ", scale)
         return result
 
     def rewrite(self, op, x, scale, epsilon, **_):
