@@ -4,6 +4,8 @@ FA2 structure: one program per (query block, batch·head); it streams K/V blocks
 fp32 registers and writes each output row once. Causal runs in two phases: key blocks every row of the query
 block may see (no mask arithmetic), then the diagonal blocks (masked). Head dims that are not a power of two
 (80, 96) are padded to the next one with load masks. GQA/MQA: query head h reads KV head h // (Hq / Hkv).
+On Hopper, q/k/v/out move through TMA (host-built tensor descriptors) where their strides allow; the pointer path
+is the same math and serves everything else (and TensorRT AOT, which cannot pass descriptors).
 
 `flash_attention_triton` has the signature of `reference.flash_attention_ref` and never reads device memory on
 the host: the grid comes from shapes alone.
@@ -280,8 +282,8 @@ def _tma_eligible(*tensors: torch.Tensor) -> bool:
     if first.dtype not in (torch.float16, torch.bfloat16) or first.shape[-1] not in (64, 128):
         return False
     size = first.element_size()
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
-               for t in tensors)
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(st > 0 and st * size % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
 def flash_attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> float:
