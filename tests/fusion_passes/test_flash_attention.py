@@ -194,3 +194,24 @@ def test_prefill_only_causal_lm_gets_flash_attention(tmp_path):
         None, feeds
     )
     assert np.abs(got[0] - want[0]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("mask_type", [TensorProto.BOOL, TensorProto.FLOAT, None])
+def test_onnx_attention_op_becomes_flash_attention(mask_type):
+    """The standard opset-23 Attention op (4-D, GQA through repeat_kv or natively) is our op with a bias."""
+    inputs = [
+        helper.make_tensor_value_info("q", FLOAT, [1, H, S, D]),
+        helper.make_tensor_value_info("k", FLOAT, [1, HKV, S, D]),
+        helper.make_tensor_value_info("v", FLOAT, [1, HKV, S, D]),
+    ]
+    names = ["q", "k", "v"]
+    if mask_type is not None:
+        inputs.append(helper.make_tensor_value_info("mask", mask_type, [1, 1, S, S]))
+        names.append("mask")
+    node = helper.make_node("Attention", names, ["out"], scale=0.3)
+    proto = model([node], inputs, [helper.make_tensor_value_info("out", FLOAT, [1, H, S, D])], opset=23)
+    count, fused = apply(proto, _rule(Trace()))
+    assert count == 1
+    assert [n.op_type for n in fused.graph.node if n.domain == "trtopt"] == ["FlashAttention"]
+    feeds = _feeds(proto)
+    np.testing.assert_allclose(run(fused, feeds)[0], run(proto, feeds)[0], atol=1e-5)

@@ -112,3 +112,38 @@ def test_fp16_export_keeps_fp16_pools_and_float32_logits(tmp_path):
     want = want.astype(np.float32)
     # fp16 storage: the bound is fp16 resolution at the logits' scale, not the fp32 1e-4.
     assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max())
+
+
+def test_opset_23_export_with_onnx_attention_ops(tmp_path):
+    """At opset 23 the dynamo exporter emits the standard Attention op (and RMSNormalization, RotaryEmbedding)."""
+    from trtopt.export import export_model
+
+    export_model("tiny-llama", tmp_path / "onnx", exporter="dynamo", opset=23, force=True)
+    import json
+
+    import onnx_ir as ir
+
+    from trtopt.build.model_facts import head_dims_from_config
+    from trtopt.fusion_passes import optimize
+    from trtopt.plugins import attach_functions
+
+    source = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
+    assert any(n.op_type == "Attention" for n in source.graph.node)
+    config = json.loads((tmp_path / "onnx" / "config.json").read_text())
+    graph = ir.load(str(tmp_path / "onnx" / "model.onnx"))
+    report = optimize(graph, dims=head_dims_from_config(config), block_size=4, vocab_size=config["vocab_size"])
+    layers, _, kv_heads, head_dim = _dims(config)
+    assert report.counts["paged_attention"] == layers and not report.unfused
+    fused = attach_functions(ir.to_proto(graph))
+    err = compare_generation(
+        session(fused.SerializeToString()),
+        session(str(tmp_path / "onnx" / "model.onnx")),
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=4,
+        prompts=[[5, 17, 33, 2, 90, 11, 7, 41, 3], [3, 4, 99]],
+        decode_steps=3,
+        chunk=4,
+    )
+    assert err <= 1e-4

@@ -25,6 +25,8 @@ from trtopt.fusion_passes.trace import NoMatch
 
 # An additive mask value at or below this counts as "masked out" (HF uses finfo.min, exporters use -inf).
 MASKED = -1.0e4
+# What a boolean "do not attend" becomes in an additive bias (finite, so a fully masked row gives no NaN).
+MASKED_FILL = float(np.finfo(np.float32).min)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,15 @@ class AttentionMatch:
     k_repeated: ir.Value  # k after repeat_kv, before the transpose: [B, Hq, Tk, D]
     v_repeated: ir.Value  # v after repeat_kv: [B, Hq, Tk, D]
     guard_nodes: tuple[ir.Node, ...]  # IsNaN/Where guards around the Softmax (dead after the rewrite)
+    native_gqa: bool = False  # the op itself maps query head h to kv head h // (Hq / Hkv) (ONNX Attention)
+
+    def heads_consistent(self, num_heads: int, num_kv_heads: int) -> bool:
+        """Do these head counts fit how the graph maps query heads to kv heads?"""
+        if num_heads % num_kv_heads != 0:
+            return False
+        if self.repeat_kv:
+            return num_heads != num_kv_heads
+        return self.native_gqa or num_heads == num_kv_heads
 
 
 def scalar_constant(value: ir.Value | None) -> float | None:
@@ -234,7 +245,10 @@ def _mask_of(scores: ir.Value) -> tuple[ir.Value, MaskSpec | None]:
 
 
 def match_attention(softmax: ir.Node) -> AttentionMatch:
-    """Match the attention region around ``softmax`` or raise NoMatch with the failing check."""
+    """Match the attention region anchored at ``softmax`` (or at an ONNX Attention op) or raise NoMatch with the
+    failing check."""
+    if softmax.op_type == "Attention":
+        return _match_onnx_attention(softmax)
     axis = softmax.attributes.get("axis")
     if axis is not None and axis.value not in (-1, 3):
         raise NoMatch(f"Softmax over axis {axis.value}, not the key axis", softmax.name or "")
@@ -281,4 +295,64 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
         k_repeated=k_rep,
         v_repeated=v_side,
         guard_nodes=guards,
+    )
+
+
+# The standard ONNX Attention op (opset 23), which the dynamo exporter emits for SDPA at opset >= 23.
+_ONNX_ATTENTION_DEFAULTS = {"is_causal": 0, "qk_matmul_output_mode": 0, "softcap": 0.0}
+
+
+def is_attention_anchor(node: ir.Node) -> bool:
+    """The nodes an attention region is anchored at: a Softmax, or a standard ONNX Attention op."""
+    return node.domain in ("", "ai.onnx") and node.op_type in ("Softmax", "Attention")
+
+
+def _match_onnx_attention(node: ir.Node) -> AttentionMatch:
+    """ONNX Attention with 4-D q/k/v [B, H, S, D], no internal cache, at most a mask: the same math as ours.
+
+    is_causal=1 is refused: with a cache its alignment (top-left) differs from a decoder's, and the exporters
+    pass the causal mask explicitly anyway.
+    """
+    name = node.name or "Attention"
+    for attr, default in _ONNX_ATTENTION_DEFAULTS.items():
+        value = node.attributes[attr].value if attr in node.attributes else default
+        if value != default:
+            raise NoMatch(f"Attention has {attr}={value}; only {attr}={default} is the plain attention", name)
+    if "q_num_heads" in node.attributes or "kv_num_heads" in node.attributes:
+        raise NoMatch("Attention takes 3-D [B, S, H·D] inputs; only the 4-D form is fused", name)
+    if len(node.inputs) > 4 and any(v is not None for v in node.inputs[4:]):
+        raise NoMatch("Attention carries its own past key/value inputs", name)
+    if any(len(list(out.uses())) or out.is_graph_output() for out in node.outputs[1:]):
+        raise NoMatch("Attention's present/qk outputs are used", name)
+    q, k_rep, v_rep = node.inputs[:3]
+    k, k_repeated = _strip_repeat_kv(k_rep)
+    v, v_repeated = _strip_repeat_kv(v_rep)
+    if k_repeated != v_repeated:
+        raise NoMatch("keys and values are not repeated to the query heads the same way", name)
+    mask = node.inputs[3] if len(node.inputs) > 3 else None
+    spec = None
+    if mask is not None:
+        # A boolean mask says which keys to attend to; a float mask is added to the scores.
+        spec = MaskSpec("where_keep", mask, MASKED_FILL) if mask.dtype == ir.DataType.BOOL else MaskSpec("add", mask)
+    scale = node.attributes["scale"].value if "scale" in node.attributes else None
+    if scale is None:
+        head_dim = q.shape[3] if q.shape is not None and len(q.shape) == 4 else None
+        if not isinstance(head_dim, int):
+            raise NoMatch("Attention has no scale attribute and q's head_dim is not static", name)
+        scale = head_dim**-0.5
+    return AttentionMatch(
+        softmax=node,
+        q=q,
+        k=k,
+        k_heads_second=True,
+        v=v,
+        scale=float(scale),
+        mask=spec,
+        out=node.outputs[0],
+        out_node=node,
+        repeat_kv=k_repeated,
+        k_repeated=k_rep,
+        v_repeated=v_rep,
+        guard_nodes=(),
+        native_gqa=True,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from trtopt.fusion_passes.attention_match import AttentionMatch, match_attention
+from trtopt.fusion_passes.attention_match import AttentionMatch, is_attention_anchor, match_attention
 from trtopt.fusion_passes.context import PassContext
 from trtopt.fusion_passes.ops import cast_like_original, declare_domain, replace_value, trtopt_node
 from trtopt.fusion_passes.trace import NoMatch
@@ -26,11 +26,11 @@ def _head_counts(match: AttentionMatch, ctx: PassContext) -> tuple[int, int, int
         return dim if isinstance(dim, int) else None
 
     num_heads = static(match.q, 1) or ctx.dims.num_heads
-    hkv = static(match.v, 1) or (ctx.dims.num_kv_heads if match.repeat_kv else num_heads)
+    hkv = static(match.v, 1) or (ctx.dims.num_kv_heads if match.repeat_kv or match.native_gqa else num_heads)
     head_dim = static(match.q, 3) or ctx.dims.head_dim
     if num_heads is None or hkv is None or head_dim is None:
         raise NoMatch("cannot tell the head counts from the graph; put the model's config.json next to it")
-    if num_heads % hkv != 0 or (num_heads != hkv) != match.repeat_kv:
+    if not match.heads_consistent(num_heads, hkv):
         raise NoMatch(f"{num_heads} query heads and {hkv} kv heads do not match the graph's repeat_kv")
     return num_heads, hkv, head_dim
 
@@ -59,7 +59,7 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
     """Replace each provable attention of a cache-free graph by FlashAttention; return the count."""
     graph = model.graph
     count = 0
-    for softmax in [n for n in graph if n.op_type == "Softmax"]:
+    for softmax in [n for n in graph if is_attention_anchor(n)]:
         try:
             match = match_attention(softmax)
             if match.k.producer() is not None and match.k.producer().op_type == "Concat":

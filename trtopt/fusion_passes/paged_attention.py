@@ -16,7 +16,12 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from trtopt.errors import FusionError
-from trtopt.fusion_passes.attention_match import AttentionMatch, int_list_constant, match_attention
+from trtopt.fusion_passes.attention_match import (
+    AttentionMatch,
+    int_list_constant,
+    is_attention_anchor,
+    match_attention,
+)
 from trtopt.fusion_passes.context import PassContext
 from trtopt.fusion_passes.attention_match import MaskSpec
 from trtopt.fusion_passes.mask_probe import CausalWindow, ProbeInputs, probe_causal
@@ -130,7 +135,7 @@ def _head_dims(match: AttentionMatch, past_key: ir.Value, ctx: PassContext) -> t
         raise NoMatch("cannot tell the head counts from the graph; put the model's config.json next to it")
     if ctx.dims.num_kv_heads is not None and ctx.dims.num_kv_heads != hkv:
         raise NoMatch(f"past input has {hkv} kv heads but config.json says {ctx.dims.num_kv_heads}")
-    if num_heads % hkv != 0 or (num_heads != hkv) != match.repeat_kv:
+    if not match.heads_consistent(num_heads, hkv):
         raise NoMatch(f"{num_heads} query heads and {hkv} kv heads do not match the graph's repeat_kv")
     return num_heads, hkv, head_dim
 
@@ -365,7 +370,7 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
     roles = _roles(graph, pasts)
     layers: list[PagedLayer] = []
     proven: dict[tuple[int, str], CausalWindow | NoMatch] = {}
-    for softmax in [n for n in graph if n.op_type == "Softmax"]:
+    for softmax in [n for n in graph if is_attention_anchor(n)]:
         try:
             layers.append(_prove_layer(model, softmax, roles, ctx, proven))
         except NoMatch as e:
