@@ -72,12 +72,17 @@ def validate_limits(limits: Limits) -> None:
         )
 
 
-def _prepare_out_dir(out_dir: Path, source_dir: Path, force: bool) -> None:
+def _check_out_dir(out_dir: Path, source_dir: Path, force: bool) -> None:
+    """Refuse a bad plan dir before any work is done."""
     if out_dir.resolve() == source_dir.resolve():
         raise BuildError(f"the plan dir {out_dir} is the model's own directory; choose another -o.")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise BuildError(f"{out_dir} already exists and is not empty; pass --force to overwrite it.")
+
+
+def _prepare_out_dir(out_dir: Path) -> None:
+    """Empty (with --force, already checked) and create the plan dir; only called once the plan is ready."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        if not force:
-            raise BuildError(f"{out_dir} already exists and is not empty; pass --force to overwrite it.")
         if out_dir.is_dir():
             shutil.rmtree(out_dir)
         else:
@@ -148,11 +153,18 @@ def _copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:
 
 
 def _fit_limits(limits: Limits | None, max_model_len: int | None, config: dict) -> Limits:
-    """The given limits, or the defaults with max_model_len capped at the model's context (None = default 2048)."""
+    """The given limits, or the defaults with max_model_len capped at the model's context (None = default 2048).
+
+    An explicit max_model_len beyond the context config.json states is a ConfigError.
+    """
     limits = limits or Limits()
-    if max_model_len is not None:
-        return dataclasses.replace(limits, max_model_len=max_model_len)
     context = int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+    if max_model_len is not None:
+        if context and max_model_len > context:
+            raise ConfigError(
+                f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {context}; lower it."
+            )
+        return dataclasses.replace(limits, max_model_len=max_model_len)
     if context and limits.max_model_len > context:
         return dataclasses.replace(limits, max_model_len=context)
     return limits
@@ -185,6 +197,7 @@ def build_plan(
     generation_json = read_json(source_dir / "generation_config.json")
     limits = _fit_limits(limits, max_model_len, config_json)
     validate_limits(limits)
+    _check_out_dir(out_dir, source_dir, force)
 
     steps = _Steps(progress)
     with steps.run():
@@ -214,7 +227,7 @@ def build_plan(
             # dir is self-contained (the locations were checked to stay inside the source dir on load).
             onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
         with steps.step(f"writing {out_dir}"):
-            _prepare_out_dir(out_dir, source_dir, force)
+            _prepare_out_dir(out_dir)
             _save(proto, out_dir)
             config = PlanConfig(model=facts, limits=limits, kind=report.kind)
             write_plan(out_dir, config)
