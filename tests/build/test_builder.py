@@ -200,3 +200,9 @@ def test_non_empty_output_needs_force(llama_plan, tmp_path):
         build_plan(source, tmp_path / "plan", progress=False)
     build_plan(source, tmp_path / "plan", force=True, progress=False)
     assert not (tmp_path / "plan" / "keep.txt").exists()
+
+
+def test_a_plan_is_not_rebuilt(llama_plan, tmp_path):
+    _, result = llama_plan
+    with pytest.raises(BuildError, match="already a trtopt plan"):
+        build_plan(result.plan_dir, tmp_path / "again", progress=False)

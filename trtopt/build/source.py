@@ -71,6 +71,8 @@ def load_source(path: Path) -> ir.Model:
             f"{path} is not an ONNX model (no graph nodes, outputs or opset); "
             "check the path, or re-export it with `trtopt export`."
         )
+    if any(node.domain == "trtopt" for node in proto.graph.node):
+        raise BuildError(f"{path} is already a trtopt plan graph; build from the exported model (`trtopt export`).")
     check_external_data(proto, path.parent)
     del proto
     try:
