@@ -48,6 +48,12 @@ CASES = {
                         ["512"]),
     "token prompt outside vocab": ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, ["vocabulary"]),
     "empty prompt": ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, ["empty"]),
+    "empty prompt in a batch": ("/v1/completions", {"model": MODEL, "prompt": ["hi", ""]}, 400, ["empty"]),
+    "too long prompt in a batch": ("/v1/completions", {"model": MODEL, "prompt": ["hi", " hello" * 600]}, 400,
+                                   ["512"]),
+    "bad token prompt in a batch": ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], [10**9]], "max_tokens": 50},
+                                    400, ["vocabulary"]),  # the good one was queued first: it must be aborted
+    "mixed prompt": ("/v1/completions", {"model": MODEL, "prompt": [1, "hi"]}, 400, ["prompt"]),
     "empty messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, ["messages"]),
     "wrong field type": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400,
                          ["max_tokens"]),

@@ -27,6 +27,9 @@ class CountingExecutor:
 
     def __init__(self) -> None:
         self.step_sizes: list[int] = []  # sequences per step
+        self.in_step = threading.Event()  # set while execute() runs
+        self.gate = threading.Event()  # execute() waits for it: tests hold a step open to queue work behind it
+        self.gate.set()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -35,6 +38,9 @@ class CountingExecutor:
         assert all(s != 0 and d != 0 for s, d in pairs), "copy_blocks touched the null block"
 
     def execute(self, step: StepInputs) -> torch.Tensor:
+        self.in_step.set()
+        self.gate.wait(30)
+        self.in_step.clear()
         ids = step.input_ids[0]
         if (ids == POISON).any():
             raise RuntimeError("injected executor failure")
@@ -162,3 +168,59 @@ def test_a_raising_callback_does_not_stop_the_loop():
         loop.stop()
     assert got[-1].outputs[0].token_ids == [3, 4, 5, 6, 7, 8]
     assert loop.stats().num_blocks_free == loop.stats().num_blocks_total
+
+
+def test_cancelling_a_queued_add_never_starts_it():
+    engine, executor = make_engine()
+    aengine = AsyncLLMEngine(engine)
+
+    async def main():
+        executor.gate.clear()
+        first = asyncio.ensure_future(_tokens(aengine, "first", [1]))
+        while not executor.in_step.is_set():  # bounded by the gate's 30 s timeout in the worst case
+            await asyncio.sleep(0.005)
+        queued = asyncio.ensure_future(aengine.add_request("gone", {"prompt_token_ids": [2]}, GREEDY))
+        await asyncio.sleep(0.01)  # the add is queued behind the held step
+        queued.cancel()
+        executor.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        # Bounded: with a dead step thread these would wait forever.
+        return await asyncio.wait_for(first, 30), await asyncio.wait_for(_tokens(aengine, "after", [7]), 30)
+
+    try:
+        first, after = asyncio.run(main())
+        stats = aengine.stats()
+        assert aengine.is_running, "a cancelled add must not kill the step thread"
+    finally:
+        aengine.stop()
+    assert first == [2, 3, 4, 5, 6, 7] and after == [8, 9, 10, 11, 12, 13]
+    assert stats.num_blocks_free == stats.num_blocks_total and stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_batched_prompts_stream_together_all_or_none():
+    engine, _ = make_engine()
+    aengine = AsyncLLMEngine(engine)
+
+    async def main():
+        with pytest.raises(RequestError, match="vocabulary"):
+            await aengine.add_requests([("ok", {"prompt_token_ids": [1]}), ("bad", {"prompt_token_ids": [VOCAB]})],
+                                       GREEDY)
+        stream = await aengine.add_requests([("a", {"prompt_token_ids": [1]}), ("b", {"prompt_token_ids": [30]})],
+                                            GREEDY)
+        finals = {}
+        try:
+            async for out in stream:
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0].token_ids
+        finally:
+            stream.close()
+        return finals
+
+    try:
+        finals = asyncio.run(main())
+        stats = aengine.stats()
+    finally:
+        aengine.stop()
+    assert finals == {"a": [2, 3, 4, 5, 6, 7], "b": [31, 32, 33, 34, 35, 36]}
+    assert stats.num_blocks_free == stats.num_blocks_total

@@ -153,3 +153,20 @@ def test_greedy_chat_equals_hf_transformers(client, tokenizer):
     assert served.usage.prompt_tokens == ids["input_ids"].shape[1]
     assert served.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
     assert [t.token for t in served.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in expected]
+
+
+def test_batched_prompts_give_n_choices_per_prompt(client):
+    prompts = ["The capital of France is", "Once upon a time"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, **GREEDY) for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, **GREEDY)
+    choices = sorted(batch.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    expected = [singles[0].choices[0].text] * 2 + [singles[1].choices[0].text] * 2  # greedy: both of n agree
+    assert [c.text for c in choices] == expected
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == 24
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == expected

@@ -20,14 +20,22 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestStream"]
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator. Closing it before the end aborts the request."""
+    """The outputs of one or more engine requests (a batched prompt), as one async iterator in arrival order.
 
-    def __init__(self, request_id: str, loop: EngineLoop) -> None:
-        self.request_id = request_id
-        self.finished = False
+    It ends when every request has finished, or at the first error. close() aborts whatever has not finished.
+    """
+
+    def __init__(self, request_ids: list[str], loop: EngineLoop) -> None:
+        self.request_ids = request_ids
+        self._open = set(request_ids)  # requests that have not finished (aborted on close)
+        self._failed = False
         self._engine_loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()  # RequestOutput items, or an exception that ends the stream
         self._event_loop = asyncio.get_running_loop()
+
+    @property
+    def finished(self) -> bool:
+        return not self._open or self._failed
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -37,16 +45,17 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._failed = True  # the failed request is gone from the engine; close() aborts its siblings
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._open.discard(item.request_id)
         return item
 
     def close(self) -> None:
-        """Abort the request unless it finished (its KV blocks are freed before the next step)."""
-        if not self.finished:
-            self.finished = True
-            self._engine_loop.abort(self.request_id)
+        """Abort every request that has not finished (their KV blocks are freed before the next step)."""
+        for rid in self._open:
+            self._engine_loop.abort(rid)
+        self._open.clear()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """The EngineLoop callback (runs on the step thread)."""
@@ -89,16 +98,25 @@ class AsyncLLMEngine:
         The caller must close() the stream in a finally block: leaving early (a client disconnect, a
         cancellation) then aborts the request and frees its KV blocks.
         """
+        return await self.add_requests([(request_id, prompt)], params)
+
+    async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams) -> RequestStream:
+        """Queue several (request id, prompt) pairs with the same params, streamed together. All or none: if one
+        is invalid, the others are aborted and its RequestError is raised."""
         if not self.loop.is_running:
             self.loop.start()
-        stream = RequestStream(request_id, self.loop)
-        added = self.loop.submit(request_id, prompt, params, stream.put)
+        stream = RequestStream([rid for rid, _ in requests], self.loop)
+        added = [self.loop.submit(rid, prompt, params, stream.put) for rid, prompt in requests]
         try:
-            await asyncio.wrap_future(added)
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in added), return_exceptions=True)
         except asyncio.CancelledError:
-            # The caller went away before the add landed; the abort is applied after it, so no blocks leak.
-            self.loop.abort(request_id)
+            # The caller went away before the adds landed; aborts are applied after adds, so no blocks leak.
+            stream.close()
             raise
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            stream.close()  # aborting an id the engine refused is a no-op
+            raise error
         return stream
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -82,7 +82,9 @@ class EngineLoop:
             self._thread.join(timeout)
         dead = EngineDeadError("the server is shutting down")
         while self._adds:
-            self._adds.popleft().done.set_exception(dead)
+            add = self._adds.popleft()
+            if add.done.set_running_or_notify_cancel():
+                add.done.set_exception(dead)
         for rid, callback in list(self._callbacks.items()):
             self.engine.abort(rid)
             _call(callback, dead)
@@ -141,6 +143,8 @@ class EngineLoop:
     def _apply_adds(self) -> None:
         while self._adds:
             add = self._adds.popleft()
+            if not add.done.set_running_or_notify_cancel():
+                continue  # the caller cancelled before the add landed: never start it
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params)
             except Exception as e:  # RequestError for bad input; anything else is reported to that caller too

@@ -84,16 +84,16 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (text or token ids). Batched prompts are refused, with what to do."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, each text or token ids (a list of them is a batch: n choices per prompt)."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, list) and any(isinstance(x, (str, list)) for x in p):
-            raise RequestError("trtopt serves one prompt per request; send the prompts as separate (concurrent) requests.")
-        if isinstance(p, list) and not p or p == "":
-            raise RequestError("the prompt is empty; send at least one token.")
-        return p
+        batch = p if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p) else [p]
+        if isinstance(p, list) and any(isinstance(x, (str, list)) for x in p) and len(batch) != len(p):
+            raise RequestError("prompt must be text, a list of texts, token ids, or a list of token-id lists; not a mix.")
+        for one in batch:
+            if not one:
+                raise RequestError("a prompt is empty; send at least one token.")
+        return batch
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:

@@ -20,8 +20,9 @@ class Renderer(abc.ABC):
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, model_name: str, tokenizer: Any) -> None:
+    def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1) -> None:
         self.request_id = request_id
+        self.n = n  # choices per prompt: prompt k's completion i is choice k * n + i
         self.model_name = model_name
         self.created = int(time.time())
         self._tokenizer = tokenizer
@@ -32,11 +33,11 @@ class Renderer(abc.ABC):
     # ---- subclass hooks ------------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def choice(self, c: CompletionOutput) -> dict[str, Any]:
+    def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
         """One finished choice of a full (non-streamed) response."""
 
     @abc.abstractmethod
-    def delta_choice(self, c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         """One choice of a streamed chunk (finish_reason is filled in by the caller)."""
 
     @abc.abstractmethod
@@ -48,24 +49,27 @@ class Renderer(abc.ABC):
 
     # ---- shared ---------------------------------------------------------------------------------------------
 
-    def full_response(self, out: RequestOutput) -> dict[str, Any]:
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return {**self._envelope(self.object_full), "choices": [self.choice(c) for c in out.outputs],
-                "usage": usage(len(out.prompt_token_ids), completion_tokens)}
+    def full_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        """The response to a request whose prompts (one per item of outs, in order) have all finished."""
+        choices = [self.choice(c, k * self.n + c.index) for k, out in enumerate(outs) for c in out.outputs]
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+        completion_tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
+        return {**self._envelope(self.object_full), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
-    def stream_chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+    def stream_chunks(self, out: RequestOutput, prompt_index: int = 0) -> list[dict[str, Any]]:
         """One chunk per completion that has new text, new logprobs or has just finished."""
         chunks = []
         for c in out.outputs:
-            start, end = self._sent_tokens.get(c.index, 0), len(c.token_ids)
-            newly_finished = c.finished and c.index not in self._sent_finish
+            index = prompt_index * self.n + c.index
+            start, end = self._sent_tokens.get(index, 0), len(c.token_ids)
+            newly_finished = c.finished and index not in self._sent_finish
             lp = self.logprobs(c, start, end) if c.logprobs is not None and end > start else None
             if not (c.delta_text or lp or newly_finished):
                 continue
-            self._sent_tokens[c.index] = end
+            self._sent_tokens[index] = end
             if newly_finished:
-                self._sent_finish.add(c.index)
-            choice = self.delta_choice(c, c.delta_text, lp)
+                self._sent_finish.add(index)
+            choice = self.delta_choice(c, index, c.delta_text, lp)
             choice["finish_reason"] = c.finish_reason if newly_finished else None
             chunks.append({**self._envelope(self.object_chunk), "choices": [choice]})
         return chunks
@@ -97,13 +101,13 @@ class CompletionRenderer(Renderer):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def choice(self, c: CompletionOutput) -> dict[str, Any]:
+    def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
-        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+        return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
-    def delta_choice(self, c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": c.index, "text": text, "logprobs": logprobs}
+    def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs}
 
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         rows = self._token_logprobs(c, start, end)
@@ -127,8 +131,7 @@ class ChatRenderer(Renderer):
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, top_logprobs: int = 0) -> None:
-        super().__init__(request_id, model_name, tokenizer)
-        self.n = n
+        super().__init__(request_id, model_name, tokenizer, n=n)
         self.top_logprobs = top_logprobs
 
     def stream_start(self) -> list[dict[str, Any]]:
@@ -137,13 +140,13 @@ class ChatRenderer(Renderer):
                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]} for i in range(self.n)]
 
-    def choice(self, c: CompletionOutput) -> dict[str, Any]:
+    def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def delta_choice(self, c: CompletionOutput, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": logprobs}
+    def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs}
 
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         content = []

@@ -119,22 +119,23 @@ class _Handlers:
                 "max_model_len": self.engine.max_model_len}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        def prepare() -> tuple[PromptTokens, SamplingParams]:
-            return tokenize_prompt(self.engine.tokenizer, body.single_prompt()), body.to_sampling_params()
+        def prepare() -> tuple[list[PromptTokens], SamplingParams]:
+            tokens = [tokenize_prompt(self.engine.tokenizer, p) for p in body.prompts()]
+            return tokens, body.to_sampling_params()
 
-        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer)
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n)
         return await self._serve("completions", body, request, prepare, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        def prepare() -> tuple[PromptTokens, SamplingParams]:
-            return tokenize_chat(self.engine.tokenizer, body.template_messages()), body.to_sampling_params()
+        def prepare() -> tuple[list[PromptTokens], SamplingParams]:
+            return [tokenize_chat(self.engine.tokenizer, body.template_messages())], body.to_sampling_params()
 
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0)
         return await self._serve("chat", body, request, prepare, renderer)
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                     prepare: Callable[[], tuple[PromptTokens, SamplingParams]], renderer: Renderer) -> Response:
+                     prepare: Callable[[], tuple[list[PromptTokens], SamplingParams]], renderer: Renderer) -> Response:
         arrival = time.monotonic()
         if body.model != self.model_name:
             self.metrics.requests.labels(endpoint, "rejected").inc()
@@ -143,19 +144,24 @@ class _Handlers:
                                      code="model_not_found"))
         try:
             # Tokenizing (and rendering a chat template) costs up to ~100 ms for a max-size body: not on the loop.
-            prompt, params = await anyio.to_thread.run_sync(prepare)
-            self._check_context(prompt, params)
-            stream = await self.engine.add_request(renderer.request_id, prompt.engine_prompt(), params)
+            prompts, params = await anyio.to_thread.run_sync(prepare)
+            for prompt in prompts:
+                self._check_context(prompt, params)
+            # Prompt k of a batch runs as engine request "<id>-k"; the renderer maps it back to choices k*n..k*n+n-1.
+            ids = [renderer.request_id] if len(prompts) == 1 else [f"{renderer.request_id}-{k}" for k in range(len(prompts))]
+            stream = await self.engine.add_requests([(rid, p.engine_prompt()) for rid, p in zip(ids, prompts)], params)
         except RequestError as e:
             self.metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(ErrorInfo(400, str(e))) from None
         except EngineDeadError as e:
             raise APIError(ErrorInfo(503, str(e), type="server_error")) from None
         tracker = LatencyTracker(self.metrics, arrival)
+        prompt_index = {rid: k for k, rid in enumerate(ids)}
         if body.stream:
-            sse = self._sse(endpoint, stream, renderer, tracker, len(prompt.token_ids), body.include_usage)
+            num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+            sse = self._sse(endpoint, stream, prompt_index, renderer, tracker, num_prompt_tokens, body.include_usage)
             return _SSEResponse(sse, media_type="text/event-stream")
-        return await self._collect(endpoint, stream, renderer, tracker, request)
+        return await self._collect(endpoint, stream, prompt_index, renderer, tracker, request)
 
     def _check_context(self, prompt: PromptTokens, params: SamplingParams) -> None:
         """vLLM's rule: prompt + max_tokens must fit the context; the engine would silently cut max_tokens."""
@@ -166,13 +172,14 @@ class _Handlers:
                 f"this model's maximum context length is {limit} tokens, but you requested {n + params.max_tokens} "
                 f"({n} in the prompt, {params.max_tokens} for the completion); reduce the prompt or max_tokens.")
 
-    async def _collect(self, endpoint: str, stream: RequestStream, renderer: Renderer, tracker: LatencyTracker,
-                       request: Request) -> Response:
-        final: RequestOutput | None = None
+    async def _collect(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
+                       tracker: LatencyTracker, request: Request) -> Response:
+        finals: dict[int, RequestOutput] = {}
         try:
             async for out in stream:
                 tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
-                final = out
+                if out.finished:
+                    finals[prompt_index[out.request_id]] = out
                 if await request.is_disconnected():
                     self.metrics.requests.labels(endpoint, "disconnected").inc()
                     return Response(status_code=499)
@@ -183,28 +190,31 @@ class _Handlers:
             raise APIError(ErrorInfo(500, str(e), type="server_error")) from None
         finally:
             stream.close()
-        assert final is not None and final.finished, "a stream ends with a finished output"
+        assert len(finals) == len(prompt_index), "a stream ends when every prompt has finished"
+        outs = [finals[k] for k in range(len(finals))]
         tracker.on_finish(time.monotonic())
-        self.metrics.requests.labels(endpoint, _outcome(final)).inc()
-        return JSONResponse(renderer.full_response(final))
+        self.metrics.requests.labels(endpoint, _outcome(outs)).inc()
+        return JSONResponse(renderer.full_response(outs))
 
-    async def _sse(self, endpoint: str, stream: RequestStream, renderer: Renderer, tracker: LatencyTracker,
-                   num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
+                   tracker: LatencyTracker, num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         outcome = "disconnected"  # unless the loop below completes: a cancelled generator is a client that left
+        completion_tokens: dict[str, int] = {}
+        finals: list[RequestOutput] = []
         try:
             for chunk in renderer.stream_start():
                 yield _sse_event(chunk)
-            completion_tokens = 0
             async for out in stream:
                 tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
-                for chunk in renderer.stream_chunks(out):
+                for chunk in renderer.stream_chunks(out, prompt_index[out.request_id]):
                     yield _sse_event(chunk)
-                completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+                completion_tokens[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
                 if out.finished:
-                    outcome = _outcome(out)
+                    finals.append(out)
+            outcome = _outcome(finals)
             tracker.on_finish(time.monotonic())
             if include_usage:
-                yield _sse_event(renderer.usage_chunk(usage(num_prompt_tokens, completion_tokens)))
+                yield _sse_event(renderer.usage_chunk(usage(num_prompt_tokens, sum(completion_tokens.values()))))
             yield "data: [DONE]\n\n"
         except RuntimeError as e:  # the model failed mid-stream: headers are sent, so the error goes in-band
             outcome = "error"
@@ -215,8 +225,8 @@ class _Handlers:
             self.metrics.requests.labels(endpoint, outcome).inc()
 
 
-def _outcome(out: RequestOutput) -> str:
-    reasons = {c.finish_reason for c in out.outputs}
+def _outcome(outs: list[RequestOutput]) -> str:
+    reasons = {c.finish_reason for out in outs for c in out.outputs}
     return "error" if "error" in reasons else "ok"
 
 
