@@ -57,6 +57,10 @@ CASES = {
     "empty messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, ["messages"]),
     "wrong field type": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400,
                          ["max_tokens"]),
+    "tools": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tool"]),
+    "json mode": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "json_object"}}, 400, ["response_format"]),
     "logit_bias": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, 400,
                    ["logit_bias"]),
 }

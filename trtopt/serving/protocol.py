@@ -120,6 +120,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Refused rather than ignored: an answer that silently skips them would look like a model failure.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: content parts of type "text" joined into one string."""
@@ -135,6 +139,10 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise RequestError("tool calling is not supported by trtopt; remove tools/tool_choice from the request.")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise RequestError("only response_format {'type': 'text'} is supported; structured output is not.")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true; set both.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
