@@ -39,7 +39,7 @@ def build(
     max_model_len: int = typer.Option(
         None,
         "--max-model-len",
-        help="Most tokens (prompt + output) per sequence [default: min(2048, the model's context)].",
+        help="Most tokens (prompt + output) per sequence (default: min(2048, the model's context)).",
     ),
     explain: bool = typer.Option(
         False, "--explain", help="Say, for each attention-like region left unfused, which check failed."
