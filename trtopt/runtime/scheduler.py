@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Sequence
 
 from trtopt.runtime.batch import SampledToken, ScheduledBatch, ScheduledSeq, StepOutput
 from trtopt.runtime.kv_cache_manager import KVCacheManager
@@ -40,7 +41,7 @@ class Scheduler:
 
     # ---- queue management ------------------------------------------------------------------------------
 
-    def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
+    def add_request(self, request: Request, siblings: Sequence[Request] = ()) -> None:
         """Queue a sequence; n>1 `siblings` fork from its blocks once its prompt is computed."""
         for r in (request, *siblings):
             assert r.request_id not in self.requests, f"duplicate request id {r.request_id!r}"
