@@ -16,13 +16,13 @@ def triton_repo(
     name: str = typer.Option("trtopt", "--name", help="Triton model name: /v2/models/NAME/generate."),
     instances: int = typer.Option(1, "--instances", help="Model instances, each with its own engine and KV cache."),
     kind: str = typer.Option("cpu", "--kind", help="Instance kind: cpu or gpu (gpu runs the engine on CUDA)."),
-    max_batch_tokens: int = typer.Option(None, "--max-batch-tokens", help="Engine token budget per step [default: the plan's]."),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step [default: the plan's]."),
-    num_blocks: int = typer.Option(None, "--num-blocks", help="KV blocks per instance [default: 1 GB worth]."),
+    max_batch_tokens: int = typer.Option(None, "--max-batch-tokens", help="Engine token budget per step (default: the plan's)."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step (default: the plan's)."),
+    num_blocks: int = typer.Option(None, "--num-blocks", help="KV blocks per instance (default: 1 GB worth)."),
     backend: str = typer.Option("torch", "--backend", help="trtopt executor: torch, onnxruntime or tensorrt."),
     copy_plan: bool = typer.Option(False, "--copy-plan", help="Copy the plan into the repository instead of referencing it."),
     python_env: Path = typer.Option(None, "--python-env",
-                                    help="A venv for the model's Python (EXECUTION_ENV_PATH) [default: python3 on Triton's PATH]."),
+                                    help="A venv for the model's Python (EXECUTION_ENV_PATH) (default: python3 on Triton's PATH)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing model of that name."),
 ):
     """Write a Triton model repository serving PLAN: NAME/config.pbtxt (a decoupled Python-backend model) and
