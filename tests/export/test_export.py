@@ -98,3 +98,18 @@ def test_nonempty_output_needs_force(tmp_path):
 def test_bad_options(tmp_path, kwargs, match):
     with pytest.raises(ExportError, match=match):
         export_model("tiny-llama", tmp_path / "out", **kwargs)
+
+
+def test_bf16_verification_failure_is_explained(tmp_path):
+    """ORT CPU has no bf16 kernels: the export says so and points at --no-verify, which then succeeds."""
+    with pytest.raises(ExportError, match="bf16.*--no-verify"):
+        export_model("tiny-llama", tmp_path / "a", dtype="bf16")
+    result = export_model("tiny-llama", tmp_path / "b", dtype="bf16", verify_outputs=False)
+    assert result.max_abs_error == {}
+    proto = onnx.load(result.onnx_path)
+    assert proto.graph.input[3].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+
+
+def test_fp16_export_verifies(tmp_path):
+    result = export_model("tiny-llama", tmp_path / "out", exporter="legacy", dtype="fp16")
+    assert max(result.max_rel_error.values()) <= TOLERANCE["fp16"]

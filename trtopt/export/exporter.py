@@ -130,7 +130,12 @@ def verify(onnx_path: Path, wrapper: _OptimumStyle, config, dtype: str) -> tuple
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    try:
+        sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises its own pybind classes (NotImplemented, Fail, ...)
+        hint = " ONNX Runtime's CPU kernels do not cover bf16;" if dtype == "bf16" else ""
+        raise ExportError(f"ONNX Runtime cannot load the exported graph to verify it ({str(e)[:300]}).{hint} "
+                          "Export with --no-verify to keep the graph unverified, or use --dtype fp32/fp16.") from e
     names = [i.name for i in sess.get_inputs()]
     errors, scaled = {}, {}
     for case, (batch, seq, past) in {"prompt (no past)": (2, 7, 0), "decode (past 9)": (2, 1, 9)}.items():
