@@ -147,3 +147,19 @@ def test_opset_23_export_with_onnx_attention_ops(tmp_path):
         chunk=4,
     )
     assert err <= 1e-4
+
+
+def test_bf16_export_builds(tmp_path):
+    """ORT's CPU provider has no bf16 kernels: the mask probe runs a float32 copy of the mask subgraph instead."""
+    from trtopt.build.builder import build_plan
+    from trtopt.export import export_model
+
+    export_model("tiny-llama", tmp_path / "onnx", exporter="dynamo", dtype="bf16", force=True, verify_outputs=False)
+    result = build_plan(tmp_path / "onnx", tmp_path / "plan", progress=False)
+    assert result.config.model.dtype == "bfloat16"
+    assert result.report.counts["paged_attention"] == result.config.model.num_layers
+    assert result.report.counts["rms_norm"] == 5
+    plan = onnx.load(str(tmp_path / "plan" / "model.onnx"))
+    assert plan.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    cache = next(i for i in plan.graph.input if i.name == "kv_cache.0")
+    assert cache.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16

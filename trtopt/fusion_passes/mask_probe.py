@@ -90,17 +90,47 @@ def _probe_model(model: ir.Model, target: ir.Value) -> tuple[onnx.ModelProto, li
         # Read external data into the probe (a model loaded from bytes cannot follow external-data paths).
         [ir.serde.serialize_tensor(ir.Tensor(v.const_value.numpy(), name=v.name)) for v in initializers],
     )
-    for proto, init in zip(graph.initializer, initializers):
+    for proto, init in zip(graph.initializer, initializers, strict=True):
         proto.name = init.name
+    _bf16_to_float32(graph)
     opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
     return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version), inputs
+
+
+_BF16 = onnx.TensorProto.BFLOAT16
+
+
+def _float32_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    values = onnx.numpy_helper.to_array(tensor).astype(np.float32)
+    return onnx.numpy_helper.from_array(values, tensor.name)
+
+
+def _bf16_to_float32(graph: onnx.GraphProto) -> None:
+    """Run a bf16 model's mask subgraph in float32: ORT's CPU provider has no bf16 kernels (Where, Mul...).
+
+    Masks hold 0 and a large negative (or booleans), and positions are integers, so which keys each query may see
+    is the same in float32; only the probe is changed, never the model.
+    """
+    for info in [*graph.input, *graph.output]:
+        if info.type.tensor_type.elem_type == _BF16:
+            info.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == _BF16:
+            graph.initializer[i].CopyFrom(_float32_tensor(init))
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == _BF16:
+                attr.i = onnx.TensorProto.FLOAT
+            elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == _BF16:
+                attr.t.CopyFrom(_float32_tensor(attr.t))
 
 
 def _feeds(inputs: list[ir.Value], roles: ProbeInputs, past_len: int, new_len: int) -> dict[str, np.ndarray]:
     past_by_name = {v.name: v for v in roles.past}
     feeds = {}
     for value in inputs:
-        dtype = ir.DataType(value.dtype).numpy()
+        # bf16 inputs are declared float32 in the probe (see _bf16_to_float32).
+        dtype = np.float32 if value.dtype == ir.DataType.BFLOAT16 else ir.DataType(value.dtype).numpy()
         if value.name == roles.input_ids:
             feeds[value.name] = np.zeros((1, new_len), dtype=dtype)
         elif value.name == roles.position_ids:
