@@ -1,0 +1,184 @@
+"""PagedAttention's TensorRT face: the AOT entry kernel (run here the way TensorRT launches it), its build-time
+planning, the PTX compile step, and — where tensorrt is installed — the registration itself.
+
+The kernel cases reuse the kernel suite's poisoned steps (NaN in the null block, unowned slots and the output), so
+a read of a slot being written in the same launch, a missed row or a wrong stride shows up as NaN or a mismatch.
+TensorRT hands dense buffers, so every input is made contiguous first.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import triton
+
+from test_paged_attention_kernel import CASES, Case, make_step, tolerance  # noqa: I001 - sibling test module
+from trtopt.plugins.paged_attention import schema
+from trtopt.plugins.paged_attention.reference import paged_attention_ref
+from trtopt.plugins.paged_attention.trt_aot import (
+    aot_constexprs,
+    aot_extra_args,
+    aot_grid,
+    aot_signature,
+    aot_tiling,
+    launch_like_tensorrt,
+    paged_attention_aot_kernel,
+)
+from trtopt.plugins.trt_common import check_aot_signature, check_register_signature, register_parameter_names
+
+
+def run_aot_vs_reference(case: Case, device: torch.device) -> None:
+    step = make_step(case, device)
+    Hq = step.attrs["num_heads"]
+    # The plan always carries alibi_slopes: zeros when the model has none (docs/architecture.md §3).
+    slopes = step.alibi_slopes if step.alibi_slopes is not None else torch.zeros(Hq, device=device)
+    meta = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
+    ref_cache = step.kv_cache.cpu().clone()
+    ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), ref_cache, *(m.cpu() for m in meta),
+                                     alibi_slopes=None if step.alibi_slopes is None else slopes.cpu(), **step.attrs)
+    q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
+    cache = step.kv_cache  # contiguous already; kv_cache_out aliases it, as in the engine
+    out = torch.full_like(q, float("nan"))
+    float_type = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[case.dtype]
+    launch_like_tensorrt([q, k, v, cache, *meta, slopes], [out, cache], attrs=step.attrs,
+                         block_size=case.block_size, float_type=float_type,
+                         tiling=aot_tiling(Hq, case.num_kv_heads, interpret=device.type != "cuda"))
+    assert not torch.isnan(out).any(), "NaN in the output: a row was skipped or poisoned memory was read"
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(case.dtype))
+    torch.testing.assert_close(cache.cpu(), ref_cache, equal_nan=True, atol=0, rtol=0)
+
+
+# Every feature at least once: decode, prefill, mixed, GQA/MQA, head_dim 80/128, dropped slots, window, ALiBi.
+AOT_CASES = ["decode_gqa4_bs32", "mixed_step", "mqa_gqa8_bs64", "head_dim_80", "dropped_slots", "sliding_window",
+             "alibi_window_gqa4", "non_causal", "prefill_gqa2"]
+
+
+@pytest.mark.parametrize("name", AOT_CASES)
+def test_aot_kernel_launched_like_tensorrt_matches_reference(name: str, kernel_device: torch.device) -> None:
+    run_aot_vs_reference(CASES[name], kernel_device)
+
+
+def test_prefill_chunk_spanning_many_tiles_reads_new_keys_from_the_inputs(kernel_device: torch.device) -> None:
+    # 40 new tokens after 23 cached ones: most key tiles hold new keys that other programs are writing meanwhile.
+    run_aot_vs_reference(Case(context=(23, 0, 5), new=(40, 3, 1), num_heads=4, num_kv_heads=2, seed=11),
+                         kernel_device)
+
+
+def test_signature_is_inputs_then_extra_args_then_outputs() -> None:
+    params = list(inspect.signature(paged_attention_aot_kernel.fn).parameters)
+    signature = aot_signature("fp16")
+    assert list(signature) == params[: len(signature)], "runtime parameters come first, in the signature's order"
+    pointers = [n for n, t in signature.items() if t.startswith("*")]
+    assert pointers[: len(schema.INPUTS)] == ["Q", "K", "V", "Cache", "BlockTables", "SeqLens", "QueryStartLoc",
+                                             "SlotMapping", "Alibi"]
+    assert list(signature)[-2:] == ["Out", "CacheOut"]
+    assert [signature[n] for n in ("num_tokens", "num_seqs", "max_blocks")] == ["i32"] * 3
+    assert signature["BlockTables"] == "*i32" and signature["SlotMapping"] == "*i64" and signature["Alibi"] == "*fp32"
+    constexprs = aot_constexprs(num_heads=8, num_kv_heads=2, head_dim=80, scale=0.125, causal=1, sliding_window=0,
+                                block_size=16, float_type="fp16", tiling=aot_tiling(8, 2))
+    assert list(signature) + list(constexprs) == params
+    assert len(aot_extra_args(7, 2, 5)) == 3
+
+
+def test_constexprs_bake_the_scale_in_log2_units() -> None:
+    c = aot_constexprs(num_heads=12, num_kv_heads=4, head_dim=80, scale=0.1, causal=0, sliding_window=5,
+                       block_size=32, float_type="fp32", tiling=aot_tiling(12, 4))
+    assert c["QK_SCALE"] == pytest.approx(0.1 * 1.4426950408889634, rel=1e-15)
+    assert (c["GROUP"], c["GROUP_PAD"], c["BLOCK_D"], c["BLOCK_Q"]) == (3, 4, 128, 4)
+    assert (c["IS_CAUSAL"], c["SLIDING_WINDOW"], c["DOT_PRECISION"]) == (False, 5, "ieee")
+    with pytest.raises(AssertionError):
+        aot_constexprs(num_heads=12, num_kv_heads=4, head_dim=80, scale=0.1, causal=0, sliding_window=0,
+                       block_size=24, float_type="fp32", tiling=aot_tiling(12, 4))
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs,group", [(1, 1, 1), (64, 64, 4), (300, 3, 8), (17, 2, 16)])
+def test_grid_covers_every_query_tile_and_every_row(num_tokens: int, num_seqs: int, group: int) -> None:
+    tiling = aot_tiling(group * 2, 2)
+    grid = aot_grid(num_tokens, num_seqs, num_kv_heads=2, tiling=tiling)
+    assert grid[1:] == (2, 1)
+    # The fused write needs cdiv(T, BLOCK_Q) programs; the attention needs T // BLOCK_Q + S (kernel.py).
+    assert grid[0] >= triton.cdiv(num_tokens, tiling.block_q)
+    assert grid[0] == num_tokens // tiling.block_q + num_seqs
+    assert tiling.block_q * triton.next_power_of_2(group) >= 16, "tl.dot needs >= 16 rows"
+
+
+def test_register_and_aot_impl_parameters_match_the_schema() -> None:
+    """The parser passes node attributes by name and aot_impl gets them positionally, in register order."""
+    trt_plugin = pytest.importorskip("trtopt.plugins.paged_attention.trt_plugin",
+                                     reason="TensorRT cannot be installed here (NVIDIA index unreachable)")
+    check_register_signature(trt_plugin.paged_attention_desc, schema.SCHEMA)
+    check_aot_signature(trt_plugin.paged_attention_aot, schema.SCHEMA)
+
+
+def decorated_parameters(module_path: str, decorator: str) -> list[tuple[str, str]]:
+    """(name, annotation source) of the function in ``module_path`` decorated with ``decorator`` (e.g.
+    'trtp.register("trtopt::PagedAttention")'), read with ast so that it needs no tensorrt."""
+    tree = ast.parse(open(module_path).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == decorator for d in node.decorator_list):
+            assert not node.args.defaults and not node.args.kw_defaults, f"{node.name}: no defaults allowed"
+            return [(a.arg, ast.unparse(a.annotation) if a.annotation else "") for a in node.args.args]
+    raise AssertionError(f"no function decorated with @{decorator} in {module_path}")
+
+
+def trt_plugin_path(schema_module) -> str:
+    return os.path.join(os.path.dirname(inspect.getfile(schema_module)), "trt_plugin.py")
+
+
+def check_plugin_source(schema_module) -> None:
+    """Without tensorrt: the register and aot_impl parameter lists in trt_plugin.py are the schema's inputs (as
+    TensorDescs) then its attributes (annotated with the schema's kinds) in order, and aot_impl ends with
+    (outputs, tactic)."""
+    path, spec = trt_plugin_path(schema_module), schema_module.SCHEMA
+    plugin_id = repr(f"trtopt::{spec.op_type}")  # ast.unparse writes single quotes
+    expected = [(n, "trtp.TensorDesc") for n in spec.inputs] + [(a.name, a.kind.__name__) for a in spec.attributes]
+    assert [n for n, _ in expected] == register_parameter_names(spec)
+    assert decorated_parameters(path, f"trtp.register({plugin_id})") == expected
+    aot = decorated_parameters(path, f"trtp.aot_impl({plugin_id})")
+    assert aot == expected + [("outputs", "Tuple[trtp.TensorDesc]"), ("tactic", "int")]
+    future = [a.name for n in ast.parse(open(path).read()).body if isinstance(n, ast.ImportFrom)
+              and n.module == "__future__" for a in n.names]
+    assert "annotations" not in future, "tensorrt.plugin checks annotations with issubclass: they must be types"
+
+
+def test_plugin_source_parameters_match_the_schema() -> None:
+    assert register_parameter_names(schema.SCHEMA) == [
+        "q", "k", "v", "kv_cache", "block_tables", "seq_lens", "query_start_loc", "slot_mapping", "alibi_slopes",
+        "num_heads", "num_kv_heads", "head_dim", "scale", "causal", "sliding_window"]
+    check_plugin_source(schema)
+
+
+PTX_SCRIPT = textwrap.dedent("""
+    import sys
+    from trtopt.plugins.paged_attention.trt_aot import (aot_constexprs, aot_signature, aot_tiling,
+                                                          paged_attention_aot_kernel)
+    from trtopt.plugins.trt_common import HIDDEN_TRITON_PARAMS, compile_ptx, ptx_param_count
+    tiling = aot_tiling(8, 2)
+    signature = aot_signature("fp16")
+    kernel = compile_ptx(paged_attention_aot_kernel, signature,
+                         aot_constexprs(num_heads=8, num_kv_heads=2, head_dim=128, scale=128 ** -0.5, causal=1,
+                                        sliding_window=0, block_size=16, float_type="fp16", tiling=tiling),
+                         num_warps=tiling.num_warps, num_stages=tiling.num_stages, target=("cuda", 90, 32))
+    assert kernel.name == "paged_attention_aot_kernel", kernel.name
+    assert f".entry {kernel.name}" in kernel.ptx and ".target sm_90" in kernel.ptx
+    assert ptx_param_count(kernel.ptx, kernel.name) == len(signature) + HIDDEN_TRITON_PARAMS
+    print(kernel.block_x, kernel.shared_mem, len(kernel.ptx))
+""")
+
+
+def test_compiles_to_ptx_for_sm90_without_a_gpu() -> None:
+    """triton.compile(ASTSource, target=GPUTarget("cuda", 90, 32)) works on a CPU-only machine (ptxas is not
+    needed for PTX). A fresh process: the interpreter mode of this one makes kernels un-compilable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    block_x, shared_mem, ptx_len = map(int, done.stdout.split())
+    assert block_x == 128 and shared_mem >= 0 and ptx_len > 1000

@@ -1,0 +1,125 @@
+"""What the TensorRT registrations (face 5 of DESIGN.md §4) share, with no `tensorrt` import: testable here.
+
+Each op's ``trt_plugin.py`` registers ``trtopt::<OpType>`` with ``tensorrt.plugin`` and, in its ``aot_impl``,
+compiles a Triton kernel to PTX. TensorRT launches that PTX with a fixed argument order (``tensorrt/plugin/_lib.py``,
+``aot_impl`` docstring; ``_plugin_class.py`` ``get_launch_params``):
+
+    input pointers (node order) · extra scalar args (SymInt32 only, in the order returned) · output pointers
+
+so every AOT kernel entry point is written with exactly that parameter order, followed by its constexprs.
+
+What this module holds: the dtype mapping, the PTX compile step (``triton.compile`` on an ``ASTSource`` with an
+explicit or the current GPU target), a check of the kernel's PTX parameter count, and the check that a register
+function's parameters are the schema's inputs then its attributes, in order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from trtopt.plugins.common import OpSchema
+
+# trt.DataType member name → Triton's type string (TensorDesc.dtype is a trt.DataType; `.name` is e.g. "HALF").
+TRITON_TYPES: dict[str, str] = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "i32", "INT64": "i64"}
+# The dtypes the attention kernels take for q/k/v/kv_cache.
+FLOAT_TYPES = ("fp32", "fp16", "bf16")
+# Triton ≥3.3 appends hidden pointer parameters (global scratch, profile scratch) to every kernel. TensorRT's
+# launcher does not know them and passes only our arguments; the kernels here use no global scratch (no split-KV
+# partials, no TMA descriptors built on the device, no device-side printing), so the hidden pointers are never
+# dereferenced. NVIDIA's quickly_deployable_plugins sample pins triton 3.5, which has the same two parameters.
+HIDDEN_TRITON_PARAMS = 2
+
+
+def triton_type(trt_dtype_name: str) -> str:
+    """Triton's pointer element type for a TensorRT dtype name ("HALF" → "fp16")."""
+    if trt_dtype_name not in TRITON_TYPES:
+        raise ValueError(f"no Triton type for TensorRT dtype {trt_dtype_name}; supported: {sorted(TRITON_TYPES)}")
+    return TRITON_TYPES[trt_dtype_name]
+
+
+def dot_precision(float_type: str) -> str:
+    """The kernels' tl.dot precision: exact fp32 for fp32 models, tensor cores otherwise (as their launchers do)."""
+    return "ieee" if float_type == "fp32" else "tf32"
+
+
+@dataclass(frozen=True)
+class PtxKernel:
+    """One compiled kernel, as aot_impl returns it to TensorRT."""
+
+    name: str  # the PTX entry name (TensorRT looks the kernel up by it)
+    ptx: str
+    num_warps: int  # block_x = num_warps · 32
+    shared_mem: int  # dynamic shared memory in bytes, KernelLaunchParams.shared_mem
+
+    @property
+    def block_x(self) -> int:
+        return self.num_warps * 32
+
+
+def compile_ptx(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any], *, num_warps: int,
+                num_stages: int, target: tuple[str, int, int] | None = None) -> PtxKernel:
+    """triton.compile(ASTSource(fn, signature, constexprs)) → PTX.
+
+    ``signature`` maps every runtime parameter of ``fn`` to its Triton type ("*fp16", "i32"), in ``fn``'s order;
+    constexpr parameters get "constexpr" added here. ``target`` is (backend, arch, warp_size), e.g. ("cuda", 90, 32);
+    None compiles for the current GPU (what aot_impl does at engine build time, on the GPU the engine is for).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(getattr(fn, "fn", fn)).parameters)
+    assert list(signature) + [p for p in params if p in constexprs] == params, (
+        f"signature + constexprs must name every parameter of {params} in order; got {list(signature)} and "
+        f"{list(constexprs)}"
+    )
+    full_signature = {name: signature.get(name, "constexpr") for name in params}
+    src = ASTSource(fn=fn, signature=full_signature, constexprs=dict(constexprs))
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    gpu = GPUTarget(*target) if target is not None else None
+    compiled = triton.compile(src, target=gpu, options=options)
+    return PtxKernel(name=compiled.metadata.name, ptx=compiled.asm["ptx"], num_warps=compiled.metadata.num_warps,
+                     shared_mem=compiled.metadata.shared)
+
+
+def ptx_param_count(ptx: str, kernel_name: str) -> int:
+    """How many parameters the PTX entry ``kernel_name`` declares (ours + Triton's hidden ones)."""
+    match = re.search(rf"\.entry\s+{re.escape(kernel_name)}\s*\((.*?)\)", ptx, flags=re.S)
+    assert match, f"no .entry {kernel_name} in the PTX"
+    return len(re.findall(r"\.param\s", match.group(1)))
+
+
+def register_parameter_names(schema: OpSchema) -> list[str]:
+    """What ``@trtp.register`` must take, in order: every input (optional ones are always present), then every
+    attribute. The parser passes the node's attributes by name, so the names must match the node's exactly."""
+    return [*schema.inputs, *(a.name for a in schema.attributes)]
+
+
+def check_register_signature(func: Callable[..., Any], schema: OpSchema) -> None:
+    """AssertionError unless ``func``'s parameters are the schema's inputs then attributes, none with a default,
+    attribute annotations equal to the schema's kinds (int/float), and annotations are real types, not strings.
+
+    ``tensorrt.plugin`` validates with ``issubclass(param.annotation, ...)``, so a module with
+    ``from __future__ import annotations`` (string annotations) cannot be registered.
+    """
+    params = inspect.signature(func).parameters
+    assert list(params) == register_parameter_names(schema), (
+        f"{func.__name__} takes {list(params)}; {schema.op_type}'s schema needs {register_parameter_names(schema)}"
+    )
+    kinds = {a.name: a.kind for a in schema.attributes}
+    for name, param in params.items():
+        assert param.default is inspect.Parameter.empty, f"{name}: tensorrt.plugin allows no defaults"
+        assert not isinstance(param.annotation, str), f"{name}: annotation is a string; drop `from __future__`"
+        if name in kinds:
+            assert param.annotation is kinds[name], f"{name} is {param.annotation}, the schema says {kinds[name]}"
+
+
+def check_aot_signature(func: Callable[..., Any], schema: OpSchema) -> None:
+    """AssertionError unless ``func`` is (inputs..., attributes..., outputs, tactic), as TensorRT calls it:
+    ``aot_impl_function(*input_descs, *attribute_values, output_descs, tactic)``, attributes positionally."""
+    params = list(inspect.signature(func).parameters)
+    expected = [*register_parameter_names(schema), "outputs", "tactic"]
+    assert params == expected, f"{func.__name__} takes {params}; TensorRT calls it with {expected}"
