@@ -33,6 +33,20 @@ FLOAT_TYPES = ("fp32", "fp16", "bf16")
 HIDDEN_TRITON_PARAMS = 2
 
 
+def trt_plugin_module(op_type: str) -> str:
+    """The module whose import registers ``op_type`` with TensorRT: trt_plugin.py in the op's own folder.
+
+    Taken from the op's registered function builder, not from the op's name: folder names do not follow one rule
+    (MatMulAdd → matmul_add, RMSNorm → rms_norm).
+    """
+    from trtopt.plugins import FUNCTION_BUILDERS
+
+    if op_type not in FUNCTION_BUILDERS:
+        raise ValueError(f"unknown trtopt op {op_type!r}; registered: {sorted(FUNCTION_BUILDERS)}")
+    package = FUNCTION_BUILDERS[op_type].__module__.rsplit(".", 1)[0]
+    return f"{package}.trt_plugin"
+
+
 def triton_type(trt_dtype_name: str) -> str:
     """Triton's pointer element type for a TensorRT dtype name ("HALF" → "fp16")."""
     if trt_dtype_name not in TRITON_TYPES:

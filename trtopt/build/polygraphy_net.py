@@ -1,0 +1,160 @@
+"""A Polygraphy network + config script for a trtopt plan: check the TensorRT engine (AOT plugins included)
+against ONNX Runtime running the same plan.
+
+Polygraphy's ``--plugins`` only dlopens .so files; trtopt's plugins are Python (`tensorrt.plugin`), registered by
+importing ``trtopt.plugins.<op>.trt_plugin``. So this script imports them, then parses the plan's model.onnx itself
+(``--model-type=trt-network-script`` calls ``load_network()``), and ``load_config(builder, network)`` sets what the
+engine needs: the optimization profile from plan.json's limits, aliased plugin I/O for the in-place KV pools, and
+the workspace (the same settings as trtopt/runtime/executors/trt_executor.build_engine). The plan directory comes
+from the environment, since Polygraphy passes the script no arguments:
+
+    export TRTOPT_PLAN=/path/to/plan
+    # 1. ONNX Runtime on the fused plan (function bodies) is the reference; keep its inputs and outputs.
+    polygraphy run $TRTOPT_PLAN/model.onnx --onnxrt \\
+        --data-loader-script trtopt/build/polygraphy_net.py \\
+        --save-inputs inputs.json --save-outputs ort_outputs.json
+    # 2. TensorRT on the same plan, same inputs, compared with ORT's outputs.
+    polygraphy run trtopt/build/polygraphy_net.py --model-type=trt-network-script --trt \\
+        --trt-config-script trtopt/build/polygraphy_net.py \\
+        --load-inputs inputs.json --load-outputs ort_outputs.json --atol 1e-3 --rtol 1e-3
+
+Step 1 needs valid paged inputs: Polygraphy's random data would index outside the pool, so ``load_data()`` here
+yields them (mixed steps: one prefill and one decode row over a cached context). The kv_cache_out.{i} outputs are
+compared too: TensorRT aliases them to the pools (in place), Polygraphy's runner gives them their own buffers;
+whether TensorRT then copies is unconfirmed (TENSORRT_NOTES.md).
+
+Written against TensorRT 10.x/11.x and Polygraphy's documented script interfaces (NVIDIA/TensorRT
+tools/Polygraphy/examples/cli/run/04_defining_a_tensorrt_network_or_config_manually: ``load_network()`` →
+(builder, network, parser), ``load_config(builder, network)`` → config; ``load_data()`` yields feed dicts). Not run
+here, where TensorRT cannot be installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+
+from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan
+from trtopt.errors import BuildError, ConfigError
+
+PLAN_ENV = "TRTOPT_PLAN"
+
+
+def plan_dir() -> Path:
+    """The plan directory named by $TRTOPT_PLAN; ConfigError when unset or not a plan."""
+    value = os.environ.get(PLAN_ENV)
+    if not value:
+        raise ConfigError(f"set {PLAN_ENV} to a plan directory (trtopt build's output) before running polygraphy.")
+    path = Path(value)
+    if not (path / MODEL_FILE).is_file():
+        raise ConfigError(f"{PLAN_ENV}={value} has no {MODEL_FILE}; point it at a directory made by trtopt build.")
+    return path
+
+
+def register_plugins(model_path: Path) -> list[str]:
+    """Import the TensorRT registration of every trtopt op in the model; returns the modules imported."""
+    from trtopt.plugins import DOMAIN
+    from trtopt.plugins.trt_common import trt_plugin_module
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    ops = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
+    modules = [trt_plugin_module(op) for op in ops]
+    for module in modules:
+        importlib.import_module(module)
+    return modules
+
+
+def _network_flags(trt) -> int:
+    # STRONGLY_TYPED on 10.x (11.x is always strongly typed and has no such flag). PREFER_AOT_PYTHON_PLUGINS is
+    # harmless: trtopt plugins define only aot_impl, which TensorRT then uses anyway.
+    flags = 0
+    for name in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS"):
+        flag = getattr(trt.NetworkDefinitionCreationFlag, name, None)
+        if flag is not None:
+            flags |= 1 << int(flag)
+    return flags
+
+
+def load_network():
+    """Polygraphy's network-script entry: () -> (builder, network, parser) for $TRTOPT_PLAN/model.onnx."""
+    import tensorrt as trt
+
+    model_path = plan_dir() / MODEL_FILE
+    register_plugins(model_path)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(_network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(model_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise BuildError(f"TensorRT could not parse {model_path}: {errors}")
+    return builder, network, parser
+
+
+def load_config(builder, network):
+    """Polygraphy's config-script entry: (builder, network) -> IBuilderConfig with the plan's profile."""
+    import tensorrt as trt
+
+    from trtopt.runtime.executors.trt_executor import DEFAULT_WORKSPACE_BYTES, profile_shapes
+
+    plan = read_plan(plan_dir())
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, DEFAULT_WORKSPACE_BYTES)
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    profile = builder.create_optimization_profile()
+    for name, shape in profile_shapes(plan).items():
+        profile.set_shape(name, shape.min, shape.opt, shape.max)
+    config.add_optimization_profile(profile)
+    return config
+
+
+def paged_feeds(plan: PlanConfig, *, prefill_len: int = 7, context_len: int = 20, seed: int = 0
+                ) -> dict[str, np.ndarray]:
+    """One valid mixed step of the paged signature (docs/architecture.md §3), as numpy feeds.
+
+    Sequence 0 is a prefill of ``prefill_len`` tokens; sequence 1 has ``context_len`` tokens cached (random K/V in
+    its blocks) and decodes one. Blocks are numbered from 1 (0 is the null block), the tables are padded with 0 to
+    the plan's width, and every size stays inside the engine's optimization profile.
+    """
+    from trtopt.runtime.executors.signature import NUMPY_DTYPES, kv_input
+
+    lim, m = plan.limits, plan.model
+    if m.dtype not in NUMPY_DTYPES:
+        raise ConfigError(f"numpy has no {m.dtype}; compare a float32 or float16 plan with polygraphy.")
+    n0 = max(1, min(prefill_len, lim.max_num_tokens - 1, lim.max_model_len))
+    c1 = max(0, min(context_len, lim.max_model_len - 1))
+    bs, width = lim.block_size, plan.max_blocks_per_seq
+    nb0, nb1 = -(-n0 // bs), -(-(c1 + 1) // bs)
+    tables = np.zeros((2, width), dtype=np.int32)
+    tables[0, :nb0] = np.arange(1, 1 + nb0)
+    tables[1, :nb1] = np.arange(1 + nb0, 1 + nb0 + nb1)
+    positions = [*range(n0), c1]
+    owners = [0] * n0 + [1]
+    slots = [int(tables[s, p // bs]) * bs + p % bs for s, p in zip(owners, positions)]
+    rng = np.random.default_rng(seed)
+    num_blocks = 2 + nb0 + nb1  # + the null block + one block nobody owns
+    pool_shape = (num_blocks, 2, m.num_kv_heads, bs, m.head_dim)
+    feeds = {
+        "input_ids": rng.integers(0, m.vocab_size, size=(1, n0 + 1), dtype=np.int64),
+        "position_ids": np.array([positions], dtype=np.int64),
+        "block_tables": tables,
+        "seq_lens": np.array([n0, c1 + 1], dtype=np.int32),
+        "query_start_loc": np.array([0, n0, n0 + 1], dtype=np.int32),
+        "slot_mapping": np.array(slots, dtype=np.int64),
+        "logits_indices": np.array([n0 - 1, n0], dtype=np.int64),
+    }
+    for layer in range(m.num_layers):
+        feeds[kv_input(layer)] = (0.5 * rng.standard_normal(pool_shape)).astype(NUMPY_DTYPES[m.dtype])
+    return feeds
+
+
+def load_data() -> Iterator[dict[str, np.ndarray]]:
+    """Polygraphy's data-loader entry (``--data-loader-script``): two mixed steps of the $TRTOPT_PLAN plan."""
+    plan = read_plan(plan_dir())
+    yield paged_feeds(plan, seed=0)
+    yield paged_feeds(plan, prefill_len=plan.limits.block_size + 3, context_len=2 * plan.limits.block_size, seed=1)
