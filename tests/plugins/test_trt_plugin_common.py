@@ -17,6 +17,7 @@ from trtopt.plugins.trt_common import (
     check_register_signature,
     ptx_param_count,
     register_parameter_names,
+    strip_hidden_params,
     triton_type,
     trt_plugin_module,
 )
@@ -96,6 +97,23 @@ def test_ptx_param_count_reads_the_entry() -> None:
     { ld.param.b64 %rd1, [k_param_0]; }
     """
     assert ptx_param_count(ptx, "k") == 3
+
+
+def test_hidden_params_are_stripped_only_when_unread() -> None:
+    ptx = """
+    .visible .entry k(
+        .param .u64 .ptr .global .align 1 k_param_0,
+        .param .u32 k_param_1,
+        .param .u64 .ptr .global .align 1 k_param_2,
+        .param .u64 .ptr .global .align 1 k_param_3
+    )
+    { ld.param.b64 %rd1, [k_param_0]; ld.param.b32 %r1, [k_param_1]; }
+    """
+    stripped = strip_hidden_params(ptx, "k", 2)
+    assert ptx_param_count(stripped, "k") == 2 and "k_param_2" not in stripped and "[k_param_1]" in stripped
+    assert strip_hidden_params(ptx, "k", 4) == ptx
+    with pytest.raises(AssertionError, match="k_param_1"):
+        strip_hidden_params(ptx, "k", 1)  # param 1 is read: it is not Triton's hidden scratch
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from trtopt.plugins.flash_attention import schema
 from trtopt.plugins.flash_attention.reference import flash_attention_ref
 from trtopt.plugins.flash_attention.trt_aot import (
     aot_constexprs,
+    aot_extra_args,
     aot_grid,
     aot_signature,
     aot_tiling,
@@ -26,7 +28,10 @@ from trtopt.plugins.flash_attention.trt_aot import (
     flash_attention_aot_kernel,
     launch_like_tensorrt,
 )
-from trtopt.plugins.trt_common import check_aot_signature, check_register_signature
+from trtopt.plugins.trt_common import check_aot_signature, check_register_signature, compile_ptx, launch_ptx
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FLOAT_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def run_aot_vs_reference(case: Case, device: torch.device) -> None:
@@ -39,7 +44,7 @@ def run_aot_vs_reference(case: Case, device: torch.device) -> None:
     bias = torch.zeros(1, 1, 1, 1, device=device) if bias is None else bias.contiguous()
     q, k, v = (x.contiguous() for x in (q, k, v))
     out = torch.full_like(q, float("nan"))
-    float_type = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[case.dtype]
+    float_type = FLOAT_TYPES[case.dtype]
     launch_like_tensorrt(q, k, v, bias, out, attrs=attrs, float_type=float_type,
                          tiling=aot_tiling(interpret=device.type != "cuda"))
     assert not torch.isnan(out).any(), "NaN in the output: a row was skipped"
@@ -97,7 +102,7 @@ def test_plugin_source_parameters_match_the_schema() -> None:
 PTX_SCRIPT = textwrap.dedent("""
     from trtopt.plugins.flash_attention.trt_aot import (aot_constexprs, aot_signature, aot_tiling,
                                                           flash_attention_aot_kernel)
-    from trtopt.plugins.trt_common import HIDDEN_TRITON_PARAMS, compile_ptx, ptx_param_count
+    from trtopt.plugins.trt_common import compile_ptx, ptx_param_count
     tiling = aot_tiling()
     signature = aot_signature("fp16", "fp32")
     kernel = compile_ptx(flash_attention_aot_kernel, signature,
@@ -105,7 +110,7 @@ PTX_SCRIPT = textwrap.dedent("""
                                         float_type="fp16", tiling=tiling),
                          num_warps=tiling.num_warps, num_stages=tiling.num_stages, target=("cuda", 90, 32))
     assert kernel.name == "flash_attention_aot_kernel", kernel.name
-    assert ptx_param_count(kernel.ptx, kernel.name) == len(signature) + HIDDEN_TRITON_PARAMS
+    assert ptx_param_count(kernel.ptx, kernel.name) == len(signature), 'hidden params must be stripped'
     assert "mma" in kernel.ptx, "tl.dot should lower to tensor-core instructions for fp16"
     print(kernel.block_x, kernel.shared_mem)
 """)
@@ -127,3 +132,33 @@ def test_registered_functions_match_the_schema() -> None:
 
     check_register_signature(trt_plugin.flash_attention_desc, schema.SCHEMA)
     check_aot_signature(trt_plugin.flash_attention_aot, schema.SCHEMA)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(AOT_CASES))
+def test_ptx_launched_by_the_driver_matches_reference(name: str, dtype: torch.dtype) -> None:
+    """The AOT artifact: PTX for this GPU, launched with cuLaunchKernel with exactly TensorRT's arguments."""
+    case = replace(AOT_CASES[name], dtype=dtype)
+    q, k, v, bias = make_inputs(case, torch.device("cuda"))
+    attrs = dict(num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                 scale=case.head_dim**-0.5, causal=case.causal)
+    want = flash_attention_ref(q.cpu().float(), k.cpu().float(), v.cpu().float(),
+                               None if bias is None else bias.cpu().float(), **attrs)
+    bias = torch.zeros(1, 1, 1, 1, device="cuda") if bias is None else bias.contiguous()
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out = torch.full_like(q, float("nan"))
+    tiling = aot_tiling()
+    signature = aot_signature(FLOAT_TYPES[dtype], FLOAT_TYPES[bias.dtype])
+    kernel = compile_ptx(flash_attention_aot_kernel, signature,
+                         aot_constexprs(**attrs, float_type=FLOAT_TYPES[dtype], tiling=tiling),
+                         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    strides = bias_strides(list(bias.shape), lambda d: d == 1)
+    args = [q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr(),
+            *aot_extra_args(q.shape[2], k.shape[2], strides), out.data_ptr()]
+    grid = aot_grid(q.shape[0], q.shape[2], num_heads=case.num_heads, tiling=tiling, cdiv=triton.cdiv)
+    launch_ptx(kernel, signature, args, grid, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().float(), want, **tolerance(dtype))

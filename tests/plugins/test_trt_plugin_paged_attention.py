@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,16 @@ from trtopt.plugins.paged_attention.trt_aot import (
     launch_like_tensorrt,
     paged_attention_aot_kernel,
 )
-from trtopt.plugins.trt_common import check_aot_signature, check_register_signature, register_parameter_names
+from trtopt.plugins.trt_common import (
+    check_aot_signature,
+    check_register_signature,
+    compile_ptx,
+    launch_ptx,
+    register_parameter_names,
+)
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FLOAT_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def run_aot_vs_reference(case: Case, device: torch.device) -> None:
@@ -46,7 +56,7 @@ def run_aot_vs_reference(case: Case, device: torch.device) -> None:
     q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
     cache = step.kv_cache  # contiguous already; kv_cache_out aliases it, as in the engine
     out = torch.full_like(q, float("nan"))
-    float_type = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[case.dtype]
+    float_type = FLOAT_TYPES[case.dtype]
     launch_like_tensorrt([q, k, v, cache, *meta, slopes], [out, cache], attrs=step.attrs,
                          block_size=case.block_size, float_type=float_type,
                          tiling=aot_tiling(Hq, case.num_kv_heads, interpret=device.type != "cuda"))
@@ -151,7 +161,7 @@ PTX_SCRIPT = textwrap.dedent("""
     import sys
     from trtopt.plugins.paged_attention.trt_aot import (aot_constexprs, aot_signature, aot_tiling,
                                                           paged_attention_aot_kernel)
-    from trtopt.plugins.trt_common import HIDDEN_TRITON_PARAMS, compile_ptx, ptx_param_count
+    from trtopt.plugins.trt_common import compile_ptx, ptx_param_count
     tiling = aot_tiling(8, 2)
     signature = aot_signature("fp16")
     kernel = compile_ptx(paged_attention_aot_kernel, signature,
@@ -160,7 +170,7 @@ PTX_SCRIPT = textwrap.dedent("""
                          num_warps=tiling.num_warps, num_stages=tiling.num_stages, target=("cuda", 90, 32))
     assert kernel.name == "paged_attention_aot_kernel", kernel.name
     assert f".entry {kernel.name}" in kernel.ptx and ".target sm_90" in kernel.ptx
-    assert ptx_param_count(kernel.ptx, kernel.name) == len(signature) + HIDDEN_TRITON_PARAMS
+    assert ptx_param_count(kernel.ptx, kernel.name) == len(signature), 'hidden params must be stripped'
     print(kernel.block_x, kernel.shared_mem, len(kernel.ptx))
 """)
 
@@ -184,3 +194,46 @@ def test_registered_functions_match_the_schema() -> None:
 
     check_register_signature(trt_plugin.paged_attention_desc, schema.SCHEMA)
     check_aot_signature(trt_plugin.paged_attention_aot, schema.SCHEMA)
+
+
+GPU_CASES = {
+    **{name: CASES[name] for name in AOT_CASES},
+    # Many query tiles of one prefill running at once with decode rows: any read of a slot written in the same
+    # launch would race here (the interpreter runs programs one by one and cannot show it).
+    "long_prefill_mixed": Case(context=(0, 100, 37, 0), new=(300, 1, 64, 129), num_heads=8, num_kv_heads=2,
+                               head_dim=128, seed=12),
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_ptx_launched_by_the_driver_matches_reference(name: str, dtype: torch.dtype) -> None:
+    """The AOT artifact itself: PTX compiled for this GPU, hidden params stripped, launched with cuLaunchKernel
+    with exactly TensorRT's arguments (inputs, T/S/table width, outputs) on an aliased pool."""
+    case = replace(GPU_CASES[name], dtype=dtype)
+    device = torch.device("cuda")
+    step = make_step(case, device)
+    Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
+    slopes = step.alibi_slopes if step.alibi_slopes is not None else torch.zeros(Hq, device=device)
+    meta = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
+    ref_cache = step.kv_cache.cpu().clone()
+    ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), ref_cache, *(m.cpu() for m in meta),
+                                     alibi_slopes=None if step.alibi_slopes is None else slopes.cpu(), **step.attrs)
+    q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
+    cache, out = step.kv_cache, torch.full_like(q, float("nan"))
+    tiling = aot_tiling(Hq, Hkv)
+    signature = aot_signature(FLOAT_TYPES[dtype])
+    kernel = compile_ptx(paged_attention_aot_kernel, signature,
+                         aot_constexprs(**step.attrs, block_size=case.block_size, float_type=FLOAT_TYPES[dtype],
+                                        tiling=tiling),
+                         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    T, S, width = q.shape[2], step.seq_lens.shape[0], step.block_tables.shape[1]
+    pointers = [x.data_ptr() for x in (q, k, v, cache, *meta, slopes)]
+    launch_ptx(kernel, signature, [*pointers, *aot_extra_args(T, S, width), out.data_ptr(), cache.data_ptr()],
+               aot_grid(T, S, num_kv_heads=Hkv, tiling=tiling), stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(dtype))
+    torch.testing.assert_close(cache.cpu(), ref_cache, equal_nan=True, atol=0, rtol=0)

@@ -26,11 +26,12 @@ from trtopt.plugins.common import OpSchema
 TRITON_TYPES: dict[str, str] = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "i32", "INT64": "i64"}
 # The dtypes the attention kernels take for q/k/v/kv_cache.
 FLOAT_TYPES = ("fp32", "fp16", "bf16")
-# Triton ≥3.3 appends hidden pointer parameters (global scratch, profile scratch) to every kernel. TensorRT's
-# launcher does not know them and passes only our arguments; the kernels here use no global scratch (no split-KV
-# partials, no TMA descriptors built on the device, no device-side printing), so the hidden pointers are never
-# dereferenced. NVIDIA's quickly_deployable_plugins sample pins triton 3.5, which has the same two parameters.
+# Triton ≥3.3 appends hidden pointer parameters (global scratch, profile scratch) to every kernel; compile_ptx
+# removes them (strip_hidden_params). NVIDIA's quickly_deployable_plugins sample pins triton 3.5, which has them too.
 HIDDEN_TRITON_PARAMS = 2
+# Dynamic shared memory a launch may use without cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES), which
+# TensorRT's AOT launch is not documented to set.
+MAX_LAUNCH_SHARED_BYTES = 48 * 1024
 
 
 def trt_plugin_module(op_type: str) -> str:
@@ -75,11 +76,15 @@ class PtxKernel:
 
 def compile_ptx(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any], *, num_warps: int,
                 num_stages: int, target: tuple[str, int, int] | None = None) -> PtxKernel:
-    """triton.compile(ASTSource(fn, signature, constexprs)) → PTX.
+    """triton.compile(ASTSource(fn, signature, constexprs)) → PTX whose entry takes exactly ``signature``.
 
     ``signature`` maps every runtime parameter of ``fn`` to its Triton type ("*fp16", "i32"), in ``fn``'s order;
     constexpr parameters get "constexpr" added here. ``target`` is (backend, arch, warp_size), e.g. ("cuda", 90, 32);
     None compiles for the current GPU (what aot_impl does at engine build time, on the GPU the engine is for).
+
+    Two adjustments make the PTX fit TensorRT's launch: Triton's hidden scratch parameters are removed from the
+    entry (see strip_hidden_params), and software-pipeline stages are dropped one at a time while the kernel needs
+    more than MAX_LAUNCH_SHARED_BYTES of shared memory, which a launch gets without an opt-in attribute.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -91,12 +96,41 @@ def compile_ptx(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, 
         f"{list(constexprs)}"
     )
     full_signature = {name: signature.get(name, "constexpr") for name in params}
-    src = ASTSource(fn=fn, signature=full_signature, constexprs=dict(constexprs))
-    options = {"num_warps": num_warps, "num_stages": num_stages}
     gpu = GPUTarget(*target) if target is not None else None
-    compiled = triton.compile(src, target=gpu, options=options)
-    return PtxKernel(name=compiled.metadata.name, ptx=compiled.asm["ptx"], num_warps=compiled.metadata.num_warps,
-                     shared_mem=compiled.metadata.shared)
+    for stages in range(num_stages, 0, -1):
+        src = ASTSource(fn=fn, signature=full_signature, constexprs=dict(constexprs))
+        compiled = triton.compile(src, target=gpu, options={"num_warps": num_warps, "num_stages": stages})
+        if compiled.metadata.shared <= MAX_LAUNCH_SHARED_BYTES:
+            break
+    assert compiled.metadata.shared <= MAX_LAUNCH_SHARED_BYTES, (
+        f"{compiled.metadata.name} needs {compiled.metadata.shared} B of shared memory even with 1 stage; pick "
+        "smaller tiles"
+    )
+    name = compiled.metadata.name
+    ptx = strip_hidden_params(compiled.asm["ptx"], name, len(signature))
+    return PtxKernel(name=name, ptx=ptx, num_warps=compiled.metadata.num_warps, shared_mem=compiled.metadata.shared)
+
+
+def strip_hidden_params(ptx: str, kernel_name: str, num_params: int) -> str:
+    """The PTX with the entry's parameters past the first ``num_params`` removed.
+
+    Triton ≥3.3 appends hidden pointers (global and profile scratch) to every kernel; TensorRT launches with
+    exactly inputs + extra args + outputs, so a PTX entry declaring more would make the driver read kernel-parameter
+    slots TensorRT never filled. Removing them is only sound when the body never reads them, which is asserted:
+    kernels that need global scratch (device-side TMA descriptors, split-KV partials) cannot be AOT plugins.
+    """
+    entry = re.search(rf"(\.entry\s+{re.escape(kernel_name)}\s*\()(.*?)(\))", ptx, flags=re.S)
+    assert entry, f"no .entry {kernel_name} in the PTX"
+    decls = [d.strip() for d in entry.group(2).split(",") if d.strip()]
+    assert len(decls) >= num_params, f"{kernel_name} declares {len(decls)} parameters, fewer than {num_params}"
+    if len(decls) == num_params:
+        return ptx
+    body = ptx[entry.end():]
+    for decl in decls[num_params:]:
+        param = decl.split()[-1]
+        assert not re.search(rf"\b{re.escape(param)}\b", body), f"{kernel_name} reads Triton's hidden parameter {param}; it needs global scratch"
+    kept = "\n".join(f"\t{d}," for d in decls[:num_params]).rstrip(",")
+    return ptx[: entry.start(2)] + "\n" + kept + "\n" + ptx[entry.end(2):]
 
 
 def ptx_param_count(ptx: str, kernel_name: str) -> int:
@@ -137,3 +171,34 @@ def check_aot_signature(func: Callable[..., Any], schema: OpSchema) -> None:
     params = list(inspect.signature(func).parameters)
     expected = [*register_parameter_names(schema), "outputs", "tactic"]
     assert params == expected, f"{func.__name__} takes {params}; TensorRT calls it with {expected}"
+
+
+def launch_ptx(kernel: PtxKernel, signature: Mapping[str, str], args: list[int], grid: tuple[int, int, int],
+               stream: int = 0) -> None:
+    """Load ``kernel``'s PTX with the CUDA driver and launch it with exactly ``args`` (pointers as ints, then
+    scalars), the way TensorRT's AOT path does: no Triton launcher, no hidden parameters.
+
+    For checking an AOT artifact on a GPU without TensorRT. Needs an initialised CUDA context on this thread
+    (e.g. any torch CUDA op first); the module is kept loaded for the life of the process.
+    """
+    import ctypes
+
+    assert len(args) == len(signature), f"{kernel.name} takes {len(signature)} arguments, got {len(args)}"
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            message = ctypes.c_char_p()
+            cuda.cuGetErrorString(result, ctypes.byref(message))
+            raise RuntimeError(f"{what} failed for {kernel.name}: {message.value.decode() if message.value else result}")
+
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(kernel.ptx.encode() + b"\0")),
+          "cuModuleLoadData")
+    check(cuda.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()), "cuModuleGetFunction")
+    values = [ctypes.c_uint64(a) if kind.startswith("*") else ctypes.c_int32(a)
+              for a, kind in zip(args, signature.values())]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    check(cuda.cuLaunchKernel(function, *map(ctypes.c_uint, grid), ctypes.c_uint(kernel.block_x), ctypes.c_uint(1),
+                              ctypes.c_uint(1), ctypes.c_uint(kernel.shared_mem), ctypes.c_void_p(stream), params,
+                              None), "cuLaunchKernel")
