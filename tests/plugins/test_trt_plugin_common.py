@@ -17,6 +17,7 @@ from trtopt.plugins.trt_common import (
     check_register_signature,
     ptx_param_count,
     register_parameter_names,
+    require_aot,
     strip_hidden_params,
     triton_type,
     trt_plugin_module,
@@ -125,3 +126,16 @@ def test_hidden_params_are_stripped_only_when_unread() -> None:
 def test_ops_without_a_plugin_do_not_ask_tensorrt_for_one(op: str, inputs: list[str], attrs: dict) -> None:
     node = make_node(op, inputs, ["y"], **attrs)
     assert "plugin_namespace" not in {a.name for a in node.attribute}
+
+
+def test_a_tensorrt_without_aot_plugins_is_an_import_error() -> None:
+    class OldPluginModule:  # tensorrt.plugin before 10.9: register/impl only
+        register = impl = autotune = staticmethod(lambda *a: None)
+
+    with pytest.raises(ImportError, match="10.9"):
+        require_aot(OldPluginModule)
+
+    class NewPluginModule(OldPluginModule):
+        aot_impl = KernelLaunchParams = SymInt32 = SymIntExprs = object
+
+    require_aot(NewPluginModule)

@@ -34,6 +34,16 @@ HIDDEN_TRITON_PARAMS = 2
 MAX_LAUNCH_SHARED_BYTES = 48 * 1024
 
 
+def require_aot(trtp: Any) -> None:
+    """ImportError (which the TensorRT executor turns into a BuildError) unless ``tensorrt.plugin`` has AOT plugins
+    (``aot_impl`` and ``KernelLaunchParams``, TensorRT 10.9+)."""
+    if not all(hasattr(trtp, name) for name in ("aot_impl", "KernelLaunchParams", "SymInt32", "SymIntExprs")):
+        raise ImportError(
+            "this TensorRT has no AOT Python plugins (tensorrt.plugin.aot_impl, TensorRT 10.9+); trtopt's engines "
+            "embed the plugins' PTX and need them. Install TensorRT >= 10.9."
+        )
+
+
 def trt_plugin_module(op_type: str) -> str:
     """The module whose import registers ``op_type`` with TensorRT: trt_plugin.py in the op's own folder.
 

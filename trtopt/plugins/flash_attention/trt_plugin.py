@@ -23,7 +23,9 @@ from trtopt.plugins.flash_attention.trt_aot import (
     bias_strides,
     flash_attention_aot_kernel,
 )
-from trtopt.plugins.trt_common import FLOAT_TYPES, compile_ptx, triton_type
+from trtopt.plugins.trt_common import FLOAT_TYPES, compile_ptx, require_aot, triton_type
+
+require_aot(trtp)
 
 PLUGIN_ID = "trtopt::FlashAttention"
 
