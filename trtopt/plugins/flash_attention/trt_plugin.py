@@ -3,7 +3,8 @@ module registers ``trtopt::FlashAttention``.
 
 Written against the documented API and NOT run here (TensorRT cannot be installed on the project's machines); the
 entry kernel, argument order, bias strides, grid and constexprs are tested in tests/plugins/
-test_trt_plugin_flash_attention.py (trt_aot.py holds them, free of tensorrt). The API facts it relies on are listed
+test_trt_plugin_flash_attention.py (trt_aot.py holds them, free of tensorrt), and register + aot_impl run against
+a stand-in of tensorrt.plugin in tests/plugins/test_trt_plugin_aot_impl.py. The API facts it relies on are listed
 in trtopt/plugins/paged_attention/trt_plugin.py; in short: parameters are the schema's inputs (attn_bias is always
 present: a zero [1, 1, 1, 1] initializer when the graph has none) then its attributes, real annotation types (no
 ``from __future__ import annotations``), aot_impl takes every attribute positionally then (outputs, tactic).

@@ -3,7 +3,8 @@ module registers ``trtopt::PagedAttention`` (the executor and trtopt/build/polyg
 
 Written against the documented API and NOT run here (TensorRT cannot be installed on the project's machines); the
 kernel it compiles, its argument order, grid and constexprs are tested in tests/plugins/
-test_trt_plugin_paged_attention.py (trt_aot.py holds them, free of tensorrt). API facts this relies on (NVIDIA/
+test_trt_plugin_paged_attention.py (trt_aot.py holds them, free of tensorrt), and this module's register and
+aot_impl run end to end against a stand-in of tensorrt.plugin in tests/plugins/test_trt_plugin_aot_impl.py. API facts this relies on (NVIDIA/
 TensorRT python/packaging/bindings_wheel/tensorrt/plugin/{_lib,_validate,_plugin_class}.py and
 samples/python/quickly_deployable_plugins/qdp_defs.py):
 
