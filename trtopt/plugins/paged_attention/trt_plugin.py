@@ -4,9 +4,9 @@ module registers ``trtopt::PagedAttention`` (the executor and trtopt/build/polyg
 Written against the documented API and NOT run here (TensorRT cannot be installed on the project's machines); the
 kernel it compiles, its argument order, grid and constexprs are tested in tests/plugins/
 test_trt_plugin_paged_attention.py (trt_aot.py holds them, free of tensorrt), and this module's register and
-aot_impl run end to end against a stand-in of tensorrt.plugin in tests/plugins/test_trt_plugin_aot_impl.py. API facts this relies on (NVIDIA/
-TensorRT python/packaging/bindings_wheel/tensorrt/plugin/{_lib,_validate,_plugin_class}.py and
-samples/python/quickly_deployable_plugins/qdp_defs.py):
+aot_impl run end to end against a stand-in of tensorrt.plugin in tests/plugins/test_trt_plugin_aot_impl.py.
+API facts this relies on (NVIDIA/TensorRT python/packaging/bindings_wheel/tensorrt/plugin/{_lib,_validate,
+_plugin_class}.py and samples/python/quickly_deployable_plugins/qdp_defs.py):
 
 - The plugin name is the ONNX op_type and the namespace "trtopt": the node carries plugin_namespace="trtopt", and
   the parser passes only the attributes declared here, by name (INT → int32, FLOAT → float32, converted to the
