@@ -138,7 +138,9 @@ def strip_hidden_params(ptx: str, kernel_name: str, num_params: int) -> str:
     body = ptx[entry.end():]
     for decl in decls[num_params:]:
         param = decl.split()[-1]
-        assert not re.search(rf"\b{re.escape(param)}\b", body), f"{kernel_name} reads Triton's hidden parameter {param}; it needs global scratch"
+        assert not re.search(rf"\b{re.escape(param)}\b", body), (
+            f"{kernel_name} reads Triton's hidden parameter {param}: it needs global scratch"
+        )
     kept = "\n".join(f"\t{d}," for d in decls[:num_params]).rstrip(",")
     return ptx[: entry.start(2)] + "\n" + kept + "\n" + ptx[entry.end(2):]
 
@@ -200,7 +202,8 @@ def launch_ptx(kernel: PtxKernel, signature: Mapping[str, str], args: list[int],
         if result != 0:
             message = ctypes.c_char_p()
             cuda.cuGetErrorString(result, ctypes.byref(message))
-            raise RuntimeError(f"{what} failed for {kernel.name}: {message.value.decode() if message.value else result}")
+            reason = message.value.decode() if message.value else str(result)
+            raise RuntimeError(f"{what} failed for {kernel.name}: {reason}")
 
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
     check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(kernel.ptx.encode() + b"\0")),
