@@ -65,16 +65,16 @@ def test_plan_dir_comes_from_the_environment(tmp_path, monkeypatch) -> None:
     assert polygraphy_net.plan_dir() == tmp_path
 
 
-def test_registers_the_plugin_modules_of_the_ops_in_the_model(tmp_path) -> None:
-    # MatMulAdd's module registers nothing (TensorRT inlines its body), so it imports without tensorrt.
-    node = helper.make_node("MatMulAdd", ["x", "w", "b"], ["y"], domain="trtopt", plugin_namespace="trtopt")
+def test_registers_only_ops_that_have_a_plugin(tmp_path) -> None:
+    # MatMulAdd has no plugin (TensorRT inlines its body), so nothing is imported for it.
+    node = helper.make_node("MatMulAdd", ["x", "w", "b"], ["y"], domain="trtopt")
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
                                             for n in ("x", "w", "b")],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     path = tmp_path / "model.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("trtopt", 1)]),
               str(path))
-    assert polygraphy_net.register_plugins(path) == ["trtopt.plugins.matmul_add.trt_plugin"]
+    assert polygraphy_net.register_plugins(path) == []
     from trtopt.plugins.matmul_add import trt_plugin
 
     assert trt_plugin.HAS_TENSORRT_PLUGIN is False

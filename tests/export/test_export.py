@@ -47,7 +47,6 @@ def test_smollm2_export_matches_pytorch(exported):
 
 def test_verification_can_fail(exported, tmp_path):
     """Corrupt one weight of a real export: verification must catch it."""
-    import numpy as np
     from onnx import numpy_helper
 
     from trtopt.export.exporter import _load_model, _OptimumStyle, verify

@@ -117,10 +117,6 @@ def test_hidden_params_are_stripped_only_when_unread() -> None:
         strip_hidden_params(ptx, "k", 1)  # param 1 is read: it is not Triton's hidden scratch
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RMSNorm/MatMulAdd have no TensorRT plugin, so their nodes must not carry plugin_namespace (TensorRT would "
-    "look for a plugin instead of inlining the function body); common.normalize_attributes and the fusion rules "
-    "add it to every trtopt node. Owners: plugins/common.py, fusion_passes/{rms_norm,matmul_add}.py."))
 @pytest.mark.parametrize("op,inputs,attrs", [("RMSNorm", ["x", "s"], {"epsilon": 1e-6}),
                                              ("MatMulAdd", ["x", "w", "b"], {})])
 def test_ops_without_a_plugin_do_not_ask_tensorrt_for_one(op: str, inputs: list[str], attrs: dict) -> None:

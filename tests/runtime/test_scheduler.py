@@ -12,7 +12,7 @@ from trtopt.errors import RequestError
 from trtopt.runtime.engine import EngineConfig, LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 
-from echo_model import EOS, VOCAB, EchoExecutor, make_plan, reference_generate
+from echo_model import VOCAB, EchoExecutor, make_plan, reference_generate
 
 
 def make_engine(*, block_size=4, num_blocks=64, max_num_tokens=64, max_num_seqs=8, max_model_len=64, **cfg):

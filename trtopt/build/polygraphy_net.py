@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import onnx
 
 from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
@@ -57,13 +56,10 @@ def plan_dir() -> Path:
 
 
 def register_plugins(model_path: Path) -> list[str]:
-    """Import the TensorRT registration of every trtopt op in the model; returns the modules imported."""
-    from trtopt.plugins import DOMAIN
-    from trtopt.plugins.trt_common import trt_plugin_module
+    """Import the TensorRT registration of every trtopt op in the model that has one; returns the modules imported."""
+    from trtopt.plugins.trt_common import plugin_modules
 
-    model = onnx.load(str(model_path), load_external_data=False)
-    ops = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
-    modules = [trt_plugin_module(op) for op in ops]
+    modules = plugin_modules(model_path)
     for module in modules:
         importlib.import_module(module)
     return modules

@@ -9,7 +9,6 @@ Graph I/O (every dim dynamic; the mask length has its own dim because dynamo rej
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 import warnings

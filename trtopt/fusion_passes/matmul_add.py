@@ -51,7 +51,7 @@ class _MatMulAdd(pattern.RewriteRuleClassBase):
         return result.fail(why) if why else result
 
     def rewrite(self, op, x, weight, bias, **_):
-        return op.MatMulAdd(x, weight, bias, plugin_namespace=DOMAIN, _domain=DOMAIN)
+        return op.MatMulAdd(x, weight, bias, _domain=DOMAIN)
 
 
 _RULES = pattern.RewriteRuleSet([_Gemm.rule("MatMulAddToGemm"), _MatMulAdd.rule("MatMulAdd")], commute=True)

@@ -57,7 +57,7 @@ class _RmsNorm(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, scale, epsilon, **_):
-        return op.RMSNorm(x, scale, epsilon=scalar_constant(epsilon), plugin_namespace=DOMAIN, _domain=DOMAIN)
+        return op.RMSNorm(x, scale, epsilon=scalar_constant(epsilon), _domain=DOMAIN)
 
 
 class _RmsNormStandard(_RmsNorm):

@@ -61,6 +61,10 @@ class OpSchema:
     # (input shapes in node order, None for an absent/unknown input; normalized attributes) -> output shapes.
     # Raises BuildError when the shapes contradict each other or the attributes.
     infer_shapes: Callable[[Sequence[Shape | None], Mapping[str, Any]], list[Shape]] = field(repr=False)
+    # True when trt_plugin.py registers a TensorRT plugin for the op. Only then do nodes carry plugin_namespace: the
+    # TensorRT parser looks up a plugin for a node that carries it and inlines the function body for one that does not,
+    # which is how ops without a kernel of their own (RMSNorm, MatMulAdd) reach TensorRT.
+    tensorrt_plugin: bool = True
 
 
 def expect_dim(op: str, what: str, actual: Dim, expected: Dim) -> None:
@@ -79,7 +83,8 @@ def expect_rank(op: str, name: str, shape: Shape | None, rank: int) -> Shape:
 
 
 def normalize_attributes(schema: OpSchema, attrs: Mapping[str, Any], *, where: str) -> dict[str, Any]:
-    """Check ``attrs`` against the schema, fill defaults, coerce to the declared kinds, add plugin_namespace.
+    """Check ``attrs`` against the schema, fill defaults, coerce to the declared kinds, set plugin_namespace on ops
+    that have a TensorRT plugin (and drop it from ops that do not).
 
     Raises BuildError naming ``where`` (a node name or "make_node") for unknown or missing attributes.
     """
@@ -102,7 +107,10 @@ def normalize_attributes(schema: OpSchema, attrs: Mapping[str, Any], *, where: s
     for name, kind in TENSORRT_ATTRIBUTES.items():
         if name in attrs:
             out[name] = kind(attrs[name])
-    out["plugin_namespace"] = PLUGIN_NAMESPACE
+    if schema.tensorrt_plugin:
+        out["plugin_namespace"] = PLUGIN_NAMESPACE
+    else:
+        out.pop("plugin_namespace", None)
     return out
 
 
@@ -110,7 +118,7 @@ def make_node(
     op_type: str, inputs: Sequence[str], outputs: Sequence[str], *, name: str | None = None, **attrs: Any
 ) -> onnx.NodeProto:
     """A trtopt node: domain ``trtopt``, attributes checked against the op's schema with defaults filled,
-    and ``plugin_namespace="trtopt"`` so TensorRT picks the plugin. Absent optional inputs are ""."""
+    and ``plugin_namespace="trtopt"`` on ops with a TensorRT plugin so TensorRT picks it. Absent optional inputs are ""."""
     from trtopt.plugins import OP_SCHEMAS  # the registry imports this module, so look it up at call time
 
     assert op_type in OP_SCHEMAS, f"unknown trtopt op {op_type!r}; registered: {sorted(OP_SCHEMAS)}"

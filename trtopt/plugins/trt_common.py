@@ -58,6 +58,20 @@ def trt_plugin_module(op_type: str) -> str:
     return f"{package}.trt_plugin"
 
 
+def plugin_modules(model_path) -> list[str]:
+    """The TensorRT registration modules of the trtopt ops in a model that have a plugin, each once.
+
+    Ops without one (``tensorrt_plugin=False``: RMSNorm, MatMulAdd) reach TensorRT as their inlined function bodies.
+    """
+    import onnx
+
+    from trtopt.plugins import DOMAIN, OP_SCHEMAS
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    ops = sorted({n.op_type for n in model.graph.node if n.domain == DOMAIN})
+    return [trt_plugin_module(op) for op in ops if op in OP_SCHEMAS and OP_SCHEMAS[op].tensorrt_plugin]
+
+
 def triton_type(trt_dtype_name: str) -> str:
     """Triton's pointer element type for a TensorRT dtype name ("HALF" → "fp16")."""
     if trt_dtype_name not in TRITON_TYPES:

@@ -124,12 +124,16 @@ class LLMEngine:
         self._num_generated_tokens = 0
 
     @classmethod
-    def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu", **config: Any) -> LLMEngine:
-        """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`."""
+    def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu", cuda_graphs: bool = False,
+                  **config: Any) -> LLMEngine:
+        """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`.
+
+        cuda_graphs: replay captured CUDA graphs for decode-only steps (torch backend on CUDA).
+        """
         from trtopt.runtime.executors import create_executor  # the executors pull in heavy deps
 
         plan = read_plan(plan_dir)
-        executor = create_executor(backend, plan_dir, plan, device=device)
+        executor = create_executor(backend, plan_dir, plan, device=device, cuda_graphs=cuda_graphs)
         return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config))
 
     # ---- requests ----------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ def infer_shapes(shapes: Sequence[Shape | None], attrs: Mapping[str, Any]) -> li
 SCHEMA = OpSchema(
     op_type=OP_TYPE,
     inputs=INPUTS,
-    optional_inputs=frozenset(),
+    optional_inputs={},
+    tensorrt_plugin=False,  # no Triton kernel: TensorRT inlines the function body (standard ops)
     outputs=OUTPUTS,
     attributes=(),
     infer_shapes=infer_shapes,

@@ -6,14 +6,13 @@ TensorRT's own kernel selection. TensorRT should therefore import a trtopt.MatMu
 the ONNX parser inlines a node whose op_type names a local function, unless the node carries ``plugin_namespace``
 (or the parser flag ENABLE_PLUGIN_OVERRIDE is set, 10.15+), in which case it looks for a registered plugin.
 
-Consequence, for the fusion and plan owners (not changed here): MatMulAdd nodes must NOT carry
-``plugin_namespace="trtopt"``. Today they do (trtopt/fusion_passes/matmul_add.py via ``plugin_namespace=DOMAIN``,
-and trtopt/plugins/common.normalize_attributes adds it to every trtopt node), so TensorRT would fail to parse a
-plan with MatMulAdd ("plugin not found").
+So MatMulAdd nodes do not carry ``plugin_namespace``: its schema says ``tensorrt_plugin=False``, which
+``trtopt.plugins.common.normalize_attributes`` and the fusion rule (trtopt/fusion_passes/matmul_add.py) follow, and the
+TensorRT executor imports plugin modules only for ops with ``tensorrt_plugin=True``.
 
 Importing this module registers nothing; it exists so that the TensorRT executor, which imports
 ``trtopt.plugins.<op>.trt_plugin`` for every trtopt op in a plan, finds this explanation instead of an ImportError.
 """
 
 # Read by tests and by anyone deciding whether a node of this op may carry plugin_namespace.
-HAS_TENSORRT_PLUGIN = False
+HAS_TENSORRT_PLUGIN = False  # mirrors SCHEMA.tensorrt_plugin

@@ -7,20 +7,19 @@ been run. The pure logic (optimization-profile shapes from the plan's Limits) is
 - Engine: strongly typed (dtypes come from the ONNX), one optimization profile over T, S, blocks per sequence, N
   and the pool's num_blocks, a persistent timing cache (timing.cache next to engine.trt), aliased plugin I/O so
   kv_cache_out.{i} is bound to the same device address as kv_cache.{i}.
-- trtopt nodes carry plugin_namespace="trtopt", so the ONNX parser looks for registered plugins instead of
-  importing the function bodies. The registration (face 5 of DESIGN.md §4) must be imported before parsing; this
-  module imports `trtopt.plugins.<op>.trt_plugin` for every trtopt op in the plan.
+- trtopt nodes of ops with a TensorRT plugin (PagedAttention, FlashAttention) carry plugin_namespace="trtopt", so the
+  ONNX parser looks for the registered plugin instead of importing the function body; the others (RMSNorm,
+  MatMulAdd) are imported as their function bodies. The registration (face 5 of DESIGN.md §4) must be imported
+  before parsing; this module imports `trtopt.plugins.<op>.trt_plugin` for every such op in the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 from pathlib import Path
 from typing import Sequence
 
-import onnx
 import torch
 
 from trtopt.build.plan import MODEL_FILE, PlanConfig
@@ -83,13 +82,6 @@ def profile_shapes(plan: PlanConfig, *, max_num_blocks: int | None = None, opt_n
     return shapes
 
 
-def plugin_modules(model_path: Path) -> list[str]:
-    """The TensorRT registration modules of every trtopt op the plan uses (PagedAttention → paged_attention)."""
-    model = onnx.load(str(model_path), load_external_data=False)
-    ops = sorted({n.op_type for n in model.graph.node if n.domain == "trtopt"})
-    return [f"trtopt.plugins.{re.sub(r'(?<!^)(?=[A-Z])', '_', op).lower()}.trt_plugin" for op in ops]
-
-
 def _import_tensorrt():
     try:
         import tensorrt as trt
@@ -102,6 +94,8 @@ def _import_tensorrt():
 
 
 def _register_plugins(model_path: Path) -> None:
+    from trtopt.plugins.trt_common import plugin_modules
+
     for module in plugin_modules(model_path):
         try:
             importlib.import_module(module)  # importing registers the plugin with tensorrt.plugin
