@@ -11,6 +11,14 @@ where s_q, s_k, c are scalar constants (the dynamo exporter applies √scale to 
 repeat_kv (Unsqueeze(2)→Expand→Reshape) followed by a transpose of the last two axes (a Transpose, or the
 Reshape→Transpose(0,2,1)→Reshape form of the dynamo exporter), and V(·) is an optional repeat_kv. Anything else
 raises ``NoMatch`` with the failing check, so an unproven pattern is never rewritten.
+
+BLOOM attends with heads folded into the batch (3-D bmm on [B·H, S, D]) and adds its ALiBi bias inside:
+
+    scores = Reshape_4d(MatMul(Fold(q), Transpose(0,2,1)(Fold(k)))·c [+ bias]) + mask
+    out    = MatMul(Fold(Softmax(scores)), Fold(v))
+
+Each Fold/Reshape_4d is accepted only when the exporter's shapes prove it merges/splits exactly the (B, H) axes;
+the bias is then a second additive term that the mask probe evaluates (an ALiBi bias becomes ``alibi_slopes``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class MaskSpec:
     kind: str
     value: ir.Value  # the additive bias or the boolean condition
     fill: float = 0.0  # the masked-out score for the Where forms
+    # A second additive term on the heads-folded scores (BLOOM's ALiBi): [B·H, 1 | T, S], added before the mask.
+    folded_bias: ir.Value | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +68,7 @@ class AttentionMatch:
     v_repeated: ir.Value  # v after repeat_kv: [B, Hq, Tk, D]
     guard_nodes: tuple[ir.Node, ...]  # IsNaN/Where guards around the Softmax (dead after the rewrite)
     native_gqa: bool = False  # the op itself maps query head h to kv head h // (Hq / Hkv) (ONNX Attention)
+    heads_folded: bool = False  # the 3-D bmm form: ``out`` is [B·Hq, T, D] (q/k/v above are still 4-D)
 
     def heads_consistent(self, num_heads: int, num_kv_heads: int) -> bool:
         """Do these head counts fit how the graph maps query heads to kv heads?"""
@@ -200,6 +211,14 @@ def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
             passed.append(uses[0])
             value = uses[0].outputs[0]
             continue
+        if len(uses) == 1 and uses[0].op_type == "Reshape" and not any(n.op_type == "Reshape" for n in passed):
+            if not _is_head_fold(uses[0]):
+                raise NoMatch(
+                    "Softmax output is reshaped, but not provably [B, H, T, S] → [B·H, T, S]", softmax.name or ""
+                )
+            passed.append(uses[0])
+            value = uses[0].outputs[0]
+            continue
         isnan = [n for n in uses if n.op_type == "IsNaN"]
         where = [n for n in uses if n.op_type == "Where"]
         if len(isnan) == 1 and len(where) == 1 and len(uses) == 2:
@@ -217,31 +236,105 @@ def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
         )
 
 
+def _known_dim(dim) -> bool:
+    return isinstance(dim, int) or (isinstance(dim, ir.SymbolicDim) and dim.value is not None)
+
+
+def _same_dims(a, b) -> bool:
+    """Equal static sizes, or the same named symbol (the exporter's shape inference says they are equal)."""
+    return _known_dim(a) and _known_dim(b) and a == b
+
+
+def _ranked_shapes(node: ir.Node) -> tuple[ir.Shape, ir.Shape] | None:
+    src, dst = node.inputs[0].shape, node.outputs[0].shape
+    return None if src is None or dst is None else (src, dst)
+
+
+def _is_head_fold(node: ir.Node) -> bool:
+    """Reshape [B, H, S, X] → [B·H, S, X]: row-major, so element (b, h, s, x) lands at (b·H + h, s, x).
+
+    Proven from the exporter's shapes: same S and X, rank 4 → 3, so the first axis can only be B·H.
+    """
+    shapes = _ranked_shapes(node)
+    if node.op_type != "Reshape" or shapes is None:
+        return False
+    src, dst = shapes
+    return len(src) == 4 and len(dst) == 3 and _same_dims(src[2], dst[1]) and _same_dims(src[3], dst[2])
+
+
+def _is_head_unfold(node: ir.Node, heads) -> bool:
+    """Reshape [B·H, T, S] → [B, H, T, S] with H the heads of the fold (so it undoes it exactly)."""
+    shapes = _ranked_shapes(node)
+    if node.op_type != "Reshape" or shapes is None:
+        return False
+    src, dst = shapes
+    return (
+        len(src) == 3
+        and len(dst) == 4
+        and _same_dims(src[1], dst[2])
+        and _same_dims(src[2], dst[3])
+        and _same_dims(dst[1], heads)
+    )
+
+
+def _unfold_head_fold(value: ir.Value, what: str) -> ir.Value:
+    """The 4-D [B, H, S, D] tensor behind a proven head fold."""
+    node = value.producer()
+    if node is None or not _is_head_fold(node):
+        raise NoMatch(f"{what} is not provably a [B, H, S, D] → [B·H, S, D] fold", node.name if node else "")
+    return node.inputs[0]
+
+
+def _folded_scores(value: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Node] | None:
+    """Reshape_4d(scores₃ [+ bias₃]): (scores₃, bias₃, the reshape), or None when this is not that form."""
+    unfold = value.producer()
+    if unfold is None or unfold.op_type != "Reshape":
+        return None
+    inner = unfold.inputs[0]
+    if _is_qk(inner):
+        return inner, None, unfold
+    add = inner.producer()
+    if add is None or add.op_type != "Add":
+        return None
+    a, b = add.inputs
+    if _is_qk(a):
+        return a, b, unfold
+    if _is_qk(b):
+        return b, a, unfold
+    return None
+
+
 def _is_qk(value: ir.Value) -> bool:
     producer = _strip_scalar_scale(value)[0].producer()
     return producer is not None and producer.op_type == "MatMul"
 
 
-def _mask_of(scores: ir.Value) -> tuple[ir.Value, MaskSpec | None]:
-    """Split the Softmax input into the raw (scaled) scores and the mask."""
+def _mask_of(scores: ir.Value) -> tuple[ir.Value, MaskSpec | None, ir.Node | None]:
+    """Split the Softmax input into the raw (scaled) scores, the mask and, for the heads-folded form, the
+    Reshape that unfolds the scores to [B, H, T, S]."""
     node = scores.producer()
     if node is not None and node.op_type == "Add":
         a, b = node.inputs
         # The scores side is the one that comes from the QKᵀ MatMul (possibly through a scale).
         if _is_qk(a):
-            return a, MaskSpec("add", b)
+            return a, MaskSpec("add", b), None
         if _is_qk(b):
-            return b, MaskSpec("add", a)
+            return b, MaskSpec("add", a), None
+        for scores_side, mask_side in ((a, b), (b, a)):
+            folded = _folded_scores(scores_side)
+            if folded is not None:
+                raw, bias, unfold = folded
+                return raw, MaskSpec("add", mask_side, folded_bias=bias), unfold
         raise NoMatch("Add before Softmax has no QKᵀ operand", node.name or "")
     if node is not None and node.op_type == "Where":
         cond, x, y = node.inputs
         fill_y, fill_x = scalar_constant(y), scalar_constant(x)
         if fill_y is not None and fill_y <= MASKED:
-            return x, MaskSpec("where_keep", cond, fill_y)
+            return x, MaskSpec("where_keep", cond, fill_y), None
         if fill_x is not None and fill_x <= MASKED:
-            return y, MaskSpec("where_drop", cond, fill_x)
+            return y, MaskSpec("where_drop", cond, fill_x), None
         raise NoMatch("Where before Softmax does not fill with a large negative constant", node.name or "")
-    return scores, None
+    return scores, None, None
 
 
 def match_attention(softmax: ir.Node) -> AttentionMatch:
@@ -258,11 +351,16 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
     if probs_side is not expected:
         raise NoMatch("probabilities are the right operand of the output MatMul", out_node.name or "")
 
-    raw_scores, mask = _mask_of(softmax.inputs[0])
+    raw_scores, mask, unfold = _mask_of(softmax.inputs[0])
     scores, post_scale = _strip_scalar_scale(raw_scores)
     qk = _producer(scores, "the Softmax input", softmax)
     if qk.op_type != "MatMul":
         raise NoMatch(f"scores come from {qk.op_type}, not a QKᵀ MatMul", qk.name or "")
+    probs_folded = any(n.op_type == "Reshape" for n in guards)
+    if (unfold is not None) != probs_folded:
+        raise NoMatch("scores and probabilities are not both in the heads-folded [B·H, T, S] form", qk.name or "")
+    if unfold is not None:
+        return _match_folded(softmax, qk, unfold, post_scale, mask, out_node, guards)
 
     q, q_scale = _strip_scalar_scale(qk.inputs[0])
     k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
@@ -295,6 +393,56 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
         k_repeated=k_rep,
         v_repeated=v_side,
         guard_nodes=guards,
+    )
+
+
+def _match_folded(
+    softmax: ir.Node,
+    qk: ir.Node,
+    unfold: ir.Node,
+    post_scale: float,
+    mask: MaskSpec | None,
+    out_node: ir.Node,
+    guards: tuple[ir.Node, ...],
+) -> AttentionMatch:
+    """BLOOM's bmm attention: q, k, v folded to [B·H, S, D], the scores unfolded to [B, H, T, S] for the mask."""
+    q3, q_scale = _strip_scalar_scale(qk.inputs[0])
+    q = _unfold_head_fold(q3, "the query operand of QKᵀ")
+    k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
+    transpose = k_t.producer()
+    if transpose is None or transpose.op_type != "Transpose" or _perm(transpose) != (0, 2, 1):
+        raise NoMatch("the key operand of the folded QKᵀ is not Transpose(0, 2, 1)", qk.name or "")
+    k_rep = _unfold_head_fold(transpose.inputs[0], "the key operand of QKᵀ")
+    k_rep, k_scale_inner = _strip_scalar_scale(k_rep)
+    k, k_repeated = _strip_repeat_kv(k_rep)
+    v_side = _unfold_head_fold(out_node.inputs[1], "the value operand of the output MatMul")
+    v_side, v_scale = _strip_scalar_scale(v_side)
+    if v_scale != 1.0:
+        raise NoMatch("values are scaled before the output MatMul", out_node.name or "")
+    v, v_repeated = _strip_repeat_kv(v_side)
+    if k_repeated != v_repeated:
+        raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
+    heads = q.shape[1] if q.shape is not None and len(q.shape) == 4 else None
+    if not _is_head_unfold(unfold, heads):
+        raise NoMatch("the scores are not provably unfolded [B·H, T, S] → [B, H, T, S]", unfold.name or "")
+    scale = post_scale * q_scale * k_scale * k_scale_inner
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise NoMatch(f"attention scale {scale} is not a positive finite constant", qk.name or "")
+    return AttentionMatch(
+        softmax=softmax,
+        q=q,
+        k=k,
+        k_heads_second=True,
+        v=v,
+        scale=scale,
+        mask=mask,
+        out=out_node.outputs[0],
+        out_node=out_node,
+        repeat_kv=k_repeated,
+        k_repeated=k_rep,
+        v_repeated=v_side,
+        guard_nodes=guards,
+        heads_folded=True,
     )
 
 

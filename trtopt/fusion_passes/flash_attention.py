@@ -62,6 +62,8 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
     for softmax in [n for n in graph if is_attention_anchor(n)]:
         try:
             match = match_attention(softmax)
+            if match.heads_folded:
+                raise NoMatch("heads-folded [B·H, S, D] attention (BLOOM) is only fused in cache graphs")
             if match.k.producer() is not None and match.k.producer().op_type == "Concat":
                 raise NoMatch("keys are concatenated with a past; that is the paged rule's case")
             num_heads, hkv, head_dim = _head_counts(match, ctx)

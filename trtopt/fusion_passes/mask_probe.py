@@ -6,8 +6,14 @@ computes the mask, run it on onnxruntime for a few (past, new) lengths with no p
 all ones, which is what the paged runtime gives), and read off which key positions each query may see.
 
 The mask is accepted only if every probed row is exactly a causal range [p − W + 1, p] with one W for all rows
-(W = 0: no sliding window, as far as the probes reach). Any other value, e.g. an ALiBi bias that is not 0/−inf,
-or a mask that differs per head, is refused, so the rewrite never changes what the graph computes.
+(W = 0: no sliding window, as far as the probes reach), the same for every head. The finite values on the visible
+keys (an additive mask that is not just 0, plus BLOOM's separate folded bias) must be an ALiBi bias: for every
+probe, head h and query at position p, bias[h, p, k] − bias[h, p, p] = slope[h]·(k − p) for each visible key k.
+Softmax cancels a per-row constant, so this is exactly the op's ``slope[h]·(kpos − p)`` whether the graph adds
+slope·kpos (BLOOM, kpos from the attention-mask cumsum) or slope·(kpos − p). The slopes are read off the longest
+probed row and checked on every other row to 1e-6 relative to the row's largest |bias| (float32 rounding of
+slope·kpos). Anything else, e.g. a bias not linear in the key position or a mask that differs per head, is
+refused, so the rewrite never changes what the graph computes.
 """
 
 from __future__ import annotations
@@ -38,17 +44,28 @@ class ProbeInputs:
 
 @dataclasses.dataclass(frozen=True)
 class CausalWindow:
-    """The proven meaning of a mask: causal, with a sliding window of ``window`` tokens (0 = none seen)."""
+    """The proven meaning of a mask: causal, with a sliding window of ``window`` tokens (0 = none seen), plus an
+    ALiBi bias slope[h]·(kpos − p) (None: no bias; one slope when the bias is the same for every head)."""
 
     window: int
+    alibi_slopes: tuple[float, ...] | None = None
 
 
-def _slice_nodes(graph: ir.Graph, target: ir.Value) -> tuple[list[ir.Node], list[ir.Value], list[ir.Value]]:
-    """Nodes, graph inputs and initializers that ``target`` depends on, nodes in graph order."""
+@dataclasses.dataclass(frozen=True)
+class _Probed:
+    """One evaluated probe: which keys each query sees and the finite bias on them."""
+
+    past_len: int
+    allowed: np.ndarray  # bool [new, keys], the same for every head
+    bias: np.ndarray  # float64 [heads or 1, new, keys], 0 where not allowed
+
+
+def _slice_nodes(graph: ir.Graph, targets: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value], list[ir.Value]]:
+    """Nodes, graph inputs and initializers that ``targets`` depend on, nodes in graph order."""
     needed: set[int] = set()
     inputs: dict[str, ir.Value] = {}
     initializers: dict[str, ir.Value] = {}
-    stack = [target]
+    stack = list(targets)
     seen_values: set[int] = set()
     while stack:
         value = stack.pop()
@@ -77,8 +94,8 @@ def _output_info(target: ir.Value) -> onnx.ValueInfoProto:
     return onnx.helper.make_value_info(target.name, onnx.TypeProto())
 
 
-def _probe_model(model: ir.Model, target: ir.Value) -> tuple[onnx.ModelProto, list[ir.Value]]:
-    nodes, inputs, initializers = _slice_nodes(model.graph, target)
+def _probe_model(model: ir.Model, targets: list[ir.Value]) -> tuple[onnx.ModelProto, list[ir.Value]]:
+    nodes, inputs, initializers = _slice_nodes(model.graph, targets)
     for init in initializers:
         if init.const_value.nbytes > _MAX_PROBE_INITIALIZER:
             raise NoMatch(f"the mask reads the large initializer {init.name}; refusing to treat it as a mask")
@@ -86,7 +103,7 @@ def _probe_model(model: ir.Model, target: ir.Value) -> tuple[onnx.ModelProto, li
         [ir.serde.serialize_node(n) for n in nodes],
         "mask_probe",
         [ir.serde.serialize_value(v) for v in inputs],
-        [_output_info(target)],
+        [_output_info(t) for t in targets],
         # Read external data into the probe (a model loaded from bytes cannot follow external-data paths).
         [ir.serde.serialize_tensor(ir.Tensor(v.const_value.numpy(), name=v.name)) for v in initializers],
     )
@@ -145,26 +162,44 @@ def _feeds(inputs: list[ir.Value], roles: ProbeInputs, past_len: int, new_len: i
     return feeds
 
 
-def _allowed(mask: MaskSpec, value: np.ndarray, new_len: int, total: int) -> np.ndarray:
-    """Boolean [new_len, keys]: which keys each query may see, from the evaluated mask.
+def _per_head(value: np.ndarray, new_len: int, keys: int) -> np.ndarray:
+    """[heads or 1, new_len, keys] view of an evaluated mask/bias (batch is 1 in the probe)."""
+    return np.broadcast_to(value, value.shape[:-2] + (new_len, keys)).reshape(-1, new_len, keys)
+
+
+def _split(mask: MaskSpec, values: list[np.ndarray], new_len: int, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """(allowed, bias): bool [new_len, keys], which keys each query may see, the same for every head; and the
+    float64 bias [heads or 1, new_len, keys] added on the visible keys (0 elsewhere).
 
     keys is the mask's last dim: ``total`` (= past + new), or fewer when the graph trims the past before the
     Concat (a sliding-window cache); the kept keys are then the last ones.
     """
+    value = values[0]
     keys = value.shape[-1] if value.ndim and value.shape[-1] != 1 else total
     if keys > total:
         raise NoMatch(f"the mask has {keys} key columns for {total} keys")
-    full = np.broadcast_to(value, value.shape[:-2] + (new_len, keys)).reshape(-1, new_len, keys)
-    if not (full == full[:1]).all():
-        raise NoMatch("the mask differs across batch/heads (an ALiBi-like or per-head bias)")
-    rows = full[0]
+    full = _per_head(value, new_len, keys)
     if mask.kind == "add":
-        keep = rows == 0.0
-        if not (keep | (rows <= MASKED)).all():
-            raise NoMatch("the additive mask has values other than 0 and a large negative (an ALiBi-like bias)")
-        return keep
-    as_bool = rows.astype(bool)
-    return as_bool if mask.kind == "where_keep" else ~as_bool
+        if np.isnan(full).any():
+            raise NoMatch("the additive mask holds NaN")
+        keep = full > MASKED
+        bias = np.where(keep, full, 0.0).astype(np.float64)
+    else:
+        as_bool = full.astype(bool)
+        keep = as_bool if mask.kind == "where_keep" else ~as_bool
+        bias = np.zeros((1, new_len, keys))
+    if not (keep == keep[:1]).all():
+        raise NoMatch("the mask differs across batch/heads (a per-head mask)")
+    allowed = keep[0]
+    if mask.folded_bias is not None:
+        folded = values[1]
+        heads = folded.shape[0] if folded.ndim == 3 else 0
+        if folded.shape[1:] not in ((1, keys), (new_len, keys)) or bias.shape[0] not in (1, heads):
+            raise NoMatch(f"the folded bias has shape {list(folded.shape)}, not [heads, 1 | {new_len}, {keys}]")
+        bias = bias + np.where(allowed, _per_head(folded, new_len, keys), 0.0)
+    if not np.isfinite(bias).all():
+        raise NoMatch("the bias on visible keys is not finite")
+    return allowed, bias
 
 
 def _window_of(allowed: np.ndarray, past_len: int) -> int | None:
@@ -188,31 +223,74 @@ def _window_of(allowed: np.ndarray, past_len: int) -> int | None:
     return window
 
 
+def _seen(probe: _Probed, row: int) -> np.ndarray:
+    return np.flatnonzero(probe.allowed[row])
+
+
+def _alibi_slopes(probes: list[_Probed]) -> tuple[float, ...] | None:
+    """slope[h] with bias[h, p, k] − bias[h, p, p] = slope[h]·(k − p) on every visible key of every probe, None
+    when the bias is 0 everywhere, NoMatch when it is not of that form."""
+    heads = {p.bias.shape[0] for p in probes}
+    count = max(heads)
+    if heads - {1, count}:
+        raise NoMatch(f"the bias has {sorted(heads)} heads across probes")
+    # The longest visible row gives the most precise slope (the span divides the rounding error).
+    probe, row = max(((p, j) for p in probes for j in range(p.allowed.shape[0])), key=lambda pj: _seen(*pj).size)
+    cols = _seen(probe, row)
+    if cols.size < 2:
+        return None  # one visible key per query: any bias is cancelled by softmax
+    bias = np.broadcast_to(probe.bias, (count,) + probe.bias.shape[1:])
+    slopes = (bias[:, row, cols[-1]] - bias[:, row, cols[0]]) / float(cols[-1] - cols[0])
+    slopes = slopes.astype(np.float32).astype(np.float64)
+    for p in probes:
+        b = np.broadcast_to(p.bias, (count,) + p.bias.shape[1:])
+        for j in range(p.allowed.shape[0]):
+            cols = _seen(p, j)
+            diag = cols[-1]  # the query's own position (causal proven)
+            expected = b[:, j, diag : diag + 1] + slopes[:, None] * (cols - diag)[None, :]
+            actual = b[:, j, cols]
+            tolerance = 1e-6 * max(1.0, float(np.abs(actual).max()))
+            if np.abs(actual - expected).max() > tolerance:
+                worst = int(np.abs(actual - expected).max(axis=1).argmax())
+                raise NoMatch(
+                    f"the bias is not linear in the key position (not ALiBi): head {worst}, query at position "
+                    f"{p.past_len + j}, past={p.past_len}; off by {np.abs(actual - expected).max():.3g}"
+                )
+    if not slopes.any():
+        return None
+    return tuple(float(x) for x in slopes)
+
+
 def probe_causal(model: ir.Model, mask: MaskSpec, roles: ProbeInputs, *, long_len: int = 512) -> CausalWindow:
-    """Evaluate ``mask`` for several lengths; return its causal window or raise NoMatch."""
+    """Evaluate ``mask`` (and its folded bias) for several lengths; return its causal window and ALiBi slopes or
+    raise NoMatch."""
     import onnxruntime as ort
 
-    proto, inputs = _probe_model(model, mask.value)
+    targets = [mask.value] + ([mask.folded_bias] if mask.folded_bias is not None else [])
+    proto, inputs = _probe_model(model, targets)
     try:
         session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own exception types; any failure means "cannot prove"
         raise NoMatch(f"the mask subgraph does not run on its own ({type(e).__name__}: {str(e)[:200]})") from e
     window: int | None = None
+    probed: list[_Probed] = []
     probes = [(0, 4), (3, 1), (5, 3), (max(long_len - 3, 0), 3)]
     for past_len, new_len in probes:
         try:
-            (value,) = session.run([mask.value.name], _feeds(inputs, roles, past_len, new_len))
+            values = session.run([t.name for t in targets], _feeds(inputs, roles, past_len, new_len))
         except NoMatch:
             raise
         except Exception as e:
             raise NoMatch(
                 f"the mask subgraph failed for past={past_len}, new={new_len} ({type(e).__name__}: {str(e)[:160]})"
             ) from e
-        rows_window = _window_of(_allowed(mask, np.asarray(value), new_len, past_len + new_len), past_len)
+        allowed, bias = _split(mask, [np.asarray(v) for v in values], new_len, past_len + new_len)
+        rows_window = _window_of(allowed, past_len)
+        probed.append(_Probed(past_len, allowed, bias))
         if rows_window is not None:
             if window is not None and window != rows_window:
                 raise NoMatch(f"the mask's window differs between probes ({window} vs {rows_window})")
             window = rows_window
         elif window is not None and past_len + new_len > window:
             raise NoMatch("the mask is windowed for some lengths and not for others")
-    return CausalWindow(window or 0)
+    return CausalWindow(window or 0, _alibi_slopes(probed))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -49,6 +50,7 @@ class PagedLayer:
     num_kv_heads: int
     head_dim: int
     window: int
+    alibi_slopes: tuple[float, ...] | None  # one per query head; None: no ALiBi
 
 
 def _past_of(value: ir.Value | None) -> ir.Value | None:
@@ -157,10 +159,10 @@ def _probe_once(
     mask: MaskSpec,
     roles: ProbeInputs,
     ctx: PassContext,
-    proven: dict[tuple[int, str], CausalWindow | NoMatch],
-) -> int:
-    """The mask's window; every layer usually shares one mask value, so each is probed once."""
-    key = (id(mask.value), mask.kind)
+    proven: dict[tuple[int, str, int], CausalWindow | NoMatch],
+) -> CausalWindow:
+    """The mask's window and ALiBi slopes; every layer usually shares one mask value, so each is probed once."""
+    key = (id(mask.value), mask.kind, id(mask.folded_bias))
     if key not in proven:
         try:
             proven[key] = probe_causal(model, mask, roles, long_len=ctx.probe_len)
@@ -169,7 +171,18 @@ def _probe_once(
     result = proven[key]
     if isinstance(result, NoMatch):
         raise result
-    return result.window
+    return result
+
+
+def _slopes_per_head(slopes: tuple[float, ...] | None, num_heads: int) -> tuple[float, ...] | None:
+    """The proven slopes for each query head: a bias shared by all heads gives one slope."""
+    if slopes is None:
+        return None
+    if len(slopes) == 1:
+        return slopes * num_heads
+    if len(slopes) != num_heads:
+        raise NoMatch(f"the ALiBi bias has {len(slopes)} heads for {num_heads} query heads")
+    return slopes
 
 
 def _prove_layer(
@@ -177,7 +190,7 @@ def _prove_layer(
     softmax: ir.Node,
     roles: ProbeInputs,
     ctx: PassContext,
-    proven: dict[tuple[int, str], CausalWindow | NoMatch],
+    proven: dict[tuple[int, str, int], CausalWindow | NoMatch],
 ) -> PagedLayer:
     match = match_attention(softmax)
     if not match.k_heads_second:
@@ -186,8 +199,9 @@ def _prove_layer(
     v_cat = _cache_pair(match.v, "values")
     if match.mask is None:
         raise NoMatch("no mask before Softmax, so the attention is not causal over the cache", softmax.name or "")
-    window = _probe_once(model, match.mask, roles, ctx, proven)
+    meaning = _probe_once(model, match.mask, roles, ctx, proven)
     num_heads, hkv, head_dim = _head_dims(match, _past_of(k_cat.inputs[0]), ctx)
+    slopes = _slopes_per_head(meaning.alibi_slopes, num_heads)
     return PagedLayer(
         match=match,
         past_key=_past_of(k_cat.inputs[0]),
@@ -201,7 +215,8 @@ def _prove_layer(
         num_heads=num_heads,
         num_kv_heads=hkv,
         head_dim=head_dim,
-        window=window,
+        window=meaning.window,
+        alibi_slopes=slopes,
     )
 
 
@@ -234,7 +249,18 @@ def _step_tensors() -> StepTensors:
     )
 
 
-def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensors) -> ir.Node:
+def _slopes_initializer(graph: ir.Graph, layer: PagedLayer, index: int) -> ir.Value | None:
+    """The proven ALiBi slopes as the op's float32 [Hq] ``alibi_slopes`` input."""
+    if layer.alibi_slopes is None:
+        return None
+    tensor = ir.tensor(np.array(layer.alibi_slopes, dtype=np.float32), name=f"alibi_slopes.{index}")
+    value = ir.Value(name=tensor.name, const_value=tensor)
+    value.shape, value.type = ir.Shape([layer.num_heads]), ir.TensorType(ir.DataType.FLOAT)
+    graph.register_initializer(value)
+    return value
+
+
+def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensors, slopes: ir.Value | None) -> ir.Node:
     m = layer.match
     attrs = [
         ir.AttrInt64("num_heads", layer.num_heads),
@@ -253,11 +279,12 @@ def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensor
         step.seq_lens,
         step.query_start_loc,
         step.slot_mapping,
+        slopes,
     ]
     node = trtopt_node("PagedAttention", inputs, attrs, num_outputs=2, name=f"PagedAttention_{index}")
     out, cache_out = node.outputs
     out.name = f"paged_attention.{index}.out"
-    out.shape = m.out.shape
+    out.shape = None if m.heads_folded else m.out.shape  # folded: [1, Hq, T, D], squeezed after
     out.type = ir.TensorType(m.q.dtype) if m.q.dtype is not None else m.out.type
     cache_out.name = f"kv_cache_out.{index}"
     cache_out.shape, cache_out.type = cache.shape, cache.type
@@ -272,13 +299,28 @@ def _insert_paged_nodes(
     for index, layer in enumerate(layers):
         dims = ["num_blocks", 2, layer.num_kv_heads, block_size, layer.head_dim]
         cache = _new_input(f"kv_cache.{index}", layer.past_key.dtype, dims)
-        node = _paged_node(layer, index, cache, step)
+        node = _paged_node(layer, index, cache, step, _slopes_initializer(graph, layer, index))
         graph.insert_after(layer.match.out_node, node)
-        out = cast_like_original(graph, node.outputs[0], layer.match.out, node)
+        out, last = node.outputs[0], node
+        if layer.match.heads_folded:
+            # The graph continues from bmm's [B·Hq, T, D]; the op gives [1, Hq, T, D] (batch is 1 when paged).
+            axes = _int64_initializer(graph, f"PagedAttention_{index}.squeeze_axes", [0])
+            last = ir.Node("", "Squeeze", [out, axes], name=f"PagedAttention_{index}.unbatch")
+            graph.insert_after(node, last)
+            out = last.outputs[0]
+            out.shape, out.type = layer.match.out.shape, node.outputs[0].type
+        out = cast_like_original(graph, out, layer.match.out, last)
         ir.convenience.replace_all_uses_with(layer.match.out, out)
         cache_inputs.append(cache)
         cache_outputs.append(node.outputs[1])
     return cache_inputs, cache_outputs
+
+
+def _int64_initializer(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.tensor(np.array(values, dtype=np.int64), name=name))
+    value.shape, value.type = ir.Shape([len(values)]), ir.TensorType(ir.DataType.INT64)
+    graph.register_initializer(value)
+    return value
 
 
 def _rebind_shapes(graph: ir.Graph, layers: list[PagedLayer]) -> None:
@@ -296,6 +338,8 @@ def _rebind_shapes(graph: ir.Graph, layers: list[PagedLayer]) -> None:
             cut[id(tensor)] = layer.num_kv_heads
         for tensor in (layer.match.k_repeated, layer.match.v_repeated):
             cut[id(tensor)] = layer.num_heads
+        # (In the heads-folded form these are still the 4-D tensors before the fold; the 3-D folds stay dead
+        # or are read only by the removed attention.)
     head_dims = {layer.head_dim for layer in layers}
     assert len(head_dims) == 1, f"layers disagree on head_dim: {head_dims}"
     input_ids = next(v for v in graph.inputs if v.name == "input_ids")
@@ -369,7 +413,7 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
     pasts = [_past_of(c.inputs[0]) for c in concats] or [v for v in graph.inputs if "past" in (v.name or "")]
     roles = _roles(graph, pasts)
     layers: list[PagedLayer] = []
-    proven: dict[tuple[int, str], CausalWindow | NoMatch] = {}
+    proven: dict[tuple[int, str, int], CausalWindow | NoMatch] = {}
     for softmax in [n for n in graph if is_attention_anchor(n)]:
         try:
             layers.append(_prove_layer(model, softmax, roles, ctx, proven))
