@@ -69,7 +69,12 @@ def ensure_ogenai(hf_dir: Path) -> Path:
 def run_trtopt(backend: str, plan: Path, batches: list[int], new_tokens: int) -> dict[int, float]:
     from trtopt import LLM, SamplingParams
 
-    llm = LLM(plan, backend=backend, max_num_seqs=max(batches), max_num_batched_tokens=2048)
+    # The pool is sized to the workload (every request at full length, plus the null block), the same for both
+    # backends. This matters for onnxruntime: under ONNX value semantics its ScatterND copies the whole pool of every
+    # layer on every step, so an oversized pool costs it time in proportion (the torch backend writes in place).
+    blocks_per_seq = -(-(64 + new_tokens) // 16)
+    llm = LLM(plan, backend=backend, max_num_seqs=max(batches), max_num_batched_tokens=2048,
+              num_blocks=max(batches) * blocks_per_seq + 1)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     llm.generate(prompts_for(2), SamplingParams(max_tokens=8))  # warm-up
     results = {}
