@@ -54,8 +54,8 @@ def test_triton_types() -> None:
         triton_type("INT8")
 
 
-class TensorDesc:  # stands in for trtp.TensorDesc: only names and attribute annotations are checked
-    pass
+class TensorDesc:
+    """Stands in for trtp.TensorDesc: only names and attribute annotations are checked."""
 
 
 def good(x: TensorDesc, weight: TensorDesc, bias: TensorDesc, epsilon: float) -> TensorDesc: ...

@@ -81,7 +81,7 @@ class SymInt32:
 
 
 class SymExprs(list):
-    pass
+    """Stands in for trtp.SymIntExprs: a list of SymInt32."""
 
 
 class SymIntExprs(SymExprs):

@@ -64,10 +64,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 async def _tokens(engine: AsyncLLMEngine, rid: str, prompt: list[int], params=GREEDY) -> list[int]:
-    out = None
-    async for out in engine.generate(rid, {"prompt_token_ids": prompt}, params):
-        pass
-    return out.outputs[0].token_ids
+    outs = [out async for out in engine.generate(rid, {"prompt_token_ids": prompt}, params)]
+    return outs[-1].outputs[0].token_ids
 
 
 def test_concurrent_requests_share_steps_and_free_blocks():
