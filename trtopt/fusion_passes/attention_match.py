@@ -369,16 +369,8 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
     k, k_repeated = _strip_repeat_kv(k_rep)
     if not heads_second and k_repeated:
         raise NoMatch("keys are repeated to the query heads in [B, S, H, D] layout", qk.name or "")
-    v_side, v_scale = _strip_scalar_scale(out_node.inputs[1])  # only float Casts are expected here
-    if v_scale != 1.0:
-        raise NoMatch("values are scaled before the output MatMul", out_node.name or "")
-    v, v_repeated = _strip_repeat_kv(v_side)
-    if k_repeated != v_repeated:
-        raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
-
-    scale = post_scale * q_scale * k_scale * k_scale_inner
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise NoMatch(f"attention scale {scale} is not a positive finite constant", qk.name or "")
+    v_side, v = _match_values(out_node.inputs[1], out_node, k_repeated)
+    scale = _checked_scale(post_scale * q_scale * k_scale * k_scale_inner, qk)
     return AttentionMatch(
         softmax=softmax,
         q=q,
@@ -394,6 +386,24 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
         v_repeated=v_side,
         guard_nodes=guards,
     )
+
+
+def _match_values(value: ir.Value, out_node: ir.Node, k_repeated: bool) -> tuple[ir.Value, ir.Value]:
+    """The value operand of the output MatMul → (as used, before any repeat_kv). Values must be unscaled and repeated
+    to the query heads exactly as the keys are."""
+    v_side, v_scale = _strip_scalar_scale(value)  # only float Casts are expected here
+    if v_scale != 1.0:
+        raise NoMatch("values are scaled before the output MatMul", out_node.name or "")
+    v, v_repeated = _strip_repeat_kv(v_side)
+    if k_repeated != v_repeated:
+        raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
+    return v_side, v
+
+
+def _checked_scale(scale: float, qk: ir.Node) -> float:
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise NoMatch(f"attention scale {scale} is not a positive finite constant", qk.name or "")
+    return scale
 
 
 def _match_folded(
@@ -415,19 +425,12 @@ def _match_folded(
     k_rep = _unfold_head_fold(transpose.inputs[0], "the key operand of QKᵀ")
     k_rep, k_scale_inner = _strip_scalar_scale(k_rep)
     k, k_repeated = _strip_repeat_kv(k_rep)
-    v_side = _unfold_head_fold(out_node.inputs[1], "the value operand of the output MatMul")
-    v_side, v_scale = _strip_scalar_scale(v_side)
-    if v_scale != 1.0:
-        raise NoMatch("values are scaled before the output MatMul", out_node.name or "")
-    v, v_repeated = _strip_repeat_kv(v_side)
-    if k_repeated != v_repeated:
-        raise NoMatch("keys and values are not repeated to the query heads the same way", out_node.name or "")
+    v_folded = _unfold_head_fold(out_node.inputs[1], "the value operand of the output MatMul")
+    v_side, v = _match_values(v_folded, out_node, k_repeated)
     heads = q.shape[1] if q.shape is not None and len(q.shape) == 4 else None
     if not _is_head_unfold(unfold, heads):
         raise NoMatch("the scores are not provably unfolded [B·H, T, S] → [B, H, T, S]", unfold.name or "")
-    scale = post_scale * q_scale * k_scale * k_scale_inner
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise NoMatch(f"attention scale {scale} is not a positive finite constant", qk.name or "")
+    scale = _checked_scale(post_scale * q_scale * k_scale * k_scale_inner, qk)
     return AttentionMatch(
         softmax=softmax,
         q=q,
