@@ -107,6 +107,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.limits = resolve_limits(plan, config)
         executor.allocate_kv_cache(self.limits.num_blocks)
+        if hasattr(executor, "capture_decode_graphs"):
+            executor.capture_decode_graphs()  # at start-up, not inside the first decode steps
         self.executor = executor
         self.pool = BlockPool(self.limits.num_blocks, self.limits.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, copy_blocks=executor.copy_blocks)

@@ -7,7 +7,7 @@ import torch
 
 from paged_driver import BlockSource, Seq, make_step
 from trtopt.build.plan import read_plan
-from trtopt.runtime.executors.cuda_graphs import decode_buckets, is_decode_step, pad_decode_step
+from trtopt.runtime.executors.cuda_graphs import decode_buckets, dummy_decode_step, is_decode_step, pad_decode_step
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 
@@ -23,6 +23,19 @@ def test_only_pure_decode_steps_are_graphable():
     assert is_decode_step(decode)
     mixed = make_step([Seq([1, 2, 3], cached=1), Seq([4, 5], cached=1)], [2, 1], 16, source)
     assert not is_decode_step(mixed)
+
+
+def test_dummy_step_is_all_padding_rows():
+    """What start-up capture runs equals the padding rows of a real padded step: no writes, null block only."""
+    source = BlockSource(16)
+    real = pad_decode_step(make_step([Seq([1, 2, 3], cached=2)], [1], 16, source), 4, 6)
+    dummy = dummy_decode_step(4, 6)
+    assert is_decode_step(dummy)
+    for name in ("block_tables", "seq_lens", "slot_mapping"):
+        torch.testing.assert_close(getattr(dummy, name)[1:], getattr(real, name)[1:])
+    assert dummy.slot_mapping.eq(-1).all() and dummy.block_tables.eq(0).all()
+    torch.testing.assert_close(dummy.query_start_loc, real.query_start_loc)
+    torch.testing.assert_close(dummy.logits_indices, real.logits_indices)
 
 
 def test_padded_decode_step_gives_the_same_logits_and_writes(plan_dir):
@@ -62,6 +75,9 @@ def test_graph_replay_matches_eager_on_cuda(plan_dir):
     for graphs in (False, True):
         ex = TorchExecutor(built, plan, device="cuda", cuda_graphs=graphs)
         ex.allocate_kv_cache(32)
+        ex.capture_decode_graphs()  # every bucket at start-up (a no-op without graphs)
+        if graphs:
+            assert set(ex.decode_graphs._captured) == set(decode_buckets(plan.limits.max_num_seqs))
         source = BlockSource(32)
         seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7, 33)]
         ex.execute(make_step(seqs, [len(s.tokens) for s in seqs], bs, source))

@@ -67,6 +67,19 @@ def pad_decode_step(step: StepInputs, bucket: int, max_blocks_per_seq: int) -> S
     )
 
 
+def dummy_decode_step(bucket: int, max_blocks_per_seq: int) -> StepInputs:
+    """A decode step of `bucket` padding rows only (what capture runs: it writes nothing, reads the null block)."""
+    return StepInputs(
+        input_ids=torch.zeros((1, bucket), dtype=torch.int64),
+        position_ids=torch.zeros((1, bucket), dtype=torch.int64),
+        block_tables=torch.zeros((bucket, max_blocks_per_seq), dtype=torch.int32),
+        seq_lens=torch.ones(bucket, dtype=torch.int32),
+        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32),
+        slot_mapping=torch.full((bucket,), -1, dtype=torch.int64),
+        logits_indices=torch.arange(bucket, dtype=torch.int64),
+    )
+
+
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -90,6 +103,14 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Forget every graph (the KV pools they captured by address were reallocated)."""
         self._captured.clear()
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (at start-up, as vLLM does), so that no step pays for a capture."""
+        for bucket in self.buckets:
+            if not self.enabled:
+                return
+            if bucket not in self._captured:
+                self._capture(bucket, dummy_decode_step(bucket, self.max_blocks_per_seq))
 
     def try_run(self, step: StepInputs) -> torch.Tensor | None:
         """Logits [s, vocab] from a graph replay, or None when the step is not a graphable decode step."""

@@ -71,6 +71,12 @@ class TorchExecutor:
         if self.decode_graphs is not None:
             self.decode_graphs.reset()  # the captured graphs hold the old pools' addresses
 
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode graph of every batch-size bucket now; a no-op without CUDA graphs."""
+        if self.decode_graphs is not None:
+            assert self.kv_caches, "allocate_kv_cache() must run before the graphs capture the pools"
+            self.decode_graphs.capture_all()
+
     def execute(self, step: StepInputs) -> torch.Tensor:
         assert self.kv_caches, "allocate_kv_cache() must run before execute()"
         feeds = step_tensors(step)

@@ -1,0 +1,476 @@
+"""End-to-end GPU benchmark (issue 6): a Llama-shaped random-weight bf16 plan of ~1.2B parameters.
+
+The model has Llama-3.2-1B's shape (16 layers, hidden 2048, GQA 32/8, MLP 8192, vocab 128256, tied embeddings) and
+random weights. It is made here, saved as an HF directory, exported with `trtopt export` (dynamo, bf16) and built
+with `trtopt build`; the same HF directory is loaded by transformers for the baseline. Every baseline runs in the
+same process, on the same GPU, in the same run:
+
+1. **Batch-1 decode vs the HBM roofline.** One request (128-token prompt, 256 new tokens) through `LLMEngine` with
+   CUDA graphs. Roofline = bytes one decode step must read (every weight once, tied embedding counted once, plus
+   the KV cache) / device-to-device copy bandwidth measured here (bytes read + written).
+2. **Variable-length workload vs HF `generate` with static batching.** 256 requests, prompt lengths uniform in
+   [64, 1024], output lengths uniform in [32, 512], seeded; EOS ignored so every engine generates exactly the
+   requested tokens. HF runs the requests in arrival order in static batches (left padding, each batch runs to its
+   longest output), as vLLM's `benchmark_throughput --backend hf` does; several batch sizes, the best is reported.
+   Throughput = requested output tokens / wall time (padding and overshoot count for nothing).
+3. **Continuous vs static batching in our engine**, at the same maximum batch: static = waves of B requests, the
+   next wave starts when the whole wave is done; continuous = all requests queued, refilled every step.
+
+The engine runs without a tokenizer (token ids in, token ids out), as HF does here; nothing is detokenized.
+
+    python3 benchmarks/gpu_e2e.py                      # on the GPU machine: docs/benchmarks/gpu_e2e_<gpu>.json + .png
+    python3 benchmarks/gpu_e2e.py --tiny --device cpu  # a few-second smoke run of the same code on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DOCS = ROOT / "docs" / "benchmarks"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int = 16
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 8
+    intermediate: int = 8192
+    vocab: int = 128256
+
+
+TINY = Shape(layers=2, hidden=256, heads=8, kv_heads=2, intermediate=512, vocab=2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    requests: int = 256
+    prompt_len: tuple[int, int] = (64, 1024)
+    output_len: tuple[int, int] = (32, 512)
+    seed: int = 0
+
+    def make(self, vocab: int) -> list[tuple[list[int], int]]:
+        """[(prompt token ids, output length)], the same for every engine."""
+        rng = random.Random(self.seed)
+        reqs = []
+        for _ in range(self.requests):
+            n = rng.randint(*self.prompt_len)
+            reqs.append(([rng.randrange(vocab) for _ in range(n)], rng.randint(*self.output_len)))
+        return reqs
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+
+def make_hf_dir(out: Path, shape: Shape, device: torch.device) -> int:
+    """A random-weight bf16 LlamaForCausalLM saved at `out`. Returns its parameter count (tied counted once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # initialising 1.2B parameters on the GPU takes a second, on the CPU a minute
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    model.save_pretrained(out)
+    del model
+    return n
+
+
+def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int) -> tuple[Path, Path, int, dict]:
+    from trtopt.build.builder import build_plan
+    from trtopt.build.plan import Limits
+    from trtopt.export import export_model
+
+    hf_dir, onnx_dir, plan_dir = work / "hf", work / "onnx", work / "plan"
+    times = {}
+    t = time.perf_counter()
+    params = make_hf_dir(hf_dir, shape, device)
+    times["make_hf_s"] = time.perf_counter() - t
+    log(f"HF model: {params / 1e9:.3f}B parameters ({times['make_hf_s']:.1f} s)")
+    t = time.perf_counter()
+    # onnxruntime's CPU provider has no bf16 kernels, so the export cannot be verified there (tests/e2e checks bf16).
+    export_model(hf_dir, onnx_dir, dtype="bf16", verify_outputs=False, force=True)
+    times["export_s"] = time.perf_counter() - t
+    log(f"exported ({times['export_s']:.1f} s)")
+    t = time.perf_counter()
+    result = build_plan(onnx_dir, plan_dir, force=True, progress=False,
+                        limits=Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048))
+    times["build_s"] = time.perf_counter() - t
+    log(f"built: {result.report.counts if hasattr(result, 'report') else ''} ({times['build_s']:.1f} s)")
+    shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
+    return hf_dir, plan_dir, params, times
+
+
+# ---- instrumentation ------------------------------------------------------------------------------------------
+
+class StepTimer:
+    """Wraps an engine's executor and sampler to split each step's wall time.
+
+    gpu_ms: CUDA-event time from the start of `execute` to the end of the logits (the device's busy time for the
+    model); host_ms: everything else the step's thread did (scheduling, packing, sampling, bookkeeping), measured as
+    wall time minus the time spent waiting for the GPU inside the sampler's first device->host read.
+    """
+
+    def __init__(self, engine, device: torch.device):
+        self.engine, self.device = engine, device
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple] = []
+        self.execute_wall = 0.0
+        executor = engine.executor
+        inner_execute = executor.execute
+
+        def execute(step):
+            start = time.perf_counter()
+            if self.cuda:
+                a = torch.cuda.Event(enable_timing=True)
+                b = torch.cuda.Event(enable_timing=True)
+                a.record()
+            logits = inner_execute(step)
+            if self.cuda:
+                b.record()
+                self.events.append((a, b))
+            self.execute_wall += time.perf_counter() - start
+            return logits
+
+        executor.execute = execute
+
+    def restore(self) -> None:
+        del self.engine.executor.execute
+
+    def gpu_seconds(self) -> float:
+        sync(self.device)
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+# ---- our engine ------------------------------------------------------------------------------------------------
+
+def make_engine(executor, plan, *, max_num_seqs: int, kv_gb: float, max_num_batched_tokens: int = 8192):
+    from trtopt.runtime.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          kv_cache_memory_gb=kv_gb, enable_prefix_caching=False)
+    return LLMEngine(executor, plan, None, config)
+
+
+def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | None, device: torch.device) -> dict:
+    """Generate every request; wave=None queues them all at once (continuous), wave=B runs static waves of B."""
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    timer = StepTimer(engine, device)
+    waves = [requests] if wave is None else [requests[i:i + wave] for i in range(0, len(requests), wave)]
+    out_tokens, steps, batch_sizes = 0, 0, []
+    sync(device)
+    start = time.perf_counter()
+    for w, chunk in enumerate(waves):
+        for i, (prompt, n_out) in enumerate(chunk):
+            engine.add_request(f"w{w}-{i}", {"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0))
+        while engine.has_unfinished_requests():
+            batch_sizes.append(len(engine.scheduler.running))
+            for out in engine.step():
+                if out.finished:
+                    out_tokens += len(out.outputs[0].token_ids)
+            steps += 1
+    sync(device)
+    wall = time.perf_counter() - start
+    gpu = timer.gpu_seconds()
+    timer.restore()
+    expected = sum(n for _, n in requests)
+    assert out_tokens == expected, (out_tokens, expected)
+    st = engine.stats()
+    assert st.num_blocks_free == st.num_blocks_total, "KV blocks leaked"
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {
+        "wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+        "output_tok_s": out_tokens / wall, "total_tok_s": (out_tokens + prompt_tokens) / wall,
+        "steps": steps, "mean_running": sum(batch_sizes) / max(1, len(batch_sizes)),
+        "gpu_busy_s": gpu, "gpu_busy_frac": gpu / wall if gpu else None,
+        "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
+    }
+
+
+def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 256, prompt_len: int = 128) -> dict:
+    """Decode tokens/s of one request, timed from its first output token to its last (prefill excluded)."""
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(1)
+    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+    engine.add_request("warm", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("b1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    stamps = []
+    timer = StepTimer(engine, device)
+    while engine.has_unfinished_requests():
+        engine.step()
+        stamps.append(time.perf_counter())
+    gpu = timer.gpu_seconds() - (timer.events[0][0].elapsed_time(timer.events[0][1]) / 1e3 if timer.events else 0)
+    timer.restore()
+    decode_steps = len(stamps) - 1  # the first step was the prefill
+    wall = stamps[-1] - stamps[0]
+    graphs = getattr(engine.executor, "decode_graphs", None)
+    return {
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": decode_steps / wall,
+        "ms_per_token": wall / decode_steps * 1e3,
+        "gpu_ms_per_token": gpu / decode_steps * 1e3 if device.type == "cuda" else None,
+        "cuda_graphs": bool(graphs and graphs.enabled and graphs._captured),
+    }
+
+
+def graph_replay_ms(engine, device: torch.device) -> float | None:
+    """Device time of one replay of the batch-1 decode graph (the model alone, no engine)."""
+    graphs = getattr(engine.executor, "decode_graphs", None)
+    if device.type != "cuda" or not graphs or 1 not in graphs._captured:
+        return None
+    import triton.testing
+
+    return triton.testing.do_bench(graphs._captured[1].graph.replay, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (read + written), on 2 GiB buffers."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    src = torch.randn(2**29, device=device)  # 2 GiB of fp32
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    nbytes = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / (ms / 1e3)
+
+
+# ---- HF baseline -----------------------------------------------------------------------------------------------
+
+def run_hf(hf_dir: Path, requests: list[tuple[list[int], int]], batch: int, device: torch.device) -> dict:
+    """HF generate with static batches of `batch` requests in arrival order (left padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
+    pad = 0
+
+    def generate(chunk):
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
+        n = max(o for _, o in chunk)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=pad)
+        return out.shape[1] - width
+
+    with torch.inference_mode():
+        generate([(requests[0][0][:64], 8)] * 2)  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        generated = 0
+        for i in range(0, len(requests), batch):
+            chunk = requests[i:i + batch]
+            generated += generate(chunk) * len(chunk)
+            log(f"  hf batch {batch}: {min(i + batch, len(requests))}/{len(requests)} requests")
+        sync(device)
+        wall = time.perf_counter() - start
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    useful = sum(n for _, n in requests)
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {"batch": batch, "wall_s": wall, "output_tokens": useful, "generated_incl_padding": generated,
+            "output_tok_s": useful / wall, "total_tok_s": (useful + prompt_tokens) / wall}
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    b1 = data["batch1"]
+    bars = ax1.bar(["trtopt\nbatch-1 decode", "HBM roofline"], [b1["decode_tok_s"], b1["roofline_tok_s"]],
+                   color=["tab:blue", "lightgray"])
+    ax1.bar_label(bars, fmt="%.0f")
+    ax1.set_ylabel("tokens / s")
+    ax1.set_title(f"batch 1: {100 * b1['fraction_of_roofline']:.0f}% of the roofline")
+    wl = data["workload"]
+    names, vals, colors = [], [], []
+    for r in wl["hf"]:
+        names.append(f"HF generate\nstatic {r['batch']}")
+        vals.append(r["output_tok_s"])
+        colors.append("tab:gray")
+    for key, label, color in (("static", "trtopt\nstatic {B}", "tab:orange"),
+                              ("continuous", "trtopt\ncontinuous {B}", "tab:blue"),
+                              ("continuous_max", "trtopt\ncontinuous {B}", "tab:blue")):
+        if key in wl:
+            names.append(label.format(B=wl[key]["max_batch"]))
+            vals.append(wl[key]["output_tok_s"])
+            colors.append(color)
+    bars = ax2.bar(names, vals, color=colors)
+    ax2.bar_label(bars, fmt="%.0f")
+    ax2.set_ylabel("output tokens / s")
+    w = data["workload_spec"]
+    ax2.set_title(f"{w['requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]}, "
+                  f"outputs {w['output_len'][0]}-{w['output_len'][1]}")
+    fig.suptitle(f"{data['model']} on {data['machine']['gpu']} ({data['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small model and workload (a smoke run of the harness)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/trtopt-gpu-e2e"))
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--max-batch", type=int, default=64, help="max batch of the static vs continuous comparison")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="our engine's best configuration")
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--kv-gb", type=float, default=40.0)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous"])
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/gpu_e2e_<gpu>.json)")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    shape = TINY if args.tiny else Shape()
+    spec = Workload(requests=16, prompt_len=(8, 64), output_len=(4, 24)) if args.tiny else Workload()
+    if args.requests:
+        spec = dataclasses.replace(spec, requests=args.requests)
+    if args.tiny:
+        args.max_batch, args.max_num_seqs, args.hf_batches, args.kv_gb = 4, 16, [4, 8], 0.05
+    requests = spec.make(shape.vocab)
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    hf_dir, plan_dir, params, build_times = build(args.work, shape, device, args.max_num_seqs)
+
+    from trtopt.build.plan import read_plan
+    from trtopt.runtime.executors import create_executor
+
+    plan = read_plan(plan_dir)
+    t = time.perf_counter()
+    executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
+    build_times["load_plan_s"] = time.perf_counter() - t
+    log(f"plan loaded on {device} ({build_times['load_plan_s']:.1f} s)")
+    data: dict = {
+        "benchmark": "gpu_e2e",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"gpu": gpu_name, "torch": torch.__version__, "python": platform.python_version()},
+        "model": f"Llama-shaped random bf16, {params / 1e9:.2f}B params" + (" (tiny)" if args.tiny else ""),
+        "shape": dataclasses.asdict(shape), "params": params, "setup": build_times,
+        "workload_spec": dataclasses.asdict(spec),
+    }
+    try:
+        import triton
+
+        data["machine"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    if "batch1" not in args.skip:
+        engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
+        b1 = batch1_decode(engine, shape.vocab, device)
+        head_dim = shape.hidden // shape.heads
+        kv_bytes = 2 * shape.layers * shape.kv_heads * head_dim * 2 * (b1["prompt_len"] + b1["new_tokens"] / 2)
+        b1["weight_bytes"] = params * 2
+        b1["bytes_per_step"] = params * 2 + kv_bytes
+        b1["copy_bandwidth_Bps"] = copy_bandwidth(device)
+        b1["graph_replay_ms"] = graph_replay_ms(engine, device)
+        if b1["copy_bandwidth_Bps"]:
+            b1["roofline_tok_s"] = b1["copy_bandwidth_Bps"] / b1["bytes_per_step"]
+            b1["fraction_of_roofline"] = b1["decode_tok_s"] / b1["roofline_tok_s"]
+        data["batch1"] = b1
+        log(f"batch 1: {b1['decode_tok_s']:.0f} tok/s ({b1['ms_per_token']:.3f} ms/token, GPU "
+            f"{b1['gpu_ms_per_token'] or 0:.3f} ms, graph replay {b1['graph_replay_ms'] or 0:.3f} ms); roofline "
+            f"{b1.get('roofline_tok_s', 0):.0f} tok/s")
+        del engine
+
+    workload: dict = {"hf": []}
+    data["workload"] = workload
+    runs = []
+    if "static" not in args.skip:
+        runs.append(("static", args.max_batch, args.max_batch))
+    if "continuous" not in args.skip:
+        runs += [("continuous", args.max_batch, None), ("continuous_max", args.max_num_seqs, None)]
+    for key, max_batch, wave in runs:
+        engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=args.kv_gb)
+        run_engine(engine, requests[: max(2, len(requests) // 16)], wave=wave, device=device)  # warm-up, graphs
+        r = run_engine(engine, requests, wave=wave, device=device)
+        r["max_batch"] = max_batch
+        workload[key] = r
+        log(f"trtopt {key} (max batch {max_batch}): {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
+            f"{r['steps']} steps, mean running {r['mean_running']:.0f}, GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%")
+        del engine
+
+    del executor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if "hf" not in args.skip:
+        for b in args.hf_batches:
+            r = run_hf(hf_dir, requests, b, device)
+            workload["hf"].append(r)
+            log(f"HF static {b}: {r['output_tok_s']:.0f} output tok/s ({r['wall_s']:.1f} s)")
+
+    best_hf = max(workload["hf"], key=lambda r: r["output_tok_s"], default=None)
+    ratios = {}
+    if best_hf and "continuous_max" in workload:
+        ratios["trtopt_vs_best_hf_static"] = workload["continuous_max"]["output_tok_s"] / best_hf["output_tok_s"]
+    if "static" in workload and "continuous" in workload:
+        ratios["continuous_vs_static_same_max_batch"] = (workload["continuous"]["output_tok_s"]
+                                                         / workload["static"]["output_tok_s"])
+    data["ratios"] = ratios
+
+    out = args.out or DOCS / f"gpu_e2e_{'tiny_' if args.tiny else ''}{gpu_name.split()[-1].lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    if "batch1" in data and "roofline_tok_s" in data["batch1"] and workload.get("continuous_max"):
+        plot(data, out.with_suffix(".png"))
+
+    print("\n== summary ==")
+    if "batch1" in data:
+        b1 = data["batch1"]
+        print(f"batch-1 decode      {b1['decode_tok_s']:8.0f} tok/s   {b1['ms_per_token']:.3f} ms/token"
+              + (f"   roofline {b1['roofline_tok_s']:.0f} tok/s -> {100 * b1['fraction_of_roofline']:.1f}%"
+                 if "roofline_tok_s" in b1 else ""))
+    for r in workload["hf"]:
+        print(f"HF static {r['batch']:<4}       {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s")
+    for key in ("static", "continuous", "continuous_max"):
+        if key in workload:
+            r = workload[key]
+            print(f"trtopt {key:<15}  {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s   "
+                  f"max batch {r['max_batch']}  steps {r['steps']}  host {r['host_ms_per_step'] or 0:.2f} ms/step")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
