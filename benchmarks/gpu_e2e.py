@@ -221,10 +221,10 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
 
     rng = random.Random(1)
     prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-    engine.add_request("warm", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.add_request("warm", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("b1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    engine.add_request("b1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0))
     stamps = []
     timer = StepTimer(engine, device)
     while engine.has_unfinished_requests():

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from trtopt.runtime.request import Request
@@ -129,3 +130,27 @@ def test_candidate_shortcut_equals_full_vocabulary_filtering():
             got = set(ids[i][vals[i] > float("-inf")].tolist())
             want = reference_keep(x[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
             assert got == want, (trial, i, int(top_k[i]), float(top_p[i]), float(min_p[i]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+def test_every_option_samples_on_cuda_as_on_cpu():
+    """Logits on the GPU: every sampling path runs there and, seeded, picks what the CPU sampler picks."""
+    x = logits_rows(6, seed=4)
+
+    def batch():
+        return [
+            req(temperature=0),
+            req(temperature=0.8, top_k=5, seed=1),
+            req(temperature=1.2, top_p=0.7, seed=2),
+            req(temperature=1.0, min_p=0.1, seed=3),
+            req(out=(7, 7, 9), temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, seed=4),
+            req(temperature=1.0, min_tokens=4, seed=5, logprobs=2),
+        ]
+
+    for _ in range(5):
+        cpu = Sampler()(x, batch())
+        gpu = Sampler()(x.cuda(), batch())
+        assert [t.token_id for t in gpu] == [t.token_id for t in cpu]
+        assert gpu[5].logprob == pytest.approx(cpu[5].logprob, abs=1e-5)
+    assert 0 not in {Sampler()(x.cuda(), [req(temperature=1.0, min_tokens=4)])[0].token_id for _ in range(50)}

@@ -30,15 +30,16 @@ class SamplingTensors:
     frequency: torch.Tensor  # float32 [N]
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab: int) -> SamplingTensors:
+    def from_requests(cls, requests: Sequence[Request], vocab: int, device: torch.device | str = "cpu") -> SamplingTensors:
         ps = [r.params for r in requests]
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32)
+            return torch.tensor(values, dtype=torch.float32, device=device)
 
         return cls(
             temperature=f32([0.0 if p.greedy else p.temperature for p in ps]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64).clamp_(max=vocab),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64,
+                               device=device).clamp_(max=vocab),
             top_p=f32([p.top_p for p in ps]),
             min_p=f32([p.min_p for p in ps]),
             repetition=f32([p.repetition_penalty for p in ps]),
@@ -61,7 +62,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
         n, vocab = logits.shape
-        t = SamplingTensors.from_requests(requests, vocab)
+        t = SamplingTensors.from_requests(requests, vocab, logits.device)
         want_logprobs = [r.params.logprobs for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
 
@@ -88,16 +89,21 @@ class Sampler:
 def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """Inverse-CDF sampling with one uniform per row from the row's own generator. Returns token ids [M]."""
     cdf = torch.softmax(cand_logits, dim=-1).cumsum(dim=-1)  # [M, K]
-    u = torch.cat([torch.rand(1, generator=g) for g in generators])
+    # The generators live on the CPU (a request's draws must not depend on the device or the batch).
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(cdf.device)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
     return cand_ids.gather(1, picks).squeeze(1)
 
 
 def _mask_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    rows, cols = [], []
     for i, r in enumerate(requests):
         if r.num_output_tokens < r.params.min_tokens:
             banned = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if t < logits.shape[1]]
-            logits[i, banned] = float("-inf")
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:  # one indexed write for the whole batch (one launch on a GPU, not one per row)
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
 
 
 def _has_penalties(t: SamplingTensors) -> bool:
@@ -109,12 +115,16 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], t: Sampl
     if not _has_penalties(t):
         return
     n, vocab = logits.shape
-    counts = torch.zeros(n, vocab, dtype=torch.float32)  # occurrences in the output
-    seen = torch.zeros(n, vocab, dtype=torch.bool)  # in prompt or output
-    for i, r in enumerate(requests):
-        out = torch.tensor(r.output_token_ids, dtype=torch.int64)
-        counts[i].index_add_(0, out, torch.ones(out.numel()))
-        seen[i, torch.tensor(r.token_ids, dtype=torch.int64)] = True
+    dev = logits.device
+    out_rows = [i for i, r in enumerate(requests) for _ in range(r.num_output_tokens)]
+    out_ids = [t for r in requests for t in r.output_token_ids]
+    all_rows = [i for i, r in enumerate(requests) for _ in range(r.num_tokens)]
+    all_ids = [t for r in requests for t in r.token_ids]
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)  # occurrences in the output
+    counts.index_put_((torch.tensor(out_rows, dtype=torch.int64, device=dev), torch.tensor(out_ids, dtype=torch.int64, device=dev)),
+                      torch.ones(len(out_ids), device=dev), accumulate=True)
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)  # in prompt or output
+    seen[torch.tensor(all_rows, dtype=torch.int64, device=dev), torch.tensor(all_ids, dtype=torch.int64, device=dev)] = True
     rep = t.repetition[:, None].expand(n, vocab)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits.copy_(torch.where(seen, penalised, logits))
@@ -134,7 +144,7 @@ def _candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     """
     m, vocab = x.shape
     if bool((top_k >= vocab).all() and (top_p >= 1).all() and (min_p <= 0).all()):
-        return x, torch.arange(vocab).expand(m, vocab)
+        return x, torch.arange(vocab, device=x.device).expand(m, vocab)
     k = int(top_k.max()) if bool((top_k < vocab).all()) else min(vocab, _CANDIDATES)
     vals, ids = x.topk(k, dim=-1)  # sorted descending
     in_top_k = top_k <= k  # rows whose top-k cut lies inside the candidates; the others have top-k off
@@ -144,7 +154,7 @@ def _candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
         if not bool(((top_k >= vocab) | in_top_k).all() and _cut_inside(full_logp, in_top_k, top_p, min_p).all()):
             vals, ids = x.sort(dim=-1, descending=True)
             k, full_logp = vocab, None
-    vals = vals.masked_fill(torch.arange(k).expand(m, k) >= top_k[:, None], float("-inf"))
+    vals = vals.masked_fill(torch.arange(k, device=x.device).expand(m, k) >= top_k[:, None], float("-inf"))
     logp = torch.log_softmax(vals, dim=-1)  # the top-k distribution where its cut is inside
     if full_logp is not None:
         logp = torch.where(in_top_k[:, None], logp, full_logp)
