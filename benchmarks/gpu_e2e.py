@@ -212,6 +212,7 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         "steps": steps, "mean_running": sum(batch_sizes) / max(1, len(batch_sizes)),
         "gpu_busy_s": gpu, "gpu_busy_frac": gpu / wall if gpu else None,
         "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
+        "cuda_graphs": bool(getattr(engine.executor, "decode_graphs", None) and engine.executor.decode_graphs.enabled),
     }
 
 
@@ -241,6 +242,40 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
         "gpu_ms_per_token": gpu / decode_steps * 1e3 if device.type == "cuda" else None,
         "cuda_graphs": bool(graphs and graphs.enabled and graphs._captured),
     }
+
+
+def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4) -> dict | None:
+    """The kernels of eager batch-1 decode steps (graphs off for the profile): how many per step, and where the
+    device time goes, by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    graphs = getattr(engine.executor, "decode_graphs", None)
+    if device.type != "cuda" or graphs is None:
+        return None
+    engine.add_request("prof", {"prompt_token_ids": list(range(3, 67))},
+                       SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0))
+    engine.step()  # prefill
+    engine.step()  # a first eager decode step outside the profile (Triton compiles its T=1 variants)
+    enabled, graphs.enabled = graphs.enabled, False
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync(device)
+    finally:
+        graphs.enabled = enabled
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.count and t and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            kernels.append({"name": e.key[:90], "per_step": e.count / steps, "us_per_step": t / steps})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    return {"steps": steps, "kernels_per_step": sum(k["per_step"] for k in kernels),
+            "kernel_us_per_step": sum(k["us_per_step"] for k in kernels), "top": kernels[:15]}
 
 
 def graph_replay_ms(engine, device: torch.device) -> float | None:
@@ -404,6 +439,19 @@ def main() -> None:
         b1["bytes_per_step"] = params * 2 + kv_bytes
         b1["copy_bandwidth_Bps"] = copy_bandwidth(device)
         b1["graph_replay_ms"] = graph_replay_ms(engine, device)
+        b1["profile_eager"] = profile_decode(engine, shape.vocab, device)
+        if device.type == "cuda":
+            # Ablation, same run: the batch-1 graph with RMSNorm as the torch reference instead of the Triton kernel.
+            from trtopt.runtime.executors import trtopt_ops
+
+            kernel_impl = trtopt_ops._impl
+            trtopt_ops._impl = lambda op, dev: (trtopt_ops._impl_reference(op) if op == "rms_norm" else kernel_impl(op, dev))
+            try:
+                ablation = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
+                b1["graph_replay_ms_rms_norm_reference"] = graph_replay_ms(ablation, device)
+                del ablation
+            finally:
+                trtopt_ops._impl = kernel_impl
         if b1["copy_bandwidth_Bps"]:
             b1["roofline_tok_s"] = b1["copy_bandwidth_Bps"] / b1["bytes_per_step"]
             b1["fraction_of_roofline"] = b1["decode_tok_s"] / b1["roofline_tok_s"]
@@ -460,6 +508,14 @@ def main() -> None:
         print(f"batch-1 decode      {b1['decode_tok_s']:8.0f} tok/s   {b1['ms_per_token']:.3f} ms/token"
               + (f"   roofline {b1['roofline_tok_s']:.0f} tok/s -> {100 * b1['fraction_of_roofline']:.1f}%"
                  if "roofline_tok_s" in b1 else ""))
+    prof = data.get("batch1", {}).get("profile_eager")
+    if prof:
+        print(f"eager batch-1 decode step: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of kernels")
+        for k in prof["top"][:10]:
+            print(f"   {k['us_per_step']:8.1f} us  {k['per_step']:6.1f}x  {k['name'][:70]}")
+    if data.get("batch1", {}).get("graph_replay_ms_rms_norm_reference"):
+        print(f"graph replay: {data['batch1']['graph_replay_ms']:.3f} ms with the RMSNorm kernel, "
+              f"{data['batch1']['graph_replay_ms_rms_norm_reference']:.3f} ms with the torch reference")
     for r in workload["hf"]:
         print(f"HF static {r['batch']:<4}       {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s")
     for key in ("static", "continuous", "continuous_max"):

@@ -103,6 +103,7 @@ class DecodeGraphs:
     def reset(self) -> None:
         """Forget every graph (the KV pools they captured by address were reallocated)."""
         self._captured.clear()
+        self._pool = None  # the memory pool died with its graphs; capturing into it trips an allocator assert
 
     def capture_all(self) -> None:
         """Capture every bucket now (at start-up, as vLLM does), so that no step pays for a capture."""

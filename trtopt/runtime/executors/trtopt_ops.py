@@ -19,10 +19,14 @@ from trtopt.runtime.executors.onnx_ops import OpSpec
 log = logging.getLogger(__name__)
 
 
+def _impl_reference(op: str) -> Callable[..., object]:
+    return getattr(importlib.import_module(f"trtopt.plugins.{op}.reference"), f"{op}_ref")
+
+
 @functools.cache
 def _impl(op: str, device_type: str) -> Callable[..., object]:
-    """The function that runs `op` ("paged_attention" or "flash_attention") for tensors on `device_type`."""
-    reference = getattr(importlib.import_module(f"trtopt.plugins.{op}.reference"), f"{op}_ref")
+    """The function that runs `op` ("paged_attention", "flash_attention", "rms_norm") for tensors on `device_type`."""
+    reference = _impl_reference(op)
     if device_type == "cpu" and op == "paged_attention":
         from trtopt.runtime.executors.cpu_attention import paged_attention_cpu
 
@@ -62,10 +66,8 @@ def matmul_add(x, weight, bias):
 
 
 def rms_norm(x, scale, *, epsilon: float):
-    """trtopt::RMSNorm (below opset 23, where RMSNormalization does not exist)."""
-    from trtopt.plugins.rms_norm.reference import rms_norm_ref
-
-    return rms_norm_ref(x, scale, epsilon=epsilon)
+    """trtopt::RMSNorm (below opset 23, where RMSNormalization does not exist): one Triton kernel on CUDA."""
+    return _impl("rms_norm", x.device.type)(x, scale, epsilon=epsilon)
 
 
 # Ops with side effects on an input (the KV pool) are never constant-folded nor deduplicated by the converter.
