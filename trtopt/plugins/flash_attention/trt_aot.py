@@ -60,10 +60,19 @@ class AotTiling:
     num_stages: int
 
 
-def aot_tiling(*, interpret: bool = False) -> AotTiling:
-    """64×64 with 4 warps: kernel.py's H200 sweep has it winning short sequences and D=64 (encoders, prefill)."""
+def aot_tiling(*, float_type: str = "fp16", head_dim: int = 64, interpret: bool = False) -> AotTiling:
+    """64×64 with 4 warps for fp16/bf16: kernel.py's H200 sweep has it winning short sequences and D=64 (encoders,
+    prefill). fp32 tiles are twice the bytes: the tile shrinks with head_dim so that one pipeline stage fits the
+    48 KiB a TensorRT launch gets without an opt-in (64×64 needs 49 KiB at D=64 and 82 KiB at D=128; first seen
+    failing on an H200, 2026-11-21)."""
     if interpret:
         return AotTiling(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if float_type == "fp32":
+        if head_dim <= 32:
+            return AotTiling(block_m=64, block_n=64, num_warps=4, num_stages=2)
+        if head_dim <= 64:
+            return AotTiling(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        return AotTiling(block_m=32, block_n=32, num_warps=4, num_stages=2)
     return AotTiling(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 

@@ -60,7 +60,7 @@ def flash_attention_aot(
         raise BuildError(f"FlashAttention: attn_bias is {attn_bias.dtype}; it must be float32 or q's dtype.")
     if attn_bias.ndim > 4:
         raise BuildError(f"FlashAttention: attn_bias has rank {attn_bias.ndim}; it must broadcast to [B, Hq, S, Sk].")
-    tiling = aot_tiling()
+    tiling = aot_tiling(float_type=float_type, head_dim=head_dim)
     kernel = compile_ptx(flash_attention_aot_kernel, aot_signature(float_type, bias_type),
                          aot_constexprs(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                         scale=float(scale), causal=causal, float_type=float_type, tiling=tiling),
