@@ -145,6 +145,10 @@ class StepTimer:
         executor = engine.executor
         inner_execute = executor.execute
 
+        from trtopt.runtime.executors.cuda_graphs import is_decode_step
+
+        graphs = getattr(executor, "decode_graphs", None)
+
         def execute(step):
             start = time.perf_counter()
             if self.cuda:
@@ -154,7 +158,7 @@ class StepTimer:
             logits = inner_execute(step)
             if self.cuda:
                 b.record()
-                self.events.append((a, b))
+                self.events.append((a, b, bool(graphs and graphs.enabled and is_decode_step(step))))
             self.execute_wall += time.perf_counter() - start
             return logits
 
@@ -163,9 +167,13 @@ class StepTimer:
     def restore(self) -> None:
         del self.engine.executor.execute
 
-    def gpu_seconds(self) -> float:
+    def gpu_seconds(self, graphed: bool | None = None) -> float:
+        """Device time of the model over the steps (only graph-replayed or only eager ones, if asked)."""
         sync(self.device)
-        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return sum(a.elapsed_time(b) for a, b, g in self.events if graphed is None or g == graphed) / 1e3
+
+    def num_steps(self, graphed: bool) -> int:
+        return sum(g == graphed for *_, g in self.events)
 
 
 # ---- our engine ------------------------------------------------------------------------------------------------
@@ -200,6 +208,12 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
     sync(device)
     wall = time.perf_counter() - start
     gpu = timer.gpu_seconds()
+    split = {}
+    if timer.events:
+        for kind, graphed in (("graphed", True), ("eager", False)):
+            n = timer.num_steps(graphed)
+            split[f"{kind}_steps"] = n
+            split[f"{kind}_gpu_ms_per_step"] = timer.gpu_seconds(graphed) / n * 1e3 if n else None
     timer.restore()
     expected = sum(n for _, n in requests)
     assert out_tokens == expected, (out_tokens, expected)
@@ -213,6 +227,7 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         "gpu_busy_s": gpu, "gpu_busy_frac": gpu / wall if gpu else None,
         "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
         "cuda_graphs": bool(getattr(engine.executor, "decode_graphs", None) and engine.executor.decode_graphs.enabled),
+        **split,
     }
 
 
@@ -478,7 +493,21 @@ def main() -> None:
             f"{r['steps']} steps, mean running {r['mean_running']:.0f}, GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%")
         del engine
 
-    del executor
+    graphs = getattr(executor, "decode_graphs", None)
+    if graphs is not None and "continuous" not in args.skip:
+        # Ablation, same run: decode graphs at powers of two only (the buckets before this benchmark's session).
+        buckets = graphs.buckets
+        graphs.buckets = tuple(sorted({min(2**i, args.max_num_seqs) for i in range(10) if 2**(i - 1) < args.max_num_seqs}))
+        try:
+            engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=args.kv_gb)
+            r = run_engine(engine, requests, wave=None, device=device)
+            r["max_batch"], r["buckets"] = args.max_num_seqs, list(graphs.buckets)
+            workload["continuous_max_pow2_buckets"] = r
+            log(f"trtopt continuous_max, power-of-two graph buckets: {r['output_tok_s']:.0f} output tok/s")
+            del engine
+        finally:
+            graphs.buckets = buckets
+    del executor, graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if "hf" not in args.skip:
@@ -518,11 +547,13 @@ def main() -> None:
               f"{data['batch1']['graph_replay_ms_rms_norm_reference']:.3f} ms with the torch reference")
     for r in workload["hf"]:
         print(f"HF static {r['batch']:<4}       {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s")
-    for key in ("static", "continuous", "continuous_max"):
+    for key in ("static", "continuous", "continuous_max", "continuous_max_pow2_buckets"):
         if key in workload:
             r = workload[key]
             print(f"trtopt {key:<15}  {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s   "
-                  f"max batch {r['max_batch']}  steps {r['steps']}  host {r['host_ms_per_step'] or 0:.2f} ms/step")
+                  f"max batch {r['max_batch']}  steps {r['steps']}  host {r['host_ms_per_step'] or 0:.2f} ms/step  "
+                  f"GPU/step graphed {r.get('graphed_gpu_ms_per_step') or 0:.2f} ms x{r.get('graphed_steps', 0)}, "
+                  f"eager {r.get('eager_gpu_ms_per_step') or 0:.2f} ms x{r.get('eager_steps', 0)}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"wrote {out}")

@@ -61,6 +61,8 @@ class Sampler:
         """logits: float32 [N, vocab], row i belongs to requests[i]."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
+        if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
+            return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
         n, vocab = logits.shape
         t = SamplingTensors.from_requests(requests, vocab, logits.device)
         want_logprobs = [r.params.logprobs for r in requests]
@@ -84,6 +86,13 @@ class Sampler:
                     gens = [requests[i].generator or self._generator for i in rows[sub].tolist()]
                     tokens[rows[sub]] = _draw(cand_logits, cand_ids, gens)
         return _to_sampled(tokens, raw_logprobs, want_logprobs)
+
+
+def _plain_greedy(r: Request) -> bool:
+    """Greedy with nothing that changes the argmax or asks for more than the token."""
+    p = r.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1 and p.presence_penalty == 0
+            and p.frequency_penalty == 0 and (p.min_tokens == 0 or r.num_output_tokens >= p.min_tokens))
 
 
 def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

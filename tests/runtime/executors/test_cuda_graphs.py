@@ -15,6 +15,11 @@ def test_buckets_cover_every_batch_size():
     assert decode_buckets(1) == (1,)
     assert decode_buckets(8) == (1, 2, 4, 8)
     assert decode_buckets(12) == (1, 2, 4, 8, 12)
+    assert decode_buckets(40) == (1, 2, 4, 8, 16, 32, 40)
+    buckets = decode_buckets(256)
+    assert buckets[-1] == 256 and len(buckets) == 20
+    for n in range(1, 257):  # every batch size has a bucket, padded by fewer than 16 rows
+        assert 0 <= min(b for b in buckets if b >= n) - n < 16
 
 
 def test_only_pure_decode_steps_are_graphable():
