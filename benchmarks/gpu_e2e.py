@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import platform
 import random
@@ -405,6 +406,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256, help="our engine's best configuration")
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--kv-gb", type=float, default=40.0)
+    ap.add_argument("--ablation-repeats", type=int, default=1, help="passes of the graph-bucket ablation")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous"])
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/gpu_e2e_<gpu>.json)")
     args = ap.parse_args()
@@ -489,6 +491,7 @@ def main() -> None:
         # and chosen before the timed pass (a server does this once at start-up; a first pass measured 100 ms
         # eager steps against 35 ms warm on the H200).
         run_engine(engine, requests, wave=wave, device=device)
+        gc.collect()
         r = run_engine(engine, requests, wave=wave, device=device)
         r["max_batch"] = max_batch
         workload[key] = r
@@ -498,19 +501,26 @@ def main() -> None:
 
     graphs = getattr(executor, "decode_graphs", None)
     if graphs is not None and "continuous" not in args.skip:
-        # Ablation, same run: decode graphs at powers of two only (the buckets before this benchmark's session).
-        buckets = graphs.buckets
-        graphs.buckets = tuple(sorted({min(2**i, args.max_num_seqs) for i in range(10) if 2**(i - 1) < args.max_num_seqs}))
+        # Ablation, same run: decode graphs at powers of two only (the buckets before this benchmark's session),
+        # alternating with the default buckets `--ablation-repeats` times, to see the spread between passes.
+        default = graphs.buckets
+        pow2 = tuple(sorted({min(2**i, args.max_num_seqs) for i in range(10) if 2**(i - 1) < args.max_num_seqs}))
+        passes = workload["bucket_ablation"] = []
         try:
-            engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=args.kv_gb)
-            run_engine(engine, requests, wave=None, device=device)  # warm-up, as above
-            r = run_engine(engine, requests, wave=None, device=device)
-            r["max_batch"], r["buckets"] = args.max_num_seqs, list(graphs.buckets)
-            workload["continuous_max_pow2_buckets"] = r
-            log(f"trtopt continuous_max, power-of-two graph buckets: {r['output_tok_s']:.0f} output tok/s")
-            del engine
+            for rep in range(args.ablation_repeats):
+                for name, buckets in (("pow2", pow2), ("default", default)):
+                    graphs.buckets = buckets
+                    engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=args.kv_gb)
+                    run_engine(engine, requests, wave=None, device=device)  # warm-up, as above
+                    gc.collect()
+                    r = run_engine(engine, requests, wave=None, device=device)
+                    r.update(max_batch=args.max_num_seqs, buckets_name=name, buckets=list(buckets), repeat=rep)
+                    passes.append(r)
+                    log(f"trtopt continuous {args.max_num_seqs}, {name} buckets, pass {rep}: "
+                        f"{r['output_tok_s']:.0f} output tok/s, host {r['host_ms_per_step']:.2f} ms/step")
+                    del engine
         finally:
-            graphs.buckets = buckets
+            graphs.buckets = default
     del executor, graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -551,9 +561,10 @@ def main() -> None:
               f"{data['batch1']['graph_replay_ms_rms_norm_reference']:.3f} ms with the torch reference")
     for r in workload["hf"]:
         print(f"HF static {r['batch']:<4}       {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s")
-    for key in ("static", "continuous", "continuous_max", "continuous_max_pow2_buckets"):
-        if key in workload:
-            r = workload[key]
+    rows = [(key, workload[key]) for key in ("static", "continuous", "continuous_max") if key in workload]
+    rows += [(f"{r['buckets_name']}#{r['repeat']}", r) for r in workload.get("bucket_ablation", [])]
+    for key, r in rows:
+        if True:
             print(f"trtopt {key:<15}  {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s   "
                   f"max batch {r['max_batch']}  steps {r['steps']}  host {r['host_ms_per_step'] or 0:.2f} ms/step  "
                   f"GPU/step graphed {r.get('graphed_gpu_ms_per_step') or 0:.2f} ms x{r.get('graphed_steps', 0)}, "
