@@ -12,6 +12,7 @@ from trtopt.build.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.cuda_graphs import DecodeGraphs
+from trtopt.runtime.executors.fx_fusions import fuse_rope
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     LOGITS, STEP_INPUT_NAMES, TORCH_DTYPES, check_paged_plan, kv_dtype, kv_input, kv_output, kv_shape, step_tensors,
@@ -37,6 +38,8 @@ class TorchExecutor:
         started = time.perf_counter()
         self.graph: ConvertedGraph = onnx_to_torch(Path(plan_dir) / MODEL_FILE, device=self.device,
                                                    body_ops=body_ops)
+        # RoPE as one kernel on CUDA (bit-identical ops elsewhere): ~14 fewer launches per layer.
+        self.num_fused_rope = fuse_rope(self.graph.module)
         self.convert_seconds = time.perf_counter() - started
         check_paged_plan(plan, plan_dir, self.graph.input_names, self.graph.output_names)
         layers = range(plan.model.num_layers)
