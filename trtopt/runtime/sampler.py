@@ -63,7 +63,7 @@ class Sampler:
         logits = logits.float()
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
             return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
-        n, vocab = logits.shape
+        vocab = logits.shape[1]
         t = SamplingTensors.from_requests(requests, vocab, logits.device)
         want_logprobs = [r.params.logprobs for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None

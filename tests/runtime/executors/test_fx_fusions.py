@@ -14,11 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paged_driver import BlockSource, Seq, make_step  # noqa: E402
-from trtopt.build.plan import read_plan  # noqa: E402
-from trtopt.runtime.executors.fx_fusions import rope  # noqa: E402
-from trtopt.runtime.executors.kernels.rope import rope_triton  # noqa: E402
-from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
+from paged_driver import BlockSource, Seq, make_step
+
+from trtopt.build.plan import read_plan
+from trtopt.runtime.executors.fx_fusions import rope
+from trtopt.runtime.executors.kernels.rope import rope_triton
+from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch
+from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -80,9 +82,6 @@ def test_every_layer_fuses_and_the_step_is_bit_identical(model, plan_dir):
             names = [getattr(n.target, "__name__", "") for n in ex.graph.module.graph.nodes]
             assert names.count("rope") == 2 * plan.model.num_layers and "neg" not in names
         else:
-            ex = TorchExecutor(built, plan)
-            from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch
-
             ex.graph = onnx_to_torch(built / "model.onnx", device="cpu")  # the unfused conversion
         ex.allocate_kv_cache(16)
         source = BlockSource(16)
