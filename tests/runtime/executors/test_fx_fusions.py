@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from paged_driver import BlockSource, Seq, make_step
 
 from trtopt.build.plan import read_plan
-from trtopt.runtime.executors.fx_fusions import rope
+from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, rope
 from trtopt.runtime.executors.kernels.rope import rope_triton
 from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch
 from trtopt.runtime.executors.torch_executor import TorchExecutor
@@ -65,14 +65,16 @@ def test_rope_falls_back_to_the_original_ops_off_the_fast_path():
     x, cos, sin = rope_inputs(1, 2, 3, 16, torch.float32, device="cpu")
     ref = unfused(x, cos, sin)
     assert torch.equal(rope(x, cos, sin, half=8, axis=3, hi_end=2**63 - 1, concat_axis=-1), ref)
+    assert torch.equal(rope(x, cos, sin, half=HALF_OF_DIM, axis=3, hi_end=2**63 - 1, concat_axis=-1), ref)
     # mixed dtypes: torch's promotion, as the unfused graph would do
     got = rope(x.half(), cos, sin, half=8, axis=-1, hi_end=16, concat_axis=-1)
     assert got.dtype == torch.float32 and torch.equal(got, unfused(x.half(), cos, sin))
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_every_layer_fuses_and_the_step_is_bit_identical(model, plan_dir):
-    built = plan_dir(model)
+@pytest.mark.parametrize("model,exporter", [("tiny-llama", "dynamo"), ("tiny-qwen2", "dynamo"), ("tiny-llama", "legacy")])
+def test_every_layer_fuses_and_the_step_is_bit_identical(model, exporter, plan_dir):
+    """Dynamo exports give `half` as a constant; TorchScript exports compute it from Shape(x) at run time."""
+    built = plan_dir(model, exporter)
     plan = read_plan(built)
     outs = []
     for fused in (True, False):

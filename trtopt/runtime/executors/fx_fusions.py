@@ -6,7 +6,9 @@
 
 and replaces the seven nodes with one call of `rope`, which runs the Triton kernel on CUDA and, everywhere else or
 whenever its preconditions do not hold at run time, exactly the original ops (so CPU results are bit-for-bit those
-of the unfused graph). Both operand orders of the commutative `mul`/`add` are accepted.
+of the unfused graph). Both operand orders of the commutative `mul`/`add` are accepted, and `half` may be a constant
+(dynamo exports) or computed from x's shape as `Unsqueeze(Div(Gather(Shape(x), axis), 2))` (TorchScript exports,
+where the converter cannot fold it because x has a dynamic dim).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from trtopt.runtime.executors import onnx_ops
 _MUL, _ADD = operator.mul, operator.add
 
 
+HALF_OF_DIM = -1  # `half` is x.shape[axis] // 2, read at run time
+
+
 def rope(x, cos, sin, *, half: int, axis: int, hi_end: int, concat_axis: int):
     """x * cos + concat(-x[half:hi_end], x[:half]) * sin along `axis` (the matched subgraph, fused)."""
+    if half == HALF_OF_DIM:
+        half = x.shape[axis] // 2  # the graph's int64 Div truncates; on a size that is the same as floor
     last = x.dim() - 1
     fast = (x.dim() == 4 and x.shape[-1] == 2 * half and onnx_ops._axis(axis, x.dim()) == last
             and onnx_ops._axis(concat_axis, x.dim()) == last and hi_end >= 2 * half
@@ -39,18 +46,46 @@ def rope(x, cos, sin, *, half: int, axis: int, hi_end: int, concat_axis: int):
     return x * cos + onnx_ops.concat(torch.neg(hi), lo, axis=concat_axis) * sin
 
 
-def _slice_spec(node) -> tuple[torch.fx.Node, int, int, int] | None:
-    """(input, start, end, axis) of a one-axis, step-1 constant slice node."""
+def _call(node, target, nargs: int) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+            and len(node.args) == nargs)
+
+
+def _half_of_dim(node, x, axis) -> list[torch.fx.Node] | None:
+    """The nodes of `Unsqueeze(Div(Gather(Shape(x), axis), 2), [0])` (x.shape[axis] / 2 as a 1-element list)."""
+    if not (_call(node, onnx_ops.unsqueeze, 2) and node.args[1] == [0] and not node.kwargs):
+        return None
+    div = node.args[0]
+    if not (_call(div, onnx_ops.div, 2) and div.args[1] == 2):
+        return None
+    gather = div.args[0]
+    if not (_call(gather, onnx_ops.gather, 2) and gather.kwargs.get("axis", 0) == 0 and gather.args[1] == axis):
+        return None
+    shape = gather.args[0]
+    if not (_call(shape, onnx_ops.shape, 1) and shape.args[0] is x and not shape.kwargs):
+        return None
+    return [node, div, gather, shape]
+
+
+def _slice_spec(node) -> tuple[torch.fx.Node, object, object, int] | None:
+    """(input, start, end, axis) of a one-axis, step-1 slice node; start/end are ints or the fx node giving them."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is onnx_ops.slice_):
         return None
     args = list(node.args) + [None] * (5 - len(node.args))
     x, starts, ends, axes, steps = args[:5]
-    consts = (starts, ends, axes)
-    if not all(isinstance(c, list) and len(c) == 1 for c in consts) or node.kwargs:
+    if node.kwargs or not (isinstance(axes, list) and len(axes) == 1):
         return None
     if steps is not None and steps != [1]:
         return None
-    return x, starts[0], ends[0], axes[0]
+    bounds = []
+    for value in (starts, ends):
+        if isinstance(value, list) and len(value) == 1:
+            bounds.append(value[0])
+        elif isinstance(value, torch.fx.Node):
+            bounds.append(value)
+        else:
+            return None
+    return x, bounds[0], bounds[1], axes[0]
 
 
 def _mul_operands(node) -> list[tuple[object, object]]:
@@ -75,10 +110,22 @@ def _match(add: torch.fx.Node) -> dict | None:
                 if lo_spec is None or hi_spec is None:
                     continue
                 (lo_x, lo_start, lo_end, lo_axis), (hi_x, hi_start, hi_end, hi_axis) = lo_spec, hi_spec
-                if not (lo_x is x and hi_x is x and lo_start == 0 and hi_start == lo_end > 0 and lo_axis == hi_axis):
+                same_half = hi_start is lo_end or (isinstance(hi_start, int) and hi_start == lo_end)
+                if not (lo_x is x and hi_x is x and lo_start == 0 and same_half and lo_axis == hi_axis
+                        and isinstance(hi_end, int)):
                     continue
-                return dict(x=x, cos=cos, sin=sin, half=lo_end, axis=lo_axis, hi_end=hi_end,
-                            concat_axis=cat.kwargs.get("axis"), nodes=[m1, m2, cat, neg, lo, neg.args[0]])
+                nodes = [m1, m2, cat, neg, lo, neg.args[0]]
+                if isinstance(lo_end, torch.fx.Node):  # TorchScript form: half computed from x's shape
+                    chain = _half_of_dim(lo_end, x, lo_axis)
+                    if chain is None:
+                        continue
+                    half, nodes = HALF_OF_DIM, nodes + chain
+                elif isinstance(lo_end, int) and lo_end > 0:
+                    half = lo_end
+                else:
+                    continue
+                return dict(x=x, cos=cos, sin=sin, half=half, axis=lo_axis, hi_end=hi_end,
+                            concat_axis=cat.kwargs.get("axis"), nodes=nodes)
     return None
 
 
