@@ -9,7 +9,9 @@ runner = CliRunner()
 
 def test_generate_streams_a_greedy_completion(built_plan, engine_for):
     plan = str(built_plan("tiny-llama"))
-    result = runner.invoke(app, ["generate", plan, "-p", "Hello there", "--max-tokens", "8"], env={"COLUMNS": "200"})
+    # --eager is a no-op on the CPU (no CUDA graphs there) and must be accepted.
+    result = runner.invoke(app, ["generate", plan, "-p", "Hello there", "--max-tokens", "8", "--eager"],
+                           env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     engine = engine_for("tiny-llama", "torch")
     from trtopt.runtime.sampling_params import SamplingParams
@@ -35,4 +37,4 @@ def test_generate_batch_chat_and_bad_values(built_plan):
 
 def test_generate_help_has_examples():
     result = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
-    assert result.exit_code == 0 and "--chat --prompt" in result.output
+    assert result.exit_code == 0 and "--chat --prompt" in result.output and "--eager" in result.output

@@ -17,6 +17,8 @@ def generate(
     system: str = typer.Option(None, "--system", help="A system message (with --chat)."),
     backend: str = typer.Option("torch", help="torch or onnxruntime."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
+                               "replay captured graphs by default)."),
     max_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0),
@@ -46,7 +48,7 @@ def generate(
         seed=seed, max_tokens=max_tokens, stop=tuple(stop or ()),
     )
     started = time.perf_counter()
-    llm = LLM(plan, backend=backend, device=device)
+    llm = LLM(plan, backend=backend, device=device, cuda_graphs=False if eager else None)
     err_console.print(f"loaded {plan} on {backend}/{device} in {time.perf_counter() - started:.1f} s; {_describe(params)}", highlight=False)
     prompts = [_chat(p, system) if chat else p for p in prompt]
     stream = len(prompts) == 1 and n == 1

@@ -18,6 +18,8 @@ def serve(
                                 help="Require `Authorization: Bearer KEY` on /v1/* (or set TRTOPT_API_KEY)."),
     backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
+                               "replay captured graphs by default)."),
     max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
@@ -44,7 +46,8 @@ def serve(
     from trtopt.serving.server import create_app
 
     engine = LLMEngine.from_plan(
-        plan, backend=backend, device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        plan, backend=backend, device=device, cuda_graphs=False if eager else None,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
     )
     name = model_name or Path(plan).resolve().name

@@ -126,15 +126,18 @@ class LLMEngine:
         self._num_generated_tokens = 0
 
     @classmethod
-    def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu", cuda_graphs: bool = False,
-                  **config: Any) -> LLMEngine:
+    def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
+                  cuda_graphs: bool | None = None, **config: Any) -> LLMEngine:
         """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`.
 
-        cuda_graphs: replay captured CUDA graphs for decode-only steps (torch backend on CUDA).
+        cuda_graphs: replay captured CUDA graphs for decode-only steps; None (the default) turns them on wherever
+        they apply (the torch backend on a CUDA device). False runs every step eagerly (vLLM's enforce_eager).
         """
         from trtopt.runtime.executors import create_executor  # the executors pull in heavy deps
 
         plan = read_plan(plan_dir)
+        if cuda_graphs is None:
+            cuda_graphs = default_cuda_graphs(backend, device)
         executor = create_executor(backend, plan_dir, plan, device=device, cuda_graphs=cuda_graphs)
         return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config))
 
@@ -309,6 +312,11 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=s.num_cached_tokens,
         )
+
+
+def default_cuda_graphs(backend: str, device: str) -> bool:
+    """Decode steps replay CUDA graphs by default where they can: the torch backend on a CUDA device."""
+    return backend == "torch" and str(device).startswith("cuda")
 
 
 def load_tokenizer(plan_dir: str | Path) -> Any:

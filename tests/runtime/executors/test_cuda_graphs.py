@@ -22,6 +22,14 @@ def test_buckets_cover_every_batch_size():
         assert 0 <= min(b for b in buckets if b >= n) - n < 16
 
 
+def test_graphs_are_on_by_default_only_for_torch_on_cuda():
+    from trtopt.runtime.engine import default_cuda_graphs
+
+    assert default_cuda_graphs("torch", "cuda") and default_cuda_graphs("torch", "cuda:1")
+    assert not default_cuda_graphs("torch", "cpu") and not default_cuda_graphs("onnxruntime", "cuda")
+    assert not default_cuda_graphs("tensorrt", "cuda")
+
+
 def test_only_pure_decode_steps_are_graphable():
     source = BlockSource(16)
     decode = make_step([Seq([1, 2, 3], cached=2), Seq([4, 5], cached=1)], [1, 1], 16, source)

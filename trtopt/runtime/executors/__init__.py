@@ -20,7 +20,8 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
 
     device: "cpu" or "cuda" (onnxruntime: "cuda" selects the CUDA execution provider; tensorrt: always CUDA).
     num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
-    cuda_graphs: torch on CUDA only: replay decode steps from CUDA graphs (opt-in, see cuda_graphs.py).
+    cuda_graphs: torch on CUDA only: replay decode steps from CUDA graphs (see cuda_graphs.py; LLMEngine.from_plan
+    turns them on by default there).
     """
     if backend == "torch":
         from trtopt.runtime.executors.torch_executor import TorchExecutor

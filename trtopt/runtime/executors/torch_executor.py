@@ -49,7 +49,7 @@ class TorchExecutor:
         self._logits_position = self.graph.output_names.index(LOGITS)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        # Opt-in until the gpu test (tests/runtime/executors/test_cuda_graphs.py) has passed on a GPU.
+        # Off unless asked for; LLMEngine.from_plan asks for them on CUDA (gpu tests: test_cuda_graphs.py, tests/e2e).
         self.decode_graphs = DecodeGraphs(
             self._run, device=self.device, max_num_seqs=plan.limits.max_num_seqs,
             max_blocks_per_seq=plan.max_blocks_per_seq,
