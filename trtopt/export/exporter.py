@@ -84,7 +84,13 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        except ValueError as e:
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            # Architectures without an SDPA path (BLOOM) export their eager attention; the fusion passes match both.
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     except (OSError, ValueError) as e:
         raise ExportError(f"could not load {model_dir} as an HF causal LM: {e}") from e
     return model.eval()

@@ -19,7 +19,7 @@ from typing import Callable
 
 from trtopt.errors import ExportError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM", "MistralForCausalLM", "BloomForCausalLM")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
