@@ -13,6 +13,7 @@ where the converter cannot fold it because x has a dynamic dim).
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -34,13 +35,9 @@ def rope(x, cos, sin, *, half: int, axis: int, hi_end: int, concat_axis: int):
     fast = (x.dim() == 4 and x.shape[-1] == 2 * half and onnx_ops._axis(axis, x.dim()) == last
             and onnx_ops._axis(concat_axis, x.dim()) == last and hi_end >= 2 * half
             and x.dtype == cos.dtype == sin.dtype and x.is_cuda)
-    if fast:
-        try:
-            from trtopt.runtime.executors.kernels.rope import rope_triton
-        except ImportError:  # no triton: the original ops below
-            pass
-        else:
-            return rope_triton(x, cos, sin)
+    kernel = _rope_launcher() if fast else None
+    if kernel is not None:
+        return kernel(x, cos, sin)
     lo = onnx_ops.slice_(x, [0], [half], [axis])
     hi = onnx_ops.slice_(x, [half], [hi_end], [axis])
     return x * cos + onnx_ops.concat(torch.neg(hi), lo, axis=concat_axis) * sin
@@ -65,6 +62,16 @@ def _half_of_dim(node, x, axis) -> list[torch.fx.Node] | None:
     if not (_call(shape, onnx_ops.shape, 1) and shape.args[0] is x and not shape.kwargs):
         return None
     return [node, div, gather, shape]
+
+
+@functools.cache
+def _rope_launcher():
+    """The Triton RoPE launcher, or None without triton (the original ops run instead)."""
+    try:
+        from trtopt.runtime.executors.kernels.rope import rope_triton
+    except ImportError:
+        return None
+    return rope_triton
 
 
 def _slice_spec(node) -> tuple[torch.fx.Node, object, object, int] | None:
