@@ -4,6 +4,7 @@ exit, failure isolation, and no leaked KV blocks. Fast and in-process."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -16,7 +17,7 @@ from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.engine import EngineConfig, LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine
-from trtopt.serving.engine_loop import EngineLoop
+from trtopt.serving.engine_loop import MAX_CONSECUTIVE_FAILED_STEPS, EngineDeadError, EngineLoop, RequestFailedError
 
 VOCAB = 50
 POISON = 13  # a step that contains this token id fails, as a broken kernel would
@@ -222,3 +223,253 @@ def test_batched_prompts_stream_together_all_or_none():
         aengine.stop()
     assert finals == {"a": [2, 3, 4, 5, 6, 7], "b": [31, 32, 33, 34, 35, 36]}
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+# ---- issue 10: one bad request hurts no one; one owner thread; a stopped or broken loop stays stopped -----------
+
+
+def _poison_on_add(engine: LLMEngine, request_id: str, **fields) -> None:
+    """After `request_id` is added (on the step thread), set sampling fields past validation, as a value that
+    slipped through the edge would be (top_k=2**63 fits no int64 tensor)."""
+    add = engine.add_request
+
+    def add_then_poison(rid, prompt, params=None, **kw):
+        add(rid, prompt, params, **kw)
+        if rid == request_id:
+            for seq in engine._groups[rid].seqs:
+                for k, v in fields.items():
+                    object.__setattr__(seq.params, k, v)
+
+    engine.add_request = add_then_poison
+
+
+def test_a_request_whose_sampling_fails_ends_alone_and_the_others_finish():
+    engine, _ = make_engine()
+    _poison_on_add(engine, "poison", top_k=2**63)
+    aengine = AsyncLLMEngine(engine)
+    sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        jobs = [_tokens(aengine, f"r{i}", [i + 1]) for i in range(3)] + [_tokens(aengine, "poison", [9], sampled)]
+        # Bounded: a step that is retried forever would starve every request.
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 20)
+
+    try:
+        results = asyncio.run(main())
+        stats = aengine.stats()
+        assert aengine.is_running and aengine.dead_reason is None
+    finally:
+        aengine.stop()
+    assert results[:3] == [[(i + 2 + k) % VOCAB for k in range(6)] for i in range(3)]
+    assert isinstance(results[3], RequestFailedError) and "sampling" in str(results[3])
+    assert stats.num_blocks_free == stats.num_blocks_total and stats.num_running == 0
+
+
+def _hold_a_step(loop: EngineLoop, executor: CountingExecutor, got: list) -> None:
+    """Start a request and return while its step is held open in execute() (executor.gate)."""
+    executor.gate.clear()
+    loop.add("held", {"prompt_token_ids": [1]}, GREEDY, got.append)
+    assert executor.in_step.wait(10), "the held step never started"
+
+
+def test_aborting_an_n2_request_before_its_siblings_fork_keeps_the_loop_alive():
+    engine, executor = make_engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    got: list = []
+    try:
+        _hold_a_step(loop, executor, got)
+        two = SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+        queued = loop.submit("pair", {"prompt_token_ids": [3, 4]}, two, got.append)
+        loop.abort("pair")  # applied right after the add, before the pair is ever scheduled
+        executor.gate.set()
+        queued.result(10)
+        done = threading.Event()
+        after: list = []
+        loop.add("pair", {"prompt_token_ids": [3, 4]}, two, lambda o: (after.append(o), o.finished and done.set()))
+        assert done.wait(10), "the step thread died, or the id could not be reused"
+        assert loop.is_running
+    finally:
+        loop.stop()
+    assert [c.token_ids for c in after[-1].outputs] == [[5, 6, 7, 8, 9, 10]] * 2
+    assert loop.stats().num_blocks_free == loop.stats().num_blocks_total and not engine.scheduler.requests
+
+
+def test_stop_never_touches_the_engine_from_the_callers_thread_and_answers_everyone():
+    engine, executor = make_engine()
+    loop = EngineLoop(engine)
+    callers: set[str] = set()  # threads that called into the engine
+    for name in ("add_request", "abort", "step", "has_unfinished_requests", "stats"):
+        method = getattr(engine, name)
+
+        def spy(*a, _method=method, **kw):
+            callers.add(threading.current_thread().name)
+            return _method(*a, **kw)
+
+        setattr(engine, name, spy)
+    loop.start()
+    got: list = []
+    _hold_a_step(loop, executor, got)
+    queued = loop.submit("queued", {"prompt_token_ids": [2]}, GREEDY, got.append)
+    start = time.monotonic()
+    finished = loop.stop(timeout=0.3)  # the step is stuck in execute(): the join times out
+    took = time.monotonic() - start
+    assert not finished and took < 3, f"stop() took {took:.1f} s"
+    # Everyone is answered at once, by the caller, without the engine.
+    assert isinstance(got[-1], EngineDeadError), got
+    with pytest.raises(EngineDeadError):
+        queued.result(0)
+    late = loop.submit("late", {"prompt_token_ids": [2]}, GREEDY, got.append)
+    with pytest.raises(EngineDeadError):
+        late.result(0)  # already failed: no future that can never resolve
+    executor.gate.set()  # the step returns; the thread frees the blocks and exits
+    assert loop.stopped.wait(10)
+    assert callers == {"trtopt-step-loop"}, f"the engine was touched from {callers - {'trtopt-step-loop'}}"
+    assert len(got) == 1, "a request was answered twice"
+    assert loop.stats().num_blocks_free == loop.stats().num_blocks_total and not engine.scheduler.requests
+    with pytest.raises(EngineDeadError):
+        loop.start()  # never again
+
+
+def test_a_clean_stop_aborts_in_flight_requests_on_the_step_thread():
+    engine, executor = make_engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    got: list = []
+    _hold_a_step(loop, executor, got)
+    threading.Timer(0.2, executor.gate.set).start()  # the step ends well within the stop timeout
+    assert loop.stop(timeout=5)
+    # The held step's token, then the end: the request was aborted on the step thread, not run to its end.
+    assert isinstance(got[-1], EngineDeadError) and all(not isinstance(g, BaseException) for g in got[:-1])
+    assert len(got) < 6
+    assert loop.is_healthy and loop.stats().num_blocks_free == loop.stats().num_blocks_total
+
+
+def test_submits_racing_a_stop_all_resolve():
+    engine, _ = make_engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    futures: list = []
+    answered: list = []
+
+    def client(k: int) -> None:
+        for i in range(150):
+            futures.append(loop.submit(f"c{k}-{i}", {"prompt_token_ids": [1]}, GREEDY, answered.append))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.01)
+    loop.stop()
+    for t in threads:
+        t.join()
+    done, pending = concurrent.futures.wait(futures, timeout=10)
+    assert not pending, f"{len(pending)} adds never resolved"
+    assert all(f.exception() is None or isinstance(f.exception(), EngineDeadError) for f in done)
+    assert loop.stats().num_blocks_free == loop.stats().num_blocks_total
+
+
+def test_a_stopped_async_engine_is_never_restarted():
+    engine, _ = make_engine()
+    aengine = AsyncLLMEngine(engine)
+
+    async def main():
+        assert await _tokens(aengine, "before", [1]) == [2, 3, 4, 5, 6, 7]
+        aengine.stop()
+        with pytest.raises(EngineDeadError):
+            await aengine.add_request("after", {"prompt_token_ids": [1]}, GREEDY)
+
+    asyncio.run(main())
+    assert not aengine.is_running
+
+
+class _AlwaysFailing(CountingExecutor):
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        raise RuntimeError("the device is gone")
+
+
+def test_repeated_executor_failures_mark_the_loop_dead_and_fail_what_it_holds():
+    engine, _ = make_engine()
+    engine.executor = _AlwaysFailing()
+    loop = EngineLoop(engine)
+    loop.start()
+    got: dict[str, list] = {}
+    try:
+        for i in range(MAX_CONSECUTIVE_FAILED_STEPS + 2):
+            got[f"r{i}"] = []
+            try:
+                loop.add(f"r{i}", {"prompt_token_ids": [i + 1]}, GREEDY, got[f"r{i}"].append)
+            except EngineDeadError:
+                break
+        assert loop.stopped.wait(10), "the loop kept stepping a broken engine"
+    finally:
+        loop.stop()
+    assert not loop.is_healthy and "in a row" in loop.dead_reason and not loop.is_running
+    answers = [items for items in got.values() if items]
+    assert all(len(items) == 1 and isinstance(items[0], (RequestFailedError, EngineDeadError)) for items in answers)
+    with pytest.raises(EngineDeadError):
+        loop.submit("late", {"prompt_token_ids": [1]}, GREEDY, print).result(0)
+    assert loop.stats().num_blocks_free == loop.stats().num_blocks_total
+
+
+def test_an_engine_bug_stops_the_loop_instead_of_retrying_the_step():
+    engine, _ = make_engine()
+    calls = []
+
+    def broken_schedule():
+        calls.append(1)
+        raise AssertionError("injected scheduler invariant failure")
+
+    engine.scheduler.schedule = broken_schedule
+    aengine = AsyncLLMEngine(engine)
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="injected"):
+            await asyncio.wait_for(_tokens(aengine, "r", [1]), 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.stop()
+    assert len(calls) == 1, "the failing step was retried"
+    assert aengine.dead_reason is not None and not aengine.is_running
+
+
+def test_a_broken_engine_turns_health_to_503_and_stops_the_server():
+    """What `trtopt serve` runs (server.run_server): the engine breaks, /health says so, the server exits with the
+    reason (the CLI then exits 1 for a supervisor to restart it)."""
+    import httpx
+    import uvicorn
+
+    from live_server import free_port
+    from trtopt.serving.server import create_app, run_server
+
+    engine, executor = make_engine()
+    aengine = AsyncLLMEngine(engine)
+    app = create_app(aengine, "m")
+    port = free_port()
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(
+        run_server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"), aengine)))
+    runner.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    body = {"model": "m", "prompt": [POISON], "max_tokens": 2}
+    health = None
+    for _ in range(MAX_CONSECUTIVE_FAILED_STEPS):
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=10).status_code == 500
+    try:
+        health = httpx.get(f"{base}/health", timeout=2)
+    except httpx.TransportError:
+        pass  # already gone: the server exits right after the engine broke
+    runner.join(20)
+    assert not runner.is_alive(), "the server kept running on a broken engine"
+    assert result and "in a row" in result[0]
+    if health is not None:
+        assert health.status_code == 503 and "in a row" in health.text

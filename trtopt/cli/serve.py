@@ -43,7 +43,7 @@ def serve(
     import uvicorn
 
     from trtopt.runtime.engine import LLMEngine
-    from trtopt.serving.server import create_app
+    from trtopt.serving.server import create_app, run_server
 
     engine = LLMEngine.from_plan(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
@@ -53,4 +53,7 @@ def serve(
     name = model_name or Path(plan).resolve().name
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine)
+    if dead_reason is not None:  # non-zero, so a supervisor restarts the server
+        console.print(f"[red]error:[/] the engine broke and the server stopped: {dead_reason}")
+        raise typer.Exit(1)

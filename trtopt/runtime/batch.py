@@ -117,6 +117,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # one per completion, ordered by index
     finished: bool  # every completion finished
     metrics: "RequestMetrics"  # of completion 0: arrival, first token, finish times, cached prompt tokens
+    error: str | None = None  # why the request failed, when it ended with finish_reason "error"
 
     @property
     def num_cached_tokens(self) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from trtopt.build.plan import PlanConfig, read_plan
 from trtopt.errors import ConfigError, RequestError
-from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepOutput
+from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput
 from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.detokenizer import IncrementalDetokenizer
 from trtopt.runtime.executors.base import Executor
@@ -121,6 +121,7 @@ class LLMEngine:
         self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
         self.sampler = Sampler(config.seed)
         self._groups: dict[str, _Group] = {}
+        self.num_consecutive_failed_steps = 0  # executor failures in a row; a driver stops a broken engine
         self._num_steps = 0
         self._num_batched_tokens = 0
         self._num_generated_tokens = 0
@@ -148,6 +149,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        if params.n > self.limits.max_num_seqs:  # before any per-completion work: n=10**7 must cost nothing
+            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.limits.max_num_seqs}; ask for fewer completions.")
         text, token_ids = self.tokenize(prompt)
         self._validate(request_id, token_ids, params)
         eos = tuple(self.plan.model.eos_token_ids)
@@ -227,41 +230,103 @@ class LLMEngine:
     # ---- stepping ----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that got a token or finished."""
+        """Run one engine step; return an output for every request that got a token or finished.
+
+        Faults stay with their owner (docs/architecture.md, "Failure isolation"): a request whose inputs,
+        sampling or update raises ends alone with finish_reason="error" (and `error` set), its blocks freed,
+        while the step goes on for the others. When the executor fails, the whole step's requests end that
+        way and the prefix cache is reset; `num_consecutive_failed_steps` counts such steps so a driver can
+        tell a broken engine. Nothing is retried. An exception that escapes step() is an engine bug (a broken
+        scheduler invariant): the engine must not be stepped again.
+        """
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        inputs = self.input_builder.build(batch)
+        failed: list[RequestOutput] = []
         try:
+            inputs, batch, failed = self._build_inputs(batch)
             logits = self.executor.execute(inputs)  # [N, vocab]
-        except Exception:
-            self._fail_batch(batch)
-            raise
+        except Exception as e:
+            self.num_consecutive_failed_steps += 1
+            return failed + self._fail_batch(batch, e)
+        self.num_consecutive_failed_steps = 0
         ids = batch.sampling_ids
         reqs = [self.scheduler.requests[i] for i in ids]
-        sampled = self.sampler(logits[: len(ids)], reqs) if ids else []
-        changed = self.scheduler.update(batch, StepOutput(sampled=dict(zip(ids, sampled))))
+        sampled = self.sampler.sample_each(logits[: len(ids)], reqs) if ids else []
+        tokens = {rid: s for rid, s in zip(ids, sampled) if not isinstance(s, Exception)}
+        changed, errors = self.scheduler.update(batch, StepOutput(sampled=tokens))
+        errors.update((rid, s) for rid, s in zip(ids, sampled) if isinstance(s, Exception))
+        if errors:
+            failed += self._fail_requests(errors, "sampling or updating")
         self._num_steps += 1
         self._num_batched_tokens += batch.num_batched_tokens
-        self._num_generated_tokens += len(ids)
-        return self._outputs(changed)
+        self._num_generated_tokens += len(tokens)
+        return failed + self._outputs(changed)
 
-    def _fail_batch(self, batch: ScheduledBatch) -> None:
+    def _build_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, ScheduledBatch, list[RequestOutput]]:
+        """The step's inputs. If building them raises, each sequence is built alone to find the ones at fault:
+        those requests end with an error and the rest of the batch runs. Raises if no single sequence is."""
+        try:
+            return self.input_builder.build(batch), batch, []
+        except Exception:
+            culprits: dict[str, Exception] = {}
+            for seq in batch.seqs:
+                try:
+                    self.input_builder.build(ScheduledBatch([seq], seq.num_new_tokens, []))
+                except Exception as e:
+                    culprits[seq.request_id] = e
+            if not culprits or len(culprits) == len(batch.seqs):
+                raise  # not one request's fault: the batch fails as a whole
+        failed = self._fail_requests(culprits, "preparing the inputs of")
+        seqs = [s for s in batch.seqs if s.request_id in self.scheduler.requests]
+        rest = ScheduledBatch(seqs, sum(s.num_new_tokens for s in seqs), batch.preempted_ids)
+        return self.input_builder.build(rest), rest, failed
+
+    def _fail_requests(self, errors: dict[str, Exception], stage: str) -> list[RequestOutput]:
+        """End the requests of these sequences (every completion of each) with finish_reason="error"."""
+        messages: dict[str, str] = {}
+        for seq_id, e in errors.items():
+            log.warning("request sequence %s failed while %s its step; ending it with finish_reason='error'",
+                        seq_id, stage, exc_info=e)
+            parent = self._parent_of(seq_id)
+            if parent is not None:
+                messages.setdefault(parent, f"the engine failed while {stage} this request: {type(e).__name__}: {e}")
+        return self._fail_groups(messages)
+
+    def _parent_of(self, seq_id: str) -> str | None:
+        # Only on the failure path: a linear search keeps the hot path free of a seq -> parent map.
+        return next((parent for parent, g in self._groups.items() if any(r.request_id == seq_id for r in g.seqs)), None)
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         """The executor raised: end the batch's requests as errors so nothing leaks, and forget cached
         prefixes whose blocks may now hold partial writes. Other requests go on."""
-        log.exception("executor failed on a step of %d sequences; finishing them with finish_reason='error'", len(batch.seqs))
-        parents = {self.scheduler.requests[s.request_id].parent_id for s in batch.seqs if s.request_id in self.scheduler.requests}
-        for parent in parents:
+        log.error("executor failed on a step of %d sequences; finishing them with finish_reason='error'",
+                  len(batch.seqs), exc_info=error)
+        message = f"the model failed on a step of this request: {type(error).__name__}: {error}"
+        parents = dict.fromkeys(p for s in batch.seqs if (p := self._parent_of(s.request_id)) is not None)
+        outs = self._fail_groups(dict.fromkeys(parents, message))
+        self.pool.reset_prefix_cache()
+        return outs
+
+    def _fail_groups(self, messages: dict[str, str]) -> list[RequestOutput]:
+        """End every unfinished sequence of each request (parent id -> error message) and report it finished."""
+        outs = []
+        for parent, message in messages.items():
             group = self._groups.pop(parent)
             for req in group.seqs:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
-        self.pool.reset_prefix_cache()
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)  # [] if already ended
+            out = self._group_output(parent, group)
+            out.error = message
+            outs.append(out)
+        return outs
 
     def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         parents = list(dict.fromkeys(r.parent_id for r in changed))
         outs = []
         for parent in parents:
-            group = self._groups[parent]
+            group = self._groups.get(parent)
+            if group is None:
+                continue  # it failed this step; its error output is already made
             out = self._group_output(parent, group)
             if out.finished:
                 del self._groups[parent]

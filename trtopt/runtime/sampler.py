@@ -58,34 +58,72 @@ class Sampler:
             self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
-        """logits: float32 [N, vocab], row i belongs to requests[i]."""
+        """logits: float32 [N, vocab], row i belongs to requests[i]. Raises the first row's error, if any."""
+        sampled = self.sample_each(logits, requests)
+        error = next((s for s in sampled if isinstance(s, Exception)), None)
+        if error is not None:
+            raise error
+        return sampled  # type: ignore[return-value]  # no row failed
+
+    def sample_each(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken | Exception]:
+        """One token per row, or the exception that row's request raised: one request's sampling parameters
+        (say a top_k no tensor can hold) fail only that request, never the batch.
+
+        The batch is sampled vectorised; only when that raises is each row sampled alone, to find the culprit.
+        Every row's uniform is drawn before anything that can fail, so the rows that are fine get the very
+        tokens the batch would have given them, and no generator advances twice.
+        """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
             return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
-        vocab = logits.shape[1]
-        t = SamplingTensors.from_requests(requests, vocab, logits.device)
-        want_logprobs = [r.params.logprobs for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        u = self._uniforms(requests)
+        try:
+            return list(_sample(logits, requests, u))
+        except Exception:
+            rows: list[SampledToken | Exception] = []
+            for i, r in enumerate(requests):
+                try:
+                    rows.append(_sample(logits[i : i + 1], [r], u[i : i + 1])[0])
+                except Exception as e:  # this request's own fault; the engine ends it with finish_reason="error"
+                    rows.append(e)
+            return rows
 
-        if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t):
-            logits = logits.clone()  # the executor's logits stay as they came
-            _mask_before_min_tokens(logits, requests)
-            _apply_penalties(logits, requests, t)
-        tokens = logits.argmax(dim=-1)  # greedy rows keep this
-        rows = torch.nonzero(t.temperature > 0).flatten()
-        if rows.numel():
-            x = logits[rows] / t.temperature[rows, None]
-            top_k, top_p, min_p = t.top_k[rows], t.top_p[rows], t.min_p[rows]
-            # Unfiltered rows draw from the whole vocabulary; filtered ones from a few candidates.
-            unfiltered = (top_k >= vocab) & (top_p >= 1) & (min_p <= 0)
-            for group in (unfiltered, ~unfiltered):
-                sub = torch.nonzero(group).flatten()
-                if sub.numel():
-                    cand_logits, cand_ids = _candidates(x[sub], top_k[sub], top_p[sub], min_p[sub])  # [M, K]
-                    gens = [requests[i].generator or self._generator for i in rows[sub].tolist()]
-                    tokens[rows[sub]] = _draw(cand_logits, cand_ids, gens)
-        return _to_sampled(tokens, raw_logprobs, want_logprobs)
+    def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
+        """[N] float32 on the CPU: one uniform per sampling (non-greedy) row from the row's own generator (the
+        engine's for a request without a seed); greedy rows draw nothing (0). Generators stay on the CPU: a
+        request's draws must not depend on the device or the batch."""
+        u = torch.zeros(len(requests), dtype=torch.float32)
+        for i, r in enumerate(requests):
+            if not r.params.greedy:
+                u[i] = torch.rand(1, generator=r.generator or self._generator)
+        return u
+
+
+def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor) -> list[SampledToken]:
+    """The vectorised sampler: logits float32 [N, vocab], u [N] uniforms for the rows that draw."""
+    vocab = logits.shape[1]
+    t = SamplingTensors.from_requests(requests, vocab, logits.device)
+    want_logprobs = [r.params.logprobs for r in requests]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+
+    if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t):
+        logits = logits.clone()  # the executor's logits stay as they came
+        _mask_before_min_tokens(logits, requests)
+        _apply_penalties(logits, requests, t)
+    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    rows = torch.nonzero(t.temperature > 0).flatten()
+    if rows.numel():
+        x = logits[rows] / t.temperature[rows, None]
+        top_k, top_p, min_p = t.top_k[rows], t.top_p[rows], t.min_p[rows]
+        # Unfiltered rows draw from the whole vocabulary; filtered ones from a few candidates.
+        unfiltered = (top_k >= vocab) & (top_p >= 1) & (min_p <= 0)
+        for group in (unfiltered, ~unfiltered):
+            sub = torch.nonzero(group).flatten()
+            if sub.numel():
+                cand_logits, cand_ids = _candidates(x[sub], top_k[sub], top_p[sub], min_p[sub])  # [M, K]
+                tokens[rows[sub]] = _draw(cand_logits, cand_ids, u[rows[sub].cpu()])
+    return _to_sampled(tokens, raw_logprobs, want_logprobs)
 
 
 def _plain_greedy(r: Request) -> bool:
@@ -95,12 +133,10 @@ def _plain_greedy(r: Request) -> bool:
             and p.frequency_penalty == 0 and (p.min_tokens == 0 or r.num_output_tokens >= p.min_tokens))
 
 
-def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Inverse-CDF sampling with one uniform per row from the row's own generator. Returns token ids [M]."""
+def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling with the row's uniform u [M] (CPU). Returns token ids [M]."""
     cdf = torch.softmax(cand_logits, dim=-1).cumsum(dim=-1)  # [M, K]
-    # The generators live on the CPU (a request's draws must not depend on the device or the batch).
-    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(cdf.device)
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+    picks = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
     return cand_ids.gather(1, picks).squeeze(1)
 
 

@@ -52,11 +52,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a sequence from outside (abort, error) wherever it is; its blocks are freed at once."""
+    def finish_request(self, request_id: str, status: RequestStatus) -> list[Request]:
+        """End a sequence from outside (abort, error) wherever it is; its blocks are freed at once.
+
+        A leader that ends before its prompt is computed takes its unforked n>1 siblings with it (they have
+        nothing to fork from). Returns every sequence it ended ([] for an unknown or finished id).
+        """
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return []
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
@@ -65,8 +69,10 @@ class Scheduler:
             leader = self.requests.get(req.parent_id)
             assert leader is not None and req in leader.pending_forks, f"{request_id} is in no queue"
             leader.pending_forks.remove(req)
-        self._finish(req, status)
-        return req
+        orphans, req.pending_forks = req.pending_forks, []
+        for r in (req, *orphans):
+            self._finish(r, status)
+        return [req, *orphans]
 
     # ---- schedule ----------------------------------------------------------------------------------------
 
@@ -153,24 +159,38 @@ class Scheduler:
 
     # ---- update ------------------------------------------------------------------------------------------
 
-    def update(self, batch: ScheduledBatch, output: StepOutput) -> list[Request]:
-        """Advance every scheduled sequence; return those that got a token or finished, in batch order."""
-        changed = []
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> tuple[list[Request], dict[str, Exception]]:
+        """Advance every scheduled sequence. Returns those that got a token or finished, in batch order, and
+        the sequences whose update raised (say their detokenizer), with the error: the caller ends those
+        requests; the others are advanced as usual. A sequence missing from `output.sampled` is skipped (the
+        engine ended it: its token could not be sampled)."""
+        changed: list[Request] = []
+        failed: dict[str, Exception] = {}
         for seq in batch.seqs:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished from outside after scheduling
-            req.num_computed_tokens += seq.num_new_tokens
-            if not seq.samples:
-                continue  # a prefill chunk that does not reach the end of the prompt
-            self._append_token(req, output.sampled[req.request_id])
-            self._fork_siblings(req)
-            status = self._check_stop(req)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
-            changed.append(req)
-        return changed
+            if seq.samples and req.request_id not in output.sampled:
+                continue
+            try:
+                if self._advance(req, seq, output):
+                    changed.append(req)
+            except Exception as e:  # this sequence's own fault: the others go on
+                failed[req.request_id] = e
+        return changed, failed
+
+    def _advance(self, req: Request, seq: ScheduledSeq, output: StepOutput) -> bool:
+        """Apply one scheduled chunk to req; True if it got a token (and maybe finished)."""
+        req.num_computed_tokens += seq.num_new_tokens
+        if not seq.samples:
+            return False  # a prefill chunk that does not reach the end of the prompt
+        self._append_token(req, output.sampled[req.request_id])
+        self._fork_siblings(req)
+        status = self._check_stop(req)
+        if status is not None:
+            self.running.remove(req)
+            self._finish(req, status)
+        return True
 
     def _append_token(self, req: Request, token: SampledToken) -> None:
         now = time.monotonic()

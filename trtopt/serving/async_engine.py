@@ -14,9 +14,9 @@ from typing import Any, AsyncIterator
 from trtopt.runtime.batch import EngineStats, RequestOutput
 from trtopt.runtime.engine import LLMEngine, PromptType
 from trtopt.runtime.sampling_params import SamplingParams
-from trtopt.serving.engine_loop import EngineDeadError, EngineLoop
+from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S, EngineDeadError, EngineLoop, RequestFailedError
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
 
 class RequestStream:
@@ -72,14 +72,21 @@ class AsyncLLMEngine:
         self.loop = EngineLoop(engine)
 
     def start(self) -> None:
+        """Start the step loop. Raises EngineDeadError once it was stopped: a stopped engine never restarts."""
         self.loop.start()
 
-    def stop(self) -> None:
-        self.loop.stop()
+    def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
+        """Stop the loop within about `timeout` s: in-flight requests end with EngineDeadError (EngineLoop.stop)."""
+        return self.loop.stop(timeout)
 
     @property
     def is_running(self) -> bool:
         return self.loop.is_running
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine broke (repeated step failures or an engine bug); None while healthy or after a clean stop."""
+        return self.loop.dead_reason
 
     @property
     def tokenizer(self) -> Any:
@@ -103,8 +110,8 @@ class AsyncLLMEngine:
     async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams) -> RequestStream:
         """Queue several (request id, prompt) pairs with the same params, streamed together. All or none: if one
         is invalid, the others are aborted and its RequestError is raised."""
-        if not self.loop.is_running:
-            self.loop.start()
+        if not self.loop.started:
+            self.loop.start()  # the first request starts the loop; a stopped loop is never restarted
         stream = RequestStream([rid for rid, _ in requests], self.loop)
         added = [self.loop.submit(rid, prompt, params, stream.put) for rid, prompt in requests]
         try:

@@ -3,14 +3,25 @@
 Both front ends use it: the HTTP server (through AsyncLLMEngine, which turns callbacks into asyncio queues) and
 the Triton Python-backend model (whose callbacks send Triton responses).
 
-Only the step thread touches the engine. Callers queue adds and aborts; before every step the thread applies
-all queued adds, then all queued aborts, so a new request joins the very next step (no caller can be starved
-by a busy loop) and an abort always lands after the add it cancels. submit() returns a Future that carries the
-add's RequestError back to its caller. Each request has one callback, called on the step thread with every
-RequestOutput and, if the request dies without finishing, with an exception (then never again).
+One owner (docs/architecture.md, "Serving"; vLLM's EngineCore busy loop and SGLang's scheduler process are the
+models): once start() ran, only the step thread touches the engine, for adds, aborts, steps and shutdown alike.
+Callers queue adds and aborts under a lock; before every step the thread applies all queued adds, then all queued
+aborts, so a new request joins the very next step and an abort always lands after the add it cancels. submit()
+returns a Future that carries the add's RequestError back to its caller. Each request has one callback, called on
+the step thread with every RequestOutput and, if the request dies without finishing, with an exception (then
+never again): RequestFailedError when the engine ended it with finish_reason="error", EngineDeadError when the
+loop stopped under it.
 
-Failure isolation (DESIGN.md §7): a RequestError reaches only its caller; an executor failure ends only the
-requests of that step (the engine frees their blocks) and the loop goes on.
+Stopping: stop() closes the loop to new work (a later submit() fails at once with EngineDeadError) and asks the
+thread to finish; the thread aborts what is in flight and answers every queued add and every callback. The caller
+waits at most `timeout` (5 s by default) and never touches the engine; if the thread is stuck in a step past the
+timeout, the caller answers the queued adds and the callbacks itself (no engine access), and the thread frees the
+requests' blocks if its step ever returns. A stopped loop never starts again.
+
+A broken engine: MAX_CONSECUTIVE_FAILED_STEPS executor failures in a row, or any exception that escapes
+LLMEngine.step (an engine bug), stop the loop the same way, with `dead_reason` set: servers turn /health to 503
+and `trtopt serve` exits non-zero so a supervisor restarts it. A single failing step is never retried: the engine
+already ended its requests.
 """
 
 from __future__ import annotations
@@ -30,12 +41,22 @@ log = logging.getLogger(__name__)
 
 # How long the idle step thread sleeps before re-checking its stop flag (new work wakes it at once).
 _IDLE_WAIT_S = 0.5
+# Executor failures in a row after which the engine counts as broken. One failure can be one bad request's shape
+# hitting a kernel bug; three in a row, each with the previous step's requests already gone, is the device or
+# the model, and retrying would only fail every new request too.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+# stop() waits this long for the step thread (mid-step included) before answering its callers itself.
+DEFAULT_STOP_TIMEOUT_S = 5.0
 
 OutputCallback = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop is not running (stopped, or shutting down); servers report 503."""
+    """The step loop is not running (stopped, shutting down, or its engine broke); servers report 503."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request with finish_reason="error" (its own fault, or the executor's on its step)."""
 
 
 @dataclasses.dataclass
@@ -50,50 +71,87 @@ class _Add:
 
 
 class EngineLoop:
-    """Owns the stepping of one LLMEngine. start() it, submit()/add() requests, stop() it."""
+    """Owns the stepping of one LLMEngine. start() it, submit()/add() requests, stop() it (once)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, max_consecutive_failed_steps: int = MAX_CONSECUTIVE_FAILED_STEPS) -> None:
         self.engine = engine  # touched only by the step thread once start() ran
-        self._wake = threading.Event()  # set when there is new work (an add or an abort)
+        self.max_consecutive_failed_steps = max_consecutive_failed_steps
+        self._wake = threading.Event()  # set when there is new work (an add or an abort) or a stop
+        self._lock = threading.Lock()  # guards _adds, _aborts, _closed, _thread, dead_reason
         self._adds: collections.deque[_Add] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
-        self._callbacks: dict[str, OutputCallback] = {}  # open requests; step thread only
+        self._closed: str | None = None  # why the loop takes no more work; set once, never cleared
+        self.dead_reason: str | None = None  # set when the engine broke (not on a clean stop)
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        self._stopping = False
+        # Callbacks of the requests in the engine. The step thread delivers under _deliver_lock; a stop() whose
+        # join timed out takes them over under it (then _orphaned is True and the thread delivers nothing more).
+        self._deliver_lock = threading.RLock()  # re-entrant: a callback may call abort()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._orphaned: list[str] = []  # ids the caller answered; the thread still frees their blocks
+        self.stopped = threading.Event()  # set once the step thread has exited and answered everything
         self._stats = engine.stats()  # refreshed by the step thread; read lock-free by metrics endpoints
         self.last_step_requests = 0  # requests that advanced together in the last step (evidence of batching)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the step thread (idempotent)."""
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping = False
+        """Start the step thread (idempotent while running). A stopped loop never starts again: EngineDeadError."""
+        with self._lock:
+            if self._closed is not None:
+                raise EngineDeadError(f"the engine loop was stopped ({self._closed}); it does not start again.")
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="trtopt-step-loop", daemon=True)
                 self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the step thread; open and queued requests are aborted and told with EngineDeadError."""
-        self._stopping = True
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
+        """Stop taking work and let the step thread abort what is in flight and answer everyone (EngineDeadError).
+
+        Returns within about `timeout` seconds and never touches the engine. True if the thread finished; False if
+        it was stuck in a step, in which case every caller has been answered from here anyway.
+        """
+        with self._lock:
+            if self._closed is None:
+                self._closed = "the server is shutting down"
+            thread = self._thread
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        dead = EngineDeadError("the server is shutting down")
-        while self._adds:
-            add = self._adds.popleft()
-            if add.done.set_running_or_notify_cancel():
-                add.done.set_exception(dead)
-        for rid, callback in list(self._callbacks.items()):
-            self.engine.abort(rid)
+        if thread is None:  # never started: nothing reached the engine
+            self._fail_queued(EngineDeadError(self._closed))
+            self.stopped.set()
+            return True
+        if thread is threading.current_thread():
+            return False  # called from a callback: the thread shuts down when the callback returns
+        thread.join(timeout)
+        if not thread.is_alive():
+            return True
+        log.error("the step thread did not finish within %.1f s (stuck in a step); answering its requests without it",
+                  timeout)
+        dead = EngineDeadError(f"{self._closed}; the engine did not stop in time")
+        self._fail_queued(dead)
+        if not self._deliver_lock.acquire(timeout=1.0):
+            log.error("a callback holds the delivery lock; in-flight requests are left to the step thread")
+            return False
+        try:
+            taken, self._callbacks = self._callbacks, {}
+            self._orphaned.extend(taken)
+        finally:
+            self._deliver_lock.release()
+        for callback in taken.values():
             _call(callback, dead)
-        self._callbacks.clear()
-        self._stats = self.engine.stats()
+        return False
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        """The step thread is alive and the loop takes work."""
+        return self._thread is not None and self._thread.is_alive() and self._closed is None
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine broke (see dead_reason); a cleanly stopped loop stays healthy."""
+        return self.dead_reason is None
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step (or the last add/abort when idle)."""
@@ -103,12 +161,14 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
                callback: OutputCallback) -> concurrent.futures.Future:
-        """Queue a request for the next step. The future fails with RequestError (nothing queued) if it is invalid."""
+        """Queue a request for the next step. The future fails with RequestError (nothing queued) if it is invalid,
+        and at once with EngineDeadError if the loop is stopping, stopped or dead."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopping:
-            done.set_exception(EngineDeadError("the server is shutting down"))
-            return done
-        self._adds.append(_Add(request_id, prompt, params, callback, done))
+        with self._lock:
+            if self._closed is not None:
+                done.set_exception(EngineDeadError(self._closed))
+                return done
+            self._adds.append(_Add(request_id, prompt, params, callback, done))
         self._wake.set()
         return done
 
@@ -118,31 +178,42 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Abort the request before the next step (non-blocking). Its callback is not called again."""
-        self._aborts.append(request_id)
+        with self._lock:
+            self._aborts.append(request_id)
         self._wake.set()
 
     # ---- the step thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
-            self._apply_adds()
-            self._apply_aborts()
-            busy = self.engine.has_unfinished_requests()
-            outputs = self._step() if busy else []
-            self._stats = self.engine.stats()
-            if outputs:
-                self.last_step_requests = len(outputs)
-            for out in outputs:
-                callback = self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
-                if callback is not None:
-                    _call(callback, out)
-            if not busy and not self._adds and not self._aborts:
-                self._wake.wait(_IDLE_WAIT_S)
-                self._wake.clear()  # cleared after the wait: the next pass re-checks both queues
+        reason = None
+        try:
+            while self._closed is None:
+                self._apply_adds()
+                self._apply_aborts()
+                busy = self.engine.has_unfinished_requests()
+                outputs = self.engine.step() if busy else []
+                self._stats = self.engine.stats()  # before delivering: a caller that saw its output sees these
+                self._deliver(outputs)
+                if self.engine.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
+                    reason = (f"the model failed on {self.engine.num_consecutive_failed_steps} steps in a row; "
+                              "the engine is broken and must be restarted")
+                    break
+                if not busy:
+                    with self._lock:
+                        idle = not self._adds and not self._aborts and self._closed is None
+                    if idle:
+                        self._wake.wait(_IDLE_WAIT_S)
+                        self._wake.clear()  # cleared after the wait: the next pass re-checks both queues
+        except Exception as e:  # an engine bug (a broken invariant): its state is unknown, so nothing runs again
+            log.exception("the engine failed outside any request; stopping the loop")
+            reason = f"the engine failed: {type(e).__name__}: {e}"
+        finally:
+            self._shut_down(reason)
 
     def _apply_adds(self) -> None:
-        while self._adds:
-            add = self._adds.popleft()
+        with self._lock:
+            adds, self._adds = self._adds, collections.deque()
+        for add in adds:
             if not add.done.set_running_or_notify_cancel():
                 continue  # the caller cancelled before the add landed: never start it
             try:
@@ -150,26 +221,70 @@ class EngineLoop:
             except Exception as e:  # RequestError for bad input; anything else is reported to that caller too
                 add.done.set_exception(e)
                 continue
-            self._callbacks[add.request_id] = add.callback
+            with self._deliver_lock:
+                self._callbacks[add.request_id] = add.callback
             add.done.set_result(None)
 
     def _apply_aborts(self) -> None:
-        while self._aborts:
-            rid = self._aborts.popleft()
-            self.engine.abort(rid)
-            self._callbacks.pop(rid, None)
+        with self._lock:
+            aborts, self._aborts = self._aborts, collections.deque()
+        for rid in aborts:
+            self._abort(rid)
+            with self._deliver_lock:
+                self._callbacks.pop(rid, None)
 
-    def _step(self) -> list[RequestOutput]:
+    def _abort(self, request_id: str) -> None:
+        # Nothing one request does may end the thread every other request depends on.
         try:
-            return self.engine.step()
-        except Exception as e:  # the engine already ended that step's requests and freed their blocks
-            log.exception("engine step failed")
-            for rid in [r for r in self._callbacks if not self._is_alive(r)]:
-                _call(self._callbacks.pop(rid), RuntimeError(f"the model failed on a step of this request: {e}"))
-            return []
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("aborting %s failed; the step loop goes on", request_id)
 
-    def _is_alive(self, request_id: str) -> bool:
-        return any(r.parent_id == request_id for r in self.engine.scheduler.requests.values())
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self.last_step_requests = len(outputs)
+        with self._deliver_lock:
+            if self._orphaned:
+                return  # stop() answered every caller already
+            for out in outputs:
+                if out.finished:
+                    callback = self._callbacks.pop(out.request_id, None)
+                else:
+                    callback = self._callbacks.get(out.request_id)
+                if callback is not None:
+                    _call(callback, out if out.error is None else RequestFailedError(out.error))
+
+    def _shut_down(self, reason: str | None) -> None:
+        """On the step thread, last: abort everything in flight and answer every queued add and callback."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason or "the server is shutting down"
+            if reason is not None:
+                self.dead_reason = reason
+                log.error("engine loop stopped: %s", reason)
+        dead = EngineDeadError(self._closed)
+        self._fail_queued(dead)
+        self._apply_aborts()
+        with self._deliver_lock:
+            callbacks, self._callbacks = self._callbacks, {}
+            orphaned = list(self._orphaned)
+        for rid in (*callbacks, *orphaned):
+            self._abort(rid)  # frees its blocks: the engine stays consistent for whoever inspects it
+        for callback in callbacks.values():
+            _call(callback, dead)
+        try:
+            self._stats = self.engine.stats()
+        except Exception:
+            log.exception("reading the engine's stats at shutdown failed")
+        self.stopped.set()
+
+    def _fail_queued(self, error: EngineDeadError) -> None:
+        """Answer every add that has not reached the engine (safe from any thread: it does not touch the engine)."""
+        with self._lock:
+            adds, self._adds = self._adds, collections.deque()
+        for add in adds:
+            if add.done.set_running_or_notify_cancel():
+                add.done.set_exception(error)
 
 
 def _call(callback: OutputCallback, item: RequestOutput | BaseException) -> None:

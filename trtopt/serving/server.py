@@ -79,8 +79,9 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
 
     @app.get("/health")
     async def health() -> Response:
-        if not aengine.is_running:
-            return _error_response(ErrorInfo(503, "the engine loop is not running", type="server_error"))
+        if not aengine.is_running:  # stopping, stopped, or broken (dead_reason says why)
+            reason = aengine.dead_reason or "the engine loop is not running"
+            return _error_response(ErrorInfo(503, reason, type="server_error"))
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -314,3 +315,23 @@ class _BodyLimitMiddleware:
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
         info = ErrorInfo(413, f"the request body is larger than {self.max_body_bytes} bytes; send a shorter prompt.")
         await _error_response(info)(scope, receive, send)
+
+
+def run_server(config: Any, aengine: AsyncLLMEngine) -> str | None:
+    """Run uvicorn (a uvicorn.Config over an app of `aengine`) until it exits, or until the engine breaks: then
+    the server shuts down too, so a supervisor can restart the process. Returns the engine's dead_reason (None
+    after a clean shutdown); `trtopt serve` exits non-zero on it."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(config)
+
+    def exit_when_dead() -> None:
+        aengine.loop.stopped.wait()
+        if aengine.dead_reason is not None:
+            server.should_exit = True  # uvicorn polls it: a graceful shutdown, as on SIGTERM
+
+    threading.Thread(target=exit_when_dead, name="trtopt-engine-watch", daemon=True).start()
+    server.run()
+    return aengine.dead_reason
