@@ -38,3 +38,29 @@ def test_generate_batch_chat_and_bad_values(built_plan):
 def test_generate_help_has_examples():
     result = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--chat --prompt" in result.output and "--eager" in result.output
+
+
+def test_plan_with_external_data_outside_it_is_one_line_error(built_plan, tmp_path):
+    """A plan dir whose model.onnx points its weights outside the dir: a BuildError for every backend, no traceback."""
+    import shutil
+
+    import onnx
+
+    plan = tmp_path / "plan"
+    shutil.copytree(built_plan("tiny-llama"), plan)
+    proto = onnx.load(str(plan / "model.onnx"))
+    onnx.save(proto, str(plan / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.data", size_threshold=0)
+    shutil.move(plan / "weights.data", tmp_path / "outside.data")
+    proto = onnx.load(str(plan / "model.onnx"), load_external_data=False)
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../outside.data"
+    (plan / "model.onnx").write_bytes(proto.SerializeToString())
+    for backend in ("torch", "onnxruntime"):
+        result = runner.invoke(app, ["generate", str(plan), "-p", "Hi", "--max-tokens", "2", "--backend", backend],
+                               env={"COLUMNS": "400"})
+        assert result.exit_code == 1, result.output
+        assert "BuildError" in result.output and "outside the model directory" in result.output, result.output
+        assert "Traceback" not in result.output

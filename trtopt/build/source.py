@@ -56,15 +56,30 @@ def check_external_data(model: onnx.ModelProto, model_dir: Path) -> None:
             )
 
 
-def load_source(path: Path) -> ir.Model:
-    """Load the source model as onnx-ir, refusing non-ONNX, corrupt and unsafe files with a BuildError."""
+def _read_graph_proto(path: Path, next_step: str) -> onnx.ModelProto:
+    """The model proto without its external data; BuildError (saying ``next_step``) when it cannot be parsed."""
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, OSError) as e:
         raise BuildError(
-            f"{path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]}); "
-            "check the path, or re-export it with `trtopt export`."
+            f"{path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]}); {next_step}."
         ) from e
+
+
+def check_plan_model(path: Path) -> None:
+    """BuildError unless a plan's model file parses and its external data stays inside the plan dir, is present
+    and long enough. Every executor loads the plan through this check first, so a tampered or half-copied plan
+    dir is one clear error rather than a traceback from whichever loader reads it.
+    """
+    if not path.is_file():
+        raise BuildError(f"{path.parent} has no {path.name}; build the plan with `trtopt build`.")
+    proto = _read_graph_proto(path, "rebuild the plan with `trtopt build`")
+    check_external_data(proto, path.parent)
+
+
+def load_source(path: Path) -> ir.Model:
+    """Load the source model as onnx-ir, refusing non-ONNX, corrupt and unsafe files with a BuildError."""
+    proto = _read_graph_proto(path, "check the path, or re-export it with `trtopt export`")
     # protobuf parses many non-ONNX byte strings into an almost empty message; a model has nodes and an opset.
     if not proto.graph.node or not proto.opset_import or not proto.graph.output:
         raise BuildError(

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trtopt.build.plan import PlanConfig
+from trtopt.build.plan import MODEL_FILE, PlanConfig
+from trtopt.build.source import check_plan_model
 from trtopt.errors import ConfigError
 from trtopt.runtime.executors.base import Executor
 
@@ -22,7 +23,11 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
     num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
     cuda_graphs: torch on CUDA only: replay decode steps from CUDA graphs (see cuda_graphs.py; LLMEngine.from_plan
     turns them on by default there).
+    Raises BuildError when the plan's model file is unreadable or its external data leaves the plan dir.
     """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    check_plan_model(Path(plan_dir) / MODEL_FILE)
     if backend == "torch":
         from trtopt.runtime.executors.torch_executor import TorchExecutor
 
@@ -32,12 +37,10 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
 
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else None
         executor = OrtExecutor(plan_dir, plan, providers=providers)
-    elif backend == "tensorrt":
+    else:  # tensorrt
         from trtopt.runtime.executors.trt_executor import TrtExecutor
 
         executor = TrtExecutor(plan_dir, plan)
-    else:
-        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if num_blocks is not None:
         executor.allocate_kv_cache(num_blocks)
     return executor
