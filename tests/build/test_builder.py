@@ -206,3 +206,43 @@ def test_a_plan_is_not_rebuilt(llama_plan, tmp_path):
     _, result = llama_plan
     with pytest.raises(BuildError, match="already a trtopt plan"):
         build_plan(result.plan_dir, tmp_path / "again", progress=False)
+
+
+def _export_conv_net(path, classifier_softmax: bool) -> None:
+    import torch
+
+    class ConvNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2, self.fc = torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3), torch.nn.Linear(4, 10)
+
+        def forward(self, x):
+            logits = self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+            return torch.softmax(logits, -1) if classifier_softmax else logits
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pytest.warns(DeprecationWarning):  # the legacy exporter is the quick one for a 5-op graph
+        torch.onnx.export(ConvNet().eval(), (torch.randn(1, 3, 16, 16),), str(path), dynamo=False,
+                          input_names=["pixels"], output_names=["scores"])
+
+
+@pytest.mark.parametrize("classifier_softmax", [False, True])
+def test_a_conv_net_is_refused(tmp_path, classifier_softmax):
+    """Not an LLM or an encoder: a BuildError that says what the graph holds, and no plan (it used to 'build' a
+    0-layer plan and print 'every attention-like region fused')."""
+    from typer.testing import CliRunner
+
+    from trtopt.cli.main import app
+
+    _export_conv_net(tmp_path / "conv" / "model.onnx", classifier_softmax)
+    with pytest.raises(BuildError, match=r"not a causal LM or a transformer encoder.*no KV-cache inputs.*pixels") as e:
+        build_plan(tmp_path / "conv", tmp_path / "plan", progress=False)
+    if classifier_softmax:  # the Softmax was examined as attention: the failed check is named
+        assert "1 Softmax region(s) examined as attention" in str(e.value) and "/Softmax" in str(e.value)
+    else:
+        assert "no attention" in str(e.value) and "Conv×2" in str(e.value)
+    assert not (tmp_path / "plan").exists()
+    result = CliRunner().invoke(app, ["build", str(tmp_path / "conv"), "-o", str(tmp_path / "plan"), "--explain"],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 1 and "BuildError" in result.output and "Traceback" not in result.output
+    assert "every attention-like region fused" not in result.output

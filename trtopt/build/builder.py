@@ -9,6 +9,7 @@ source model (dir or .onnx) ──load──▶ onnx-ir model ──optimize─�
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -26,6 +27,7 @@ from trtopt.build.signature import check_signature
 from trtopt.build.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
 from trtopt.fusion_passes.pipeline import FusionReport, optimize
+from trtopt.fusion_passes.trace import Trace
 
 # Files copied from next to the source model so the plan dir is self-contained for the runtime and detokenizer.
 SIDE_FILES = (
@@ -152,6 +154,33 @@ def _copy_side_files(source_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
+def _op_summary(model: ir.Model, limit: int = 8) -> str:
+    counts = collections.Counter(node.op_type for node in model.graph.all_nodes())
+    top = ", ".join(f"{op}×{n}" for op, n in counts.most_common(limit))
+    return top + (f" and {len(counts) - limit} more op types" if len(counts) > limit else "")
+
+
+def _refuse_non_transformer(model: ir.Model, report: FusionReport, onnx_path: Path) -> None:
+    """BuildError for a graph with neither KV-cache I/O nor one fused attention: it is not an LLM or an encoder.
+
+    A plan without attention would be a 0-layer plan that the runtime cannot serve; saying what the graph holds
+    instead tells the user at once that they pointed at the wrong model (or at an attention form to report).
+    """
+    if report.kind != "flash" or report.counts.get("flash_attention", 0):
+        return
+    inputs = ", ".join(v.name for v in model.graph.inputs) or "none"
+    if report.unfused:
+        found = (f"{len(report.unfused)} Softmax region(s) examined as attention, none of which fused:\n  "
+                 + "\n  ".join(Trace(list(report.unfused)).summary()) + "\n(run with --explain for each one)")
+    else:
+        found = f"no attention (Softmax over q·kᵀ) at all; its ops are {_op_summary(model)}"
+    raise BuildError(
+        f"{onnx_path} is not a causal LM or a transformer encoder: it has no KV-cache inputs "
+        f"(past_key_values.*; inputs: {inputs}) and {found}. trtopt builds decoder-only LMs exported with "
+        "`trtopt export` (or optimum's text-generation-with-past) and encoders whose attention it can fuse."
+    )
+
+
 def _fit_limits(limits: Limits | None, max_model_len: int | None, config: dict) -> Limits:
     """The given limits, or the defaults with max_model_len capped at the model's context (None = default 2048).
 
@@ -212,6 +241,7 @@ def build_plan(
                 probe_len=min(int(config_json.get("max_position_embeddings") or 512), 4096),
             )
         with steps.step("validating the plan graph"):
+            _refuse_non_transformer(model, report, onnx_path)
             facts = model_facts(model, report.kind, config_json, generation_json)
             if facts.max_position_embeddings and limits.max_model_len > facts.max_position_embeddings:
                 raise ConfigError(
