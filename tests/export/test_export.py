@@ -112,3 +112,31 @@ def test_bf16_verification_failure_is_explained(tmp_path):
 def test_fp16_export_verifies(tmp_path):
     result = export_model("tiny-llama", tmp_path / "out", exporter="legacy", dtype="fp16")
     assert max(result.max_rel_error.values()) <= TOLERANCE["fp16"]
+
+
+def test_verification_run_failure_is_an_export_error(tmp_path):
+    """A graph ORT loads but cannot run on a verification case: an ExportError naming the case and what to try
+    (a sliding-window Mistral traced on one side of its window used to print ORT's traceback from verify())."""
+    import torch
+    from onnx import TensorProto, helper
+
+    from trtopt.export.exporter import _io_names, _load_model, _OptimumStyle, verify
+    from trtopt.export.models import resolve_model
+
+    hf = _load_model(resolve_model("tiny-llama"), torch.float32)
+    inputs, outputs = _io_names(hf.config.num_hidden_layers)
+    kinds = {"input_ids": TensorProto.INT64, "attention_mask": TensorProto.INT64, "position_ids": TensorProto.INT64}
+    # Reshape to the traced shape [2, 4] (batch 2, 4 new tokens): the verification prompt (7 tokens) breaks it, as a
+    # shape the trace specialised on does.
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["input_ids", "shape"], ["logits"])], "specialised",
+        [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in inputs],
+        [helper.make_tensor_value_info("logits", TensorProto.INT64, None)],
+        [helper.make_tensor("shape", TensorProto.INT64, [2], [2, 4])],
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with pytest.raises(ExportError, match=r"cannot run the exported graph on the verification case prompt.*"
+                                          r"--exporter legacy\|dynamo.*--no-verify") as e:
+        verify(path, _OptimumStyle(hf).eval(), hf.config, "fp32")
+    assert "Reshape" in str(e.value)

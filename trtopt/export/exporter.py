@@ -134,7 +134,7 @@ def verify(onnx_path: Path, wrapper: _OptimumStyle, config, dtype: str) -> tuple
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # fatal only: a failure is raised as an ExportError, not logged twice
     try:
         sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own pybind classes (NotImplemented, Fail, ...)
@@ -148,7 +148,16 @@ def verify(onnx_path: Path, wrapper: _OptimumStyle, config, dtype: str) -> tuple
         with torch.no_grad():
             expected = wrapper(*args)
         feeds = {n: a.numpy() if a.dtype != torch.bfloat16 else a.float().numpy() for n, a in zip(names, args)}
-        got = sess.run(None, feeds)
+        try:
+            got = sess.run(None, feeds)
+        except Exception as e:  # ORT's pybind errors (InvalidArgument, RuntimeException, ...) share no base class
+            raise ExportError(
+                f"ONNX Runtime cannot run the exported graph on the verification case {case} "
+                f"(batch {batch}, {seq} new tokens, past {past}): {type(e).__name__}: {str(e)[:300]}. The export "
+                "traced batch 2, 4 new tokens, past 3, so a shape it specialised on (e.g. a sliding window seen on "
+                "one side only) may not hold here; try the other exporter (`--exporter legacy|dynamo`), or "
+                "--no-verify to keep the graph unverified."
+            ) from e
         diffs = [(float((torch.from_numpy(g).float() - e.float()).abs().max()), max(1.0, float(e.float().abs().max())))
                  for g, e in zip(got, expected)]
         errors[case] = max(d for d, _ in diffs)
