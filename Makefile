@@ -30,9 +30,10 @@ demo: setup
 	$(VENV)/bin/trtopt build $(DEMO)/onnx -o $(DEMO)/plan --force
 	$(VENV)/bin/trtopt generate $(DEMO)/plan --chat --max-tokens 64 --prompt "What is the capital of France?"
 
-# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass. TRTOPT_CHECK_COLLECTION makes
+# it fail when a test file under tests/ was never collected (tests/conftest.py).
 test: setup
-	@$(PY) -m pytest -q -m "not gpu and not tensorrt" tests; rc=$$?; \
+	@TRTOPT_CHECK_COLLECTION=1 $(PY) -m pytest -q -m "not gpu and not tensorrt" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-gpu: setup

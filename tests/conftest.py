@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# ---- every test file runs ------------------------------------------------------------------------------------------
+# pytest silently skips folders matching norecursedirs (its default includes `build`, which hid tests/build). With
+# TRTOPT_CHECK_COLLECTION=1 (set by `make test`), a run fails when a tests/**/test_*.py file was never collected.
+
+_collected_files: set[str] = set()
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.nodeid.endswith(".py"):
+        _collected_files.add(report.nodeid)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("TRTOPT_CHECK_COLLECTION") != "1":
+        return
+    root = Path(session.config.rootpath)
+    expected = {p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py")}
+    missing = sorted(expected - _collected_files)
+    if missing:
+        raise pytest.UsageError(f"{len(missing)} of {len(expected)} test files under tests/ were never collected: "
+                                f"{missing}; check [tool.pytest.ini_options] norecursedirs in pyproject.toml.")
 
 
 @pytest.fixture(scope="session")

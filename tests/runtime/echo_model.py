@@ -8,10 +8,16 @@ same function on plain token lists: the engine must match it token for token.
 
 from __future__ import annotations
 
+import collections
+from typing import TYPE_CHECKING
+
 import torch
 
 from trtopt.build.plan import Limits, ModelFacts, PlanConfig
 from trtopt.runtime.batch import StepInputs
+
+if TYPE_CHECKING:
+    from trtopt.runtime.engine import LLMEngine
 
 VOCAB = 97
 EOS = 1
@@ -83,3 +89,48 @@ class EchoExecutor:
             assert -1 not in seq, "read a slot that was never written"
             rows.append(next_logits(seq))
         return torch.stack(rows)  # [N, VOCAB]
+
+
+# ---- what every engine fault test checks and injects ----------------------------------------------------------
+
+
+def poison(engine: LLMEngine, request_id: str, **fields) -> None:
+    """Set sampling fields of a queued request past validation: a value that slipped through the edge (say
+    top_k=2**63, which no int64 tensor holds) must still hurt no one else."""
+    for seq in engine._groups[request_id].seqs:
+        for k, v in fields.items():
+            object.__setattr__(seq.params, k, v)
+
+
+def check_engine(engine: LLMEngine) -> None:
+    """The engine's bookkeeping agrees with itself: every block's ref count equals its holders, every open sequence
+    sits in exactly one place, no finished sequence holds blocks, and an idle engine has every usable block free."""
+    pool, sched = engine.pool, engine.scheduler
+    pool.check_invariants()
+    holders = engine.kv.holders()
+    held = collections.Counter(b for table in holders.values() for b in table)
+    assert [pool.ref_cnt[b] for b in range(1, pool.num_blocks)] == [held[b] for b in range(1, pool.num_blocks)]
+    assert set(holders) <= set(sched.requests), f"finished sequences hold blocks: {set(holders) - set(sched.requests)}"
+    pending = [s for r in sched.requests.values() for s in r.pending_forks]
+    places = collections.Counter(r.request_id for r in (*sched.running, *sched.waiting, *pending))
+    assert places == collections.Counter(set(sched.requests)), "a sequence is in no queue, or in two"
+    open_seqs = {r.request_id for g in engine._groups.values() for r in g.seqs if not r.status.finished}
+    assert open_seqs == set(sched.requests), "engine groups and scheduler disagree on what is open"
+    if not engine.has_unfinished_requests():
+        assert not sched.requests and not holders and not sched.running and not sched.waiting
+        assert pool.num_free_blocks == pool.num_usable_blocks, "blocks leaked"
+
+
+class ExplodingDetokenizer:
+    """A detokenizer that fails on its first update, as a tokenizer bug on one odd token would."""
+
+    text = ""
+
+    def update(self, _ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer failure")
+
+    def take_delta(self) -> str:
+        return ""
+
+    def finish(self) -> None:
+        pass

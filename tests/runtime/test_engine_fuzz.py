@@ -1,0 +1,174 @@
+"""Engine fuzz (issue 10): seeded random adds (n 1..4, shared prefixes), steps, aborts at every moment (before the
+fork, mid chunked prefill, mid decode), preemption under a tiny pool, and injected executor, sampler and update
+faults, on the paged echo model. After every operation the engine's bookkeeping must agree with itself (no
+leaked request, every block's ref count equals its holders, an idle engine has every usable block free), and
+every greedy completion that ends normally must equal the reference token for token, so no fault, abort or
+preemption disturbed anyone else's KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.request import RequestStatus
+from trtopt.runtime.sampling_params import SamplingParams
+
+from echo_model import VOCAB, EchoExecutor, ExplodingDetokenizer, check_engine, make_plan, poison, reference_generate
+
+BLOCK = 4
+MAX_MODEL_LEN = 40  # 10 blocks per sequence at most
+
+
+@dataclasses.dataclass
+class _Open:
+    prompt: list[int]
+    params: SamplingParams
+    faulty: bool = False  # a fault was injected into it: it must end with "error" (or be aborted first)
+
+
+class Fuzzer:
+    def __init__(self, seed: int) -> None:
+        self.rnd = random.Random(seed)
+        num_blocks = self.rnd.choice([11, 14, 20, 40])  # 11: room for one full-length sequence, so preemption is common
+        plan = make_plan(block_size=BLOCK, max_num_tokens=self.rnd.choice([8, 8, 16, 64]), max_num_seqs=8,
+                         max_model_len=MAX_MODEL_LEN)
+        self.ex = EchoExecutor(BLOCK)
+        self.engine = LLMEngine(self.ex, plan, None, EngineConfig(num_blocks=num_blocks,
+                                                                  enable_prefix_caching=self.rnd.random() < 0.8))
+        self.prefixes = [[self.rnd.randint(2, VOCAB - 1) for _ in range(self.rnd.randint(4, 12))] for _ in range(3)]
+        self.open: dict[str, _Open] = {}
+        self.next_id = 0
+        self.counts = dict.fromkeys(("add", "step", "abort", "executor_fault", "sampler_fault", "update_fault",
+                                     "checked", "error", "preempted", "abort_before_fork", "abort_mid_prefill",
+                                     "abort_mid_decode", "abort_queued"), 0)
+
+    # ---- operations ------------------------------------------------------------------------------------------
+
+    def op(self) -> None:
+        r = self.rnd.random()
+        if r < 0.25 or not self.open:
+            self.add()
+        elif r < 0.80:
+            self.step()
+        elif r < 0.92:
+            self.abort()
+        elif r < 0.95:
+            self.ex.fail_next = True
+            self.counts["executor_fault"] += 1
+        elif r < 0.98:
+            self.fault(sampler=True)
+        else:
+            self.fault(sampler=False)
+        check_engine(self.engine)
+        assert set(self.open) == set(self.engine._groups), "the engine and the fuzzer disagree on what is open"
+
+    def add(self) -> None:
+        rnd = self.rnd
+        # Reuse a finished id now and then: an id must be free again once its request ended, however it ended.
+        rid = f"r{rnd.randrange(self.next_id)}" if self.next_id and rnd.random() < 0.2 else f"r{self.next_id}"
+        if rid in self.open:
+            rid = f"r{self.next_id}"
+        self.next_id += 1
+        prefix = rnd.choice(self.prefixes) if rnd.random() < 0.6 else []
+        prompt = prefix + [rnd.randint(2, VOCAB - 1) for _ in range(rnd.randint(1, 14))]
+        greedy = rnd.random() < 0.7
+        params = SamplingParams(
+            n=rnd.randint(1, 4), temperature=0.0 if greedy else 0.8, top_k=rnd.choice([0, 5]),
+            seed=rnd.randint(0, 100) if rnd.random() < 0.5 else None, max_tokens=rnd.randint(1, 12),
+            ignore_eos=rnd.random() < 0.5, logprobs=rnd.choice([None, None, 2]))
+        self.engine.add_request(rid, prompt, params)
+        self.open[rid] = _Open(prompt, params)
+        self.counts["add"] += 1
+
+    def step(self) -> None:
+        preemptions = self.engine.scheduler.num_preemptions
+        for out in self.engine.step():
+            assert out.request_id in self.open, f"an output for {out.request_id}, which is not open"
+            if out.finished:
+                self.finished(out, self.open.pop(out.request_id))
+        self.counts["preempted"] += self.engine.scheduler.num_preemptions - preemptions
+        self.counts["step"] += 1
+
+    def abort(self) -> None:
+        rid = self.rnd.choice(sorted(self.open)) if self.rnd.random() < 0.9 else "nobody"
+        if rid in self.open:
+            self.counts[f"abort_{_moment(self.engine._groups[rid].seqs[0])}"] += 1
+        assert self.engine.abort(rid) == (rid in self.open)
+        self.open.pop(rid, None)
+        self.counts["abort"] += 1
+
+    def fault(self, *, sampler: bool) -> None:
+        rid = self.rnd.choice(sorted(self.open))
+        if sampler:
+            poison(self.engine, rid, top_k=2**63, temperature=1.0)
+        else:
+            seqs = [s for s in self.engine._groups[rid].seqs if not s.status.finished]
+            self.rnd.choice(seqs).detok = ExplodingDetokenizer()
+        self.open[rid].faulty = True
+        self.counts["sampler_fault" if sampler else "update_fault"] += 1
+
+    # ---- checks ------------------------------------------------------------------------------------------------
+
+    def finished(self, out, req: _Open) -> None:
+        reasons = [c.finish_reason for c in out.outputs]
+        assert len(out.outputs) == req.params.n and all(reasons)
+        if "error" in reasons:
+            assert out.error, "an error finish without its reason"
+            self.counts["error"] += 1
+            return
+        assert not req.faulty, f"a faulty request ended with {reasons}"
+        if req.params.temperature == 0:
+            eos = None if req.params.ignore_eos else 1
+            want = reference_generate(req.prompt, req.params.max_tokens, eos=eos)
+            assert all(c.token_ids == want for c in out.outputs), f"{out.request_id} differs from the reference"
+            self.counts["checked"] += 1
+
+    def drain(self) -> None:
+        for _ in range(5000):
+            if not self.open:
+                break
+            self.step()
+            check_engine(self.engine)
+        assert not self.open and not self.engine.has_unfinished_requests(), "requests never finished"
+        check_engine(self.engine)
+
+
+def _moment(leader) -> str:
+    """When an abort lands, as seen from the request's first sequence."""
+    running = leader.status is RequestStatus.RUNNING
+    if running and leader.num_computed_tokens < leader.num_prompt_tokens:
+        return "mid_prefill"  # its prompt is being prefilled in chunks (with or without siblings waiting to fork)
+    if leader.pending_forks:
+        return "before_fork"  # not admitted yet, or preempted, with n>1 siblings still waiting for it
+    return "mid_decode" if running else "queued"  # waiting (new or preempted) or already finished while its siblings run
+
+
+def run(seed: int, num_ops: int) -> dict[str, int]:
+    fuzz = Fuzzer(seed)
+    for _ in range(num_ops):
+        fuzz.op()
+    fuzz.drain()
+    return fuzz.counts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_fuzz(seed):
+    counts = run(seed, 300)
+    assert counts["checked"] > 5 and counts["abort"] > 5 and counts["error"] > 0
+
+
+@pytest.mark.slow
+def test_engine_fuzz_10k_operations():
+    totals: dict[str, int] = {}
+    for seed in range(100, 104):
+        for k, v in run(seed, 2600).items():
+            totals[k] = totals.get(k, 0) + v
+    ops = sum(totals[k] for k in ("add", "step", "abort", "executor_fault", "sampler_fault", "update_fault"))
+    assert ops >= 10_000
+    # Every kind of event happened many times, or the fuzz proves little.
+    assert min(totals[k] for k in ("abort", "executor_fault", "sampler_fault", "update_fault", "preempted")) >= 50, totals
+    assert min(totals[k] for k in ("abort_before_fork", "abort_mid_prefill", "abort_mid_decode")) >= 20, totals
