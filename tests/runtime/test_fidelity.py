@@ -47,7 +47,7 @@ def smollm2(engine_for):
 def reference(smollm2, hf_model):
     """Prompt token ids (as the engine tokenizes them) -> HF greedy continuation."""
     engine = smollm2("torch")
-    ids = [engine.tokenize(p)[1] for p in prompts()]
+    ids = [engine.input_processor.tokenize(p)[1] for p in prompts()]
     model = hf_model(MODEL)
     refs = []
     with torch.inference_mode():

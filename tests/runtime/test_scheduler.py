@@ -197,7 +197,10 @@ def test_stop_conditions():
 
 def test_max_model_len_caps_generation():
     engine, _ = make_engine(max_model_len=16)
-    engine.add_request("x", list(range(2, 12)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    # max_tokens=None runs to the context's end; a max_tokens past it is refused, never silently cut.
+    with pytest.raises(RequestError, match="maximum context length is 16 tokens"):
+        engine.add_request("x", list(range(2, 12)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    engine.add_request("x", list(range(2, 12)), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     out = run_all(engine)["x"].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
 

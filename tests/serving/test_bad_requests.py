@@ -87,7 +87,7 @@ def test_body_over_the_limit_gets_413(server):
 
 
 def test_unknown_route_and_method(server):
-    _assert_error(httpx.get(f"{server.base_url}/v1/nothing", timeout=10), 404)
+    _assert_error(httpx.get(f"{server.base_url}/v1/nothing", headers=AUTH, timeout=10), 404)
     _assert_error(httpx.get(f"{server.base_url}/v1/completions", headers=AUTH, timeout=10), 405)
 
 

@@ -26,6 +26,8 @@ def serve(
     num_blocks: int = typer.Option(None, "--num-blocks", help="KV blocks per layer (default: from --kv-cache-memory-gb)."),
     kv_cache_memory_gb: float = typer.Option(1.0, "--kv-cache-memory-gb", help="KV cache size when --num-blocks is unset."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
+    protect_metrics: bool = typer.Option(False, "--protect-metrics",
+                                         help="/metrics needs the API key too (by default it is open, like /health)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
@@ -51,7 +53,7 @@ def serve(
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
     )
     name = model_name or Path(plan).resolve().name
-    app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
     dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine)
     if dead_reason is not None:  # non-zero, so a supervisor restarts the server

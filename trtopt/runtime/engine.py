@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-import torch
 
 from trtopt.build.plan import PlanConfig, read_plan
 from trtopt.errors import ConfigError, RequestError
@@ -21,6 +20,7 @@ from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.detokenizer import IncrementalDetokenizer
 from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.input_builder import InputBuilder
+from trtopt.runtime.input_processor import InputLimits, InputProcessor, PromptType
 from trtopt.runtime.kv_cache_manager import KVCacheManager
 from trtopt.runtime.request import Request, RequestStatus
 from trtopt.runtime.sampler import Sampler
@@ -30,10 +30,6 @@ from trtopt.runtime.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-# A prompt: text, chat messages, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
-PromptType = Any
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -120,6 +116,11 @@ class LLMEngine:
         )
         self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
         self.sampler = Sampler(config.seed)
+        self.input_processor = InputProcessor(tokenizer, InputLimits(
+            vocab_size=plan.model.vocab_size, max_model_len=self.limits.max_model_len,
+            max_num_seqs=self.limits.max_num_seqs,
+            max_prompt_tokens_per_step=None if config.enable_chunked_prefill else self.limits.max_num_batched_tokens,
+        ))
         self._groups: dict[str, _Group] = {}
         self.num_consecutive_failed_steps = 0  # executor failures in a row; a driver stops a broken engine
         self._num_steps = 0
@@ -145,14 +146,15 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises RequestError (and changes nothing) if the prompt or params are invalid."""
+        """Queue a request. Raises RequestError (and changes nothing) if the prompt or params are invalid.
+
+        `prompt` is any form InputProcessor takes. Front ends with a step thread pass a ProcessedPrompt, made by
+        `self.input_processor.process` on their own thread, so no tokenizing happens here.
+        """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        if params.n > self.limits.max_num_seqs:  # before any per-completion work: n=10**7 must cost nothing
-            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.limits.max_num_seqs}; ask for fewer completions.")
-        text, token_ids = self.tokenize(prompt)
-        self._validate(request_id, token_ids, params)
+        processed = self.input_processor.process(prompt, params)
+        self._check_request_id(request_id, params)
+        token_ids = processed.prompt_token_ids
         eos = tuple(self.plan.model.eos_token_ids)
         seqs = []
         for i in range(params.n):
@@ -165,7 +167,7 @@ class LLMEngine:
                 req.detok = IncrementalDetokenizer(self.tokenizer, token_ids, req.params)
             seqs.append(req)
         self.scheduler.add_request(seqs[0], seqs[1:])
-        self._groups[request_id] = _Group(text, token_ids, seqs, [0] * params.n)
+        self._groups[request_id] = _Group(processed.prompt, token_ids, seqs, [0] * params.n)
 
     def abort(self, request_id: str) -> bool:
         """Finish every sequence of the request now and free its blocks. False if it is unknown or done."""
@@ -179,53 +181,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) exactly as add_request would see them; RequestError if unusable."""
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            prompt = prompt["prompt"]
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            prompt = self._render_chat(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            return None, _token_list(prompt)
-        if not isinstance(prompt, str):
-            raise RequestError(f"a prompt must be text, chat messages or token ids, got {type(prompt).__name__}.")
-        if self.tokenizer is None:
-            raise RequestError("this plan has no tokenizer files; pass token ids ({'prompt_token_ids': [...]}) instead of text.")
-        return prompt, list(self.tokenizer(prompt, add_special_tokens=not _starts_with_bos(self.tokenizer, prompt)).input_ids)
-
-    def _render_chat(self, messages: Sequence[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this plan's tokenizer has no chat template; send a plain text prompt instead of messages.")
-        try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # jinja errors for malformed messages
-            raise RequestError(f"chat messages could not be rendered ({e}); each needs 'role' and 'content'.") from e
-
-    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_request_id(self, request_id: str, params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}.")
+        # params.n <= max_num_seqs here (the input processor checked it), so this loop is short.
         if request_id in self._groups or any(f"{request_id}#{i}" in self.scheduler.requests for i in range(1, params.n)):
             raise RequestError(f"request id {request_id!r} is already in use; give each request a unique id.")
-        if not token_ids:
-            raise RequestError("the prompt is empty; send at least one token.")
-        vocab = self.plan.model.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab}).")
-        if len(token_ids) >= self.limits.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.limits.max_model_len} "
-                "(prompt + at least one output token); shorten the prompt."
-            )
-        if params.n > self.limits.max_num_seqs:
-            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.limits.max_num_seqs}; ask for fewer completions.")
-        if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.limits.max_num_batched_tokens:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={self.limits.max_num_batched_tokens} "
-                "with chunked prefill off; shorten it or enable chunked prefill."
-            )
 
     # ---- stepping ----------------------------------------------------------------------------------------
 
@@ -393,17 +354,3 @@ def load_tokenizer(plan_dir: str | Path) -> Any:
     except (OSError, ValueError) as e:
         log.warning("no tokenizer in %s (%s); only token-id prompts will work", plan_dir, e)
         return None
-
-
-def _token_list(ids: Any) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        ids = ids.flatten().tolist()
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise RequestError("prompt token ids must be a list of integers.")
-    return list(ids)
-
-
-def _starts_with_bos(tokenizer: Any, text: str) -> bool:
-    """A chat template usually writes the BOS token itself; adding another would change the prompt."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return bool(bos) and text.startswith(bos)

@@ -1,16 +1,31 @@
 """SamplingParams: how one request is decoded (vLLM's field names, so users' code carries over).
 
 Every field is validated on construction; a bad value raises RequestError naming the field and the
-allowed range, so a caller (or the HTTP server, as a 400) can tell the user what to fix.
+allowed range, so a caller (or the HTTP server, as a 400) can tell the user what to fix. Every field has a
+bound, so no value can make the sampler or the detokenizer fail or stall later; the bounds that depend on the
+plan (n <= max_num_seqs, top_k <= vocab, prompt + max_tokens <= max_model_len) are checked by the
+InputProcessor, which knows the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+
 from trtopt.errors import RequestError
 
 # A temperature below this is treated as greedy: dividing logits by ~0 only produces inf/nan.
 _GREEDY_EPS = 1e-5
+
+# Documented limits (README "Limits"). MAX_TEMPERATURE: logits / 100 already make any distribution of a real
+# model near-uniform; larger values only risk overflow-free nonsense. MAX_LOGPROBS is OpenAI's top_logprobs limit.
+# The stop-string limits bound the detokenizer's per-token search (it holds back max_stop_len characters).
+MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes [-2**63, 2**64); seeds are in [0, 2**63)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,27 +54,43 @@ class SamplingParams:
         # Accept the usual loose spellings (a single stop string, lists) but store tuples.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, (list, tuple)), name, value, "a list")
+            object.__setattr__(self, name, tuple(value or ()))
         self._validate()
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
-        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k, "0 or -1 (off) or an integer >= 1")
+        _check(_is_num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature", self.temperature,
+               f"a finite number in [0, {MAX_TEMPERATURE:g}]")
+        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
+               "0 or -1 (off) or an integer >= 1 (at most the vocabulary size)")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
         _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "a number > 0")
         _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
         _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed and self.seed + self.n <= SEED_LIMIT),
+               "seed", self.seed, "None or an integer in [0, 2**63) (with seed + n - 1 < 2**63: completion i uses seed + i)")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", self.max_tokens, "an integer >= 1 or None")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", self.logprobs, "None or an integer in [0, 20]")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"<{len(self.stop)} strings>",
+               f"at most {MAX_STOP_STRINGS} strings")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               _short(self.stop), f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        for s in self.stop:
+            check_text(s, "a stop string")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
+               f"at most {MAX_STOP_TOKEN_IDS} token ids")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", _short(self.stop_token_ids),
+               "token ids >= 0")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
 
     @property
     def greedy(self) -> bool:
@@ -80,7 +111,21 @@ def _is_int(v: object) -> bool:
 
 
 def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # v == v rejects nan
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # no nan, no inf
+
+
+def check_text(text: str, what: str) -> int:
+    """Refuse text that is not valid Unicode (a lone UTF-16 surrogate, which JSON's \\ud800 can carry: the
+    tokenizer and every UTF-8 writer fail on it). Returns its UTF-8 size in bytes."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid Unicode: {e.reason} at character {e.start}; send valid UTF-8 text.") from None
+
+
+def _short(value: object, limit: int = 200) -> str:
+    text = repr(value)  # repr escapes surrogates, so the message itself can always be sent
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:

@@ -1,14 +1,18 @@
 """OpenAI wire format: request bodies (pydantic, types only) and their mapping onto SamplingParams.
 
-Range checks live in SamplingParams (one place, one message per field); pydantic here only checks types, so
-a bad value reaches the user as the same RequestError text whether it came over HTTP or from Python.
-The field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, ...).
+Range checks live in SamplingParams and the InputProcessor (one place, one message per field); pydantic here
+only checks types, so a bad value reaches the user as the same RequestError text whether it came over HTTP or
+from Python. Types are strict: JSON `"yes"` is not a bool and `"8"` is not an int (a client that sends them has
+a bug it should hear about), and floats must be finite (JSON's NaN/Infinity extensions are refused).
+The field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, ...). Unknown
+fields are accepted and ignored, as vLLM and the OpenAI API do for forward compatibility; the server logs a
+warning the first time it sees each unknown field name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,15 +20,20 @@ from trtopt.errors import RequestError
 from trtopt.runtime.sampling_params import SamplingParams
 
 
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    # Unknown fields are ignored, as the OpenAI API does for forward compatibility.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept in model_extra (the server warns once per name) and otherwise ignored.
+    model_config = ConfigDict(**_STRICT, extra="allow")
 
     model: str
     n: int = 1
@@ -105,11 +114,21 @@ class CompletionRequest(_SamplingFields):
         return self._common_params(self.max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id... are passed through to the template
+class ContentPart(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="allow")
 
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    type: str
+    text: str | None = None
+
+
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(**_STRICT, extra="allow")  # name, tool_call_id... are passed through to the template
+
+    role: ChatRole
+    content: Union[str, list[ContentPart]]  # required: a message without content is a client bug, not ""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -131,10 +150,9 @@ class ChatCompletionRequest(_SamplingFields):
         for m in self.messages:
             d = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
-                if any(part.get("type") != "text" for part in m.content):
+                if any(part.type != "text" or part.text is None for part in m.content):
                     raise RequestError("only text content parts are supported; send {'type': 'text', 'text': ...} parts.")
-                d["content"] = "".join(str(part.get("text", "")) for part in m.content)
-            d.setdefault("content", "")
+                d["content"] = "".join(part.text for part in m.content)
             out.append(d)
         return out
 

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP server: `create_app(engine, model_name)` → a FastAPI app.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`),
-GET /health, GET /metrics. Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}) with
-the right 4xx. A client that disconnects has its request aborted, which frees its KV blocks.
+GET /health, GET /metrics. Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}):
+bad input is a 4xx before any work (types by pydantic, ranges by SamplingParams and the InputProcessor), and a
+final handler turns anything unexpected into a 500 that carries an error id, logged with its traceback. The API
+key is checked before the body is read. A client that disconnects (streaming or not) has its request aborted
+at once, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from trtopt.serving.metrics import LatencyTracker, ServingMetrics
 from trtopt.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, usage
+from trtopt.runtime.input_processor import ProcessedPrompt
 from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer
-from trtopt.serving.tokenize import PromptTokens, tokenize_chat, tokenize_prompt
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +49,11 @@ class APIError(Exception):
 
 
 def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False) -> FastAPI:
     """An app serving `engine` under the model id `model_name`.
 
-    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health and /metrics stay open).
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>`, checked before the body is read.
+        /health stays open; /metrics too unless protect_metrics.
     max_body_bytes: larger request bodies get 413 before any parsing.
     """
     aengine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
@@ -64,18 +68,13 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     app = FastAPI(title="trtopt", lifespan=lifespan)
     app.state.engine = aengine
     app.state.metrics = metrics
+    # Starlette runs the last-added middleware first: the key is checked before the body is even received.
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key is not None:
+        protected = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
+        app.add_middleware(_AuthMiddleware, api_key=api_key, protected=protected)
     _install_error_handlers(app)
     handler = _Handlers(aengine, model_name, metrics)
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(ErrorInfo(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
-                                     code="invalid_api_key"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -89,18 +88,15 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_key(request)
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [handler.model_card()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_key(request)
         return await handler.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_key(request)
         return await handler.chat(body, request)
 
     return app
@@ -120,37 +116,39 @@ class _Handlers:
                 "max_model_len": self.engine.max_model_len}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        def prepare() -> tuple[list[PromptTokens], SamplingParams]:
-            tokens = [tokenize_prompt(self.engine.tokenizer, p) for p in body.prompts()]
-            return tokens, body.to_sampling_params()
+        def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
+            params = body.to_sampling_params()
+            processor = self.engine.engine.input_processor
+            return [processor.process(p, params) for p in body.prompts()], params
 
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n)
         return await self._serve("completions", body, request, prepare, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        def prepare() -> tuple[list[PromptTokens], SamplingParams]:
-            return [tokenize_chat(self.engine.tokenizer, body.template_messages())], body.to_sampling_params()
+        def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
+            params = body.to_sampling_params()
+            return [self.engine.engine.input_processor.process(body.template_messages(), params)], params
 
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0)
         return await self._serve("chat", body, request, prepare, renderer)
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                     prepare: Callable[[], tuple[list[PromptTokens], SamplingParams]], renderer: Renderer) -> Response:
+                     prepare: Callable[[], tuple[list[ProcessedPrompt], SamplingParams]], renderer: Renderer) -> Response:
         arrival = time.monotonic()
+        _warn_unknown_fields(body)
         if body.model != self.model_name:
             self.metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(ErrorInfo(404, f"the model {body.model!r} does not exist; this server serves "
                                           f"{self.model_name!r} (see GET /v1/models).", param="model",
                                      code="model_not_found"))
         try:
-            # Tokenizing (and rendering a chat template) costs up to ~100 ms for a max-size body: not on the loop.
+            # Tokenizing (and rendering a chat template) costs up to ~0.3 s for a max-size prompt: it runs on a
+            # worker thread, never on the event loop or the engine's step thread.
             prompts, params = await anyio.to_thread.run_sync(prepare)
-            for prompt in prompts:
-                self._check_context(prompt, params)
             # Prompt k of a batch runs as engine request "<id>-k"; the renderer maps it back to choices k*n..k*n+n-1.
             ids = [renderer.request_id] if len(prompts) == 1 else [f"{renderer.request_id}-{k}" for k in range(len(prompts))]
-            stream = await self.engine.add_requests([(rid, p.engine_prompt()) for rid, p in zip(ids, prompts)], params)
+            stream = await self.engine.add_requests(list(zip(ids, prompts)), params)
         except RequestError as e:
             self.metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(ErrorInfo(400, str(e))) from None
@@ -159,38 +157,52 @@ class _Handlers:
         tracker = LatencyTracker(self.metrics, arrival)
         prompt_index = {rid: k for k, rid in enumerate(ids)}
         if body.stream:
-            num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+            num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
             sse = self._sse(endpoint, stream, prompt_index, renderer, tracker, num_prompt_tokens, body.include_usage)
             return _SSEResponse(sse, media_type="text/event-stream")
         return await self._collect(endpoint, stream, prompt_index, renderer, tracker, request)
 
-    def _check_context(self, prompt: PromptTokens, params: SamplingParams) -> None:
-        """vLLM's rule: prompt + max_tokens must fit the context; the engine would silently cut max_tokens."""
-        limit = self.engine.max_model_len
-        n = len(prompt.token_ids)
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise RequestError(
-                f"this model's maximum context length is {limit} tokens, but you requested {n + params.max_tokens} "
-                f"({n} in the prompt, {params.max_tokens} for the completion); reduce the prompt or max_tokens.")
-
     async def _collect(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
                        tracker: LatencyTracker, request: Request) -> Response:
+        """Wait for every prompt to finish, while watching the connection: a client that leaves has its requests
+        aborted at once (not when the next output arrives, which may be many seconds later)."""
         finals: dict[int, RequestOutput] = {}
+        left = False
+        error: Exception | None = None
+
+        async def collect(scope: anyio.CancelScope) -> None:
+            nonlocal error
+            try:
+                async for out in stream:
+                    tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
+                    if out.finished:
+                        finals[prompt_index[out.request_id]] = out
+            except Exception as e:  # re-raised below, outside the task group (which would wrap it in a group)
+                error = e
+            scope.cancel()
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            nonlocal left
+            await _wait_for_disconnect(request)
+            left = True
+            scope.cancel()
+
         try:
-            async for out in stream:
-                tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
-                if out.finished:
-                    finals[prompt_index[out.request_id]] = out
-                if await request.is_disconnected():
-                    self.metrics.requests.labels(endpoint, "disconnected").inc()
-                    return Response(status_code=499)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(collect, tg.cancel_scope)
+                tg.start_soon(watch, tg.cancel_scope)
+            if error is not None:
+                raise error
         except EngineDeadError as e:  # shutting down mid-request
             raise APIError(ErrorInfo(503, str(e), type="server_error")) from None
         except RuntimeError as e:  # the model failed on a step of this request (the engine freed its blocks)
             self.metrics.requests.labels(endpoint, "error").inc()
             raise APIError(ErrorInfo(500, str(e), type="server_error")) from None
         finally:
-            stream.close()
+            stream.close()  # aborts whatever has not finished (all of it, if the client left)
+        if left:
+            self.metrics.requests.labels(endpoint, "disconnected").inc()
+            return Response(status_code=499)
         assert len(finals) == len(prompt_index), "a stream ends when every prompt has finished"
         outs = [finals[k] for k in range(len(finals))]
         tracker.on_finish(time.monotonic())
@@ -231,12 +243,37 @@ def _outcome(outs: list[RequestOutput]) -> str:
     return "error" if "error" in reasons else "ok"
 
 
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client has gone. The body was read already, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+_warned_fields: set[str] = set()
+
+
+def _warn_unknown_fields(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's policy: unknown fields are ignored, with a warning (here once per field name, so a client that
+    always sends one cannot flood the log)."""
+    new = sorted(set(body.model_extra or ()) - _warned_fields)
+    if new:
+        _warned_fields.update(new)
+        log.warning("ignoring unknown request fields %s (first seen; not logged again)", [ascii(f) for f in new])
+
+
 def _sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+class _ASCIIJSONResponse(JSONResponse):
+    """Error bodies may quote user input; ASCII escapes keep even a lone surrogate sendable."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(info.body(), status_code=info.status)
+    return _ASCIIJSONResponse(info.body(), status_code=info.status)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -260,6 +297,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error_response(ErrorInfo(exc.status_code, str(exc.detail), type=kind))
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # The last tier: a bug of ours, never the client's input (that is a 4xx above). The id ties the
+        # client's report to the logged traceback.
+        error_id = uuid.uuid4().hex[:12]
+        log.error("unexpected error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+        return _error_response(ErrorInfo(500, f"internal server error (error id {error_id}); the server logged it.",
+                                         type="server_error", code=error_id))
+
 
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always watches for the client leaving and always closes its generator, so an
@@ -278,6 +324,27 @@ class _SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.body_iterator.aclose()
+
+
+class _AuthMiddleware:
+    """401 for a protected path without `Authorization: Bearer <api_key>`, before the body is received or parsed
+    (so an unauthenticated client learns nothing about validation, and costs nothing)."""
+
+    def __init__(self, app: Any, api_key: str, protected: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.protected = protected
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.protected) and not self._authorized(scope):
+            info = ErrorInfo(401, "missing or wrong API key; send `Authorization: Bearer <key>`.", code="invalid_api_key")
+            return await _error_response(info)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: dict) -> bool:
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
 
 
 class _BodyLimitMiddleware:

@@ -1,0 +1,188 @@
+"""InputProcessor: the one place where a prompt becomes token ids and a request is checked against the plan.
+
+Every front end calls it: `LLMEngine.add_request` (for raw prompts), the HTTP server and the Triton model (both
+on their own threads, before they submit to the step thread, so tokenizing never stalls an engine step). It is
+stateless after construction (a tokenizer and the engine's limits), so any thread may call `process()`.
+
+Prompt forms (vLLM's): text; chat messages (a list of {"role", "content", ...} dicts, rendered with the plan's chat
+template); token ids (a list of ints or a 1-D tensor); {"prompt_token_ids": [...]} (with an optional "prompt"
+text that is only reported back); {"prompt": "..."}. A ProcessedPrompt passes through unchanged.
+
+Rules, in the order they run (each failure is a RequestError that says what to change):
+  - text (prompt, every string in chat messages) is at most `max_prompt_bytes` of UTF-8, checked before any
+    tokenizing, and is valid Unicode (a lone UTF-16 surrogate cannot be encoded and is refused);
+  - BOS: text gets the tokenizer's special tokens unless it already starts with the BOS token (rendered chat
+    usually does; a second BOS would change the prompt);
+  - token ids are ints in [0, vocab); the prompt is not empty and leaves room for one output token;
+  - params against the plan: n <= max_num_seqs, top_k <= vocab, stop_token_ids < vocab;
+  - max_tokens: prompt + max_tokens must fit max_model_len, else the request is refused (vLLM's OpenAI server
+    rule; silently cutting the answer short would look like a model failure). max_tokens=None means "up to
+    max_model_len" and is resolved here, so ProcessedPrompt.max_tokens is always the real budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from trtopt.errors import RequestError
+from trtopt.runtime.sampling_params import SamplingParams, check_text
+
+# Prompt text larger than this is refused before tokenizing. 1 MiB of UTF-8 is >= ~200k tokens for every
+# tokenizer we ship, far above any plan's max_model_len, and tokenizes in ~0.1-0.3 s: an off-thread cost a
+# single request may pay, unlike an 8 MB prompt (seconds of CPU for a request that cannot fit anyway).
+DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+
+# A prompt: text, chat messages, token ids, {"prompt_token_ids": [...]} / {"prompt": "..."}, or a ProcessedPrompt.
+PromptType = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt ready for LLMEngine.add_request: tokenized and checked against the engine's limits."""
+
+    prompt: str | None  # the text that was tokenized (rendered chat included); None for token-id prompts
+    prompt_token_ids: list[int]
+    max_tokens: int  # output tokens this request may produce (params.max_tokens, or what the context leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLimits:
+    """The engine limits a request is checked against (LLMEngine's ResolvedLimits and plan, flattened)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_prompt_tokens_per_step: int | None = None  # set when chunked prefill is off: a prompt must fit one step
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, limits: InputLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize `prompt` and check it and `params` against the limits. Raises RequestError."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        self.check_params(params)  # first: cheap, and n=10**7 or top_k=2**63 must cost nothing
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        text, token_ids = self.tokenize(prompt)
+        self._check_tokens(token_ids)
+        return ProcessedPrompt(text, token_ids, self._max_tokens(len(token_ids), params))
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The params' bounds that depend on the plan (SamplingParams checks the rest on construction)."""
+        lim = self.limits
+        if params.n > lim.max_num_seqs:
+            raise RequestError(f"n={params.n} exceeds max_num_seqs={lim.max_num_seqs}; ask for fewer completions.")
+        if params.top_k > lim.vocab_size:
+            raise RequestError(f"top_k={params.top_k} exceeds the vocabulary size {lim.vocab_size}; use at most "
+                               f"{lim.vocab_size}, or -1 for no top-k.")
+        bad = next((t for t in params.stop_token_ids if t >= lim.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {lim.vocab_size}).")
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of any prompt form; RequestError if it is unusable."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt.prompt, list(prompt.prompt_token_ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            return (text if isinstance(text, str) else None), _token_list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            prompt = prompt["prompt"]
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt = self.render_chat(prompt)
+        elif not isinstance(prompt, str):
+            return None, _token_list(prompt)
+        self._check_text(prompt, "the prompt")
+        if self.tokenizer is None:
+            raise RequestError("this plan has no tokenizer files; pass token ids ({'prompt_token_ids': [...]}) instead of text.")
+        add_special = not _starts_with_bos(self.tokenizer, prompt)
+        return prompt, list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids)
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        """The chat template's rendering of `messages`, with the generation prompt appended."""
+        limit = budget = self.limits.max_prompt_bytes
+        for i, message in enumerate(messages):
+            budget -= _check_strings(message, f"messages[{i}]", budget, limit)
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this plan's tokenizer has no chat template; send a plain text prompt instead of messages.")
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors for messages the template cannot render
+            raise RequestError(f"chat messages could not be rendered by the chat template ({e}); each needs "
+                               "'role' and 'content'.") from e
+
+    # ---- checks ------------------------------------------------------------------------------------------
+
+    def _check_text(self, text: str, what: str) -> None:
+        size = check_text(text, what)
+        if size > self.limits.max_prompt_bytes:
+            raise RequestError(f"{what} is {size} bytes of UTF-8, more than the limit of {self.limits.max_prompt_bytes}; "
+                               "send a shorter prompt.")
+
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        lim = self.limits
+        if not token_ids:
+            raise RequestError("the prompt is empty; send at least one token.")
+        bad = next((t for t in token_ids if not 0 <= t < lim.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {lim.vocab_size}).")
+        if len(token_ids) >= lim.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {lim.max_model_len} "
+                "(prompt + at least one output token); shorten the prompt.")
+        if lim.max_prompt_tokens_per_step is not None and len(token_ids) > lim.max_prompt_tokens_per_step:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={lim.max_prompt_tokens_per_step} "
+                "with chunked prefill off; shorten it or enable chunked prefill.")
+
+    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        room = self.limits.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise RequestError(
+                f"this model's maximum context length is {self.limits.max_model_len} tokens, but you requested "
+                f"{num_prompt_tokens + params.max_tokens} ({num_prompt_tokens} in the prompt, {params.max_tokens} for "
+                "the completion); reduce the prompt or max_tokens.")
+        return params.max_tokens
+
+
+def _check_strings(value: Any, where: str, budget: int, limit: int) -> int:
+    """Check every string inside a chat message (content, name, content parts...) for valid Unicode and against
+    the bytes left of the prompt budget; return their UTF-8 size."""
+    if isinstance(value, str):
+        size = check_text(value, where)
+        if size > budget:
+            raise RequestError(f"the chat messages exceed the prompt limit of {limit} bytes of "
+                               f"UTF-8 (at {where}); send shorter messages.")
+        return size
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return 0
+    total = 0
+    for key, item in items:
+        total += _check_strings(item, f"{where}.{key}", budget - total, limit)
+    return total
+
+
+def _token_list(ids: Any) -> list[int]:
+    if hasattr(ids, "flatten") and hasattr(ids, "tolist"):  # a torch tensor or numpy array
+        ids = ids.flatten().tolist()
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RequestError("a prompt must be text, chat messages or token ids (a list of integers).")
+    return list(ids)
+
+
+def _starts_with_bos(tokenizer: Any, text: str) -> bool:
+    """A chat template usually writes the BOS token itself; adding another would change the prompt."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and text.startswith(bos)
