@@ -55,3 +55,19 @@ def export_dir(exported):
         return exported(model, exporter).out_dir
 
     return get
+
+
+@pytest.fixture(scope="session")
+def built_plan(export_dir, tmp_path_factory):
+    """built_plan(model) -> plan dir built from the session's shared export of `model`."""
+    from trtopt.build.builder import build_plan
+
+    cache: dict[str, Path] = {}
+
+    def get(model: str) -> Path:
+        if model not in cache:
+            out = tmp_path_factory.mktemp(f"plan-{model}")
+            cache[model] = build_plan(export_dir(model), out, force=True, progress=False).plan_dir
+        return cache[model]
+
+    return get

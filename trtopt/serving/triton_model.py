@@ -84,12 +84,16 @@ class TritonPythonModel:
         log.info("trtopt model %s loaded %s on %s", self.instance, plan_dir, device)
 
     def execute(self, requests: list) -> None:
-        """Queue every request on the step loop and return at once (decoupled: responses come from the loop)."""
+        """Prepare every request here, then queue it on the step loop and return (decoupled: responses come from
+        the loop). Tokenizing runs on this (Triton's) thread through the engine's InputProcessor, with its byte
+        cap checked first, so a huge prompt never stalls the step thread that every running request needs."""
+        processor = self.loop.engine.input_processor  # stateless: safe to use off the step thread
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{self.instance}-{next(self.ids)}"
             try:
-                prompt, params, stream = _parse(request)
+                text, params, stream = _parse(request)
+                prompt = processor.process(text, params)
             except TrtOptError as e:  # a bad request answers with its own error; the others go on
                 _send_error(sender, e)
                 continue
@@ -117,7 +121,7 @@ def _parse(request: Any) -> tuple[str, SamplingParams, bool]:
     if text is None:
         raise _bad("text_input is required (a BYTES tensor holding the prompt).")
     stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
-    stop_words = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in stop.as_numpy().reshape(-1)] if stop else []
+    stop_words = [_text(s, "stop_words") for s in stop.as_numpy().reshape(-1)] if stop else []
     kwargs: dict[str, Any] = {"stop": [s for s in stop_words if s]}
     for name, cast in (("max_tokens", int), ("temperature", float), ("top_p", float), ("seed", int), ("ignore_eos", bool)):
         value = _scalar(request, name)
@@ -126,8 +130,16 @@ def _parse(request: Any) -> tuple[str, SamplingParams, bool]:
     if "max_tokens" not in kwargs:
         raise _bad("max_tokens is required (an INT32 tensor).")
     stream = bool(_scalar(request, "stream") or False)
-    prompt = text.decode("utf-8") if isinstance(text, bytes) else str(text)
-    return prompt, SamplingParams(**kwargs), stream
+    return _text(text, "text_input"), SamplingParams(**kwargs), stream
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text.") from None
 
 
 def _scalar(request: Any, name: str) -> Any:
