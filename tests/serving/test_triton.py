@@ -190,3 +190,37 @@ def test_concurrent_requests_share_engine_steps(triton):
     # Batching must not change answers: each equals the same request made alone.
     alone = _generate(base, {"text_input": "Request number 0:", "max_tokens": 24, **GREEDY}).json()
     assert alone["text_output"] == results[0]["text_output"]
+
+
+def test_8mb_prompt_does_not_stall_a_concurrent_request(triton):
+    """An 8 MB prompt is refused by the byte cap in execute() (it used to be tokenized on the step thread, stalling
+    every other request for ~10 s). While it is in flight, 1-token requests keep being answered promptly."""
+    import time
+
+    base, _ = triton
+    small = {"text_input": "hi", "max_tokens": 1, **GREEDY}
+    assert _generate(base, small).status_code == 200  # warm
+    huge_text = "ab " * (8 * 2**20 // 3)  # 8 MiB of UTF-8
+    result: dict = {}
+
+    def send_huge() -> None:
+        start = time.monotonic()
+        result["resp"] = httpx.post(f"{base}/v2/models/{MODEL}/generate", timeout=120,
+                                    json={"text_input": huge_text, "max_tokens": 1})
+        result["elapsed"] = time.monotonic() - start
+
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(send_huge)
+        latencies = []
+        deadline = time.monotonic() + 3.0
+        while not huge.done() or time.monotonic() < deadline:  # small requests during and after the huge one
+            start = time.monotonic()
+            assert _generate(base, small).status_code == 200
+            latencies.append(time.monotonic() - start)
+        huge.result()
+    resp = result["resp"]
+    print(f"8 MB prompt answered in {result['elapsed']:.2f} s; {len(latencies)} concurrent 1-token requests, "
+          f"slowest {max(latencies):.3f} s, median {sorted(latencies)[len(latencies) // 2]:.3f} s")
+    assert resp.status_code == 400 and "bytes" in resp.json()["error"], resp.text[:300]
+    # A liveness bound, not a speed claim: the stall was ~10 s; a 1-token request takes well under 0.1 s here.
+    assert max(latencies) < 2.0, latencies

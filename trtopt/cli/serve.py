@@ -28,6 +28,9 @@ def serve(
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs the API key too (by default it is open, like /health)."),
+    shutdown_timeout: float = typer.Option(5.0, "--shutdown-timeout",
+                                           help="Seconds SIGTERM/SIGINT may take: in-flight requests are aborted at "
+                                           "once and the process exits within about this long."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
@@ -55,7 +58,8 @@ def serve(
     name = model_name or Path(plan).resolve().name
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
-    dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine)
+    dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine,
+                             shutdown_timeout=shutdown_timeout)
     if dead_reason is not None:  # non-zero, so a supervisor restarts the server
         console.print(f"[red]error:[/] the engine broke and the server stopped: {dead_reason}")
         raise typer.Exit(1)

@@ -30,6 +30,7 @@ from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
 from trtopt.serving.metrics import LatencyTracker, ServingMetrics
 from trtopt.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, usage
 from trtopt.runtime.input_processor import ProcessedPrompt
@@ -60,14 +61,15 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     metrics = ServingMetrics(aengine.stats)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app_: FastAPI):
         aengine.start()
         yield
-        aengine.stop()
+        aengine.stop(app_.state.stop_timeout)
 
     app = FastAPI(title="trtopt", lifespan=lifespan)
     app.state.engine = aengine
     app.state.metrics = metrics
+    app.state.stop_timeout = DEFAULT_STOP_TIMEOUT_S  # how long the final stop may join the step thread
     # Starlette runs the last-added middleware first: the key is checked before the body is even received.
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key is not None:
@@ -384,15 +386,34 @@ class _BodyLimitMiddleware:
         await _error_response(info)(scope, receive, send)
 
 
-def run_server(config: Any, aengine: AsyncLLMEngine) -> str | None:
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def run_server(config: Any, aengine: AsyncLLMEngine, *, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> str | None:
     """Run uvicorn (a uvicorn.Config over an app of `aengine`) until it exits, or until the engine breaks: then
     the server shuts down too, so a supervisor can restart the process. Returns the engine's dead_reason (None
-    after a clean shutdown); `trtopt serve` exits non-zero on it."""
+    after a clean shutdown); `trtopt serve` exits non-zero on it.
+
+    Shutdown (SIGTERM, SIGINT, or a broken engine) takes at most about `shutdown_timeout` seconds: the engine loop
+    is stopped at once, which ends every in-flight request (streams get an error event and [DONE], waiting
+    requests a 503), so connections close by themselves; uvicorn waits at most half the budget for them, and the
+    lifespan's final stop joins the step thread for at most the other half.
+    """
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(config)
+    half = shutdown_timeout / 2
+    config.timeout_graceful_shutdown = max(1, round(half))  # uvicorn takes whole seconds
+    config.app.state.stop_timeout = half
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # A signal handler must not block: the stop (a bounded join) runs on its own thread.
+            threading.Thread(target=aengine.stop, args=(half,), name="trtopt-shutdown", daemon=True).start()
+
+    server = Server(config)
 
     def exit_when_dead() -> None:
         aengine.loop.stopped.wait()

@@ -103,7 +103,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        self.loop.stop()
+        # Bounded (README: <= 5 s): the step thread aborts what is in flight and answers every sender itself.
+        self.loop.stop(timeout=4.0)
 
 
 def _answer_rejected(sender: Any, queued: Any) -> None:
