@@ -1,9 +1,10 @@
 """Engine fuzz (issue 10): seeded random adds (n 1..4, shared prefixes), steps, aborts at every moment (before the
-fork, mid chunked prefill, mid decode), preemption under a tiny pool, and injected executor, sampler and update
-faults, on the paged echo model. After every operation the engine's bookkeeping must agree with itself (no
-leaked request, every block's ref count equals its holders, an idle engine has every usable block free), and
-every greedy completion that ends normally must equal the reference token for token, so no fault, abort or
-preemption disturbed anyone else's KV cache.
+fork, mid chunked prefill, mid decode), preemption under a tiny pool, and injected executor, sampler, update and
+input-building faults, on the paged echo model. After every operation the engine's bookkeeping must agree with
+itself (no leaked request, every block's ref count equals its holders, an idle engine has every usable block free),
+and every greedy completion that ends normally must equal the reference token for token, so no fault, abort or
+preemption disturbed anyone else's KV cache. (It found one: a request whose inputs failed left its scheduled
+blocks in the prefix cache, never computed.)
 """
 
 from __future__ import annotations
@@ -39,11 +40,20 @@ class Fuzzer:
         self.ex = EchoExecutor(BLOCK)
         self.engine = LLMEngine(self.ex, plan, None, EngineConfig(num_blocks=num_blocks,
                                                                   enable_prefix_caching=self.rnd.random() < 0.8))
+        self.bad_inputs: set[str] = set()  # sequence ids whose inputs cannot be built (an injected fault)
+        build = self.engine.input_builder.build
+
+        def build_or_fail(batch):
+            if any(seq.request_id in self.bad_inputs for seq in batch.seqs):
+                raise ValueError("injected input-builder fault")
+            return build(batch)
+
+        self.engine.input_builder.build = build_or_fail
         self.prefixes = [[self.rnd.randint(2, VOCAB - 1) for _ in range(self.rnd.randint(4, 12))] for _ in range(3)]
         self.open: dict[str, _Open] = {}
         self.next_id = 0
         self.counts = dict.fromkeys(("add", "step", "abort", "executor_fault", "sampler_fault", "update_fault",
-                                     "checked", "error", "preempted", "abort_before_fork", "abort_mid_prefill",
+                                     "input_fault", "checked", "error", "preempted", "abort_before_fork", "abort_mid_prefill",
                                      "abort_mid_decode", "abort_queued"), 0)
 
     # ---- operations ------------------------------------------------------------------------------------------
@@ -59,10 +69,12 @@ class Fuzzer:
         elif r < 0.95:
             self.ex.fail_next = True
             self.counts["executor_fault"] += 1
-        elif r < 0.98:
-            self.fault(sampler=True)
+        elif r < 0.97:
+            self.fault("sampler")
+        elif r < 0.985:
+            self.fault("update")
         else:
-            self.fault(sampler=False)
+            self.fault("input")
         check_engine(self.engine)
         assert set(self.open) == set(self.engine._groups), "the engine and the fuzzer disagree on what is open"
 
@@ -90,6 +102,7 @@ class Fuzzer:
             assert out.request_id in self.open, f"an output for {out.request_id}, which is not open"
             if out.finished:
                 self.finished(out, self.open.pop(out.request_id))
+                self.bad_inputs -= {f"{out.request_id}#{i}" for i in range(1, 4)} | {out.request_id}
         self.counts["preempted"] += self.engine.scheduler.num_preemptions - preemptions
         self.counts["step"] += 1
 
@@ -99,17 +112,20 @@ class Fuzzer:
             self.counts[f"abort_{_moment(self.engine._groups[rid].seqs[0])}"] += 1
         assert self.engine.abort(rid) == (rid in self.open)
         self.open.pop(rid, None)
+        self.bad_inputs -= {f"{rid}#{i}" for i in range(1, 4)} | {rid}
         self.counts["abort"] += 1
 
-    def fault(self, *, sampler: bool) -> None:
+    def fault(self, kind: str) -> None:
         rid = self.rnd.choice(sorted(self.open))
-        if sampler:
+        seqs = [s for s in self.engine._groups[rid].seqs if not s.status.finished]
+        if kind == "sampler":
             poison(self.engine, rid, top_k=2**63, temperature=1.0)
-        else:
-            seqs = [s for s in self.engine._groups[rid].seqs if not s.status.finished]
+        elif kind == "update":
             self.rnd.choice(seqs).detok = ExplodingDetokenizer()
+        else:
+            self.bad_inputs.add(self.rnd.choice(seqs).request_id)
         self.open[rid].faulty = True
-        self.counts["sampler_fault" if sampler else "update_fault"] += 1
+        self.counts[f"{kind}_fault"] += 1
 
     # ---- checks ------------------------------------------------------------------------------------------------
 
@@ -167,8 +183,8 @@ def test_engine_fuzz_10k_operations():
     for seed in range(100, 104):
         for k, v in run(seed, 2600).items():
             totals[k] = totals.get(k, 0) + v
-    ops = sum(totals[k] for k in ("add", "step", "abort", "executor_fault", "sampler_fault", "update_fault"))
+    ops = sum(totals[k] for k in ("add", "step", "abort", "executor_fault", "sampler_fault", "update_fault", "input_fault"))
     assert ops >= 10_000
     # Every kind of event happened many times, or the fuzz proves little.
-    assert min(totals[k] for k in ("abort", "executor_fault", "sampler_fault", "update_fault", "preempted")) >= 50, totals
+    assert min(totals[k] for k in ("abort", "executor_fault", "sampler_fault", "update_fault", "input_fault", "preempted")) >= 50, totals
     assert min(totals[k] for k in ("abort_before_fork", "abort_mid_prefill", "abort_mid_decode")) >= 20, totals

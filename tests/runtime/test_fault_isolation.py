@@ -168,3 +168,17 @@ def test_a_huge_n_is_refused_before_any_per_completion_work():
         engine.add_request("big", [5, 6], SamplingParams(n=10**7))
     assert _CountingDict.lookups < 10, "per-completion work ran before n was checked"
     check_engine(engine)
+
+
+def test_an_input_fault_of_one_completion_ends_its_whole_request_and_the_step_runs_for_nobody_else():
+    engine, ex = make_engine()
+    engine.add_request("pair", [5, 6, 7], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # prefill + fork: both completions now decode
+    build = engine.input_builder.build
+    engine.input_builder.build = lambda batch: (
+        build(batch) if all(s.request_id != "pair#1" for s in batch.seqs) else 1 / 0)
+    [out] = engine.step()
+    assert [c.finish_reason for c in out.outputs] == ["error", "error"] and "ZeroDivisionError" in out.error
+    assert engine.num_consecutive_failed_steps == 0, "one request's fault is not an executor failure"
+    check_engine(engine)
+    assert not engine.has_unfinished_requests()

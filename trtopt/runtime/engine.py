@@ -203,9 +203,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        failed: list[RequestOutput] = []
+        inputs, batch, failed = self._build_inputs(batch)
+        if batch.is_empty:
+            return failed  # every sequence left belonged to a request that failed its inputs
         try:
-            inputs, batch, failed = self._build_inputs(batch)
+            if isinstance(inputs, Exception):
+                raise inputs
             logits = self.executor.execute(inputs)  # [N, vocab]
         except Exception as e:
             self.num_consecutive_failed_steps += 1
@@ -224,24 +227,34 @@ class LLMEngine:
         self._num_generated_tokens += len(tokens)
         return failed + self._outputs(changed)
 
-    def _build_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, ScheduledBatch, list[RequestOutput]]:
-        """The step's inputs. If building them raises, each sequence is built alone to find the ones at fault:
-        those requests end with an error and the rest of the batch runs. Raises if no single sequence is."""
+    def _build_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs | Exception, ScheduledBatch, list[RequestOutput]]:
+        """The step's inputs, the batch they are for, and the outputs of requests ended on the way. If building
+        raises, each sequence is built alone to find the ones at fault: those requests end with an error and the
+        rest of the batch runs. Returns the exception instead of inputs when no single sequence is at fault (the
+        step then fails as a whole); never raises, so the outputs of requests already ended are never lost."""
         try:
             return self.input_builder.build(batch), batch, []
-        except Exception:
-            culprits: dict[str, Exception] = {}
-            for seq in batch.seqs:
-                try:
-                    self.input_builder.build(ScheduledBatch([seq], seq.num_new_tokens, []))
-                except Exception as e:
-                    culprits[seq.request_id] = e
-            if not culprits or len(culprits) == len(batch.seqs):
-                raise  # not one request's fault: the batch fails as a whole
+        except Exception as e:
+            error = e
+        culprits: dict[str, Exception] = {}
+        for seq in batch.seqs:
+            try:
+                self.input_builder.build(ScheduledBatch([seq], seq.num_new_tokens, []))
+            except Exception as e:
+                culprits[seq.request_id] = e
+        if not culprits or len(culprits) == len(batch.seqs):
+            return error, batch, []
         failed = self._fail_requests(culprits, "preparing the inputs of")
+        # Their blocks were registered in the prefix cache when scheduled, but their K/V will never be written.
+        self.pool.reset_prefix_cache()
         seqs = [s for s in batch.seqs if s.request_id in self.scheduler.requests]
         rest = ScheduledBatch(seqs, sum(s.num_new_tokens for s in seqs), batch.preempted_ids)
-        return self.input_builder.build(rest), rest, failed
+        if rest.is_empty:
+            return error, rest, failed  # not run: step() returns the failed outputs only
+        try:
+            return self.input_builder.build(rest), rest, failed
+        except Exception as e:
+            return e, rest, failed
 
     def _fail_requests(self, errors: dict[str, Exception], stage: str) -> list[RequestOutput]:
         """End the requests of these sequences (every completion of each) with finish_reason="error"."""
