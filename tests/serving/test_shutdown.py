@@ -60,3 +60,36 @@ def test_sigterm_with_streams_in_flight_exits_in_bound(tiny_plan, tmp_path):
     finally:
         if srv.process.poll() is None:
             srv.process.kill()
+
+
+def _disconnected(srv) -> float:
+    return srv.metrics().get('trtopt_requests_total{endpoint="completions",outcome="disconnected"}', 0.0)
+
+
+def test_non_streaming_client_that_leaves_is_aborted_while_queued(tiny_plan, tmp_path):
+    """A non-streaming request that waits behind others produces no output for a long time; its client giving up
+    must still abort it at once (it used to be noticed only when an output arrived, i.e. after the queue ahead)."""
+    srv = start_server(tiny_plan, tmp_path / "serve.log", "--api-key", API_KEY, "--max-num-seqs", "1")
+    try:
+        streams = [([], threading.Event()) for _ in range(4)]  # ~2000 tokens of work, one sequence at a time
+        threads = [threading.Thread(target=_stream, args=(srv.base_url, ev, first), daemon=True) for ev, first in streams]
+        for t in threads:
+            t.start()
+        assert streams[0][1].wait(30), "no stream started"
+        body = {"model": MODEL, "prompt": "queued", "max_tokens": 4, "ignore_eos": True}
+        try:
+            httpx.post(f"{srv.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                       timeout=httpx.Timeout(30, read=0.5))
+            raise AssertionError("the queued request should not have been answered within 0.5 s")
+        except httpx.ReadTimeout:
+            left = time.monotonic()
+        while _disconnected(srv) < 1:
+            assert time.monotonic() - left < 2.0, "the abandoned request was not aborted within 2 s"
+            time.sleep(0.05)
+        noticed = time.monotonic() - left
+        still_running = srv.metrics()["trtopt_num_requests_running"]
+        print(f"abandoned queued request aborted {noticed:.2f} s after the client left")
+        assert still_running >= 1, "the streams ahead had all finished: the test proved nothing"
+    finally:
+        srv.process.kill()
+        srv.process.wait(10)
