@@ -28,12 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from trtopt.errors import RequestError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
+from trtopt.runtime.input_processor import ProcessedPrompt
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
 from trtopt.serving.metrics import LatencyTracker, ServingMetrics
 from trtopt.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, usage
-from trtopt.runtime.input_processor import ProcessedPrompt
 from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ class _Handlers:
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
+        # Stateless (a tokenizer and the limits): called on worker threads, never on the step thread.
+        self.processor = engine.engine.input_processor
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtopt",
@@ -120,8 +122,7 @@ class _Handlers:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
             params = body.to_sampling_params()
-            processor = self.engine.engine.input_processor
-            return [processor.process(p, params) for p in body.prompts()], params
+            return [self.processor.process(p, params) for p in body.prompts()], params
 
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n)
         return await self._serve("completions", body, request, prepare, renderer)
@@ -129,7 +130,7 @@ class _Handlers:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
             params = body.to_sampling_params()
-            return [self.engine.engine.input_processor.process(body.template_messages(), params)], params
+            return [self.processor.process(body.template_messages(), params)], params
 
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0)
