@@ -27,6 +27,7 @@ from trtopt.build.signature import check_signature
 from trtopt.build.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
 from trtopt.fusion_passes.pipeline import FusionReport, optimize
+from trtopt.fusion_passes.tensor_parallel import ParallelLayout
 from trtopt.fusion_passes.trace import Trace
 
 # Files copied from next to the source model so the plan dir is self-contained for the runtime and detokenizer.
@@ -57,6 +58,7 @@ class BuildResult:
     config: PlanConfig
     report: FusionReport
     seconds: float
+    parallel: ParallelLayout | None = None  # the tensor-parallel layout, when built with tensor_parallel
 
 
 def validate_limits(limits: Limits) -> None:
@@ -208,6 +210,7 @@ def build_plan(
     force: bool = False,
     explain: bool = False,
     progress: bool = True,
+    tensor_parallel: int | None = None,
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
 
@@ -217,6 +220,9 @@ def build_plan(
     Raises ConfigError for bad limits, BuildError for unreadable/unsafe inputs and FusionError when a cache graph
     cannot be rewritten. ``explain`` keeps every unfused region in the report (they are always in
     fusion_report.json; the CLI prints them with --explain).
+
+    ``tensor_parallel`` N: shard the fused graph for N ranks after every fusion (trtopt/build/sharding.py says what
+    the plan dir then holds); FusionError when an attention layer cannot be split N ways.
     """
     start = time.perf_counter()
     onnx_path = resolve_model_path(Path(model_path))
@@ -226,6 +232,8 @@ def build_plan(
     generation_json = read_json(source_dir / "generation_config.json")
     limits = _fit_limits(limits, max_model_len, config_json)
     validate_limits(limits)
+    if tensor_parallel is not None and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+        raise ConfigError(f"--tensor-parallel must be a positive integer, got {tensor_parallel!r}.")
     _check_out_dir(out_dir, source_dir, force)
 
     steps = _Steps(progress)
@@ -249,6 +257,17 @@ def build_plan(
                     f"{facts.max_position_embeddings}; lower it."
                 )
             check_signature(model, report.kind)
+        shard = None
+        if tensor_parallel is not None:
+            from trtopt.fusion_passes.tensor_parallel import shard_structure
+
+            with steps.step(f"sharding for {tensor_parallel} tensor-parallel rank(s)"):
+                if report.kind != "paged":
+                    raise ConfigError("--tensor-parallel shards paged (causal LM) plans only; build without it.")
+                shard = shard_structure(model, tensor_parallel)
+                rank_facts = model_facts(model, report.kind, config_json, generation_json)
+                check_signature(model, report.kind)
+        with steps.step("attaching the trtopt op functions"):
             from trtopt.plugins import attach_functions
 
             proto = attach_functions(ir.to_proto(model))
@@ -258,17 +277,26 @@ def build_plan(
             onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
         with steps.step(f"writing {out_dir}"):
             _prepare_out_dir(out_dir)
-            _save(proto, out_dir)
             config = PlanConfig(model=facts, limits=limits, kind=report.kind)
+            if shard is None:
+                _save(proto, out_dir)
+            else:
+                from trtopt.build.sharding import parallel_config, write_rank_plans
+
+                rank_config = PlanConfig(model=rank_facts, limits=limits, kind=report.kind)
+                write_rank_plans(proto, shard, out_dir, rank_config, _save)
+                config = dataclasses.replace(config, parallel=parallel_config(shard.layout, None))
             write_plan(out_dir, config)
             copied = _copy_side_files(source_dir, out_dir)
             seconds = time.perf_counter() - start
             body = {
                 **report.to_dict(),
+                **({"parallel": shard.layout.to_dict()} if shard is not None else {}),
                 "source": str(onnx_path),
                 "copied_files": copied,
                 "seconds": round(seconds, 3),
                 "explain": explain,
             }
             (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
-    return BuildResult(plan_dir=out_dir, config=config, report=report, seconds=seconds)
+    layout = shard.layout if shard is not None else None
+    return BuildResult(plan_dir=out_dir, config=config, report=report, seconds=seconds, parallel=layout)

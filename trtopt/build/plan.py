@@ -46,6 +46,28 @@ class Limits:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The tensor-parallel layout of a plan built with ``--tensor-parallel N`` (trtopt/fusion_passes/tensor_parallel.py).
+
+    The top-level plan dir holds plan.json with the global ModelFacts and ``rank`` None; each rank{r}/ sub-dir is a
+    complete plan (model.onnx + plan.json) whose ModelFacts carry that rank's head counts and whose ``rank`` is r.
+    """
+
+    size: int  # ranks the plan was sharded for
+    rank: int | None = None  # None in the top-level plan.json
+    heads_per_rank: int = 0
+    kv_heads_per_rank: int = 0
+    kv_heads_replicated: bool = False  # num_kv_heads < size: a KV head lives on size/num_kv_heads ranks
+    all_reduces_per_step: int = 0
+    lm_head: str = "replicated"
+
+
+def rank_dir(plan_dir: str | Path, rank: int) -> Path:
+    """The sub-dir holding rank ``rank``'s plan in a tensor-parallel plan dir."""
+    return Path(plan_dir) / f"rank{rank}"
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """The contents of plan.json."""
 
@@ -53,6 +75,7 @@ class PlanConfig:
     limits: Limits
     kind: str = "paged"  # "paged" (LLM with the §3 signature) or "flash" (no cache, e.g. an encoder)
     version: int = PLAN_VERSION
+    parallel: ParallelConfig | None = None  # None: an unsharded plan
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -71,7 +94,9 @@ class PlanConfig:
             )
         model = dict(d["model"])
         model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
-        return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"), version=version)
+        parallel = ParallelConfig(**d["parallel"]) if d.get("parallel") else None
+        return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"),
+                   version=version, parallel=parallel)
 
 
 def write_plan(plan_dir: str | Path, config: PlanConfig) -> Path:

@@ -13,6 +13,8 @@ import onnx
 
 from trtopt.plugins import common
 from trtopt.plugins.common import DOMAIN, OPSET_VERSION, OpSchema, attach_functions, make_node
+from trtopt.plugins.all_reduce import function as all_reduce_function
+from trtopt.plugins.all_reduce import schema as all_reduce_schema
 from trtopt.plugins.flash_attention import function as flash_attention_function
 from trtopt.plugins.flash_attention import schema as flash_attention_schema
 from trtopt.plugins.matmul_add import function as matmul_add_function
@@ -28,6 +30,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     flash_attention_schema.OP_TYPE: flash_attention_schema.SCHEMA,
     rms_norm_schema.OP_TYPE: rms_norm_schema.SCHEMA,  # added by the fusion engineer
     matmul_add_schema.OP_TYPE: matmul_add_schema.SCHEMA,  # added by the fusion engineer
+    all_reduce_schema.OP_TYPE: all_reduce_schema.SCHEMA,  # inserted by the tensor-parallel sharding pass
 }
 
 # op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
@@ -36,6 +39,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     flash_attention_schema.OP_TYPE: flash_attention_function.make_function,
     rms_norm_schema.OP_TYPE: rms_norm_function.make_function,  # added by the fusion engineer
     matmul_add_schema.OP_TYPE: matmul_add_function.make_function,  # added by the fusion engineer
+    all_reduce_schema.OP_TYPE: all_reduce_function.make_function,  # inserted by the tensor-parallel sharding pass
 }
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",

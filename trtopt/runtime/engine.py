@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 
-from trtopt.build.plan import PlanConfig, read_plan
+from trtopt.build.plan import PlanConfig
 from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput
 from trtopt.runtime.block_pool import BlockPool
@@ -129,19 +129,28 @@ class LLMEngine:
 
     @classmethod
     def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
-                  cuda_graphs: bool | None = None, **config: Any) -> LLMEngine:
+                  cuda_graphs: bool | None = None, tensor_parallel_size: int | None = None,
+                  **config: Any) -> LLMEngine:
         """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`.
 
         cuda_graphs: replay captured CUDA graphs for decode-only steps; None (the default) turns them on wherever
         they apply (the torch backend on a CUDA device). False runs every step eagerly (vLLM's enforce_eager).
+        tensor_parallel_size: ranks for a plan built with --tensor-parallel (None = the plan's own size); above 1
+        the engine drives worker processes (trtopt/runtime/distributed.py). Call shutdown() when done.
         """
-        from trtopt.runtime.executors import create_executor  # the executors pull in heavy deps
+        from trtopt.runtime.distributed import open_executor  # the executors pull in heavy deps
 
-        plan = read_plan(plan_dir)
         if cuda_graphs is None:
             cuda_graphs = default_cuda_graphs(backend, device)
-        executor = create_executor(backend, plan_dir, plan, device=device, cuda_graphs=cuda_graphs)
+        executor, plan = open_executor(plan_dir, backend=backend, device=device, cuda_graphs=cuda_graphs,
+                                       tensor_parallel_size=tensor_parallel_size)
         return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config))
+
+    def shutdown(self) -> None:
+        """Release the executor's processes (tensor-parallel workers); a no-op for single-device executors."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- requests ----------------------------------------------------------------------------------------
 

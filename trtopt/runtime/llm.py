@@ -19,10 +19,25 @@ from trtopt.runtime.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu", **engine_config: Any) -> None:
-        """Load a plan dir built by `trtopt build`. engine_config: EngineConfig fields (num_blocks, max_num_seqs, ...)."""
-        self.engine = LLMEngine.from_plan(plan_dir, backend=backend, device=device, **engine_config)
+    def __init__(self, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
+                 tensor_parallel_size: int | None = None, **engine_config: Any) -> None:
+        """Load a plan dir built by `trtopt build`. engine_config: EngineConfig fields (num_blocks, max_num_seqs, ...).
+
+        tensor_parallel_size: for a plan built with --tensor-parallel N, N worker ranks (None = the plan's N); call
+        shutdown() (or use ``with LLM(...) as llm``) to stop them.
+        """
+        self.engine = LLMEngine.from_plan(plan_dir, backend=backend, device=device,
+                                          tensor_parallel_size=tensor_parallel_size, **engine_config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

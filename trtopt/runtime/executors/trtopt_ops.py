@@ -70,11 +70,20 @@ def rms_norm(x, scale, *, epsilon: float):
     return _impl("rms_norm", x.device.type)(x, scale, epsilon=epsilon)
 
 
+def all_reduce(x, *, world_size: int):
+    """trtopt::AllReduce: the sum over the tensor-parallel group (torch.distributed; identity for one rank)."""
+    from trtopt.plugins.all_reduce.reference import all_reduce_ref
+
+    return all_reduce_ref(x, world_size=world_size)
+
+
 # Ops with side effects on an input (the KV pool) are never constant-folded nor deduplicated by the converter.
 TRTOPT_OPS: dict[str, OpSpec] = {
     "PagedAttention": OpSpec(paged_attention),
     "FlashAttention": OpSpec(flash_attention),
     "MatMulAdd": OpSpec(matmul_add),
     "RMSNorm": OpSpec(rms_norm),
+    "AllReduce": OpSpec(all_reduce),
 }
-IMPURE_OPS = frozenset({("trtopt", "PagedAttention")})
+# AllReduce is a collective: folding or deduplicating it would desynchronise the ranks' call sequences.
+IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce")})

@@ -1,0 +1,55 @@
+"""`trtopt build --tensor-parallel N`: the rank plan dirs of a sharded plan (DESIGN.md §1, docs/architecture.md).
+
+    plan/plan.json            global ModelFacts + "parallel": {"size": N, "rank": null, ...}
+    plan/fusion_report.json   fusions + the full parallel layout (which projection went which way, and why not)
+    plan/tokenizer files
+    plan/rank{r}/model.onnx   rank r's graph: the same structure for every rank, rank r's weight slices
+    plan/rank{r}/plan.json    rank r's ModelFacts (its head counts) + "parallel": {"rank": r, ...}
+
+Every rank graph is the one graph ``shard_structure`` rewrote; only the per-rank initializers (``*.tp_shard``)
+differ, so the proto is built once and its sharded tensors are swapped rank by rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from trtopt.build.plan import ParallelConfig, PlanConfig, rank_dir, write_plan
+from trtopt.fusion_passes.tensor_parallel import ParallelLayout, ShardResult, rank_weights
+
+
+def parallel_config(layout: ParallelLayout, rank: int | None) -> ParallelConfig:
+    return ParallelConfig(
+        size=layout.size, rank=rank, heads_per_rank=layout.heads_per_rank,
+        kv_heads_per_rank=layout.kv_heads_per_rank, kv_heads_replicated=layout.kv_heads_replicated,
+        all_reduces_per_step=layout.num_all_reduces, lm_head=layout.lm_head,
+    )
+
+
+def _set_tensor(proto: onnx.ModelProto, name: str, data) -> None:
+    tensor = next(t for t in proto.graph.initializer if t.name == name)
+    assert tensor.data_location != onnx.TensorProto.EXTERNAL, f"{name} must be loaded before it is replaced"
+    del tensor.dims[:]
+    tensor.dims.extend(data.shape)
+    tensor.raw_data = data.tobytes()
+
+
+def write_rank_plans(proto: onnx.ModelProto, shard: ShardResult, out_dir: Path, rank_config: PlanConfig,
+                     save: Callable[[onnx.ModelProto, Path], Path]) -> list[Path]:
+    """Write rank{r}/model.onnx and rank{r}/plan.json for every rank; ``proto`` holds rank 0's slices on entry and
+    is changed in place (rank by rank, so no second copy of the weights is held)."""
+    dirs = []
+    for rank in range(shard.layout.size):
+        path = rank_dir(out_dir, rank)
+        path.mkdir(parents=True, exist_ok=True)
+        if rank > 0:
+            for name, data in rank_weights(shard, rank).items():
+                _set_tensor(proto, name, data)
+        save(proto, path)
+        write_plan(path, dataclasses.replace(rank_config, parallel=parallel_config(shard.layout, rank)))
+        dirs.append(path)
+    return dirs

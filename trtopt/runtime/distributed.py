@@ -1,0 +1,332 @@
+"""Tensor-parallel execution of a sharded plan (docs/architecture.md, "Parallel layout").
+
+One Executor over N ranks: rank 0 runs in the driver process (beside the scheduler, block manager and sampler,
+like vLLM's driver worker), ranks 1..N-1 in worker processes it spawns. All N form one torch.distributed group,
+initialised the torchrun way (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK; backend "gloo" on CPU,
+"cpu:gloo,cuda:nccl" on CUDA, where rank r owns cuda:r). Per engine step the driver broadcasts one message (the
+step's StepInputs, or a KV-pool command) over a gloo group; every rank runs its plan on it, the plan's
+trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into its own KV
+pool. The LM head is replicated and computes the sampled rows only (logits_indices), so rank 0 already holds
+every logits row the sampler needs: nothing is gathered.
+
+A worker that dies (crash, OOM kill) ends the engine: a monitor thread watches the worker processes, and the
+driver's next (or current) collective fails, at the latest after ``timeout_s``; ``execute`` then raises
+WorkerDiedError naming the rank and its exit code, and every later call raises it at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trtopt.build.plan import PlanConfig, rank_dir, read_plan
+from trtopt.errors import ConfigError, TrtOptError
+from trtopt.runtime.batch import StepInputs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a silent peer fails
+
+
+class WorkerDiedError(TrtOptError):
+    """A tensor-parallel worker process exited; the engine cannot go on with a partial group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """What the driver broadcasts once per call; workers mirror it on their own rank."""
+
+    op: str  # "alloc" | "capture" | "step" | "copy" | "stop"
+    arg: Any = None
+
+
+def backend_for(device: str) -> str:
+    return "cpu:gloo,cuda:nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r owns cuda:r (one process per GPU); CPU ranks share the host."""
+    return f"cuda:{rank}" if str(device).startswith("cuda") else "cpu"
+
+
+def resolve_plan(plan_dir: str | Path, tensor_parallel_size: int | None) -> tuple[PlanConfig, Path, int]:
+    """(the plan rank 0 runs, its dir, the group size) for a plan dir and the size asked for.
+
+    An unsharded plan runs at size 1 only; a sharded one at its own size (None = take it). ConfigError otherwise.
+    """
+    top = read_plan(plan_dir)
+    if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}.")
+    if top.parallel is None:
+        if tensor_parallel_size not in (None, 1):
+            raise ConfigError(
+                f"{plan_dir} is not sharded; build it for {tensor_parallel_size} ranks with "
+                f"`trtopt build MODEL -o PLAN --tensor-parallel {tensor_parallel_size}`."
+            )
+        return top, Path(plan_dir), 1
+    size = top.parallel.size
+    if tensor_parallel_size not in (None, size):
+        raise ConfigError(
+            f"{plan_dir} was sharded for {size} ranks but tensor_parallel_size={tensor_parallel_size}; pass "
+            f"{size}, or rebuild with `trtopt build ... --tensor-parallel {tensor_parallel_size}`."
+        )
+    first = rank_dir(plan_dir, 0)
+    return read_plan(first), first, size
+
+
+def check_backend(backend: str, size: int) -> None:
+    if size > 1 and backend != "torch":
+        raise ConfigError(
+            f"tensor_parallel_size={size} runs on the torch backend only: onnxruntime and TensorRT would run "
+            "trtopt.AllReduce as its one-rank Identity body (trtopt/plugins/all_reduce/trt_plugin.py says how "
+            "TensorRT-LLM's NCCL plugin would take it). Use --backend torch."
+        )
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """CPU ranks share the host's cores: more intra-op threads than cores/size makes OpenMP spin against the
+    other ranks (measured: 7x slower steps with the default on 2 cores)."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _init_group(rank: int, size: int, device: str, timeout_s: float, store: Any = None) -> Any:
+    """Join the default group (the torchrun env vars, or the driver's store); return the gloo control group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = backend_for(device)
+    if store is None:  # a worker: the driver (rank 0) hosts the store at MASTER_ADDR:MASTER_PORT
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    # The control messages are pickled Python objects: they travel over gloo even when compute uses NCCL.
+    return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+
+
+def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float) -> None:
+    """A worker rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as torchrun sets them):
+    join the group, load its rank's plan, mirror the driver's commands until "stop"."""
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not str(device).startswith("cuda"):
+        torch.set_num_threads(cpu_threads_per_rank(size))
+    control = _init_group(rank, size, device, timeout_s)
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    path = rank_dir(plan_dir, rank)
+    executor = TorchExecutor(path, read_plan(path), device=rank_device(device, rank), cuda_graphs=cuda_graphs)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        command: _Command = box[0]
+        if command.op == "stop":
+            break
+        _apply(executor, command)
+    dist.destroy_process_group()
+
+
+def _apply(executor: Any, command: _Command) -> torch.Tensor | None:
+    if command.op == "step":
+        return executor.execute(command.arg)
+    if command.op == "alloc":
+        executor.allocate_kv_cache(command.arg)
+    elif command.op == "capture":
+        executor.capture_decode_graphs()
+    elif command.op == "copy":
+        executor.copy_blocks(command.arg)
+    else:
+        raise AssertionError(f"unknown command {command.op!r}")
+    return None
+
+
+class TensorParallelExecutor:
+    """The Executor contract (base.py) over ``size`` ranks; see the module docstring."""
+
+    def __init__(self, plan_dir: str | Path, size: int, *, device: str = "cpu", cuda_graphs: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+        if dist.is_initialized():
+            raise ConfigError("this process already belongs to a torch.distributed group; run one tensor-parallel "
+                              "engine per process (shut the other down first).")
+        if str(device).startswith("cuda") and torch.cuda.device_count() < size:
+            raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs; torch sees {torch.cuda.device_count()}.")
+        self.size = size
+        self.device = str(device)
+        self._threads = torch.get_num_threads()  # restored by shutdown()
+        if not self.device.startswith("cuda"):
+            torch.set_num_threads(cpu_threads_per_rank(size))  # rank 0 runs in this process
+        self.num_blocks = 0
+        self._error: WorkerDiedError | None = None
+        self._closed = False
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        # Port 0: the store picks a free port, so concurrent engines on one host never collide.
+        store = dist.TCPStore(addr, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        # Fresh interpreters (`python -m trtopt.runtime.distributed`), not multiprocessing: nothing of the caller's
+        # __main__ is re-imported, and a worker is exactly what torchrun would start.
+        self._workers: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(store.port), "RANK": str(rank),
+                   "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)}
+            args = [sys.executable, "-m", "trtopt.runtime.distributed", str(plan_dir), "--device", str(device),
+                    "--timeout", str(timeout_s)] + (["--cuda-graphs"] if cuda_graphs else [])
+            self._workers.append(subprocess.Popen(args, env=env))
+        self._monitor = threading.Thread(target=self._watch, name="trtopt-tp-monitor", daemon=True)
+        self._monitor.start()
+        try:
+            self._control = _init_group(0, size, device, timeout_s, store=store)
+            self._store = store
+            path = rank_dir(plan_dir, 0)
+            if str(device).startswith("cuda"):
+                torch.cuda.set_device(0)
+            self.plan = read_plan(path)
+            self._local = TorchExecutor(path, self.plan, device=rank_device(device, 0), cuda_graphs=cuda_graphs)
+        except Exception as e:
+            self.shutdown()
+            raise self._error or WorkerDiedError(f"the tensor-parallel group did not start: {e}") from e
+
+    # ---- the Executor contract -----------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._run(_Command("alloc", num_blocks))
+        self.num_blocks = num_blocks
+
+    def capture_decode_graphs(self) -> None:
+        self._run(_Command("capture"))
+
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        logits = self._run(_Command("step", step))
+        assert logits is not None
+        return logits
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            self._run(_Command("copy", list(pairs)))
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the group; idempotent. Live workers get "stop", dead ones are reaped."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._error is None and dist.is_initialized() and all(p.poll() is None for p in self._workers):
+            try:
+                dist.broadcast_object_list([_Command("stop")], src=0, group=self._control)
+            except Exception:  # a worker died in between: it is terminated below
+                log.warning("tensor-parallel stop message failed; terminating the workers")
+        for proc in self._workers:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if dist.is_initialized():
+            if self._error is not None:
+                _abort_group()
+            else:
+                dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
+
+    def __del__(self) -> None:  # an engine dropped without shutdown() must not leave workers behind
+        try:
+            if not self._closed:
+                self.shutdown()
+        except Exception:
+            pass
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _run(self, command: _Command) -> torch.Tensor | None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel executor was shut down; start a new engine.")
+        try:
+            dist.broadcast_object_list([command], src=0, group=self._control)
+            return _apply(self._local, command)
+        except Exception as e:
+            # The collective failed: a worker is gone (or going). Give the monitor a moment to see which.
+            for proc in self._workers:
+                try:
+                    proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+            error = self._error or WorkerDiedError(
+                f"a tensor-parallel collective failed ({e}); the engine is stopped. Check the workers' stderr."
+            )
+            self._error = error
+            self.shutdown()
+            raise error from e
+
+    def _watch(self) -> None:
+        """Wait for any worker to exit; record which (and, on CUDA, abort the group so NCCL calls return)."""
+        while not self._closed:
+            for rank, proc in enumerate(self._workers, start=1):
+                code = proc.poll()
+                if code is None or self._closed:
+                    continue
+                self._error = WorkerDiedError(
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
+                    "is stopped and its requests failed. Check that rank's stderr (and memory), then restart."
+                )
+                log.error("%s", self._error)
+                if self.device.startswith("cuda"):
+                    # A NCCL collective waits forever on a dead peer; aborting the group makes it return an error.
+                    _abort_group()
+                return
+            time.sleep(0.2)
+
+
+def _abort_group() -> None:
+    """Leave a group whose peers are gone without the goodbye handshake destroy_process_group would wait for."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def open_executor(plan_dir: str | Path, *, backend: str, device: str, cuda_graphs: bool,
+                  tensor_parallel_size: int | None) -> tuple[Any, PlanConfig]:
+    """(executor, the plan rank 0 runs) for a plan dir: a plain executor at size 1 (an unsharded plan, or rank0/
+    of a plan sharded for one rank), a TensorParallelExecutor above."""
+    from trtopt.runtime.executors import create_executor
+
+    plan, path, size = resolve_plan(plan_dir, tensor_parallel_size)
+    check_backend(backend, size)
+    if size == 1:
+        return create_executor(backend, path, plan, device=device, cuda_graphs=cuda_graphs), plan
+    executor = TensorParallelExecutor(plan_dir, size, device=device, cuda_graphs=cuda_graphs)
+    return executor, executor.plan
+
+
+def _main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A trtopt tensor-parallel worker rank (started by the driver).")
+    parser.add_argument("plan_dir")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    args = parser.parse_args()
+    worker_main(args.plan_dir, args.device, args.cuda_graphs, args.timeout)
+
+
+if __name__ == "__main__":
+    _main()
