@@ -28,3 +28,7 @@ class ConfigError(TrtOptError):
 
 class RequestError(TrtOptError):
     """A generation request is invalid (bad prompt, bad sampling values, too long...)."""
+
+
+class WorkerDiedError(TrtOptError):
+    """A tensor-parallel worker process exited; the engine cannot go on with a partial group (restart it)."""

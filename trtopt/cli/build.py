@@ -28,6 +28,22 @@ def _print_report(result, explain: bool) -> None:
             console.print("not fused: " + failure.describe(), markup=False, highlight=False, soft_wrap=True)
     elif report.unfused:
         console.print(f"{len(report.unfused)} region(s) left unfused; run with --explain to see why.")
+    layout = result.parallel
+    if layout is not None:
+        console.print(
+            f"[green]sharded[/] for {layout.size} rank(s): {layout.heads_per_rank}/{layout.kv_heads_per_rank} heads per "
+            f"rank{' (KV heads replicated)' if layout.kv_heads_replicated else ''}, {len(layout.attention)} attention "
+            f"+ {len(layout.mlp)} MLP blocks split, {layout.num_all_reduces} all-reduces per step, LM head "
+            f"{layout.lm_head}"
+        )
+        from trtopt.fusion_passes.tensor_parallel import unsharded_reasons
+
+        lines = unsharded_reasons(layout)
+        if explain:
+            for line in lines:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+        elif lines:
+            console.print(f"{len(lines)} projection(s) left whole on every rank; run with --explain to see why.")
 
 
 def build(
@@ -45,6 +61,11 @@ def build(
         False, "--explain", help="Say, for each attention-like region left unfused, which check failed."
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty plan directory."),
+    tensor_parallel: int = typer.Option(
+        None, "--tensor-parallel", "--tp",
+        help="Shard the plan for N ranks (Megatron-style; writes rank0..rank{N-1}/). Run it with "
+        "`trtopt generate/serve --tensor-parallel-size N`.",
+    ),
 ):
     """Fuse an exported ONNX model into a plan: attention → trtopt.PagedAttention (KV-cache graphs, rewritten to
     the packed paged signature) or trtopt.FlashAttention (encoders), norms, MatMul+Add. Writes model.onnx,
@@ -61,6 +82,7 @@ def build(
 
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
     result = build_plan(
-        model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True
+        model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
+        tensor_parallel=tensor_parallel,
     )
     _print_report(result, explain)

@@ -17,6 +17,10 @@ def generate(
     system: str = typer.Option(None, "--system", help="A system message (with --chat)."),
     backend: str = typer.Option("torch", help="torch or onnxruntime."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    tensor_parallel_size: int = typer.Option(
+        None, "--tensor-parallel-size", "--tp",
+        help="Ranks for a plan built with `trtopt build --tensor-parallel N` (default: the plan's N).",
+    ),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
                                "replay captured graphs by default)."),
     max_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
@@ -48,12 +52,14 @@ def generate(
         seed=seed, max_tokens=max_tokens, stop=tuple(stop or ()),
     )
     started = time.perf_counter()
-    llm = LLM(plan, backend=backend, device=device, cuda_graphs=False if eager else None)
+    llm = LLM(plan, backend=backend, device=device, cuda_graphs=False if eager else None,
+              tensor_parallel_size=tensor_parallel_size)
     err_console.print(f"loaded {plan} on {backend}/{device} in {time.perf_counter() - started:.1f} s; {_describe(params)}", highlight=False)
     prompts = [_chat(p, system) if chat else p for p in prompt]
     stream = len(prompts) == 1 and n == 1
     started = time.perf_counter()
-    outs = llm.generate(prompts, params, on_output=_print_delta if stream else _print_finished)
+    with llm:
+        outs = llm.generate(prompts, params, on_output=_print_delta if stream else _print_finished)
     elapsed = time.perf_counter() - started
     if stream:
         console.print()

@@ -18,6 +18,10 @@ def serve(
                                 help="Require `Authorization: Bearer KEY` on /v1/* (or set TRTOPT_API_KEY)."),
     backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    tensor_parallel_size: int = typer.Option(
+        None, "--tensor-parallel-size", "--tp",
+        help="Ranks for a plan built with `trtopt build --tensor-parallel N` (default: the plan's N).",
+    ),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
                                "replay captured graphs by default)."),
     max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
@@ -52,14 +56,17 @@ def serve(
 
     engine = LLMEngine.from_plan(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
     )
     name = model_name or Path(plan).resolve().name
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
-    dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine,
-                             shutdown_timeout=shutdown_timeout)
+    try:
+        dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine,
+                                 shutdown_timeout=shutdown_timeout)
+    finally:
+        engine.shutdown()  # tensor-parallel workers; a no-op for one device
     if dead_reason is not None:  # non-zero, so a supervisor restarts the server
         console.print(f"[red]error:[/] the engine broke and the server stopped: {dead_reason}")
         raise typer.Exit(1)

@@ -356,6 +356,11 @@ def _analyze(model: ir.Model, size: int) -> _Plan:
         claimed.add(node)
         plan.mlp.append({"up": [u.name for u in ups], "down": node.name})
         del width_out
+    for node in graph:  # a head tied to the embedding multiplies by Transpose(embedding): no constant weight
+        if node.op_type == "MatMul" and not _is_projection(node) and node.inputs[0] in tainted \
+                and node.inputs[1] not in tainted and _feeds_logits(node):
+            plan.replicated.append({"node": node.name, "why": "LM head (tied to the embedding): replicated (the "
+                                    "driver samples full-vocabulary rows)", "at": ""})
     for node, e in why_not.items():
         if node not in claimed:
             why = "LM head: replicated (the driver samples full-vocabulary rows)" if _feeds_logits(node) else e.reason

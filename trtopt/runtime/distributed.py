@@ -31,16 +31,12 @@ import torch
 import torch.distributed as dist
 
 from trtopt.build.plan import PlanConfig, rank_dir, read_plan
-from trtopt.errors import ConfigError, TrtOptError
+from trtopt.errors import ConfigError, WorkerDiedError
 from trtopt.runtime.batch import StepInputs
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a silent peer fails
-
-
-class WorkerDiedError(TrtOptError):
-    """A tensor-parallel worker process exited; the engine cannot go on with a partial group."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +244,9 @@ class TensorParallelExecutor:
     # ---- internals --------------------------------------------------------------------------------------------
 
     def _run(self, command: _Command) -> torch.Tensor | None:
+        if self._error is None and (error := self._dead_worker()) is not None:
+            self._error = error  # died while the engine was idle: fail before sending anything
+            self.shutdown()
         if self._error is not None:
             raise self._error
         if self._closed:
@@ -262,7 +261,7 @@ class TensorParallelExecutor:
                     proc.wait(timeout=2)
                 except subprocess.TimeoutExpired:
                     pass
-            error = self._error or WorkerDiedError(
+            error = self._error or self._dead_worker() or WorkerDiedError(
                 f"a tensor-parallel collective failed ({e}); the engine is stopped. Check the workers' stderr."
             )
             self._error = error
@@ -272,20 +271,25 @@ class TensorParallelExecutor:
     def _watch(self) -> None:
         """Wait for any worker to exit; record which (and, on CUDA, abort the group so NCCL calls return)."""
         while not self._closed:
-            for rank, proc in enumerate(self._workers, start=1):
-                code = proc.poll()
-                if code is None or self._closed:
-                    continue
-                self._error = WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
-                    "is stopped and its requests failed. Check that rank's stderr (and memory), then restart."
-                )
-                log.error("%s", self._error)
+            error = self._dead_worker()
+            if error is not None and not self._closed:
+                self._error = error
+                log.error("%s", error)
                 if self.device.startswith("cuda"):
                     # A NCCL collective waits forever on a dead peer; aborting the group makes it return an error.
                     _abort_group()
                 return
             time.sleep(0.2)
+
+    def _dead_worker(self) -> WorkerDiedError | None:
+        for rank, proc in enumerate(self._workers, start=1):
+            code = proc.poll()
+            if code is not None:
+                return WorkerDiedError(
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
+                    "is stopped and its requests failed. Check that rank's stderr (and memory), then restart."
+                )
+        return None
 
 
 def _abort_group() -> None:

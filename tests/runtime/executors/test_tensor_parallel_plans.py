@@ -1,0 +1,131 @@
+"""`trtopt build --tensor-parallel N`: the rank plans' layout and weights, and a plan sharded for one rank equal to
+the original graph on onnxruntime and torch (trtopt.AllReduce runs as its Identity body there)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from test_executors import NUM_BLOCKS, generate_and_compare
+from trtopt.build.builder import build_plan
+from trtopt.build.plan import Limits, rank_dir, read_plan
+from trtopt.errors import ConfigError, FusionError
+from trtopt.runtime.executors import create_executor
+
+LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def tp_plan(export_dir, tmp_path_factory):
+    cache = {}
+
+    def get(model: str, size: int):
+        if (model, size) not in cache:
+            out = tmp_path_factory.mktemp(f"tp{size}-{model}")
+            cache[(model, size)] = build_plan(export_dir(model), out, limits=LIMITS, force=True, progress=False,
+                                              tensor_parallel=size)
+        return cache[(model, size)]
+
+    return get
+
+
+def initializers(path) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(path / "model.onnx").graph.initializer}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_plan_sharded_for_one_rank_equals_the_original_graph(model, tp_plan, export_dir):
+    result = tp_plan(model, 1)
+    rank0 = rank_dir(result.plan_dir, 0)
+    proto = onnx.load(rank0 / "model.onnx")
+    plan = read_plan(rank0)
+    all_reduces = [n for n in proto.graph.node if n.domain == "trtopt" and n.op_type == "AllReduce"]
+    assert len(all_reduces) == 2 * plan.model.num_layers  # after O and after down, in every layer
+    executors = {backend: create_executor(backend, rank0, plan, num_blocks=NUM_BLOCKS)
+                 for backend in ("onnxruntime", "torch")}
+    worst = generate_and_compare(rank0, export_dir(model), executors)
+    assert worst["onnxruntime"] <= 1e-4 and worst["torch"] <= 1e-4, worst
+
+
+def test_llama_rank_plans_split_heads_and_mlp(tp_plan, export_dir):
+    """tiny-llama: 4 query / 2 KV heads of 16, intermediate 128, untied head: N = 2 gives 2/1 heads per rank."""
+    result = tp_plan("tiny-llama", 2)
+    top = read_plan(result.plan_dir)
+    assert top.parallel.size == 2 and top.parallel.rank is None and (top.model.num_heads, top.model.num_kv_heads) == (4, 2)
+    assert not (result.plan_dir / "model.onnx").exists()
+    ranks = [rank_dir(result.plan_dir, r) for r in range(2)]
+    for r, path in enumerate(ranks):
+        plan = read_plan(path)
+        assert plan.parallel.rank == r and (plan.model.num_heads, plan.model.num_kv_heads) == (2, 1)
+        kv = next(i for i in onnx.load(path / "model.onnx").graph.input if i.name == "kv_cache.0")
+        assert kv.type.tensor_type.shape.dim[2].dim_value == 1
+    layout = json.loads((result.plan_dir / "fusion_report.json").read_text())["parallel"]
+    assert layout["sharded_attention_layers"] == 2 and layout["sharded_mlps"] == 2
+    assert [r["why"].split(":")[0] for r in layout["replicated"]] == ["LM head"]
+    # Every sharded weight: the ranks' slices put back together are the unsplit weight of the unsharded plan.
+    full = initializers(rank_dir(tp_plan("tiny-llama", 1).plan_dir, 0))
+    shards = [initializers(p) for p in ranks]
+    sharded = [name for name in shards[0] if name.endswith(".tp_shard")]
+    assert len(sharded) == 2 * 7  # q, k, v, o, gate, up, down in each layer
+    for name in sharded:
+        a, b = shards[0][name], shards[1][name]
+        whole = full[name]  # the one-rank plan keeps the whole weight under the same name
+        axis = 0 if a.shape[1] == whole.shape[1] else 1
+        assert a.shape[axis] * 2 == whole.shape[axis]
+        np.testing.assert_array_equal(np.concatenate([a, b], axis=axis), whole)
+
+
+def test_qwen2_kv_head_is_replicated_when_fewer_than_ranks(tp_plan):
+    """tiny-qwen2: 4 query heads, ONE KV head (MQA), QKV bias, tied embeddings: N = 2 keeps the KV head on both."""
+    result = tp_plan("tiny-qwen2", 2)
+    assert result.parallel.kv_heads_replicated and result.parallel.kv_heads_per_rank == 1
+    shards = [initializers(rank_dir(result.plan_dir, r)) for r in range(2)]
+    proto = onnx.load(rank_dir(result.plan_dir, 0) / "model.onnx")
+    attention = [n for n in proto.graph.node if n.op_type == "PagedAttention"]
+    k_input = {n.output[0]: n for n in proto.graph.node}
+    for node in attention:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["num_heads"], attrs["num_kv_heads"]) == (2, 1)
+    del k_input
+    names = [n for n in shards[0] if n.endswith(".tp_shard")]
+    kv_like = [n for n in names if shards[0][n].ndim == 2 and shards[0][n].shape[1] == 16]  # [hidden, 1 head x 16]
+    assert kv_like, names
+    for name in kv_like:  # the one KV head lives whole on both ranks
+        np.testing.assert_array_equal(shards[0][name], shards[1][name])
+    q_like = [n for n in names if shards[0][n].shape == (64, 32)]
+    assert q_like and all(not np.array_equal(shards[0][n], shards[1][n]) for n in q_like)
+    # Tied embeddings: the embedding matrix is not split and both ranks hold it whole.
+    embedding = [n for n in shards[0] if shards[0][n].shape == (49152, 64)]
+    assert len(embedding) == 1 and np.array_equal(shards[0][embedding[0]], shards[1][embedding[0]])
+
+
+def test_head_count_not_divisible_is_a_fusion_error(export_dir, tmp_path):
+    with pytest.raises(FusionError, match="num_heads 4 is not a multiple of --tensor-parallel 3"):
+        build_plan(export_dir("tiny-llama"), tmp_path / "p", limits=LIMITS, progress=False, tensor_parallel=3)
+    assert not (tmp_path / "p").exists()
+
+
+def test_runtimes_refuse_mismatched_sizes(tp_plan, plan_dir):
+    from trtopt.runtime.distributed import open_executor
+
+    sharded = tp_plan("tiny-llama", 2).plan_dir
+    with pytest.raises(ConfigError, match="torch backend only"):
+        open_executor(sharded, backend="onnxruntime", device="cpu", cuda_graphs=False, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="sharded for 2 ranks"):
+        open_executor(sharded, backend="torch", device="cpu", cuda_graphs=False, tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match="not sharded"):
+        open_executor(plan_dir("tiny-llama"), backend="torch", device="cpu", cuda_graphs=False, tensor_parallel_size=2)
+
+
+def test_all_reduce_torch_face_checks_the_group_size():
+    from trtopt.plugins.all_reduce.reference import all_reduce_ref
+
+    x = torch.randn(3, 4)
+    assert all_reduce_ref(x, world_size=1) is x  # a group of one: the sum is the value
+    with pytest.raises(RuntimeError, match="sharded for 2 ranks but runs in a group of 1"):
+        all_reduce_ref(x, world_size=2)
