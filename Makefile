@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 DEMO   ?= demo_out
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu test-multigpu bench clean
 
 setup: $(VENV)/.installed
 
@@ -33,11 +33,14 @@ demo: setup
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass. TRTOPT_CHECK_COLLECTION makes
 # it fail when a test file under tests/ was never collected (tests/conftest.py).
 test: setup
-	@TRTOPT_CHECK_COLLECTION=1 $(PY) -m pytest -q -m "not gpu and not tensorrt" tests; rc=$$?; \
+	@TRTOPT_CHECK_COLLECTION=1 $(PY) -m pytest -q -m "not gpu and not tensorrt and not multigpu" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
+
+test-multigpu: setup
+	$(PY) -m pytest -q -m multigpu tests
 
 clean:
 	rm -rf $(VENV) $(DEMO)

@@ -46,10 +46,11 @@ def test_plan_sharded_for_one_rank_equals_the_original_graph(model, tp_plan, exp
     plan = read_plan(rank0)
     all_reduces = [n for n in proto.graph.node if n.domain == "trtopt" and n.op_type == "AllReduce"]
     assert len(all_reduces) == 2 * plan.model.num_layers  # after O and after down, in every layer
-    executors = {backend: create_executor(backend, rank0, plan, num_blocks=NUM_BLOCKS)
-                 for backend in ("onnxruntime", "torch")}
+    # onnxruntime runs AllReduce as its ONNX function body (Identity); the torch face is exercised at N = 1 and 2
+    # by tests/runtime/test_tensor_parallel.py.
+    executors = {"onnxruntime": create_executor("onnxruntime", rank0, plan, num_blocks=NUM_BLOCKS)}
     worst = generate_and_compare(rank0, export_dir(model), executors)
-    assert worst["onnxruntime"] <= 1e-4 and worst["torch"] <= 1e-4, worst
+    assert worst["onnxruntime"] <= 1e-4, worst
 
 
 def test_llama_rank_plans_split_heads_and_mlp(tp_plan, export_dir):
@@ -87,11 +88,9 @@ def test_qwen2_kv_head_is_replicated_when_fewer_than_ranks(tp_plan):
     shards = [initializers(rank_dir(result.plan_dir, r)) for r in range(2)]
     proto = onnx.load(rank_dir(result.plan_dir, 0) / "model.onnx")
     attention = [n for n in proto.graph.node if n.op_type == "PagedAttention"]
-    k_input = {n.output[0]: n for n in proto.graph.node}
     for node in attention:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["num_heads"], attrs["num_kv_heads"]) == (2, 1)
-    del k_input
     names = [n for n in shards[0] if n.endswith(".tp_shard")]
     kv_like = [n for n in names if shards[0][n].ndim == 2 and shards[0][n].shape[1] == 16]  # [hidden, 1 head x 16]
     assert kv_like, names

@@ -1,0 +1,105 @@
+"""Tensor parallelism on CPU (gloo): LLM(plan, tensor_parallel_size=2) drives a worker process per extra rank.
+
+Greedy tokens at N = 2 equal HF generate (and so N = 1) on tiny Llama (GQA 4/2: one KV head per rank) and tiny Qwen2
+(MQA 4/1 with QKV bias and tied embeddings: the KV head replicated on both ranks); a seeded n=2 request (KV blocks
+copied on write through the workers) equals the single-rank engine; a killed worker ends the engine with
+WorkerDiedError within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trtopt.build.builder import build_plan
+from trtopt.build.plan import Limits
+from trtopt.errors import WorkerDiedError
+from trtopt.runtime.llm import LLM
+from trtopt.runtime.sampling_params import SamplingParams
+
+LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=128)
+PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4 5"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tp_llm(export_dir, tmp_path_factory):
+    """tp_llm(model) -> an LLM over the model's plan sharded for 2 ranks. A process joins one torch.distributed
+    group at a time, so asking for another model shuts the current engine down (the tests are ordered by model)."""
+    current: dict[str, LLM] = {}
+
+    def get(model: str) -> LLM:
+        if model not in current:
+            for llm in current.values():
+                llm.shutdown()
+            current.clear()
+            out = tmp_path_factory.mktemp(f"tp2-{model}")
+            build_plan(export_dir(model), out, limits=LIMITS, force=True, progress=False, tensor_parallel=2)
+            current[model] = LLM(out, tensor_parallel_size=2)
+        return current[model]
+
+    yield get
+    for llm in current.values():
+        llm.shutdown()
+    assert not dist.is_initialized()
+
+
+def assert_greedy_equals_hf(llm: LLM, model, hf_model) -> None:
+    outs = llm.generate(PROMPTS, GREEDY)
+    for out in outs:
+        x = torch.tensor([out.prompt_token_ids])
+        ref = hf_model(model).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, min_new_tokens=12,
+                                       do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, x.shape[1]:].tolist()
+
+
+def test_llama_greedy_at_two_ranks_equals_hf(tp_llm, hf_model):
+    """GQA 4/2: each rank holds 2 query heads and its own KV head."""
+    assert_greedy_equals_hf(tp_llm("tiny-llama"), "tiny-llama", hf_model)
+
+
+def test_seeded_n2_with_copy_on_write_equals_one_rank(tp_llm, engine_for):
+    prompt = "Once upon a time there was a"  # 8 tokens: the two completions share a partly filled block
+    params = SamplingParams(n=2, temperature=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True)
+    llm = tp_llm("tiny-llama")
+    llm.engine.pool.reset_prefix_cache()
+    got = llm.generate(prompt, params)[0]
+    assert llm.engine.kv.num_cow_copies >= 1
+    single = engine_for("tiny-llama", max_model_len=128, enable_prefix_caching=False)
+    single.add_request("one", prompt, params)
+    while single.has_unfinished_requests():
+        for out in single.step():
+            if out.finished:
+                expected = out
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_qwen2_greedy_at_two_ranks_equals_hf(tp_llm, hf_model):
+    """MQA 4/1 with QKV bias and tied embeddings: the one KV head is replicated on both ranks."""
+    assert_greedy_equals_hf(tp_llm("tiny-qwen2"), "tiny-qwen2", hf_model)
+
+
+def test_killed_worker_ends_the_engine_with_a_clear_error(tp_llm):
+    llm = tp_llm("tiny-qwen2")
+    worker = llm.engine.executor._workers[0]
+    killed_at: list[float] = []
+
+    def kill_after_three_tokens(out):
+        if not killed_at and len(out.outputs[0].token_ids) == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate("Hello", params, on_output=kill_after_three_tokens)
+    assert time.monotonic() - killed_at[0] < 15
+    assert not llm.engine.has_unfinished_requests()  # the request was failed, its blocks freed
+    assert llm.engine.stats().num_blocks_free == llm.engine.stats().num_blocks_total
+    with pytest.raises(WorkerDiedError):  # and the engine stays stopped
+        llm.generate("Hello", GREEDY)
+    assert not dist.is_initialized()  # the driver left the group
