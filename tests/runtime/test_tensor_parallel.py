@@ -94,7 +94,7 @@ def test_killed_worker_ends_the_engine_with_a_clear_error(tp_llm):
             os.kill(worker.pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
         llm.generate("Hello", params, on_output=kill_after_three_tokens)
     assert time.monotonic() - killed_at[0] < 15

@@ -157,9 +157,10 @@ class TensorParallelExecutor:
         if str(device).startswith("cuda") and torch.cuda.device_count() < size:
             raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs; torch sees {torch.cuda.device_count()}.")
         self.size = size
-        self.device = str(device)
+        self._device = str(device)
+        self.device = torch.device(rank_device(self._device, 0))  # rank 0's, like a single-device executor's
         self._threads = torch.get_num_threads()  # restored by shutdown()
-        if not self.device.startswith("cuda"):
+        if not self._device.startswith("cuda"):
             torch.set_num_threads(cpu_threads_per_rank(size))  # rank 0 runs in this process
         self.num_blocks = 0
         self._error: WorkerDiedError | None = None
@@ -275,7 +276,7 @@ class TensorParallelExecutor:
             if error is not None and not self._closed:
                 self._error = error
                 log.error("%s", error)
-                if self.device.startswith("cuda"):
+                if self._device.startswith("cuda"):
                     # A NCCL collective waits forever on a dead peer; aborting the group makes it return an error.
                     _abort_group()
                 return

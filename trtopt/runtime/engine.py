@@ -14,7 +14,7 @@ from typing import Any
 
 
 from trtopt.build.plan import PlanConfig
-from trtopt.errors import ConfigError, RequestError
+from trtopt.errors import ConfigError, RequestError, WorkerDiedError
 from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput
 from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.detokenizer import IncrementalDetokenizer
@@ -207,7 +207,8 @@ class LLMEngine:
         while the step goes on for the others. When the executor fails, the whole step's requests end that
         way and the prefix cache is reset; `num_consecutive_failed_steps` counts such steps so a driver can
         tell a broken engine. Nothing is retried. An exception that escapes step() is an engine bug (a broken
-        scheduler invariant): the engine must not be stepped again.
+        scheduler invariant) or WorkerDiedError (a tensor-parallel rank died; every request has been ended): the
+        engine must not be stepped again.
         """
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -219,6 +220,13 @@ class LLMEngine:
             if isinstance(inputs, Exception):
                 raise inputs
             logits = self.executor.execute(inputs)  # [N, vocab]
+        except WorkerDiedError as e:
+            # A tensor-parallel rank is gone for good: every request ends now, and the error escapes so the driver
+            # (LLM.generate, the serving loop) stops this engine instead of failing every later step.
+            self.num_consecutive_failed_steps += 1
+            self._fail_batch(batch, e)
+            self._fail_groups(dict.fromkeys(self._groups, f"the engine stopped: {e}"))
+            raise
         except Exception as e:
             self.num_consecutive_failed_steps += 1
             return failed + self._fail_batch(batch, e)

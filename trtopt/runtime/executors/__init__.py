@@ -28,6 +28,10 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     check_plan_model(Path(plan_dir) / MODEL_FILE)
+    if plan.parallel is not None and plan.parallel.size > 1 and backend != "torch":
+        # Their trtopt.AllReduce would be the Identity body: each rank's partial sum, silently wrong.
+        raise ConfigError(f"{plan_dir} is one rank of a plan sharded for {plan.parallel.size}; only the torch backend "
+                          "runs it (in a tensor-parallel group: LLM(plan, tensor_parallel_size=N)).")
     if backend == "torch":
         from trtopt.runtime.executors.torch_executor import TorchExecutor
 

@@ -1,0 +1,223 @@
+"""Tensor-parallel benchmark (issue 15): the same Llama-shaped random-weight bf16 model at N = 1 and N = 2, same run.
+
+Two shapes: gpu_e2e.py's ~1.24B (Llama-3.2-1B's shape) and an 8B shape (Llama-3.1-8B: 32 layers, hidden 4096, GQA
+32/8, MLP 14336, vocab 128256, untied head), random weights. Each is made as an HF directory, exported once (bf16)
+and built twice: unsharded (N = 1) and with `--tensor-parallel 2`. Then, for each N, through LLMEngine.from_plan
+(CUDA graphs on, as served):
+
+1. batch-1 decode tok/s (128-token prompt, 256 new tokens; gpu_e2e.batch1_decode);
+2. the 256-request variable-length workload of gpu_e2e.py (continuous batching, max_num_seqs 256);
+3. the all-reduce time per decode step from a torch.profiler trace of rank 0 (eager steps: NCCL kernels by name),
+   next to the whole step's device time, so the communication share is visible.
+
+Scaling efficiency = (throughput at N=2 / throughput at N=1) / 2, reported as measured. Needs two GPUs of one host
+(nvidia-h200-x2); `--tiny --device cpu` runs the same code on the CPU with gloo in under a minute (a harness smoke
+run, its numbers mean nothing).
+
+    python3 benchmarks/tp_e2e.py                          # docs/benchmarks/tp_e2e_<gpu>.json + .png
+    python3 benchmarks/tp_e2e.py --shapes 1b              # only the 1.24B shape
+    python3 benchmarks/tp_e2e.py --tiny --device cpu      # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_e2e  # noqa: E402  (the shapes, workload and measuring functions are shared)
+
+DOCS = ROOT / "docs" / "benchmarks"
+SHAPES = {
+    "1b": gpu_e2e.Shape(),
+    "8b": gpu_e2e.Shape(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_seqs: int, tied: bool) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trtopt.build.builder import build_plan
+    from trtopt.build.plan import Limits
+    from trtopt.export import export_model
+
+    hf_dir, onnx_dir = work / "hf", work / "onnx"
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(hf_dir)
+    del model
+    gc.collect()
+    log(f"HF model: {params / 1e9:.2f}B parameters")
+    export_model(hf_dir, onnx_dir, dtype="bf16", verify_outputs=False, force=True)
+    limits = Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048)
+    plans = {}
+    for n in (1, 2):
+        t = time.perf_counter()
+        result = build_plan(onnx_dir, work / f"plan_tp{n}", force=True, progress=False, limits=limits,
+                            tensor_parallel=None if n == 1 else n)
+        plans[n] = {"dir": result.plan_dir, "build_s": time.perf_counter() - t,
+                    "layout": result.parallel.summary() if result.parallel else None}
+        log(f"built N={n} ({plans[n]['build_s']:.1f} s)")
+    shutil.rmtree(onnx_dir)
+    shutil.rmtree(hf_dir)
+    return {"params": params, "plans": plans}
+
+
+def all_reduce_profile(engine, vocab: int, steps: int = 8) -> dict | None:
+    """Rank 0's device time per eager decode step, and the part of it in NCCL kernels (the all-reduces)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    if not torch.cuda.is_available():
+        return None
+    prompt = list(range(5, 133))
+    engine.add_request("prof", {"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0))
+    engine.step()  # prefill
+    local = getattr(engine.executor, "_local", engine.executor)  # rank 0's TorchExecutor
+    graphs = local.decode_graphs
+    local.decode_graphs = None  # eager: the profiler sees every kernel
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+    finally:
+        local.decode_graphs = graphs
+    while engine.has_unfinished_requests():
+        engine.step()
+    total = nccl = 0.0
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if event.device_type.name != "CUDA":
+            continue
+        total += device_us
+        if "nccl" in event.key.lower() or "allreduce" in event.key.lower():
+            nccl += device_us
+    return {"eager_steps": steps, "device_ms_per_step": total / steps / 1e3,
+            "all_reduce_ms_per_step": nccl / steps / 1e3, "all_reduce_share": nccl / total if total else None}
+
+
+def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int, args) -> dict:
+    from trtopt.runtime.engine import LLMEngine
+
+    t = time.perf_counter()
+    engine = LLMEngine.from_plan(plan_dir, device=str(device), tensor_parallel_size=n if n > 1 else None,
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
+                                 kv_cache_memory_gb=args.kv_gb, enable_prefix_caching=False)
+    out: dict = {"start_s": time.perf_counter() - t, "num_blocks": engine.limits.num_blocks}
+    try:
+        out["batch1"] = gpu_e2e.batch1_decode(engine, vocab, device)
+        log(f"N={n} batch-1 decode: {out['batch1']['decode_tok_s']:.1f} tok/s")
+        out["profile"] = all_reduce_profile(engine, vocab)
+        if out["profile"]:
+            log(f"N={n} eager step {out['profile']['device_ms_per_step']:.2f} ms on rank 0, all-reduce "
+                f"{out['profile']['all_reduce_ms_per_step']:.3f} ms")
+        out["workload"] = gpu_e2e.run_engine(engine, requests, wave=None, device=device)
+        log(f"N={n} workload: {out['workload']['output_tok_s']:.0f} output tok/s")
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(data["shapes"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (key, label) in zip(axes, (("batch1", "batch-1 decode tok/s"), ("workload", "256-request output tok/s"))):
+        width = 0.35
+        for i, n in enumerate((1, 2)):
+            values = [data["shapes"][s]["runs"][str(n)][key]["decode_tok_s" if key == "batch1" else "output_tok_s"]
+                      for s in shapes]
+            ax.bar([x + (i - 0.5) * width for x in range(len(shapes))], values, width, label=f"N={n}")
+        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_title(label)
+        ax.legend()
+    fig.suptitle(f"tensor parallel, {data['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", nargs="*", default=["1b", "8b"], choices=sorted(SHAPES))
+    ap.add_argument("--tiny", action="store_true", help="a small model and workload (a smoke run of the harness)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/trtopt-tp-e2e"))
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--kv-gb", type=float, default=30.0, help="KV pool per rank")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    shapes = {"tiny": gpu_e2e.TINY} if args.tiny else {s: SHAPES[s] for s in args.shapes}
+    workload = gpu_e2e.Workload(requests=args.requests or (8 if args.tiny else 256),
+                                **({"prompt_len": (8, 32), "output_len": (4, 16)} if args.tiny else {}))
+    if args.tiny:
+        args.kv_gb = min(args.kv_gb, 0.25)
+        args.max_num_seqs = min(args.max_num_seqs, 16)
+    gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
+    data = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": gpu,
+            "num_gpus": torch.cuda.device_count() if device.type == "cuda" else 0, "torch": torch.__version__,
+            "workload": dataclasses.asdict(workload), "shapes": {}}
+    for name, shape in shapes.items():
+        work = args.work / name
+        work.mkdir(parents=True, exist_ok=True)
+        made = make_plans(work, shape, device, args.max_num_seqs, tied=(name != "8b"))
+        requests = workload.make(shape.vocab)
+        runs = {str(n): run_size(made["plans"][n]["dir"], n, device, requests, shape.vocab, args) for n in (1, 2)}
+        one, two = runs["1"], runs["2"]
+        data["shapes"][name] = {
+            "shape": dataclasses.asdict(shape), "params": made["params"],
+            "layout": made["plans"][2]["layout"], "runs": runs,
+            "scaling_efficiency": {
+                "batch1_decode": two["batch1"]["decode_tok_s"] / one["batch1"]["decode_tok_s"] / 2,
+                "workload": two["workload"]["output_tok_s"] / one["workload"]["output_tok_s"] / 2,
+            },
+        }
+        log(f"{name}: scaling efficiency {data['shapes'][name]['scaling_efficiency']}")
+        shutil.rmtree(work)
+    slug = "tiny_cpu" if args.tiny else gpu.lower().replace("nvidia ", "").split()[0]
+    out = args.out or DOCS / f"tp_e2e_{slug}.json"
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    if not args.tiny:
+        plot(data, out.with_suffix(".png"))
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
