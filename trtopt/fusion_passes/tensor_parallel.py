@@ -333,7 +333,7 @@ def _analyze(model: ir.Model, size: int) -> _Plan:
     for node in graph:
         if not _is_projection(node) or node in claimed:
             continue
-        width_in, width_out = _weight_shape(node)
+        width_in = _weight_shape(node)[0]
         try:
             ups, between = _projection_above(node.inputs[0], tainted, _MLP_PATH_OPS, scalar_operands_only=True)
             if not ups:
@@ -355,7 +355,6 @@ def _analyze(model: ir.Model, size: int) -> _Plan:
         plan.row[node] = _ranges(size, width_in)
         claimed.add(node)
         plan.mlp.append({"up": [u.name for u in ups], "down": node.name})
-        del width_out
     for node in graph:  # a head tied to the embedding multiplies by Transpose(embedding): no constant weight
         if node.op_type == "MatMul" and not _is_projection(node) and node.inputs[0] in tainted \
                 and node.inputs[1] not in tainted and _feeds_logits(node):
