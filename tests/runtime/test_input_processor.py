@@ -79,3 +79,15 @@ def test_processed_prompt_is_typed():
     p = ProcessedPrompt("hi", [1, 2], 3)
     with pytest.raises(AttributeError):
         p.max_tokens = 5  # frozen
+
+
+def test_prompt_byte_cap_follows_the_context(tokenizer):
+    from trtopt.runtime.input_processor import prompt_byte_cap
+
+    longest = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+    assert prompt_byte_cap(tokenizer, 64) == 64 * longest
+    assert prompt_byte_cap(tokenizer, 10**6) == 1 << 20
+    assert prompt_byte_cap(None, 64) == 1 << 20
+    # The bound is safe: the longest prompt that fits 64 tokens is far under it.
+    text = "".join(tokenizer.convert_tokens_to_string([t]) for t in sorted(tokenizer.get_vocab(), key=len)[-64:])
+    assert len(text.encode("utf-8")) <= prompt_byte_cap(tokenizer, 64)

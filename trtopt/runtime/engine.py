@@ -20,7 +20,7 @@ from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.detokenizer import IncrementalDetokenizer
 from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.input_builder import InputBuilder
-from trtopt.runtime.input_processor import InputLimits, InputProcessor, PromptType
+from trtopt.runtime.input_processor import InputLimits, InputProcessor, PromptType, prompt_byte_cap
 from trtopt.runtime.kv_cache_manager import KVCacheManager
 from trtopt.runtime.request import Request, RequestStatus
 from trtopt.runtime.sampler import Sampler
@@ -120,6 +120,7 @@ class LLMEngine:
             vocab_size=plan.model.vocab_size, max_model_len=self.limits.max_model_len,
             max_num_seqs=self.limits.max_num_seqs,
             max_prompt_tokens_per_step=None if config.enable_chunked_prefill else self.limits.max_num_batched_tokens,
+            max_prompt_bytes=prompt_byte_cap(tokenizer, self.limits.max_model_len),
         ))
         self._groups: dict[str, _Group] = {}
         self.num_consecutive_failed_steps = 0  # executor failures in a row; a driver stops a broken engine

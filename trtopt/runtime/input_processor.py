@@ -10,7 +10,7 @@ text that is only reported back); {"prompt": "..."}. A ProcessedPrompt passes th
 
 Rules, in the order they run (each failure is a RequestError that says what to change):
   - text (prompt, every string in chat messages) is at most `max_prompt_bytes` of UTF-8, checked before any
-    tokenizing, and is valid Unicode (a lone UTF-16 surrogate cannot be encoded and is refused);
+    tokenizing (the engine sets it to min(1 MiB, max_model_len x the longest token's bytes): see prompt_byte_cap), and is valid Unicode (a lone UTF-16 surrogate cannot be encoded and is refused);
   - BOS: text gets the tokenizer's special tokens unless it already starts with the BOS token (rendered chat
     usually does; a second BOS would change the prompt);
   - token ids are ints in [0, vocab); the prompt is not empty and leaves room for one output token;
@@ -28,10 +28,24 @@ from typing import Any, Sequence
 from trtopt.errors import RequestError
 from trtopt.runtime.sampling_params import SamplingParams, check_text
 
-# Prompt text larger than this is refused before tokenizing. 1 MiB of UTF-8 is >= ~200k tokens for every
-# tokenizer we ship, far above any plan's max_model_len, and tokenizes in ~0.1-0.3 s: an off-thread cost a
-# single request may pay, unlike an 8 MB prompt (seconds of CPU for a request that cannot fit anyway).
+# Prompt text larger than this is refused before tokenizing, whatever the context. 1 MiB of UTF-8 is >= ~200k
+# tokens for every tokenizer we ship; an 8 MB prompt would cost seconds of CPU for a request that cannot fit.
+# The engine lowers it further per context (prompt_byte_cap).
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+
+
+
+def prompt_byte_cap(tokenizer: Any, max_model_len: int, limit: int = DEFAULT_MAX_PROMPT_BYTES) -> int:
+    """The prompt byte cap for a context: `limit`, or less when even max_model_len of the vocabulary's longest
+    tokens are fewer bytes. Byte-level BPE and SentencePiece token strings are at least as long in UTF-8 as the
+    text they stand for (a space is 'Ġ' or '▁'), so longer text cannot fit the context however it tokenizes,
+    and refusing it before tokenizing costs nothing. (SmolLM2: longest token 162 bytes, so 83 KB at 512 tokens.)
+    Measured why it matters: a 1 MiB prompt held Triton's execute() for ~3 s while it was tokenized."""
+    if tokenizer is None:
+        return limit
+    longest = max((len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab()), default=0)
+    return min(limit, max_model_len * longest) if longest else limit
+
 
 # A prompt: text, chat messages, token ids, {"prompt_token_ids": [...]} / {"prompt": "..."}, or a ProcessedPrompt.
 PromptType = Any
