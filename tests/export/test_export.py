@@ -70,15 +70,25 @@ def test_missing_model(tmp_path):
         export_model(str(tmp_path / "nope"), tmp_path / "out")
 
 
-def test_not_a_causal_lm(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
-    with pytest.raises(ExportError, match="unsupported architecture BertModel.*not a causal LM.*LlamaForCausalLM"):
+@pytest.mark.parametrize("config,match", [
+    ({"architectures": ["BertModel"], "model_type": "bert"}, "BertModel.*is not a causal LM"),
+    ({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "is_encoder_decoder": True},
+     "T5ForConditionalGeneration.*encoder-decoder"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "vision_config": {},
+      "text_config": {}}, "multimodal.*Export its text model"),
+    ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "state-space/recurrent.*mamba"),
+    ({"architectures": ["JambaForCausalLM"], "model_type": "jamba"}, "state-space/recurrent"),
+])
+def test_what_is_not_a_decoder_only_lm_is_refused(tmp_path, config, match):
+    """The export takes any decoder-only causal LM; these cannot work and say why before anything is loaded."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match=match):
         export_model(tmp_path, tmp_path / "out")
 
 
-def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
-    with pytest.raises(ExportError, match="unsupported architecture FalconForCausalLM; supported"):
+def test_bad_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ExportError, match="config.json is not valid JSON"):
         export_model(tmp_path, tmp_path / "out")
 
 

@@ -21,7 +21,13 @@ from typing import Iterator
 import onnx
 import onnx_ir as ir
 
-from trtopt.build.model_facts import head_dims_from_config, model_facts, read_json
+from trtopt.build.model_facts import (
+    config_disagreements,
+    context_length,
+    head_dims_from_config,
+    model_facts,
+    read_json,
+)
 from trtopt.build.plan import MODEL_FILE, REPORT_FILE, Limits, PlanConfig, write_plan
 from trtopt.build.signature import check_signature
 from trtopt.build.source import load_source, resolve_model_path
@@ -59,6 +65,7 @@ class BuildResult:
     report: FusionReport
     seconds: float
     parallel: ParallelLayout | None = None  # the tensor-parallel layout, when built with tensor_parallel
+    notes: tuple[str, ...] = ()  # where config.json and the graph disagreed (the graph won)
 
 
 def validate_limits(limits: Limits) -> None:
@@ -183,13 +190,22 @@ def _refuse_non_transformer(model: ir.Model, report: FusionReport, onnx_path: Pa
     )
 
 
+def _probe_len(limits: Limits, config: dict) -> int:
+    """The longest (past + new) length the mask probe evaluates: every length the plan serves, and past the
+    sliding window config.json states (so a window is seen, not mistaken for plain causal attention when it is
+    wider than --max-model-len; the graph's own mask decides what the window is). The probe evaluates only a few
+    query rows at this length, so even a 32K context costs a [3, 32K] mask."""
+    window = int(config.get("sliding_window") or 0)
+    return max(limits.max_model_len, window + 8 if window else 0, 16)
+
+
 def _fit_limits(limits: Limits | None, max_model_len: int | None, config: dict) -> Limits:
     """The given limits, or the defaults with max_model_len capped at the model's context (None = default 2048).
 
     An explicit max_model_len beyond the context config.json states is a ConfigError.
     """
     limits = limits or Limits()
-    context = int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+    context = context_length(config)
     if max_model_len is not None:
         if context and max_model_len > context:
             raise ConfigError(
@@ -246,11 +262,12 @@ def build_plan(
                 dims=head_dims_from_config(config_json),
                 block_size=limits.block_size,
                 vocab_size=config_json.get("vocab_size"),
-                probe_len=min(int(config_json.get("max_position_embeddings") or 512), 4096),
+                probe_len=_probe_len(limits, config_json),
             )
         with steps.step("validating the plan graph"):
             _refuse_non_transformer(model, report, onnx_path)
             facts = model_facts(model, report.kind, config_json, generation_json)
+            notes = tuple(config_disagreements(facts, config_json))
             if facts.max_position_embeddings and limits.max_model_len > facts.max_position_embeddings:
                 raise ConfigError(
                     f"--max-model-len {limits.max_model_len} exceeds the model's max_position_embeddings "
@@ -296,7 +313,8 @@ def build_plan(
                 "copied_files": copied,
                 "seconds": round(seconds, 3),
                 "explain": explain,
+                "notes": list(notes),
             }
             (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
     layout = shard.layout if shard is not None else None
-    return BuildResult(plan_dir=out_dir, config=config, report=report, seconds=seconds, parallel=layout)
+    return BuildResult(plan_dir=out_dir, config=config, report=report, seconds=seconds, parallel=layout, notes=notes)

@@ -24,13 +24,45 @@ def read_json(path: Path) -> dict:
         raise BuildError(f"{path} is not valid JSON ({e}); fix or delete it.") from e
 
 
+def _first(config: dict, *keys: str):
+    return next((config[k] for k in keys if config.get(k)), None)
+
+
+def _kv_heads(config: dict, heads: int | None) -> int | None:
+    """KV heads as each family spells them. Falcon: ``new_decoder_architecture`` reads ``num_kv_heads``; otherwise
+    ``multi_query`` means one KV head (its config still carries ``num_kv_heads`` = the query heads)."""
+    if config.get("new_decoder_architecture"):
+        return config.get("num_kv_heads") or heads
+    if config.get("multi_query"):
+        return 1
+    return _first(config, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num") or heads
+
+
 def head_dims_from_config(config: dict) -> HeadDims:
-    """Head counts as HF configs spell them (Llama/Qwen2/Mistral, GPT-2, BERT)."""
-    heads = config.get("num_attention_heads") or config.get("n_head")
-    kv_heads = config.get("num_key_value_heads") or heads
-    hidden = config.get("hidden_size") or config.get("n_embd")
+    """Head counts as HF configs spell them (Llama/Qwen2/Mistral, GPT-2/BLOOM, Falcon, GPT-NeoX, OPT, BERT...)."""
+    heads = _first(config, "num_attention_heads", "n_head", "num_heads", "n_heads")
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
-    return HeadDims(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    return HeadDims(num_heads=heads, num_kv_heads=_kv_heads(config, heads), head_dim=head_dim)
+
+
+def context_length(config: dict) -> int:
+    """The model's trained context as config.json states it (0 = unknown)."""
+    return int(_first(config, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length") or 0)
+
+
+def config_disagreements(facts: ModelFacts, config: dict) -> list[str]:
+    """Where config.json and the fused graph disagree on the attention shape; the graph wins (the runtime sizes
+    its KV pools from the graph), and the build report says so."""
+    dims = head_dims_from_config(config)
+    notes = []
+    for field, from_config in (("num_heads", dims.num_heads), ("num_kv_heads", dims.num_kv_heads),
+                               ("head_dim", dims.head_dim)):
+        from_graph = getattr(facts, field)
+        if from_config and from_graph and from_config != from_graph:
+            notes.append(f"{field}: config.json says {from_config}, the graph's attention has {from_graph}; "
+                         "using the graph's")
+    return notes
 
 
 def _token_ids(*values) -> tuple[int, ...]:
@@ -72,5 +104,6 @@ def model_facts(model: ir.Model, kind: str, config: dict, generation: dict) -> M
         bos_token_id=next(iter(_token_ids(generation.get("bos_token_id"), config.get("bos_token_id"))), None),
         model_type=str(config.get("model_type", "")),
         sliding_window=max((_attr(n, "sliding_window") for n in nodes), default=0),
-        max_position_embeddings=int(config.get("max_position_embeddings") or config.get("n_positions") or 0),
+        layer_sliding_windows=tuple(_attr(n, "sliding_window") for n in nodes),
+        max_position_embeddings=context_length(config),
     )

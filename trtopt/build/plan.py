@@ -31,7 +31,8 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]  # any of these ends a sequence
     bos_token_id: int | None = None
     model_type: str = ""  # e.g. "llama", "gpt2", "qwen2", "bert"; informational
-    sliding_window: int = 0  # 0 = none
+    sliding_window: int = 0  # the widest window of any layer; 0 = none
+    layer_sliding_windows: tuple[int, ...] = ()  # per attention layer (0 = global), e.g. Gemma-3's 5 local : 1 global
     max_position_embeddings: int = 0  # 0 = unknown
 
 
@@ -94,6 +95,7 @@ class PlanConfig:
             )
         model = dict(d["model"])
         model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
+        model["layer_sliding_windows"] = tuple(model.get("layer_sliding_windows", ()))
         parallel = ParallelConfig(**d["parallel"]) if d.get("parallel") else None
         return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"),
                    version=version, parallel=parallel)

@@ -21,6 +21,8 @@ def _print_report(result, explain: bool) -> None:
         f"[green]built[/] {result.plan_dir}: {facts.num_layers} layers, {facts.num_heads}/{facts.num_kv_heads} heads "
         f"× {facts.head_dim}, vocab {facts.vocab_size}, {facts.dtype}"
     )
+    for note in result.notes:
+        console.print(f"[yellow]note[/]: {note}", highlight=False)
     if explain:
         if not report.unfused:
             console.print("every attention-like region fused.")

@@ -55,7 +55,11 @@ class _OptimumStyle(torch.nn.Module):
         from transformers import DynamicCache
 
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+        # No config: every layer is a full DynamicLayer, so a sliding-window layer's present keeps every position
+        # (the paged cache holds them all; the window is the mask's job, proven by the build's mask probe). With
+        # the config, HF would crop those layers to the window, and the crop traced on one side of the window does
+        # not hold on the other.
+        cache = DynamicCache(ddp_cache_data=pairs)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
         presents = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]

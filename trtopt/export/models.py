@@ -19,7 +19,6 @@ from typing import Callable
 
 from trtopt.errors import ExportError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM", "MistralForCausalLM", "BloomForCausalLM")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -123,6 +122,41 @@ ALIASES: dict[str, Callable[[], Path]] = {
 }
 
 
+# Recurrent / state-space layers keep a fixed-size state instead of a KV cache: there is no attention to page.
+STATE_SPACE_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "rwkv", "recurrent_gemma", "xlstm",
+    "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "granitemoehybrid", "nemotron_h", "plamo2", "minimax",
+})
+_MULTIMODAL_KEYS = ("vision_config", "audio_config", "speech_config", "vision_tower", "mm_tokens_per_image")
+
+
+def check_decoder_only(config: dict, where: Path) -> None:
+    """ExportError unless ``config`` (config.json as a dict) is a decoder-only causal LM with a KV cache.
+
+    This is what the export itself needs; whether every attention of the graph can be proven and fused is the
+    build's question (`trtopt build --explain` names the node and the check when it cannot).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    what = ", ".join(archs) or f"model_type={model_type!r}"
+    if config.get("is_encoder_decoder"):
+        raise ExportError(f"{what} in {where} is an encoder-decoder model; trtopt exports decoder-only causal LMs "
+                          "(a decoder with its own KV cache and no cross-attention).")
+    if any(key in config for key in _MULTIMODAL_KEYS) or any("ConditionalGeneration" in a for a in archs):
+        hint = " Export its text model instead (a *ForCausalLM with the text_config)." if "text_config" in config else ""
+        raise ExportError(f"{what} in {where} is a multimodal model; trtopt exports text-only decoder LMs.{hint}")
+    if model_type in STATE_SPACE_MODEL_TYPES or any(k in config for k in ("ssm_state_size", "mamba_d_state")):
+        raise ExportError(f"{what} in {where} is a state-space/recurrent model (model_type={model_type!r}): its layers "
+                          "keep a recurrent state rather than a KV cache, so there is no attention to page.")
+    causal_head = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (archs and not causal_head):
+        raise ExportError(f"{what} in {where} is not a causal LM (transformers has no causal-LM class for "
+                          f"model_type={model_type!r}{', and no architecture is a *ForCausalLM' if archs else ''}); "
+                          "trtopt exports decoder-only causal LMs.")
+
+
 def resolve_model(model: str | Path) -> Path:
     """An alias or an HF causal-LM directory → a local HF directory. Raises ExportError with what to do next."""
     if str(model) in ALIASES:
@@ -134,10 +168,9 @@ def resolve_model(model: str | Path) -> Path:
         )
     if not (path / "config.json").is_file():
         raise ExportError(f"{path} has no config.json, so it is not an HF model directory.")
-    config = json.loads((path / "config.json").read_text())
-    archs = config.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        what = ", ".join(archs) or f"model_type={config.get('model_type')!r}"
-        hint = " (it is not a causal LM)" if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else ""
-        raise ExportError(f"unsupported architecture {what}{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path / 'config.json'} is not valid JSON ({e}); fix it or re-save the model.") from e
+    check_decoder_only(config, path)
     return path
