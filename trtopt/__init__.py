@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,8 +17,8 @@ def __getattr__(name: str):
         from trtopt.runtime.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from trtopt.runtime.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from trtopt.runtime import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'trtopt' has no attribute {name!r}")

@@ -63,7 +63,11 @@ def _register() -> None:
 
             app.command(name=func_name.replace("_", "-"), help=f"(unavailable: needs `{missing}`)")(unavailable)
             continue
-        app.command(name=func_name.replace("_", "-"))(handle_errors(getattr(module, func_name)))
+        command = getattr(module, func_name)
+        if isinstance(command, typer.Typer):  # a command group such as `trtopt bench serve`
+            app.add_typer(command, name=func_name.replace("_", "-"))
+        else:
+            app.command(name=func_name.replace("_", "-"))(handle_errors(command))
 
 
 _register()

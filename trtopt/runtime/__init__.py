@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trtopt.runtime.engine import EngineConfig, LLMEngine
     from trtopt.runtime.llm import LLM
-    from trtopt.runtime.sampling_params import SamplingParams
+    from trtopt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "trtopt.runtime.llm",
     "LLMEngine": "trtopt.runtime.engine",
     "EngineConfig": "trtopt.runtime.engine",
     "SamplingParams": "trtopt.runtime.sampling_params",
+    "StructuredOutputsParams": "trtopt.runtime.sampling_params",
     "RequestOutput": "trtopt.runtime.batch",
     "CompletionOutput": "trtopt.runtime.batch",
     "EngineStats": "trtopt.runtime.batch",

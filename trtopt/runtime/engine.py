@@ -26,6 +26,7 @@ from trtopt.runtime.request import Request, RequestStatus
 from trtopt.runtime.sampler import Sampler
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.runtime.scheduler import Scheduler
+from trtopt.runtime.structured_output import GrammarCompiler, GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class LLMEngine:
         ))
         self._groups: dict[str, _Group] = {}
         self.num_consecutive_failed_steps = 0  # executor failures in a row; a driver stops a broken engine
+        self._grammar_compiler: GrammarCompiler | None = None
         self._num_steps = 0
         self._num_batched_tokens = 0
         self._num_generated_tokens = 0
@@ -165,6 +167,7 @@ class LLMEngine:
         processed = self.input_processor.process(prompt, params)
         self._check_request_id(request_id, params)
         token_ids = processed.prompt_token_ids
+        grammar = self._compile_grammar(params)
         eos = tuple(self.plan.model.eos_token_ids)
         seqs = []
         for i in range(params.n):
@@ -175,9 +178,21 @@ class LLMEngine:
             )
             if self.tokenizer is not None:
                 req.detok = IncrementalDetokenizer(self.tokenizer, token_ids, req.params)
+            if grammar is not None:
+                req.grammar = GrammarMatcher(grammar)  # each completion walks the grammar on its own
             seqs.append(req)
         self.scheduler.add_request(seqs[0], seqs[1:])
         self._groups[request_id] = _Group(processed.prompt, token_ids, seqs, [0] * params.n)
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar, or None without structured_outputs. RequestError for a bad spec."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise RequestError("structured output needs the plan's tokenizer files (the grammar is matched against token texts).")
+        if self._grammar_compiler is None:  # built on first use: reading the vocabulary takes about a second
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.plan.model.vocab_size, self.plan.model.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> bool:
         """Finish every sequence of the request now and free its blocks. False if it is unknown or done."""

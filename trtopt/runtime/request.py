@@ -18,6 +18,7 @@ from trtopt.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from trtopt.runtime.detokenizer import IncrementalDetokenizer
+    from trtopt.runtime.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -89,6 +90,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.detok: IncrementalDetokenizer | None = None  # set by the engine when a tokenizer exists
+        self.grammar: GrammarMatcher | None = None  # set by the engine for structured output; advanced by the Scheduler
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

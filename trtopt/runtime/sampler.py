@@ -1,6 +1,6 @@
 """Sampler: logits [N, vocab] -> one token per row, vectorised over the batch (DESIGN.md §6).
 
-Order of operations (vLLM's): min_tokens masking, penalties, then greedy argmax for temperature 0, or
+Order of operations (vLLM's): min_tokens masking, penalties, the grammar mask of structured-output rows, then greedy argmax for temperature 0, or
 temperature -> top-k -> top-p -> min-p -> a draw for the others. Each seeded request draws with its own
 torch.Generator (one uniform per step, inverse-CDF), so its tokens do not depend on what else is in the batch. Logprobs are the model's raw
 log_softmax, before penalties and temperature, as in vLLM and HF `output_scores`-free comparisons.
@@ -15,6 +15,7 @@ import torch
 
 from trtopt.runtime.batch import SampledToken
 from trtopt.runtime.request import Request
+from trtopt.runtime.structured_output import GrammarMasker
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self._grammar_masker: GrammarMasker | None = None  # made on the first constrained step
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
         """logits: float32 [N, vocab], row i belongs to requests[i]. Raises the first row's error, if any."""
@@ -78,13 +80,15 @@ class Sampler:
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
             return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
         u = self._uniforms(requests)
+        if self._grammar_masker is None and any(r.grammar is not None for r in requests):
+            self._grammar_masker = GrammarMasker()  # on the first constrained step (imports xgrammar)
         try:
-            return list(_sample(logits, requests, u))
+            return list(_sample(logits, requests, u, self._grammar_masker))
         except Exception:
             rows: list[SampledToken | Exception] = []
             for i, r in enumerate(requests):
                 try:
-                    rows.append(_sample(logits[i : i + 1], [r], u[i : i + 1])[0])
+                    rows.append(_sample(logits[i : i + 1], [r], u[i : i + 1], self._grammar_masker)[0])
                 except Exception as e:  # this request's own fault; the engine ends it with finish_reason="error"
                     rows.append(e)
             return rows
@@ -100,17 +104,23 @@ class Sampler:
         return u
 
 
-def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor) -> list[SampledToken]:
-    """The vectorised sampler: logits float32 [N, vocab], u [N] uniforms for the rows that draw."""
+def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
+            grammar_masker: GrammarMasker | None = None) -> list[SampledToken]:
+    """The vectorised sampler: logits float32 [N, vocab], u [N] uniforms for the rows that draw; grammar_masker
+    is given when some row has a grammar (structured output)."""
     vocab = logits.shape[1]
     t = SamplingTensors.from_requests(requests, vocab, logits.device)
     want_logprobs = [r.params.logprobs for r in requests]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
 
-    if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t):
+    constrained = any(r.grammar is not None for r in requests)
+    if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t) or constrained:
         logits = logits.clone()  # the executor's logits stay as they came
         _mask_before_min_tokens(logits, requests)
         _apply_penalties(logits, requests, t)
+        if constrained:  # structured output: tokens the grammar forbids are -inf before any filtering or draw
+            assert grammar_masker is not None, "a constrained row needs the sampler's GrammarMasker"
+            grammar_masker(logits, requests)
     tokens = logits.argmax(dim=-1)  # greedy rows keep this
     rows = torch.nonzero(t.temperature > 0).flatten()
     if rows.numel():
@@ -129,7 +139,7 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor) 
 def _plain_greedy(r: Request) -> bool:
     """Greedy with nothing that changes the argmax or asks for more than the token."""
     p = r.params
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1 and p.presence_penalty == 0
+    return (r.grammar is None and p.greedy and p.logprobs is None and p.repetition_penalty == 1 and p.presence_penalty == 0
             and p.frequency_penalty == 0 and (p.min_tokens == 0 or r.num_output_tokens >= p.min_tokens))
 
 

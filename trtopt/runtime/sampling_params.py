@@ -10,6 +10,7 @@ InputProcessor, which knows the plan.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 
 from trtopt.errors import RequestError
@@ -26,6 +27,53 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes [-2**63, 2**64); seeds are in [0, 2**63)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrains a request's output to a grammar (vLLM's `StructuredOutputsParams`; set exactly one field).
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular expression the whole
+    output matches; choice: exactly one of these strings; grammar: a context-free grammar, xgrammar/GBNF EBNF
+    (`root ::= ...`) or Lark (`start: ...`). Grammars are compiled when the request is added, so a bad spec is a
+    RequestError there (a 400 from the server), never a failed step.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON with no whitespace beyond ", " and ": " (vLLM's option)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_fields = [f for f in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, f) not in (None, False)]
+        if len(set_fields) != 1:
+            raise RequestError(
+                f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; got {set_fields or 'none'}."
+            )
+        if self.json is not None:
+            _check(isinstance(self.json, (str, dict)), "structured_outputs.json", self.json, "a JSON schema (a dict or JSON text)")
+            if isinstance(self.json, str):
+                try:
+                    _json.loads(self.json)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON ({e}); send a JSON schema.") from e
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "structured_outputs.regex", self.regex, "a non-empty string")
+        _check(self.choice is None or (isinstance(self.choice, tuple) and bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "structured_outputs.grammar", self.grammar, "a non-empty grammar text")
+
+    @property
+    def kind(self) -> tuple[str, object]:
+        """(field name, value) of the one constraint that is set."""
+        for f in ("json", "regex", "choice", "grammar", "json_object"):
+            value = getattr(self, f)
+            if value not in (None, False):
+                return f, value
+        raise AssertionError("validated in __post_init__")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +97,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k >= 0 = logprob of the chosen token plus the top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a JSON schema, regex, ...
 
     def __post_init__(self) -> None:
         # Accept the usual loose spellings (a single stop string, lists) but store tuples.
@@ -91,6 +140,11 @@ class SamplingParams:
                self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        if self.structured_outputs is not None:
+            # EOS is the grammar's own end; banning it before min_tokens could leave no allowed token at all.
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -195,6 +195,10 @@ class Scheduler:
     def _append_token(self, req: Request, token: SampledToken) -> None:
         now = time.monotonic()
         req.token_ids.append(token.token_id)
+        if req.grammar is not None:
+            # The sampler masked every token the grammar forbids, so a refusal is a bug, not user input.
+            accepted = req.grammar.accept(token.token_id)
+            assert accepted, f"{req.request_id}: the grammar refused sampled token {token.token_id}"
         if req.params.logprobs is not None:
             req.logprobs.append(token.top_logprobs or {})
             req.cumulative_logprob += token.logprob or 0.0
@@ -227,6 +231,8 @@ class Scheduler:
             if stop_str is not None:
                 req.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete (reached only through EOS, caught above, unless ignore_eos)
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,0 +1,68 @@
+"""The server's structured-output fields and tool choices -> StructuredOutputsParams (no model needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtopt.errors import RequestError
+from trtopt.runtime.sampling_params import StructuredOutputsParams
+from trtopt.serving.structured import structured_outputs_of, tool_call_plan, tool_calls
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+
+
+def test_response_format_and_vllm_fields():
+    assert structured_outputs_of(None, None, {}) is None
+    assert structured_outputs_of({"type": "text"}, None, {}) is None
+    assert structured_outputs_of({"type": "json_object"}, None, {}) == StructuredOutputsParams(json_object=True)
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    assert structured_outputs_of(rf, None, {}) == StructuredOutputsParams(json=SCHEMA)
+    assert structured_outputs_of(None, {"regex": "a+"}, {}) == StructuredOutputsParams(regex="a+")
+    assert structured_outputs_of(None, None, {"guided_choice": ["x", "y"], "guided_regex": None}) == StructuredOutputsParams(choice=("x", "y"))
+    assert structured_outputs_of(None, None, {"guided_grammar": "root ::= \"a\""}).grammar == "root ::= \"a\""
+
+
+@pytest.mark.parametrize("args, match", [
+    (({"type": "json_schema", "json_schema": {"name": "x"}}, None, {}), "json_schema needs"),
+    (({"type": "xml"}, None, {}), "not one of"),
+    (({"type": "json_object"}, {"regex": "a"}, {}), "set one structured-output field"),
+    ((None, {"regex": "a"}, {"guided_choice": ["b"]}), "set one structured-output field"),
+    ((None, {"pattern": "a"}, {}), "unknown fields"),
+    ((None, {}, {"guided_json": "{bad"}), "not valid JSON"),
+])
+def test_malformed_fields_are_request_errors(args, match):
+    with pytest.raises(RequestError, match=match):
+        structured_outputs_of(*args)
+
+
+def test_tool_choices():
+    assert tool_call_plan(None, None) is None and tool_call_plan([WEATHER], "none") is None
+    with pytest.raises(RequestError, match="'auto'.*not supported"):
+        tool_call_plan([WEATHER], "auto")
+    with pytest.raises(RequestError, match="'auto'"):
+        tool_call_plan([WEATHER], None)  # OpenAI's default with tools is auto
+    with pytest.raises(RequestError, match="not among the tools"):
+        tool_call_plan([WEATHER], {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(RequestError, match="each tool must be"):
+        tool_call_plan([{"type": "function"}], "required")
+    with pytest.raises(RequestError, match="needs a non-empty tools"):
+        tool_call_plan([], "required")
+
+    named = tool_call_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
+    assert named.named == "get_weather" and named.constraint.json == SCHEMA and named.finish_reason == "stop"
+    calls = tool_calls(named, '{"city": "Paris"}')
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and calls[0]["id"].startswith("call_")
+
+    required = tool_call_plan([WEATHER, TIME], "required")
+    assert required.named is None and required.finish_reason == "tool_calls"
+    schema = required.constraint.json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    text = '[{"name": "get_time", "parameters": {"tz": "UTC"}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls(required, text)] == [
+        ("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Oslo"})]
+    assert tool_calls(required, '[{"name": "get_ti') == []  # cut short by max_tokens: no calls
