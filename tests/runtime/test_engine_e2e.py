@@ -122,3 +122,15 @@ def test_llm_generate_accepts_every_prompt_form(built_plan):
     with pytest.raises(RequestError):
         llm.generate(["ok", ""], SP(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()  # the valid half of a bad batch was withdrawn
+
+
+def test_llm_generate_use_tqdm_shows_progress_with_token_rates(built_plan, capsys):
+    from trtopt.runtime import LLM, SamplingParams as SP
+
+    llm = LLM(built_plan(MODEL), max_model_len=128)
+    params = SP(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = llm.generate(["Hello there", "Once upon a time"], params)
+    shown = llm.generate(["Hello there", "Once upon a time"], params, use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
+    out = capsys.readouterr().out
+    assert "Processed prompts" in out and "2/2" in out and "output" in out and "tok/s" in out

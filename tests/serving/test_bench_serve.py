@@ -53,6 +53,7 @@ def test_datasets(tokenizer):
 
 
 def test_bench_serve_against_the_live_server(server, tiny_plan, tmp_path):
+    before = server.wait_idle()
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["bench", "serve", "--base-url", server.base_url, "--model", MODEL, "--tokenizer", str(tiny_plan),
             "--api-key", API_KEY, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "5",
@@ -67,6 +68,15 @@ def test_bench_serve_against_the_live_server(server, tiny_plan, tmp_path):
         assert run["total_output_tokens"] == 6 * 5  # ignore_eos and the server's usage count
         assert 0 < run["ttft_ms"]["mean"] <= run["e2el_ms"]["mean"] and run["tpot_ms"]["mean"] > 0
     assert plot.stat().st_size > 10_000
+    # The server's per-request Prometheus histograms saw the 12 requests (and the CLI's one test request).
+    after = server.wait_idle()
+    for name in ("queue_time_seconds", "prefill_time_seconds", "decode_time_seconds", "time_per_output_token_seconds",
+                 "prompt_tokens", "generation_tokens"):
+        key = f"trtopt_request_{name}_count"
+        assert after[key] - before.get(key, 0) == 13, name
+    assert after["trtopt_request_generation_tokens_sum"] - before.get("trtopt_request_generation_tokens_sum", 0) == 13 * 5
+    assert after["trtopt_kv_cache_usage_perc"] == 0.0  # idle again: every block released
+    assert after["trtopt_prefix_cache_queries_total"] >= after["trtopt_prefix_cache_hits_total"]
 
 
 def test_bench_serve_reports_an_unreachable_server_in_one_line(tiny_plan):

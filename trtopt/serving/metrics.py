@@ -6,17 +6,33 @@ Each server gets its own CollectorRegistry, so several apps in one process (test
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from trtopt.runtime.batch import EngineStats
+from trtopt.runtime.batch import EngineStats, RequestOutput
 
 # Seconds. CPU serving of small models sits in the 1 ms..10 s range; the buckets cover both ends.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# vLLM's buckets for the per-request phase histograms (vllm/v1/metrics/loggers.py), so dashboards carry over.
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                  480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+
+
+def _buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's build_1_2_5_buckets for token-count histograms)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineCollector(Collector):
@@ -40,12 +56,20 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("trtopt_generation_tokens", "tokens generated", value=s.num_generated_tokens)
         yield CounterMetricFamily("trtopt_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                   value=s.num_prefix_cache_hit_tokens)
+        # vLLM's kv_cache_usage_perc (a fraction in [0, 1], despite the name) and prefix-cache query/hit counters.
+        yield GaugeMetricFamily("trtopt_kv_cache_usage_perc", "fraction of KV cache blocks held by requests (0-1)",
+                                value=s.num_blocks_used / max(s.num_blocks_total, 1))
+        yield CounterMetricFamily("trtopt_prefix_cache_queries", "prompt tokens looked up in the prefix cache "
+                                  "(computed + hit; recomputation after preemption counts again)",
+                                  value=s.num_prompt_tokens + s.num_prefix_cache_hit_tokens)
+        yield CounterMetricFamily("trtopt_prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                  value=s.num_prefix_cache_hit_tokens)
 
 
 class ServingMetrics:
     """The metrics of one server and the registry /metrics renders."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("trtopt_requests", "HTTP generation requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=self.registry)
@@ -55,7 +79,36 @@ class ServingMetrics:
                              buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("trtopt_request_latency_seconds", "arrival to the last token",
                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        # Per finished request, from the engine's RequestMetrics (vLLM's names with the trtopt_ prefix).
+        self.queue_time = Histogram("trtopt_request_queue_time_seconds", "arrival at the engine to first scheduled",
+                                    buckets=_PHASE_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram("trtopt_request_prefill_time_seconds", "first scheduled to first token",
+                                      buckets=_PHASE_BUCKETS, registry=self.registry)
+        self.decode_time = Histogram("trtopt_request_decode_time_seconds", "first token to last token",
+                                     buckets=_PHASE_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("trtopt_request_time_per_output_token_seconds", "decode time / (output tokens - 1)",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        token_buckets = _buckets_1_2_5(max_model_len)
+        self.prompt_tokens = Histogram("trtopt_request_prompt_tokens", "prompt tokens of a finished request",
+                                       buckets=token_buckets, registry=self.registry)
+        self.generation_tokens = Histogram("trtopt_request_generation_tokens", "tokens generated for a finished "
+                                           "request (all n completions)", buckets=token_buckets, registry=self.registry)
         self.registry.register(_EngineCollector(stats))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """The phase and size histograms of one finished request (its metrics are those of completion 0)."""
+        m = out.metrics
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.decode_time.observe(m.last_token_time - m.first_token_time)
+            n = len(out.outputs[0].token_ids)
+            if n > 1:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
 
 
 class LatencyTracker:
@@ -78,5 +131,7 @@ class LatencyTracker:
                 self._metrics.itl.observe(gap)
         self._last = now
 
-    def on_finish(self, now: float) -> None:
+    def on_finish(self, now: float, outs: Sequence[RequestOutput] = ()) -> None:
         self._metrics.e2e.observe(now - self._arrival)
+        for out in outs:
+            self._metrics.observe_finished(out)

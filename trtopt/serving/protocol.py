@@ -17,7 +17,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from trtopt.errors import RequestError
-from trtopt.runtime.sampling_params import SamplingParams
+from trtopt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from trtopt.serving.structured import ToolCallPlan, structured_outputs_of, tool_call_plan
 
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
@@ -56,8 +57,22 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output (trtopt.serving.structured): OpenAI's response_format, vLLM's structured_outputs object
+    # and its older guided_* spellings; at most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def _common_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _structured(self) -> StructuredOutputsParams | None:
+        guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        return structured_outputs_of(self.response_format, self.structured_outputs, guided)
+
+    def _common_params(self, max_tokens: int | None, logprobs: int | None,
+                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if self.logit_bias:
             raise RequestError("logit_bias is not supported by trtopt; remove it from the request.")
         given = {
@@ -76,6 +91,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured,
         )
 
     @property
@@ -111,7 +127,7 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("suffix (insertion) is not supported by trtopt; remove it from the request.")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(f"best_of={self.best_of} is not supported (only best_of == n); use n instead.")
-        return self._common_params(self.max_tokens, self.logprobs)
+        return self._common_params(self.max_tokens, self.logprobs, self._structured())
 
 
 class ContentPart(BaseModel):
@@ -139,10 +155,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Refused rather than ignored: an answer that silently skips them would look like a model failure.
+    # tool_choice "required" or a named function constrains the output to valid calls; "auto" is refused
+    # (trtopt.serving.structured says why).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: content parts of type "text" joined into one string."""
@@ -156,16 +172,21 @@ class ChatCompletionRequest(_SamplingFields):
             out.append(d)
         return out
 
+    def tool_plan(self) -> ToolCallPlan | None:
+        return tool_call_plan(self.tools, self.tool_choice)
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise RequestError("tool calling is not supported by trtopt; remove tools/tool_choice from the request.")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise RequestError("only response_format {'type': 'text'} is supported; structured output is not.")
+        structured = self._structured()
+        plan = self.tool_plan()
+        if plan is not None:
+            if structured is not None:
+                raise RequestError("tools with tool_choice constrain the output already; drop response_format/structured_outputs.")
+            structured = plan.constraint
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true; set both.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._common_params(max_tokens, logprobs)
+        return self._common_params(max_tokens, logprobs, structured)
 
 
 def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

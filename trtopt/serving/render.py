@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import abc
 import time
+import uuid
 from typing import Any
 
 from trtopt.runtime.batch import CompletionOutput, RequestOutput
 from trtopt.serving.protocol import usage
+from trtopt.serving.structured import ToolCallPlan, tool_calls
 
 
 class Renderer(abc.ABC):
@@ -47,6 +49,9 @@ class Renderer(abc.ABC):
     def stream_start(self) -> list[dict[str, Any]]:
         return []
 
+    def finish_reason(self, c: CompletionOutput) -> str | None:
+        return c.finish_reason
+
     # ---- shared ---------------------------------------------------------------------------------------------
 
     def full_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
@@ -70,7 +75,7 @@ class Renderer(abc.ABC):
             if newly_finished:
                 self._sent_finish.add(index)
             choice = self.delta_choice(c, index, c.delta_text, lp)
-            choice["finish_reason"] = c.finish_reason if newly_finished else None
+            choice["finish_reason"] = self.finish_reason(c) if newly_finished else None
             chunks.append({**self._envelope(self.object_chunk), "choices": [choice]})
         return chunks
 
@@ -130,9 +135,12 @@ class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, top_logprobs: int = 0) -> None:
+    def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, top_logprobs: int = 0,
+                 tool_plan: ToolCallPlan | None = None) -> None:
         super().__init__(request_id, model_name, tokenizer, n=n)
         self.top_logprobs = top_logprobs
+        self.tool_plan = tool_plan  # the output is tool calls (constrained by the plan's grammar)
+        self._call_ids: dict[int, str] = {}  # choice index -> id of its streamed named call
 
     def stream_start(self) -> list[dict[str, Any]]:
         # OpenAI opens every streamed choice with the role and empty content.
@@ -142,11 +150,36 @@ class ChatRenderer(Renderer):
 
     def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        calls = tool_calls(self.tool_plan, c.text) if self.tool_plan is not None else []
+        if calls:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason(c),
+                "stop_reason": c.stop_reason}
+
+    def finish_reason(self, c: CompletionOutput) -> str | None:
+        # A completed call is "tool_calls" (or "stop" for a named function, as OpenAI answers); "length" stays.
+        if self.tool_plan is not None and c.finish_reason == "stop":
+            return self.tool_plan.finish_reason
+        return c.finish_reason
 
     def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs}
+        delta = self._tool_delta(c, index, text) if self.tool_plan is not None else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": logprobs}
+
+    def _tool_delta(self, c: CompletionOutput, index: int, text: str) -> dict[str, Any]:
+        """OpenAI's streamed tool calls. A named function streams its arguments as they are generated (the first
+        delta carries the call's id and name); "required" sends each call whole once the array is complete,
+        because which function a call names is only known when its object has been read."""
+        plan = self.tool_plan
+        if plan.named is None:
+            calls = tool_calls(plan, c.text) if c.finished else []
+            return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {}
+        if index not in self._call_ids:
+            self._call_ids[index] = f"call_{uuid.uuid4().hex[:24]}"
+            return {"tool_calls": [{"index": 0, "id": self._call_ids[index], "type": "function",
+                                    "function": {"name": plan.named, "arguments": text}}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
 
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         content = []

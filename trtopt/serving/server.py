@@ -58,7 +58,7 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     max_body_bytes: larger request bodies get 413 before any parsing.
     """
     aengine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
-    metrics = ServingMetrics(aengine.stats)
+    metrics = ServingMetrics(aengine.stats, aengine.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: FastAPI):
@@ -132,8 +132,13 @@ class _Handlers:
             params = body.to_sampling_params()
             return [self.processor.process(body.template_messages(), params)], params
 
+        try:
+            tool_plan = body.tool_plan()
+        except RequestError as e:
+            self.metrics.requests.labels("chat", "rejected").inc()
+            raise APIError(ErrorInfo(400, str(e), param="tool_choice")) from None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
-                                n=body.n, top_logprobs=body.top_logprobs or 0)
+                                n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan)
         return await self._serve("chat", body, request, prepare, renderer)
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
@@ -208,7 +213,7 @@ class _Handlers:
             return Response(status_code=499)
         assert len(finals) == len(prompt_index), "a stream ends when every prompt has finished"
         outs = [finals[k] for k in range(len(finals))]
-        tracker.on_finish(time.monotonic())
+        tracker.on_finish(time.monotonic(), outs)
         self.metrics.requests.labels(endpoint, _outcome(outs)).inc()
         return JSONResponse(renderer.full_response(outs))
 
@@ -228,7 +233,7 @@ class _Handlers:
                 if out.finished:
                     finals.append(out)
             outcome = _outcome(finals)
-            tracker.on_finish(time.monotonic())
+            tracker.on_finish(time.monotonic(), finals)
             if include_usage:
                 yield _sse_event(renderer.usage_chunk(usage(num_prompt_tokens, sum(completion_tokens.values()))))
             yield "data: [DONE]\n\n"
