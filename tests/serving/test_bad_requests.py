@@ -59,8 +59,14 @@ CASES = {
                          ["max_tokens"]),
     "tools": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tool"]),
-    "json mode": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                           "response_format": {"type": "json_object"}}, 400, ["response_format"]),
+    "tool_choice auto": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                  "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                  "tool_choice": "auto"}, 400, ["'auto'", "required"]),
+    "json_schema without a schema": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                              "response_format": {"type": "json_schema"}}, 400, ["json_schema"]),
+    "schema that does not compile": ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
+        400, ["could not be compiled"]),
     "logit_bias": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, 400,
                    ["logit_bias"]),
 }

@@ -3,7 +3,6 @@ session's live `trtopt serve` (tiny plan) through the CLI."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -30,17 +29,13 @@ def test_metrics_follow_vllm_definitions():
     assert m.max_concurrent_requests == 2 and m.errors == ("HTTP 500: boom",)
 
 
-def test_poisson_arrivals_have_the_requested_mean_gap():
-    async def gaps(rate: float, n: int) -> list[float]:
-        reqs = [bm.BenchRequest("x", 1, 1)] * n
-        times = []
-        async for _ in bm._arrivals(reqs, rate, 1.0, seed=1):
-            times.append(asyncio.get_running_loop().time())
-        return list(np.diff(times))
-
-    g = asyncio.run(gaps(200.0, 200))  # mean 5 ms; an exponential's std equals its mean
-    assert 0.004 < np.mean(g) < 0.0075 and np.std(g) > 0.5 * np.mean(g)
-    assert max(asyncio.run(gaps(math.inf, 20))) < 0.01  # a burst sends everything at once
+def test_arrival_gaps_are_poisson_or_a_burst():
+    g = bm.arrival_gaps(20_000, rate=4.0, seed=1)
+    assert abs(g.mean() - 0.25) < 0.01 and abs(g.std() / g.mean() - 1) < 0.03  # exponential: CV = 1
+    bursty = bm.arrival_gaps(20_000, rate=4.0, burstiness=0.25, seed=1)  # same mean rate, clumped arrivals
+    assert abs(bursty.mean() - 0.25) < 0.02 and bursty.std() / bursty.mean() > 1.8  # gamma: CV = 1/sqrt(shape) = 2
+    assert not bm.arrival_gaps(5, rate=math.inf).any()
+    assert (bm.arrival_gaps(50, 2.0, seed=7) == bm.arrival_gaps(50, 2.0, seed=7)).all()  # seeded
 
 
 def test_datasets(tokenizer):

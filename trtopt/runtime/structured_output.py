@@ -20,6 +20,7 @@ logits is the same call for both and dominates on a CPU. vLLM, SGLang and Tensor
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -134,5 +135,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
+    """xgrammar's message without its "[time] /project/cpp/file.cc:line: " prefix."""
+    text = (str(e).strip() or type(e).__name__).splitlines()[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:300]

@@ -206,14 +206,19 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
     return result
 
 
+def arrival_gaps(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """vLLM's arrival process: n gaps (s) after each request, gamma-distributed with mean 1/rate and shape
+    `burstiness` (1 = exponential gaps, a Poisson process); rate inf = all zero (a burst)."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    return np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+
+
 async def _arrivals(requests: Sequence[BenchRequest], rate: float, burstiness: float, seed: int) -> AsyncIterator[BenchRequest]:
-    """vLLM's arrival process: gamma-distributed gaps with mean 1/rate (shape 1 = Poisson); rate inf = a burst."""
-    rng = np.random.default_rng(seed)
-    for req in requests:
+    for req, gap in zip(requests, arrival_gaps(len(requests), rate, burstiness, seed)):
         yield req
-        if math.isinf(rate):
-            continue
-        await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness))))
+        if gap > 0:
+            await asyncio.sleep(float(gap))
 
 
 async def run_load(target: Target, requests: Sequence[BenchRequest], tokenizer: Any, *, request_rate: float,
