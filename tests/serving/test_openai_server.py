@@ -170,3 +170,24 @@ def test_batched_prompts_give_n_choices_per_prompt(client):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(4)] == expected
+
+
+def test_tokenize_and_detokenize_follow_vllm(server, tokenizer):
+    import httpx
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server.base_url}/tokenize", json={"model": MODEL, "prompt": "Hello there", "return_token_strs": True},
+                   headers=auth, timeout=30).json()
+    assert r["tokens"] == tokenizer("Hello there").input_ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 512 and r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    messages = [{"role": "user", "content": "Hi!"}]
+    chat = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}, headers=auth, timeout=30).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["token_strs"] is None and tokenizer.decode(chat["tokens"]).endswith(rendered.rstrip()[-20:])
+    back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": r["tokens"]}, headers=auth, timeout=30).json()
+    assert back == {"prompt": tokenizer.decode(r["tokens"])}
+    bad = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=30)
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+    both = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "a", "messages": messages}, headers=auth, timeout=30)
+    assert both.status_code == 400
+    assert httpx.post(f"{server.base_url}/tokenize", json={"prompt": "a"}, timeout=30).status_code == 401

@@ -161,16 +161,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template wants them: content parts of type "text" joined into one string."""
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                if any(part.type != "text" or part.text is None for part in m.content):
-                    raise RequestError("only text content parts are supported; send {'type': 'text', 'text': ...} parts.")
-                d["content"] = "".join(part.text for part in m.content)
-            out.append(d)
-        return out
+        return _template_messages(self.messages)
 
     def tool_plan(self) -> ToolCallPlan | None:
         return tool_call_plan(self.tools, self.tool_choice)
@@ -187,6 +178,45 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._common_params(max_tokens, logprobs, structured)
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: content parts of type "text" joined into one string."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            if any(part.type != "text" or part.text is None for part in m.content):
+                raise RequestError("only text content parts are supported; send {'type': 'text', 'text': ...} parts.")
+            d["content"] = "".join(part.text for part in m.content)
+        out.append(d)
+    return out
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a text prompt, or chat messages rendered with the chat template and the
+    generation prompt. The ids are exactly those a completion or chat request with this prompt would run on."""
+
+    model_config = ConfigDict(**_STRICT, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    return_token_strs: bool = False
+
+    def engine_prompt(self) -> str | list[dict[str, Any]]:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("send exactly one of 'prompt' (text) or 'messages' (chat) to /tokenize.")
+        return self.prompt if self.prompt is not None else _template_messages(self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids -> {"prompt": text}."""
+
+    model_config = ConfigDict(**_STRICT, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

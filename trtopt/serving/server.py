@@ -33,7 +33,9 @@ from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
 from trtopt.serving.metrics import LatencyTracker, ServingMetrics
-from trtopt.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, usage
+from trtopt.serving.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorInfo, TokenizeRequest, usage,
+)
 from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,8 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     # Starlette runs the last-added middleware first: the key is checked before the body is even received.
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key is not None:
-        protected = ("/v1/", "/metrics") if protect_metrics else ("/v1/",)
+        # /tokenize and /detokenize take a body as large as a prompt's: the key guards them like /v1/*.
+        protected = ("/v1/", "/tokenize", "/detokenize") + (("/metrics",) if protect_metrics else ())
         app.add_middleware(_AuthMiddleware, api_key=api_key, protected=protected)
     _install_error_handlers(app)
     handler = _Handlers(aengine, model_name, metrics)
@@ -92,6 +95,14 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [handler.model_card()]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await handler.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await handler.detokenize(body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -118,6 +129,32 @@ class _Handlers:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtopt",
                 "max_model_len": self.engine.max_model_len}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: {"count", "max_model_len", "tokens", "token_strs"} (token_strs when asked for)."""
+        self._check_model(body.model)
+        try:
+            _, ids = await anyio.to_thread.run_sync(self.processor.tokenize, body.engine_prompt())
+        except RequestError as e:
+            raise APIError(ErrorInfo(400, str(e))) from None
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: {"prompt": text}. Ids outside the vocabulary are a 400."""
+        self._check_model(body.model)
+        vocab = self.engine.engine.plan.model.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(ErrorInfo(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens"))
+        if self.engine.tokenizer is None:
+            raise APIError(ErrorInfo(400, "this plan has no tokenizer files, so ids cannot be turned into text."))
+        return {"prompt": self.engine.tokenizer.decode(body.tokens)}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(ErrorInfo(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}.",
+                                     param="model", code="model_not_found"))
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
