@@ -140,7 +140,7 @@ def test_masker_touches_only_constrained_rows(smollm2):
 
     engine = smollm2()
     vocab = engine.plan.model.vocab_size
-    compiled = engine._compile_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+    compiled = engine.compile_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
     reqs = [Request(f"s{i}", [1, 2, 3], SamplingParams(), max_model_len=64) for i in range(4)]
     for i in (1, 3):
         reqs[i].grammar = GrammarMatcher(compiled)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.num_consecutive_failed_steps = 0  # executor failures in a row; a driver stops a broken engine
         self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()  # compile_grammar runs on server worker threads too
         self._num_steps = 0
         self._num_batched_tokens = 0
         self._num_generated_tokens = 0
@@ -167,7 +169,7 @@ class LLMEngine:
         processed = self.input_processor.process(prompt, params)
         self._check_request_id(request_id, params)
         token_ids = processed.prompt_token_ids
-        grammar = self._compile_grammar(params)
+        grammar = self.compile_grammar(params)
         eos = tuple(self.plan.model.eos_token_ids)
         seqs = []
         for i in range(params.n):
@@ -184,14 +186,18 @@ class LLMEngine:
         self.scheduler.add_request(seqs[0], seqs[1:])
         self._groups[request_id] = _Group(processed.prompt, token_ids, seqs, [0] * params.n)
 
-    def _compile_grammar(self, params: SamplingParams) -> Any:
-        """The request's compiled grammar, or None without structured_outputs. RequestError for a bad spec."""
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (xgrammar), or None without structured_outputs; RequestError for a bad
+        spec. Thread-safe and cached per spec: a front end with a step thread calls it on its own thread first, so
+        the call in add_request, on the step thread, is a cache hit."""
         if params.structured_outputs is None:
             return None
         if self.tokenizer is None:
             raise RequestError("structured output needs the plan's tokenizer files (the grammar is matched against token texts).")
-        if self._grammar_compiler is None:  # built on first use: reading the vocabulary takes about a second
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.plan.model.vocab_size, self.plan.model.eos_token_ids)
+        with self._grammar_lock:
+            if self._grammar_compiler is None:  # built on first use: reading the vocabulary takes about a second
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.plan.model.vocab_size,
+                                                         self.plan.model.eos_token_ids)
         return self._grammar_compiler.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> bool:

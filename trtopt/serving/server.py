@@ -159,7 +159,9 @@ class _Handlers:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
             params = body.to_sampling_params()
-            return [self.processor.process(p, params) for p in body.prompts()], params
+            prompts = [self.processor.process(p, params) for p in body.prompts()]
+            self.engine.engine.compile_grammar(params)  # here, not on the step thread (add_request hits the cache)
+            return prompts, params
 
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n)
         return await self._serve("completions", body, request, prepare, renderer)
@@ -167,7 +169,9 @@ class _Handlers:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
             params = body.to_sampling_params()
-            return [self.processor.process(body.template_messages(), params)], params
+            prompts = [self.processor.process(body.template_messages(), params)]
+            self.engine.engine.compile_grammar(params)  # here, not on the step thread (add_request hits the cache)
+            return prompts, params
 
         try:
             tool_plan = body.tool_plan()
