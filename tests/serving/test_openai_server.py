@@ -183,7 +183,7 @@ def test_tokenize_and_detokenize_follow_vllm(server, tokenizer):
     messages = [{"role": "user", "content": "Hi!"}]
     chat = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}, headers=auth, timeout=30).json()
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert chat["token_strs"] is None and tokenizer.decode(chat["tokens"]).endswith(rendered.rstrip()[-20:])
+    assert chat["token_strs"] is None and tokenizer.decode(chat["tokens"]) == rendered
     back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": r["tokens"]}, headers=auth, timeout=30).json()
     assert back == {"prompt": tokenizer.decode(r["tokens"])}
     bad = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [10**9]}, headers=auth, timeout=30)
