@@ -35,11 +35,8 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def smol_server(export_dir, tmp_path_factory):
-    from trtopt.build.builder import build_plan
-
-    plan = build_plan(export_dir("smollm2-135m"), tmp_path_factory.mktemp("smol") / "plan", progress=False).plan_dir
-    srv = start_server(plan, tmp_path_factory.mktemp("smol-log") / "serve.log", "--api-key", API_KEY,
+def smol_server(built_plan, tmp_path_factory):
+    srv = start_server(built_plan("smollm2-135m"), tmp_path_factory.mktemp("smol-log") / "serve.log", "--api-key", API_KEY,
                        "--max-model-len", "1024")
     yield srv
     srv.process.terminate()
