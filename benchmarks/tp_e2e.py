@@ -99,9 +99,17 @@ def all_reduce_profile(engine, vocab: int, steps: int = 8) -> dict | None:
     engine.add_request("prof", {"prompt_token_ids": prompt},
                        SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0))
     engine.step()  # prefill
-    local = getattr(engine.executor, "_local", engine.executor)  # rank 0's TorchExecutor
-    graphs = local.decode_graphs
-    local.decode_graphs = None  # eager: the profiler sees every kernel
+    executor = engine.executor
+    graphs = executor.decode_graphs
+    was_enabled = bool(graphs and graphs.enabled)
+
+    def set_graphs(flag: bool) -> None:  # on every rank at once for a tensor-parallel executor
+        if hasattr(executor, "set_cuda_graphs"):
+            executor.set_cuda_graphs(flag)
+        elif graphs is not None:
+            graphs.enabled = flag
+
+    set_graphs(False)  # eager: the profiler sees every kernel
     try:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -109,7 +117,7 @@ def all_reduce_profile(engine, vocab: int, steps: int = 8) -> dict | None:
                 engine.step()
             torch.cuda.synchronize()
     finally:
-        local.decode_graphs = graphs
+        set_graphs(was_enabled)
     while engine.has_unfinished_requests():
         engine.step()
     total = nccl = 0.0

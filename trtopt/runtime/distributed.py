@@ -43,7 +43,7 @@ DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a silent
 class _Command:
     """What the driver broadcasts once per call; workers mirror it on their own rank."""
 
-    op: str  # "alloc" | "capture" | "step" | "copy" | "stop"
+    op: str  # "alloc" | "capture" | "step" | "copy" | "graphs" | "stop"
     arg: Any = None
 
 
@@ -139,6 +139,9 @@ def _apply(executor: Any, command: _Command) -> torch.Tensor | None:
         executor.capture_decode_graphs()
     elif command.op == "copy":
         executor.copy_blocks(command.arg)
+    elif command.op == "graphs":
+        if executor.decode_graphs is not None:
+            executor.decode_graphs.enabled = command.arg
     else:
         raise AssertionError(f"unknown command {command.op!r}")
     return None
@@ -209,6 +212,16 @@ class TensorParallelExecutor:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if pairs:
             self._run(_Command("copy", list(pairs)))
+
+    @property
+    def decode_graphs(self) -> Any:
+        """Rank 0's CUDA graphs (every rank captured the same buckets), or None."""
+        return self._local.decode_graphs
+
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """Turn graph replay on/off on every rank together (a rank replaying while another runs eagerly would
+        still pair the collectives, but profiles of rank 0 must see the same kernels the others run)."""
+        self._run(_Command("graphs", enabled))
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
 
