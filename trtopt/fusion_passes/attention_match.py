@@ -29,6 +29,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from trtopt.fusion_passes.ir_helpers import int_list_constant, is_float_cast, perm, same_dims, scalar_constant
 from trtopt.fusion_passes.trace import NoMatch
 
 # An additive mask value at or below this counts as "masked out" (HF uses finfo.min, exporters use -inf).
@@ -79,36 +80,6 @@ class AttentionMatch:
         return self.native_gqa or num_heads == num_kv_heads
 
 
-def scalar_constant(value: ir.Value | None) -> float | None:
-    """The float value of a one-element constant (initializer or Constant node), else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-            tensor = producer.attributes["value"].value
-    if tensor is None:
-        return None
-    array = tensor.numpy()
-    if array.size != 1:
-        return None
-    return float(array.reshape(()))
-
-
-def int_list_constant(value: ir.Value | None) -> list[int] | None:
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-            tensor = producer.attributes["value"].value
-    if tensor is None:
-        return None
-    return [int(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
-
-
 def _producer(value: ir.Value | None, what: str, near: ir.Node) -> ir.Node:
     node = value.producer() if value is not None else None
     if node is None:
@@ -122,7 +93,7 @@ def _strip_scalar_scale(value: ir.Value) -> tuple[ir.Value, float]:
     factor = 1.0
     while True:
         node = value.producer()
-        if node is not None and node.op_type == "Cast" and node.attributes["to"].value in _FLOAT_TYPES:
+        if is_float_cast(node):
             value = node.inputs[0]
             continue
         if node is None or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
@@ -138,11 +109,6 @@ def _strip_scalar_scale(value: ir.Value) -> tuple[ir.Value, float]:
             value = b
         else:
             return value, factor
-
-
-def _perm(node: ir.Node) -> tuple[int, ...] | None:
-    attr = node.attributes.get("perm")
-    return tuple(attr.value) if attr is not None else None
 
 
 def _strip_repeat_kv(value: ir.Value) -> tuple[ir.Value, bool]:
@@ -177,26 +143,18 @@ def _strip_key_transpose(value: ir.Value) -> tuple[ir.Value, bool]:
     node = value.producer()
     if node is None:
         raise NoMatch("key operand of QKᵀ is not computed")
-    if node.op_type == "Transpose" and _perm(node) == (0, 1, 3, 2):
+    if node.op_type == "Transpose" and perm(node) == (0, 1, 3, 2):
         return node.inputs[0], True
-    if node.op_type == "Transpose" and _perm(node) == (0, 2, 3, 1):
+    if node.op_type == "Transpose" and perm(node) == (0, 2, 3, 1):
         return node.inputs[0], False
     if node.op_type == "Reshape":
         transpose = node.inputs[0].producer()
-        if transpose is not None and transpose.op_type == "Transpose" and _perm(transpose) == (0, 2, 1):
+        if transpose is not None and transpose.op_type == "Transpose" and perm(transpose) == (0, 2, 1):
             flatten = transpose.inputs[0].producer()
             if flatten is not None and flatten.op_type == "Reshape":
                 # [B, H, S, D] → [B·H, S, D] → [B·H, D, S] → [B, H, D, S]: the outer reshapes only fold B·H.
                 return flatten.inputs[0], True
     raise NoMatch(f"key operand of QKᵀ is {node.op_type}, not a transpose of the last two axes", node.name or "")
-
-
-_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
-
-
-def _is_float_cast(node: ir.Node | None) -> bool:
-    """A Cast between float types: exporters wrap fp16 attention in fp32 casts; the ops accumulate in fp32."""
-    return node is not None and node.op_type == "Cast" and node.attributes["to"].value in _FLOAT_TYPES
 
 
 def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
@@ -207,7 +165,7 @@ def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
         uses = [use.node for use in value.uses()]
         if len(uses) == 1 and uses[0].op_type == "MatMul":
             return uses[0], tuple(passed)
-        if len(uses) == 1 and _is_float_cast(uses[0]):
+        if len(uses) == 1 and is_float_cast(uses[0]):
             passed.append(uses[0])
             value = uses[0].outputs[0]
             continue
@@ -236,15 +194,6 @@ def _softmax_consumer(softmax: ir.Node) -> tuple[ir.Node, tuple[ir.Node, ...]]:
         )
 
 
-def _known_dim(dim) -> bool:
-    return isinstance(dim, int) or (isinstance(dim, ir.SymbolicDim) and dim.value is not None)
-
-
-def _same_dims(a, b) -> bool:
-    """Equal static sizes, or the same named symbol (the exporter's shape inference says they are equal)."""
-    return _known_dim(a) and _known_dim(b) and a == b
-
-
 def _ranked_shapes(node: ir.Node) -> tuple[ir.Shape, ir.Shape] | None:
     src, dst = node.inputs[0].shape, node.outputs[0].shape
     return None if src is None or dst is None else (src, dst)
@@ -259,7 +208,7 @@ def _is_head_fold(node: ir.Node) -> bool:
     if node.op_type != "Reshape" or shapes is None:
         return False
     src, dst = shapes
-    return len(src) == 4 and len(dst) == 3 and _same_dims(src[2], dst[1]) and _same_dims(src[3], dst[2])
+    return len(src) == 4 and len(dst) == 3 and same_dims(src[2], dst[1]) and same_dims(src[3], dst[2])
 
 
 def _is_head_unfold(node: ir.Node, heads) -> bool:
@@ -271,9 +220,9 @@ def _is_head_unfold(node: ir.Node, heads) -> bool:
     return (
         len(src) == 3
         and len(dst) == 4
-        and _same_dims(src[1], dst[2])
-        and _same_dims(src[2], dst[3])
-        and _same_dims(dst[1], heads)
+        and same_dims(src[1], dst[2])
+        and same_dims(src[2], dst[3])
+        and same_dims(dst[1], heads)
     )
 
 
@@ -359,32 +308,62 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
     probs_folded = any(n.op_type == "Reshape" for n in guards)
     if (unfold is not None) != probs_folded:
         raise NoMatch("scores and probabilities are not both in the heads-folded [B·H, T, S] form", qk.name or "")
+    region = _Region(softmax, qk, post_scale, mask, out_node, guards)
     if unfold is not None:
-        return _match_folded(softmax, qk, unfold, post_scale, mask, out_node, guards)
+        return _match_folded(region, unfold)
 
     q, q_scale = _strip_scalar_scale(qk.inputs[0])
     k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
     k_rep, heads_second = _strip_key_transpose(k_t)
-    k_rep, k_scale_inner = _strip_scalar_scale(k_rep)
+    return _finish(region, q=q, q_scale=q_scale, k_scale=k_scale, k_operand=k_rep, k_heads_second=heads_second,
+                   v_operand=out_node.inputs[1], heads_folded=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """The parts of a Softmax-anchored region that the plain and heads-folded forms share."""
+
+    softmax: ir.Node
+    qk: ir.Node  # the QKᵀ MatMul
+    post_scale: float  # the scalar factor between QKᵀ and the mask
+    mask: MaskSpec | None
+    out_node: ir.Node  # MatMul(probs, v)
+    guards: tuple[ir.Node, ...]
+
+
+def _finish(
+    region: _Region,
+    *,
+    q: ir.Value,
+    q_scale: float,
+    k_scale: float,
+    k_operand: ir.Value,
+    k_heads_second: bool,
+    v_operand: ir.Value,
+    heads_folded: bool,
+) -> AttentionMatch:
+    """The match ending both forms share: the keys' inner scale and repeat_kv, the values, the total scale."""
+    k_rep, k_scale_inner = _strip_scalar_scale(k_operand)
     k, k_repeated = _strip_repeat_kv(k_rep)
-    if not heads_second and k_repeated:
-        raise NoMatch("keys are repeated to the query heads in [B, S, H, D] layout", qk.name or "")
-    v_side, v = _match_values(out_node.inputs[1], out_node, k_repeated)
-    scale = _checked_scale(post_scale * q_scale * k_scale * k_scale_inner, qk)
+    if not k_heads_second and k_repeated:
+        raise NoMatch("keys are repeated to the query heads in [B, S, H, D] layout", region.qk.name or "")
+    v_side, v = _match_values(v_operand, region.out_node, k_repeated)
+    scale = _checked_scale(region.post_scale * q_scale * k_scale * k_scale_inner, region.qk)
     return AttentionMatch(
-        softmax=softmax,
+        softmax=region.softmax,
         q=q,
         k=k,
-        k_heads_second=heads_second,
+        k_heads_second=k_heads_second,
         v=v,
         scale=scale,
-        mask=mask,
-        out=out_node.outputs[0],
-        out_node=out_node,
+        mask=region.mask,
+        out=region.out_node.outputs[0],
+        out_node=region.out_node,
         repeat_kv=k_repeated,
         k_repeated=k_rep,
         v_repeated=v_side,
-        guard_nodes=guards,
+        guard_nodes=region.guards,
+        heads_folded=heads_folded,
     )
 
 
@@ -406,47 +385,22 @@ def _checked_scale(scale: float, qk: ir.Node) -> float:
     return scale
 
 
-def _match_folded(
-    softmax: ir.Node,
-    qk: ir.Node,
-    unfold: ir.Node,
-    post_scale: float,
-    mask: MaskSpec | None,
-    out_node: ir.Node,
-    guards: tuple[ir.Node, ...],
-) -> AttentionMatch:
+def _match_folded(region: _Region, unfold: ir.Node) -> AttentionMatch:
     """BLOOM's bmm attention: q, k, v folded to [B·H, S, D], the scores unfolded to [B, H, T, S] for the mask."""
+    qk = region.qk
     q3, q_scale = _strip_scalar_scale(qk.inputs[0])
     q = _unfold_head_fold(q3, "the query operand of QKᵀ")
     k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
     transpose = k_t.producer()
-    if transpose is None or transpose.op_type != "Transpose" or _perm(transpose) != (0, 2, 1):
+    if transpose is None or transpose.op_type != "Transpose" or perm(transpose) != (0, 2, 1):
         raise NoMatch("the key operand of the folded QKᵀ is not Transpose(0, 2, 1)", qk.name or "")
     k_rep = _unfold_head_fold(transpose.inputs[0], "the key operand of QKᵀ")
-    k_rep, k_scale_inner = _strip_scalar_scale(k_rep)
-    k, k_repeated = _strip_repeat_kv(k_rep)
-    v_folded = _unfold_head_fold(out_node.inputs[1], "the value operand of the output MatMul")
-    v_side, v = _match_values(v_folded, out_node, k_repeated)
+    v_folded = _unfold_head_fold(region.out_node.inputs[1], "the value operand of the output MatMul")
     heads = q.shape[1] if q.shape is not None and len(q.shape) == 4 else None
     if not _is_head_unfold(unfold, heads):
         raise NoMatch("the scores are not provably unfolded [B·H, T, S] → [B, H, T, S]", unfold.name or "")
-    scale = _checked_scale(post_scale * q_scale * k_scale * k_scale_inner, qk)
-    return AttentionMatch(
-        softmax=softmax,
-        q=q,
-        k=k,
-        k_heads_second=True,
-        v=v,
-        scale=scale,
-        mask=mask,
-        out=out_node.outputs[0],
-        out_node=out_node,
-        repeat_kv=k_repeated,
-        k_repeated=k_rep,
-        v_repeated=v_side,
-        guard_nodes=guards,
-        heads_folded=True,
-    )
+    return _finish(region, q=q, q_scale=q_scale, k_scale=k_scale, k_operand=k_rep, k_heads_second=True,
+                   v_operand=v_folded, heads_folded=True)
 
 
 # The standard ONNX Attention op (opset 23), which the dynamo exporter emits for SDPA at opset >= 23.

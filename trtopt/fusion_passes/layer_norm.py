@@ -11,7 +11,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from trtopt.fusion_passes.attention_match import int_list_constant, scalar_constant
+from trtopt.fusion_passes.ir_helpers import int_list_constant, scalar_constant
 
 RULE = "layer_norm"
 

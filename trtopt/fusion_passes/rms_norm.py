@@ -12,11 +12,10 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from trtopt.fusion_passes.attention_match import int_list_constant, scalar_constant
+from trtopt.fusion_passes.ir_helpers import FLOAT_TYPES, int_list_constant, scalar_constant
 from trtopt.fusion_passes.ops import DOMAIN, declare_domain
 
 RULE = "rms_norm"
-_FLOATS = frozenset([ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE])
 
 
 class _RmsNorm(pattern.RewriteRuleClassBase):
@@ -49,7 +48,7 @@ class _RmsNorm(pattern.RewriteRuleClassBase):
             return result.fail("ReduceMean is not over the last axis only", axes)
         if not self._reciprocal and scalar_constant(one) != 1.0:
             return result.fail("Div numerator is not 1", one)
-        if x.dtype is not None and x.dtype not in _FLOATS:
+        if x.dtype is not None and x.dtype not in FLOAT_TYPES:
             return result.fail("input is not a float tensor", x)
         # The fused output has x's dtype; the original's is the weight's (HF: weight * normalized.to(x.dtype)).
         if x.dtype is not None and scale.dtype is not None and x.dtype != scale.dtype:

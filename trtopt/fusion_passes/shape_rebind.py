@@ -9,20 +9,12 @@ and the rewrite then reports the tensor as still read.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
-from trtopt.fusion_passes.attention_match import int_list_constant
+from trtopt.fusion_passes.ir_helpers import int64_initializer, int_list_constant
 
 _RANK = 4  # [B, Hkv, L, D]
 _LENGTH_AXIS = 2
-
-
-def _const(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(np.array(values, dtype=np.int64)))
-    value.shape, value.type = ir.Shape([len(values)]), ir.TensorType(ir.DataType.INT64)
-    graph.register_initializer(value)
-    return value
 
 
 def _shape_range(node: ir.Node) -> range:
@@ -57,8 +49,8 @@ def rebind_cache_shapes(graph: ir.Graph, cut: dict[int, int], *, batch_source: i
     sources = {
         0: batch.outputs[0],
         # Proven never read (see _reads_only); it only keeps the vector's length.
-        2: _const(graph, "paged_unread_length", [0]),
-        3: _const(graph, "paged_head_dim", [head_dim]),
+        2: int64_initializer(graph, "paged_unread_length", [0]),
+        3: int64_initializer(graph, "paged_head_dim", [head_dim]),
     }
     replaced = 0
     shape_nodes = [n for n in graph if n.op_type == "Shape" and n.inputs[0] is not None and id(n.inputs[0]) in cut]
@@ -69,7 +61,7 @@ def rebind_cache_shapes(graph: ir.Graph, cut: dict[int, int], *, batch_source: i
         if not _reads_only(node, dims):
             continue
         heads = cut[id(node.inputs[0])]
-        parts = [sources[d] if d != 1 else _const(graph, f"{node.name}_heads", [heads]) for d in dims]
+        parts = [sources[d] if d != 1 else int64_initializer(graph, f"{node.name}_heads", [heads]) for d in dims]
         concat = ir.Node("", "Concat", parts, [ir.AttrInt64("axis", 0)], name=f"{node.name}_paged")
         graph.insert_after(node, concat)
         ir.convenience.replace_all_uses_with(node.outputs[0], concat.outputs[0])

@@ -1,0 +1,68 @@
+"""Reading constants, permutations and shapes off an onnx-ir graph, and adding small initializers: the graph
+helpers that the rules share (attention matching, the norms, the paged rewrite's shape rebinding)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The tensor behind an initializer or a Constant node's ``value``, else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+            tensor = producer.attributes["value"].value
+    return tensor
+
+
+def scalar_constant(value: ir.Value | None) -> float | None:
+    """The float value of a one-element constant (initializer or Constant node), else None."""
+    tensor = _constant_tensor(value)
+    if tensor is None:
+        return None
+    array = tensor.numpy()
+    if array.size != 1:
+        return None
+    return float(array.reshape(()))
+
+
+def int_list_constant(value: ir.Value | None) -> list[int] | None:
+    """The flattened integer values of a constant (initializer or Constant node), else None."""
+    tensor = _constant_tensor(value)
+    if tensor is None:
+        return None
+    return [int(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
+
+
+def perm(node: ir.Node) -> tuple[int, ...] | None:
+    """A Transpose's ``perm`` attribute, or None when it has none (the default reverses the axes)."""
+    attr = node.attributes.get("perm")
+    return tuple(attr.value) if attr is not None else None
+
+
+def is_float_cast(node: ir.Node | None) -> bool:
+    """A Cast to a float type: exporters wrap fp16 attention in fp32 casts; the ops accumulate in fp32."""
+    return node is not None and node.op_type == "Cast" and node.attributes["to"].value in FLOAT_TYPES
+
+
+def same_dims(a, b) -> bool:
+    """Equal static sizes, or the same named symbol (the exporter's shape inference says they are equal)."""
+    return _known_dim(a) and _known_dim(b) and a == b
+
+
+def _known_dim(dim) -> bool:
+    return isinstance(dim, int) or (isinstance(dim, ir.SymbolicDim) and dim.value is not None)
+
+
+def int64_initializer(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
+    """A 1-D int64 initializer registered on ``graph`` (shape vectors, axes)."""
+    value = ir.Value(name=name, const_value=ir.tensor(np.array(values, dtype=np.int64), name=name))
+    value.shape, value.type = ir.Shape([len(values)]), ir.TensorType(ir.DataType.INT64)
+    graph.register_initializer(value)
+    return value
