@@ -7,7 +7,7 @@ import onnx
 import pytest
 from paged_harness import compare_generation, session
 
-from trtopt.build.signature import paged_io_names
+from trtopt.signature import input_names, output_names
 
 # model → (layers, heads, kv heads, head_dim, expected counts beyond the attention/logits ones)
 MODELS = {
@@ -44,7 +44,7 @@ def test_signature_and_checker(fused, model, exporter):
     result = fused(model, exporter)
     layers, heads, kv_heads, head_dim = _dims(result.config)
     graph = result.proto.graph
-    inputs, outputs = paged_io_names(layers)
+    inputs, outputs = input_names(layers), output_names(layers)
     assert [i.name for i in graph.input] == inputs
     assert [o.name for o in graph.output] == outputs
     nodes = [n for n in graph.node if n.op_type == "PagedAttention"]

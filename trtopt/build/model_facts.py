@@ -11,6 +11,7 @@ from trtopt.build.plan import ModelFacts
 from trtopt.errors import BuildError
 from trtopt.fusion_passes.context import HeadDims
 from trtopt.fusion_passes.ops import DOMAIN
+from trtopt.signature import LOGITS
 
 _DTYPES = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
 
@@ -90,7 +91,7 @@ def model_facts(model: ir.Model, kind: str, config: dict, generation: dict) -> M
     else:
         dtype = next((v.dtype for v in model.graph.inputs if v.dtype in _DTYPES), ir.DataType.FLOAT)
     vocab = config.get("vocab_size") or 0
-    logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
+    logits = next((v for v in model.graph.outputs if v.name == LOGITS.name), None)
     if logits is not None and logits.shape is not None and isinstance(logits.shape[-1], int):
         vocab = logits.shape[-1]
     return ModelFacts(

@@ -2,11 +2,11 @@
 against ONNX Runtime running the same plan.
 
 Polygraphy's ``--plugins`` only dlopens .so files; trtopt's plugins are Python (`tensorrt.plugin`), registered by
-importing ``trtopt.plugins.<op>.trt_plugin``. So this script imports them, then parses the plan's model.onnx itself
-(``--model-type=trt-network-script`` calls ``load_network()``), and ``load_config(builder, network)`` sets what the
-engine needs: the optimization profile from plan.json's limits, aliased plugin I/O for the in-place KV pools, and
-the workspace (the same settings as trtopt/runtime/executors/trt_executor.build_engine). The plan directory comes
-from the environment, since Polygraphy passes the script no arguments:
+importing ``trtopt.plugins.<op>.trt_plugin``. So ``load_network()`` (``--model-type=trt-network-script``) and
+``load_config(builder, network)`` return the loaders of trtopt/build/trt_engine.py, the very network and config
+that ``trtopt``'s own engine build uses: the plugins registered, the optimization profile from plan.json's limits,
+aliased plugin I/O for the in-place KV pools, and the workspace. The plan directory comes from the environment,
+since Polygraphy passes the script no arguments:
 
     export TRTOPT_PLAN=/path/to/plan
     # 1. ONNX Runtime on the fused plan (function bodies) is the reference; keep its inputs and outputs.
@@ -31,15 +31,16 @@ here, where TensorRT cannot be installed.
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from trtopt import signature
 from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan
-from trtopt.errors import BuildError, ConfigError
+from trtopt.build.trt_engine import config_loader, network_loader
+from trtopt.errors import ConfigError
 
 PLAN_ENV = "TRTOPT_PLAN"
 
@@ -55,58 +56,14 @@ def plan_dir() -> Path:
     return path
 
 
-def register_plugins(model_path: Path) -> list[str]:
-    """Import the TensorRT registration of every trtopt op in the model that has one; returns the modules imported."""
-    from trtopt.plugins.trt_common import plugin_modules
-
-    modules = plugin_modules(model_path)
-    for module in modules:
-        importlib.import_module(module)
-    return modules
-
-
-def _network_flags(trt) -> int:
-    # STRONGLY_TYPED on 10.x (11.x is always strongly typed and has no such flag). PREFER_AOT_PYTHON_PLUGINS is
-    # harmless: trtopt plugins define only aot_impl, which TensorRT then uses anyway.
-    flags = 0
-    for name in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS"):
-        flag = getattr(trt.NetworkDefinitionCreationFlag, name, None)
-        if flag is not None:
-            flags |= 1 << int(flag)
-    return flags
-
-
 def load_network():
     """Polygraphy's network-script entry: () -> (builder, network, parser) for $TRTOPT_PLAN/model.onnx."""
-    import tensorrt as trt
-
-    model_path = plan_dir() / MODEL_FILE
-    register_plugins(model_path)
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(_network_flags(trt))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(model_path)):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise BuildError(f"TensorRT could not parse {model_path}: {errors}")
-    return builder, network, parser
+    return network_loader(plan_dir() / MODEL_FILE)()
 
 
 def load_config(builder, network):
     """Polygraphy's config-script entry: (builder, network) -> IBuilderConfig with the plan's profile."""
-    import tensorrt as trt
-
-    from trtopt.runtime.executors.trt_executor import DEFAULT_WORKSPACE_BYTES, profile_shapes
-
-    plan = read_plan(plan_dir())
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, DEFAULT_WORKSPACE_BYTES)
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-    profile = builder.create_optimization_profile()
-    for name, shape in profile_shapes(plan).items():
-        profile.set_shape(name, shape.min, shape.opt, shape.max)
-    config.add_optimization_profile(profile)
-    return config
+    return config_loader(read_plan(plan_dir()))(builder, network)
 
 
 def paged_feeds(plan: PlanConfig, *, prefill_len: int = 7, context_len: int = 20, seed: int = 0
@@ -117,10 +74,8 @@ def paged_feeds(plan: PlanConfig, *, prefill_len: int = 7, context_len: int = 20
     its blocks) and decodes one. Blocks are numbered from 1 (0 is the null block), the tables are padded with 0 to
     the plan's width, and every size stays inside the engine's optimization profile.
     """
-    from trtopt.runtime.executors.signature import NUMPY_DTYPES, kv_input
-
     lim, m = plan.limits, plan.model
-    if m.dtype not in NUMPY_DTYPES:
+    if m.dtype not in ("float32", "float16"):
         raise ConfigError(f"numpy has no {m.dtype}; compare a float32 or float16 plan with polygraphy.")
     n0 = max(1, min(prefill_len, lim.max_num_tokens - 1, lim.max_model_len))
     c1 = max(0, min(context_len, lim.max_model_len - 1))
@@ -134,18 +89,19 @@ def paged_feeds(plan: PlanConfig, *, prefill_len: int = 7, context_len: int = 20
     slots = [int(tables[s, p // bs]) * bs + p % bs for s, p in zip(owners, positions)]
     rng = np.random.default_rng(seed)
     num_blocks = 2 + nb0 + nb1  # + the null block + one block nobody owns
-    pool_shape = (num_blocks, 2, m.num_kv_heads, bs, m.head_dim)
-    feeds = {
-        "input_ids": rng.integers(0, m.vocab_size, size=(1, n0 + 1), dtype=np.int64),
-        "position_ids": np.array([positions], dtype=np.int64),
-        "block_tables": tables,
-        "seq_lens": np.array([n0, c1 + 1], dtype=np.int32),
-        "query_start_loc": np.array([0, n0, n0 + 1], dtype=np.int32),
-        "slot_mapping": np.array(slots, dtype=np.int64),
-        "logits_indices": np.array([n0 - 1, n0], dtype=np.int64),
+    pool_shape = signature.kv_dims(num_blocks, m.num_kv_heads, bs, m.head_dim)
+    values = {
+        signature.INPUT_IDS: rng.integers(0, m.vocab_size, size=(1, n0 + 1)),
+        signature.POSITION_IDS: [positions],
+        signature.BLOCK_TABLES: tables,
+        signature.SEQ_LENS: [n0, c1 + 1],
+        signature.QUERY_START_LOC: [0, n0, n0 + 1],
+        signature.SLOT_MAPPING: slots,
+        signature.LOGITS_INDICES: [n0 - 1, n0],
     }
+    feeds = {spec.name: np.asarray(value, dtype=spec.dtype) for spec, value in values.items()}
     for layer in range(m.num_layers):
-        feeds[kv_input(layer)] = (0.5 * rng.standard_normal(pool_shape)).astype(NUMPY_DTYPES[m.dtype])
+        feeds[signature.kv_input(layer)] = (0.5 * rng.standard_normal(pool_shape)).astype(m.dtype)
     return feeds
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from trtopt import signature
 from trtopt.errors import FusionError
 
 RULE = "logits_gather"
@@ -35,7 +36,7 @@ def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
     """Insert the Gather before the LM head and make ``logits`` [N, vocab] float32; returns 1."""
     graph = model.graph
     outputs = list(graph.outputs)
-    logits = next((v for v in outputs if v.name == "logits"), None)
+    logits = next((v for v in outputs if v.name == signature.LOGITS.name), None)
     if logits is None:
         raise FusionError("the graph has no `logits` output; export a causal LM with optimum-style output names.")
     head, between = _lm_head(logits)
@@ -43,7 +44,8 @@ def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
     for node in (head, *between):
         node.outputs[0].shape = None
 
-    indices = ir.Value(name="logits_indices", shape=ir.Shape(["N"]), type=ir.TensorType(ir.DataType.INT64))
+    spec = signature.LOGITS_INDICES
+    indices = ir.Value(name=spec.name, shape=ir.Shape(list(spec.dims)), type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.append(indices)
     gather = ir.Node("", "Gather", [head.inputs[0], indices], [ir.AttrInt64("axis", 1)], name="logits_gather")
     # hidden: [1, T, H] → [1, N, H]
@@ -61,7 +63,7 @@ def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
         cast = ir.Node("", "Cast", [result], [ir.AttrInt64("to", ir.DataType.FLOAT)], name="logits_cast")
         tail.append(cast)
         result = cast.outputs[0]
-    result.name = "logits"
+    result.name = signature.LOGITS.name
     result.shape = ir.Shape(["N", vocab_size if vocab_size else "vocab"])
     result.type = ir.TensorType(ir.DataType.FLOAT)
     graph.extend(tail)

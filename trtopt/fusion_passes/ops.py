@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-DOMAIN = "trtopt"  # == trtopt.plugins.common.DOMAIN (checked in tests)
-OPSET_VERSION = 1
+from trtopt.plugins.common import DOMAIN, OPSET_VERSION, PLUGIN_NAMESPACE
 
 
 def trtopt_node(
     op_type: str, inputs: list[ir.Value | None], attrs: list[ir.Attr], *, num_outputs: int, name: str
 ) -> ir.Node:
     """A node in the trtopt domain; ``plugin_namespace`` lets the TensorRT parser pick the plugin over the body."""
-    attrs = [*attrs, ir.AttrString("plugin_namespace", DOMAIN)]
+    attrs = [*attrs, ir.AttrString("plugin_namespace", PLUGIN_NAMESPACE)]
     # Trailing absent optional inputs are dropped rather than written as "".
     while inputs and inputs[-1] is None:
         inputs = inputs[:-1]

@@ -7,12 +7,13 @@ graph's I/O: the past/present tensors and the mask go, the pools and the per-ste
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Sequence
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from trtopt import signature
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.context import PassContext
 from trtopt.fusion_passes.ir_helpers import int64_initializer
@@ -23,27 +24,17 @@ from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
 __all__ = ["fuse_paged_attention", "has_cache_io"]
 
 
-def _new_input(name: str, dtype: ir.DataType, dims: list) -> ir.Value:
-    return ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(dtype))
+def _new_input(name: str, dtype: ir.DataType, dims: Sequence[int | str]) -> ir.Value:
+    return ir.Value(name=name, shape=ir.Shape(list(dims)), type=ir.TensorType(dtype))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepTensors:
-    """The per-step graph inputs shared by every layer (§3)."""
-
-    block_tables: ir.Value
-    seq_lens: ir.Value
-    query_start_loc: ir.Value
-    slot_mapping: ir.Value
+def _signature_input(spec: signature.TensorSpec) -> ir.Value:
+    return _new_input(spec.name, ir.DataType.from_numpy(np.dtype(spec.dtype)), spec.dims)
 
 
-def _step_tensors() -> StepTensors:
-    return StepTensors(
-        block_tables=_new_input("block_tables", ir.DataType.INT32, ["S", "max_blocks"]),
-        seq_lens=_new_input("seq_lens", ir.DataType.INT32, ["S"]),
-        query_start_loc=_new_input("query_start_loc", ir.DataType.INT32, ["S_plus_1"]),
-        slot_mapping=_new_input("slot_mapping", ir.DataType.INT64, ["T"]),
-    )
+def _step_tensors() -> list[ir.Value]:
+    """The per-step attention metadata shared by every layer (§3), in the op's input order."""
+    return [_signature_input(spec) for spec in signature.ATTENTION_METADATA]
 
 
 def _slopes_initializer(graph: ir.Graph, layer: PagedLayer, index: int) -> ir.Value | None:
@@ -57,7 +48,9 @@ def _slopes_initializer(graph: ir.Graph, layer: PagedLayer, index: int) -> ir.Va
     return value
 
 
-def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensors, slopes: ir.Value | None) -> ir.Node:
+def _paged_node(
+    layer: PagedLayer, index: int, cache: ir.Value, step: list[ir.Value], slopes: ir.Value | None
+) -> ir.Node:
     m = layer.match
     attrs = [
         ir.AttrInt64("num_heads", layer.num_heads),
@@ -72,10 +65,7 @@ def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensor
         layer.k_new,
         layer.v_new,
         cache,
-        step.block_tables,
-        step.seq_lens,
-        step.query_start_loc,
-        step.slot_mapping,
+        *step,
         slopes,
     ]
     node = trtopt_node("PagedAttention", inputs, attrs, num_outputs=2, name=f"PagedAttention_{index}")
@@ -83,19 +73,19 @@ def _paged_node(layer: PagedLayer, index: int, cache: ir.Value, step: StepTensor
     out.name = f"paged_attention.{index}.out"
     out.shape = None if m.heads_folded else m.out.shape  # folded: [1, Hq, T, D], squeezed after
     out.type = ir.TensorType(m.q.dtype) if m.q.dtype is not None else m.out.type
-    cache_out.name = f"kv_cache_out.{index}"
+    cache_out.name = signature.kv_output(index)
     cache_out.shape, cache_out.type = cache.shape, cache.type
     return node
 
 
 def _insert_paged_nodes(
-    graph: ir.Graph, layers: list[PagedLayer], block_size: int, step: StepTensors
+    graph: ir.Graph, layers: list[PagedLayer], block_size: int, step: list[ir.Value]
 ) -> tuple[list[ir.Value], list[ir.Value]]:
     """One PagedAttention per layer, read by whatever read the old attention output; returns the pool I/O."""
     cache_inputs, cache_outputs = [], []
     for index, layer in enumerate(layers):
-        dims = ["num_blocks", 2, layer.num_kv_heads, block_size, layer.head_dim]
-        cache = _new_input(f"kv_cache.{index}", layer.past_key.dtype, dims)
+        dims = signature.kv_dims("num_blocks", layer.num_kv_heads, block_size, layer.head_dim)
+        cache = _new_input(signature.kv_input(index), layer.past_key.dtype, dims)
         node = _paged_node(layer, index, cache, step, _slopes_initializer(graph, layer, index))
         graph.insert_after(layer.match.out_node, node)
         out, last = node.outputs[0], node
@@ -132,7 +122,7 @@ def _rebind_shapes(graph: ir.Graph, layers: list[PagedLayer]) -> None:
         # or are read only by the removed attention.)
     head_dims = {layer.head_dim for layer in layers}
     assert len(head_dims) == 1, f"layers disagree on head_dim: {head_dims}"
-    input_ids = next(v for v in graph.inputs if v.name == "input_ids")
+    input_ids = next(v for v in graph.inputs if v.name == signature.INPUT_IDS.name)
     rebind_cache_shapes(graph, cut, batch_source=input_ids, head_dim=head_dims.pop())
 
 
@@ -165,11 +155,12 @@ def _rewrite(model: ir.Model, layers: list[PagedLayer], block_size: int) -> None
 
     by_name = {v.name: v for v in _drop_cache_inputs(graph, layers)}
     graph.inputs.clear()
-    for name in ("input_ids", "position_ids"):
-        by_name[name].shape = ir.Shape([1, "T"])
-    ordered = [by_name.pop("input_ids"), by_name.pop("position_ids")]
+    ordered = []
+    for spec in signature.TOKEN_INPUTS:
+        ordered.append(by_name.pop(spec.name))
+        ordered[-1].shape = ir.Shape(list(spec.dims))
     graph.inputs.extend(ordered + cache_inputs + list(by_name.values()))
-    graph.inputs.extend([step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping])
+    graph.inputs.extend(step)
     declare_domain(model)
     _forget_intermediate_shapes(graph)
 

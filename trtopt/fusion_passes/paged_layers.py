@@ -13,6 +13,7 @@ import re
 
 import onnx_ir as ir
 
+from trtopt import signature
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.attention_match import AttentionMatch, MaskSpec, is_attention_anchor, match_attention
 from trtopt.fusion_passes.context import PassContext
@@ -134,14 +135,15 @@ def _head_dims(match: AttentionMatch, past_key: ir.Value, ctx: PassContext) -> t
 
 def _roles(graph: ir.Graph, pasts: list[ir.Value]) -> ProbeInputs:
     names = {v.name for v in graph.inputs}
-    for required in ("input_ids", "position_ids"):
+    token_inputs = [spec.name for spec in signature.TOKEN_INPUTS]  # the export's names are the signature's
+    for required in token_inputs:
         if required not in names:
             raise FusionError(
                 f"the cache graph has no `{required}` input; the paged signature needs it. "
                 "Re-export with optimum-style inputs (input_ids, attention_mask, position_ids, past_key_values.*)."
             )
     mask = "attention_mask" if "attention_mask" in names else None
-    return ProbeInputs("input_ids", "position_ids", mask, tuple(pasts))
+    return ProbeInputs(*token_inputs, mask, tuple(pasts))
 
 
 def _probe_once(

@@ -15,7 +15,7 @@ _plugin_class}.py and samples/python/quickly_deployable_plugins/qdp_defs.py):
   model has no ALiBi). TensorRT validates annotations with issubclass, so this module must not use
   ``from __future__ import annotations``.
 - kv_cache_out is ``kv_cache.aliased()``: TensorRT binds it to kv_cache's buffer (the builder enables
-  trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03; trt_executor.build_engine does).
+  trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03; trtopt.build.trt_engine.build_engine does).
 - aot_impl is called as ``f(*input_descs, *attribute_values, output_descs, tactic)``: every attribute, positionally,
   in register order, then outputs and tactic; it returns (kernel name, PTX, KernelLaunchParams, SymIntExprs).
 - No autotune function: TensorRT then offers the one combination of the inputs' own dtypes, LINEAR format.

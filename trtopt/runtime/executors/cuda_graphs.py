@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from trtopt.runtime.batch import StepInputs
-from trtopt.runtime.executors.signature import STEP_INPUT_NAMES
+from trtopt.signature import SLOT_MAPPING, STEP_INPUT_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class DecodeGraphs:
     def _capture(self, bucket: int, example: StepInputs) -> _Captured | None:
         # Capture with an all-dummy step (every slot −1): warm-up runs really execute and must not touch the pools.
         inputs = {name: getattr(example, name).to(self.device) for name in STEP_INPUT_NAMES}
-        inputs["slot_mapping"].fill_(-1)
+        inputs[SLOT_MAPPING.name].fill_(-1)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

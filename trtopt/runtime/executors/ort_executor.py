@@ -22,8 +22,9 @@ from trtopt.build.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.signature import (
-    LOGITS, NUMPY_DTYPES, check_paged_plan, kv_dtype, kv_input, kv_output, kv_shape, step_tensors,
+    NUMPY_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
+from trtopt.signature import LOGITS, kv_input, kv_output
 
 
 def _cpu_count() -> int:
@@ -85,7 +86,7 @@ class OrtExecutor:
         binding = self.session.io_binding()
         for name, tensor in step_tensors(step).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(tensor.numpy()))
-        binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs() returns outputs in binding order
+        binding.bind_output(LOGITS.name, "cpu")  # bound first: get_outputs() returns outputs in binding order
         live, spare = self._pool_values[self._current], self._pool_values[1 - self._current]
         for layer in range(self.plan.model.num_layers):
             binding.bind_ortvalue_input(kv_input(layer), live[layer])

@@ -1,4 +1,4 @@
-"""The paged signature (DESIGN.md §3) as the executors see it: names, checks, and dtype maps."""
+"""The paged signature (trtopt/signature.py) as the executors see it: the plan check, pool shapes, dtype maps."""
 
 from __future__ import annotations
 
@@ -8,26 +8,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from trtopt import signature
 from trtopt.build.plan import PlanConfig
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
 
-# StepInputs field == graph input name, in the order of DESIGN.md §3.
-STEP_INPUT_NAMES = (
-    "input_ids", "position_ids", "block_tables", "seq_lens", "query_start_loc", "slot_mapping", "logits_indices",
-)
-LOGITS = "logits"
-
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
-
-
-def kv_input(layer: int) -> str:
-    return f"kv_cache.{layer}"
-
-
-def kv_output(layer: int) -> str:
-    return f"kv_cache_out.{layer}"
 
 
 def check_paged_plan(plan: PlanConfig, plan_dir: str | Path, input_names: Sequence[str],
@@ -39,8 +26,8 @@ def check_paged_plan(plan: PlanConfig, plan_dir: str | Path, input_names: Sequen
             "Build a causal LM with a KV cache, or run this encoder plan on onnxruntime directly."
         )
     layers = plan.model.num_layers
-    expected_in = set(STEP_INPUT_NAMES) | {kv_input(i) for i in range(layers)}
-    expected_out = {LOGITS} | {kv_output(i) for i in range(layers)}
+    expected_in = set(signature.input_names(layers))
+    expected_out = set(signature.output_names(layers))
     missing_in = sorted(expected_in - set(input_names))
     missing_out = sorted(expected_out - set(output_names))
     extra_in = sorted(set(input_names) - expected_in)
@@ -67,13 +54,13 @@ def kv_shape(plan: PlanConfig, num_blocks: int) -> tuple[int, int, int, int, int
     if num_blocks < 2:
         raise ConfigError(f"num_blocks must be >= 2 (block 0 is the reserved null block); got {num_blocks}.")
     m = plan.model
-    return (num_blocks, 2, m.num_kv_heads, plan.limits.block_size, m.head_dim)
+    return signature.kv_dims(num_blocks, m.num_kv_heads, plan.limits.block_size, m.head_dim)
 
 
 def step_tensors(step: StepInputs) -> dict[str, torch.Tensor]:
     """The graph feeds of one step by name, with the dtypes of §3 (a wrong dtype is a caller bug)."""
-    feeds = {name: getattr(step, name) for name in STEP_INPUT_NAMES}
-    for name, tensor in feeds.items():
-        want = torch.int64 if name in ("input_ids", "position_ids", "slot_mapping", "logits_indices") else torch.int32
-        assert tensor.dtype == want, f"StepInputs.{name} must be {want}, got {tensor.dtype}"
+    feeds = {spec.name: getattr(step, spec.name) for spec in signature.STEP_INPUTS}
+    for spec in signature.STEP_INPUTS:
+        want = getattr(torch, spec.dtype)
+        assert feeds[spec.name].dtype == want, f"StepInputs.{spec.name} must be {want}, got {feeds[spec.name].dtype}"
     return feeds

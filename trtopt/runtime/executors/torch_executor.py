@@ -15,8 +15,9 @@ from trtopt.runtime.executors.cuda_graphs import DecodeGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
-    LOGITS, STEP_INPUT_NAMES, TORCH_DTYPES, check_paged_plan, kv_dtype, kv_input, kv_output, kv_shape, step_tensors,
+    TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
+from trtopt.signature import LOGITS, STEP_INPUT_NAMES, kv_input, kv_output
 
 
 class TorchExecutor:
@@ -46,7 +47,7 @@ class TorchExecutor:
         self._step_positions = {name: self.graph.input_names.index(name) for name in STEP_INPUT_NAMES}
         self._kv_positions = [self.graph.input_names.index(kv_input(i)) for i in layers]
         self._kv_out_positions = [self.graph.output_names.index(kv_output(i)) for i in layers]
-        self._logits_position = self.graph.output_names.index(LOGITS)
+        self._logits_position = self.graph.output_names.index(LOGITS.name)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # Off unless asked for; LLMEngine.from_plan asks for them on CUDA (gpu tests: test_cuda_graphs.py, tests/e2e).

@@ -1,0 +1,88 @@
+"""The paged signature (architecture.md §3): the I/O of a built LLM graph, defined once.
+
+Every module that names, shapes or types these tensors imports them from here: the fusion pass that writes the
+signature (fusion_passes/paged_attention.py, logits_gather.py), the build's check of it (build/signature.py), the
+engine build's optimization profile (build/trt_engine.py) and every executor (runtime/executors/). The per-step
+attention metadata that all layers share is vLLM's ``CommonAttentionMetadata``; a new per-step input (speculative
+decoding, tensor parallelism) is added here, once. This module imports nothing, so every layer of the package can
+use it without an upward arrow.
+
+Dims are symbolic: T tokens this step, S sequences, N rows projected to logits, ``max_blocks`` blocks per sequence
+(the block-table width), ``num_blocks`` the pool's blocks. Dtypes are numpy names; the KV pools and their outputs
+have the model's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+Dim = int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the signature: its graph name, numpy dtype name and (symbolic) dims."""
+
+    name: str
+    dtype: str
+    dims: tuple[Dim, ...]
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """The concrete shape once every symbolic dim has a size."""
+        return resolve_dims(self.dims, sizes)
+
+
+def resolve_dims(dims: tuple[Dim, ...], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Concrete dims: each symbolic one looked up in ``sizes`` (KeyError names a missing one)."""
+    return tuple(d if isinstance(d, int) else sizes[d] for d in dims)
+
+
+INPUT_IDS = TensorSpec("input_ids", "int64", (1, "T"))
+POSITION_IDS = TensorSpec("position_ids", "int64", (1, "T"))
+BLOCK_TABLES = TensorSpec("block_tables", "int32", ("S", "max_blocks"))  # padded with 0, the null block
+SEQ_LENS = TensorSpec("seq_lens", "int32", ("S",))  # tokens in the cache after this step
+QUERY_START_LOC = TensorSpec("query_start_loc", "int32", ("S_plus_1",))  # cumulative new-token counts
+SLOT_MAPPING = TensorSpec("slot_mapping", "int64", ("T",))  # -1 = do not write
+LOGITS_INDICES = TensorSpec("logits_indices", "int64", ("N",))
+LOGITS = TensorSpec("logits", "float32", ("N", "vocab"))
+
+# The per-step attention metadata every PagedAttention node reads, in the op's input order.
+ATTENTION_METADATA = (BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, SLOT_MAPPING)
+# Every per-step input, in graph order around the pools; runtime.batch.StepInputs has one field per name.
+TOKEN_INPUTS = (INPUT_IDS, POSITION_IDS)
+STEP_INPUTS = (*TOKEN_INPUTS, *ATTENTION_METADATA, LOGITS_INDICES)
+STEP_INPUT_NAMES = tuple(spec.name for spec in STEP_INPUTS)
+
+_KV_INPUT_PREFIX = "kv_cache."
+_KV_OUTPUT_PREFIX = "kv_cache_out."
+
+
+def kv_input(layer: int) -> str:
+    """The name of layer ``layer``'s pool input."""
+    return f"{_KV_INPUT_PREFIX}{layer}"
+
+
+def kv_output(layer: int) -> str:
+    """The name of layer ``layer``'s pool output (the same buffer after the write)."""
+    return f"{_KV_OUTPUT_PREFIX}{layer}"
+
+
+def is_kv_input(name: str) -> bool:
+    return name.startswith(_KV_INPUT_PREFIX)
+
+
+def kv_dims(num_blocks: Dim, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[Dim, ...]:
+    """A pool's dims: [num_blocks, 2 (K, V), Hkv, block_size, D], heads-major inside a block; block 0 is null."""
+    return (num_blocks, 2, num_kv_heads, block_size, head_dim)
+
+
+def input_names(num_layers: int) -> list[str]:
+    """The graph's input names in order: tokens, one pool per layer, the attention metadata, logits_indices."""
+    return [*(s.name for s in TOKEN_INPUTS), *(kv_input(i) for i in range(num_layers)),
+            *(s.name for s in (*ATTENTION_METADATA, LOGITS_INDICES))]
+
+
+def output_names(num_layers: int) -> list[str]:
+    """The graph's output names in order: logits, then one pool per layer."""
+    return [LOGITS.name, *(kv_output(i) for i in range(num_layers))]
