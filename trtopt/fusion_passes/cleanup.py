@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from onnxscript.optimizer._constant_folding import FoldConstantsPass
+from onnxscript.optimizer import fold_constants_ir
 
 RULE = "cleanup"
 # Inputs above this many elements are not folded, so weights are never duplicated; shapes and masks are tiny.
@@ -22,21 +22,18 @@ _FOLD_OUTPUT_LIMIT = 1 << 16
 def cleanup(model: ir.Model) -> int:
     """Fold constants and drop dead nodes in place; returns how many nodes went away."""
     before = model.graph.num_nodes()
+    for _ in range(2):  # a second round folds what the first round's removals exposed
+        folded = fold_constants_ir(
+            model,
+            onnx_shape_inference=True,
+            input_size_limit=_FOLD_INPUT_LIMIT,
+            output_size_limit=_FOLD_OUTPUT_LIMIT,
+        )
+        removed = common_passes.RemoveUnusedNodesPass()(model)
+        if not (folded.modified or removed.modified):
+            break
     ir.passes.PassManager(
         [
-            ir.passes.PassManager(
-                [
-                    FoldConstantsPass(
-                        shape_inference=True,
-                        input_size_limit=_FOLD_INPUT_LIMIT,
-                        output_size_limit=_FOLD_OUTPUT_LIMIT,
-                        should_fold=lambda node: None,
-                    ),
-                    common_passes.RemoveUnusedNodesPass(),
-                ],
-                steps=2,
-                early_stop=True,
-            ),
             common_passes.CommonSubexpressionEliminationPass(),
             common_passes.RemoveUnusedNodesPass(),
             common_passes.RemoveUnusedOpsetsPass(),

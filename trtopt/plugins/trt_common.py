@@ -205,7 +205,11 @@ def launch_ptx(kernel: PtxKernel, signature: Mapping[str, str], args: list[int],
     scalars), the way TensorRT's AOT path does: no Triton launcher, no hidden parameters.
 
     For checking an AOT artifact on a GPU without TensorRT. Needs an initialised CUDA context on this thread
-    (e.g. any torch CUDA op first); the module is kept loaded for the life of the process.
+    (e.g. any torch CUDA op first). It waits for the kernel (cuStreamSynchronize on ``stream``) and then unloads
+    the module, so a test that launches many kernels does not pile up modules for the life of the process.
+
+    The driver is called through ctypes, not cuda-python's ``cuda.bindings``: these five calls are the only driver
+    use in trtopt (test-side, GPU only), and the runtime needs no CUDA bindings beyond torch and triton.
     """
     import ctypes
 
@@ -222,10 +226,15 @@ def launch_ptx(kernel: PtxKernel, signature: Mapping[str, str], args: list[int],
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
     check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(kernel.ptx.encode() + b"\0")),
           "cuModuleLoadData")
-    check(cuda.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()), "cuModuleGetFunction")
-    values = [ctypes.c_uint64(a) if kind.startswith("*") else ctypes.c_int32(a)
-              for a, kind in zip(args, signature.values())]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    check(cuda.cuLaunchKernel(function, *map(ctypes.c_uint, grid), ctypes.c_uint(kernel.block_x), ctypes.c_uint(1),
-                              ctypes.c_uint(1), ctypes.c_uint(kernel.shared_mem), ctypes.c_void_p(stream), params,
-                              None), "cuLaunchKernel")
+    try:
+        check(cuda.cuModuleGetFunction(ctypes.byref(function), module, kernel.name.encode()), "cuModuleGetFunction")
+        values = [ctypes.c_uint64(a) if kind.startswith("*") else ctypes.c_int32(a)
+                  for a, kind in zip(args, signature.values())]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        check(cuda.cuLaunchKernel(function, *map(ctypes.c_uint, grid), ctypes.c_uint(kernel.block_x),
+                                  ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(kernel.shared_mem),
+                                  ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+        # The module must outlive the kernel: wait for it before unloading.
+        check(cuda.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+    finally:
+        check(cuda.cuModuleUnload(module), "cuModuleUnload")
