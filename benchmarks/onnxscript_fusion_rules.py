@@ -71,7 +71,7 @@ def _run(model: ir.Model, feeds) -> list[np.ndarray] | str:
 
 def main(dirs: list[str]) -> None:
     for d in dirs:
-        model = ir.load(str(Path(d) / "model.onnx"))
+        model = ir.external_data.load_to_model(ir.load(str(Path(d) / "model.onnx")))  # weights in memory for ORT
         cleanup(model)
         opset = model.opset_imports.get("", 0)
         line = [f"{Path(d).name} (opset {opset}):"]

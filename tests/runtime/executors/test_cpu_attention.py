@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from trtopt.plugins.paged_attention.reference import paged_attention_ref
-from trtopt.runtime.executors import cpu_attention
-from trtopt.runtime.executors.cpu_attention import paged_attention_cpu
+from trtopt.plugins.paged_attention import cpu as cpu_attention
+from trtopt.plugins.paged_attention.cpu import paged_attention_cpu
 
 
 def random_step(rng: random.Random, *, num_seqs: int, decode_only: bool, block_size: int, num_blocks: int,
@@ -58,7 +58,7 @@ def test_cpu_path_matches_reference(group, decode_only, dtype):
         attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5, alibi_slopes=torch.zeros(hq))
         ref_cache = cache.clone()
         expected, _ = paged_attention_ref(q, k, v, ref_cache, tables, lens, qsl, slots, **attrs)
-        with unittest.mock.patch("trtopt.runtime.executors.cpu_attention.paged_attention_ref",
+        with unittest.mock.patch("trtopt.plugins.paged_attention.cpu.paged_attention_ref",
                                  side_effect=AssertionError("fell back to the reference")):
             got, returned = paged_attention_cpu(q, k, v, cache, tables, lens, qsl, slots, **attrs)
         assert returned is cache

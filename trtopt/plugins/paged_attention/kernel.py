@@ -81,6 +81,38 @@ def _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_prologue(
+    Q, SeqLens, QueryStartLoc, num_seqs, tile, kvh, stride_qh, stride_qt, stride_qd,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """What program (tile, kvh) works on, shared by the launched kernel and the TensorRT AOT one (trt_aot.py).
+
+    Returns (seq, q_begin, q_first, n_new, seq_len, context, head, row_ok, row, pos, q, q_mask, offs_d). Row m of
+    the tile is token q_first + m // GROUP_PAD of sequence ``seq``, query head kvh·GROUP + m % GROUP_PAD; q is
+    [BLOCK_M, BLOCK_D]. A tile past its sequence's tokens has q_first >= n_new: the caller returns then (its rows
+    are all masked, so nothing here reads out of bounds).
+    """
+    seq = _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(QueryStartLoc + seq)
+    n_new = tl.load(QueryStartLoc + seq + 1) - q_begin
+    q_first = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first token of this tile, local to the sequence
+    seq_len = tl.load(SeqLens + seq)
+    context = seq_len - n_new  # tokens cached before this step
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_first + offs_m // GROUP_PAD
+    head = kvh * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok < n_new) & (offs_m % GROUP_PAD < GROUP)
+    row = (q_begin + tok).to(tl.int64)
+    pos = context + tok  # absolute position of each row's token
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + head[:, None].to(tl.int64) * stride_qh + row[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    return seq, q_begin, q_first, n_new, seq_len, context, head, row_ok, row, pos, q, q_mask, offs_d
+
+
+@triton.jit
 def _attend_key_tiles(
     acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
     k_head, table, start, end, key_end, pos, row_ok, slope, qk_scale, sliding_window,
@@ -158,28 +190,12 @@ def _paged_attn_kernel(
     kvh = tl.program_id(1)
     segment = tl.program_id(2)
 
-    seq = _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q)
-    q_begin = tl.load(QueryStartLoc + seq)
-    n_new = tl.load(QueryStartLoc + seq + 1) - q_begin
-    q_first = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first token of this tile, local to the sequence
+    seq, q_begin, q_first, n_new, seq_len, context, head, row_ok, row, pos, q, q_mask, offs_d = _tile_prologue(
+        Q, SeqLens, QueryStartLoc, num_seqs, tile, kvh, stride_qh, stride_qt, stride_qd,
+        GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D,
+    )
     if q_first >= n_new:
         return
-    seq_len = tl.load(SeqLens + seq)
-    context = seq_len - n_new  # tokens cached before this step
-
-    # Row m of the tile is token q_first + m // GROUP_PAD, query head kvh·GROUP + m % GROUP_PAD.
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = q_first + offs_m // GROUP_PAD
-    head = kvh * GROUP + offs_m % GROUP_PAD
-    row_ok = (tok < n_new) & (offs_m % GROUP_PAD < GROUP)
-    row = (q_begin + tok).to(tl.int64)
-    pos = context + tok  # absolute position of each row's token
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q_mask = row_ok[:, None] & d_ok[None, :]
-    # q: [BLOCK_M, BLOCK_D]
-    q = tl.load(Q + head[:, None].to(tl.int64) * stride_qh + row[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
     if HAS_ALIBI:
         slope = tl.load(Alibi + head, mask=row_ok, other=0.0) * 1.4426950408889634
     else:

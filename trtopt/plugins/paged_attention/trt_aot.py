@@ -17,8 +17,9 @@ AOT contract in tensorrt/plugin/_plugin_class.py, `get_launch_params`):
 5. **Contiguous tensors.** TensorRT hands LINEAR (row-major, dense) buffers, so every stride follows from the
    shapes: the pool's are constexprs, q/k/v/out's head stride is T·D (T an extra arg).
 
-The key-tile loop over cached keys and the sequence search are kernel.py's own `_attend_key_tiles` and
-`_find_sequence`; only the write and the loop over this step's new keys live here. ALiBi: the descs cannot tell
+The tile prologue (which sequence and rows a program owns, q's load) and the key-tile loop over cached keys are
+kernel.py's own `_tile_prologue` and `_attend_key_tiles`; only the write and the loop over this step's new keys
+live here. ALiBi: the descs cannot tell
 the zero initializer (no ALiBi) from real slopes, so the slopes are always applied; zeros add nothing.
 """
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, TypeVar
 import triton
 import triton.language as tl
 
-from trtopt.plugins.paged_attention.kernel import _attend_key_tiles, _find_sequence
+from trtopt.plugins.paged_attention.kernel import _attend_key_tiles, _tile_prologue
 from trtopt.plugins.trt_common import FLOAT_TYPES, dot_precision
 
 _LOG2E = 1.4426950408889634
@@ -129,26 +130,13 @@ def paged_attention_aot_kernel(
     _write_tile_rows(k_new, v_new, CacheOut + kvh.to(tl.int64) * stride_ch, SlotMapping, tile * BLOCK_Q, num_tokens,
                      stride_cb, stride_ckv, stride_co, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_Q)
 
-    seq = _find_sequence(QueryStartLoc, num_seqs, tile, BLOCK_Q)
-    q_begin = tl.load(QueryStartLoc + seq)
-    n_new = tl.load(QueryStartLoc + seq + 1) - q_begin
-    q_first = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first token of this tile, local to the sequence
+    seq, q_begin, q_first, n_new, seq_len, context, head, row_ok, row, pos, q, q_mask, offs_d = _tile_prologue(
+        Q, SeqLens, QueryStartLoc, num_seqs, tile, kvh, stride_h, HEAD_DIM, 1,
+        GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D,
+    )
     if q_first >= n_new:
         return
-    seq_len = tl.load(SeqLens + seq)
-    context = seq_len - n_new  # tokens cached before this step
-
-    # Row m of the tile is token q_first + m // GROUP_PAD, query head kvh·GROUP + m % GROUP_PAD.
-    offs_m = tl.arange(0, BLOCK_M)
-    tok = q_first + offs_m // GROUP_PAD
-    head = kvh * GROUP + offs_m % GROUP_PAD
-    row_ok = (tok < n_new) & (offs_m % GROUP_PAD < GROUP)
-    row = (q_begin + tok).to(tl.int64)
-    pos = context + tok
-    offs_d = tl.arange(0, BLOCK_D)
-    q_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_off = head[:, None].to(tl.int64) * stride_h + row[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0)  # q: [BLOCK_M, BLOCK_D]
+    q_off = head[:, None].to(tl.int64) * stride_h + row[:, None] * HEAD_DIM + offs_d[None, :]  # as q was loaded
     slope = tl.load(Alibi + head, mask=row_ok, other=0.0) * 1.4426950408889634  # log2 units, like the scores
 
     last_tok = tl.minimum(q_first + BLOCK_Q, n_new) - 1

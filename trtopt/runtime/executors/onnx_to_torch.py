@@ -15,8 +15,8 @@ Placement (device != cpu): Shape and Size produce host (CPU) tensors, and a stan
 all host runs on the host too, so shape arithmetic never syncs with the GPU. Host constants stay on the CPU; a
 device op that reads a host value as data gets an explicit transfer (read as a shape-like list it needs none).
 
-trtopt-domain ops dispatch to ``trtopt_ops`` (Triton kernels on CUDA; on CPU, cpu_attention's SDPA path for
-PagedAttention and the torch references for the rest); PagedAttention
+trtopt-domain ops dispatch to ``trtopt_ops`` (Triton kernels on CUDA; on CPU, plugins/paged_attention/cpu.py's
+SDPA path for PagedAttention and the torch references for the rest); PagedAttention
 writes the KV pool passed in as a graph input IN PLACE and returns that same tensor as ``kv_cache_out``. Any other
 model-local function (a trtopt op without a torch implementation) is inlined from its ONNX body.
 """

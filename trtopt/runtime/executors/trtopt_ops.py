@@ -1,5 +1,5 @@
 """trtopt-domain ops for the torch converter: the Triton kernel on CUDA, the torch reference elsewhere (for
-PagedAttention on CPU, cpu_attention's batched SDPA path, which is checked against the reference).
+PagedAttention on CPU, plugins/paged_attention/cpu.py, a batched SDPA path, which is checked against the reference).
 
 The kernel modules import triton at module level, so they are imported lazily and only for CUDA tensors; when
 they are missing (no triton, or a build without them) the reference runs instead, which is always correct, just
@@ -28,7 +28,7 @@ def _impl(op: str, device_type: str) -> Callable[..., object]:
     """The function that runs `op` ("paged_attention", "flash_attention", "rms_norm") for tensors on `device_type`."""
     reference = _impl_reference(op)
     if device_type == "cpu" and op == "paged_attention":
-        from trtopt.runtime.executors.cpu_attention import paged_attention_cpu
+        from trtopt.plugins.paged_attention.cpu import paged_attention_cpu
 
         return paged_attention_cpu
     if device_type != "cuda":

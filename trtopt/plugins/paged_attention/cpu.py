@@ -1,4 +1,4 @@
-"""PagedAttention for the torch executor on CPU: the reference's semantics in far fewer torch calls.
+"""PagedAttention on CPU (the torch executor's path): the reference's semantics in far fewer torch calls.
 
 The torch reference (trtopt.plugins.paged_attention.reference) is the numerical truth but spends ~20 small torch
 calls per sequence and layer; on a 2-core CPU those calls, not the FLOPs, dominate a decode step. Here:
