@@ -113,6 +113,28 @@ def _tile_prologue(
 
 
 @triton.jit
+def _key_range(context, q_first, n_new, seq_len, sliding_window,
+               BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(kv_lo, kv_hi, full_end) of a tile: it needs keys [kv_lo, kv_hi) (causal rows stop at their own position, a
+    window starts later), and keys below full_end are visible to every row of it (causal or not, no window)."""
+    last_tok = tl.minimum(q_first + BLOCK_Q, n_new) - 1
+    if IS_CAUSAL:
+        kv_hi = context + last_tok + 1
+    else:
+        kv_hi = seq_len
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(context + q_first - sliding_window + 1, 0) // TILE_N * TILE_N
+    if IS_CAUSAL and not HAS_WINDOW:
+        full_end = (context + q_first + 1) // TILE_N * TILE_N
+    elif not IS_CAUSAL and not HAS_WINDOW:
+        full_end = seq_len // TILE_N * TILE_N
+    else:
+        full_end = 0
+    return kv_lo, kv_hi, full_end
+
+
+@triton.jit
 def _attend_key_tiles(
     acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
     k_head, table, start, end, key_end, pos, row_ok, slope, qk_scale, sliding_window,
@@ -201,15 +223,8 @@ def _paged_attn_kernel(
     else:
         slope = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # Keys this tile needs: [kv_lo, kv_hi). Causal rows stop at their own position; a window starts later.
-    last_tok = tl.minimum(q_first + BLOCK_Q, n_new) - 1
-    if IS_CAUSAL:
-        kv_hi = context + last_tok + 1
-    else:
-        kv_hi = seq_len
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(context + q_first - sliding_window + 1, 0) // TILE_N * TILE_N
+    kv_lo, kv_hi, full_end = _key_range(context, q_first, n_new, seq_len, sliding_window,
+                                        BLOCK_Q, TILE_N, IS_CAUSAL, HAS_WINDOW)
     num_tiles = tl.cdiv(kv_hi - kv_lo, TILE_N)
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
     seg_lo = kv_lo + segment * tiles_per_segment * TILE_N
@@ -220,14 +235,7 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     k_head = Cache + kvh.to(tl.int64) * stride_ch
-    # Keys below `full_end` are visible to every row of the tile (causal, no window), so those tiles skip the
-    # mask arithmetic; the rest (the diagonal, the window edge, the sequence end) are masked.
-    if IS_CAUSAL and not HAS_WINDOW:
-        full_end = (context + q_first + 1) // TILE_N * TILE_N
-    elif not IS_CAUSAL and not HAS_WINDOW:
-        full_end = seq_len // TILE_N * TILE_N
-    else:
-        full_end = 0
+    # Tiles below `full_end` skip the mask arithmetic; the rest (the diagonal, the window edge, the end) are masked.
     split = tl.maximum(tl.minimum(full_end, seg_hi), seg_lo)
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, k_head, table, seg_lo, split, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,

@@ -17,9 +17,9 @@ AOT contract in tensorrt/plugin/_plugin_class.py, `get_launch_params`):
 5. **Contiguous tensors.** TensorRT hands LINEAR (row-major, dense) buffers, so every stride follows from the
    shapes: the pool's are constexprs, q/k/v/out's head stride is T·D (T an extra arg).
 
-The tile prologue (which sequence and rows a program owns, q's load) and the key-tile loop over cached keys are
-kernel.py's own `_tile_prologue` and `_attend_key_tiles`; only the write and the loop over this step's new keys
-live here. ALiBi: the descs cannot tell
+The tile prologue (which sequence and rows a program owns, q's load), its key range and the key-tile loop over
+cached keys are kernel.py's own `_tile_prologue`, `_key_range` and `_attend_key_tiles`; only the write and the loop
+over this step's new keys live here. ALiBi: the descs cannot tell
 the zero initializer (no ALiBi) from real slopes, so the slopes are always applied; zeros add nothing.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 import triton
 import triton.language as tl
 
-from trtopt.plugins.paged_attention.kernel import _attend_key_tiles, _tile_prologue
+from trtopt.plugins.paged_attention.kernel import _attend_key_tiles, _key_range, _tile_prologue
 from trtopt.plugins.trt_common import FLOAT_TYPES, dot_precision
 
 _LOG2E = 1.4426950408889634
@@ -139,20 +139,8 @@ def paged_attention_aot_kernel(
     q_off = head[:, None].to(tl.int64) * stride_h + row[:, None] * HEAD_DIM + offs_d[None, :]  # as q was loaded
     slope = tl.load(Alibi + head, mask=row_ok, other=0.0) * 1.4426950408889634  # log2 units, like the scores
 
-    last_tok = tl.minimum(q_first + BLOCK_Q, n_new) - 1
-    if IS_CAUSAL:
-        kv_hi = context + last_tok + 1
-    else:
-        kv_hi = seq_len
-    kv_lo = 0
-    if SLIDING_WINDOW > 0:
-        kv_lo = tl.maximum(context + q_first - SLIDING_WINDOW + 1, 0) // TILE_N * TILE_N
-    if IS_CAUSAL and SLIDING_WINDOW == 0:
-        full_end = (context + q_first + 1) // TILE_N * TILE_N
-    elif not IS_CAUSAL and SLIDING_WINDOW == 0:
-        full_end = seq_len // TILE_N * TILE_N
-    else:
-        full_end = 0
+    kv_lo, kv_hi, full_end = _key_range(context, q_first, n_new, seq_len, SLIDING_WINDOW,
+                                        BLOCK_Q, TILE_N, IS_CAUSAL, SLIDING_WINDOW > 0)
     # Cached keys [kv_lo, old_end) come from the pool: whole tiles visible to every row unmasked, the rest masked
     # with key_end = old_end, so no pool position >= context (being written now) is ever read.
     old_end = tl.minimum(kv_hi, context)
