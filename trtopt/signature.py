@@ -72,6 +72,10 @@ def is_kv_input(name: str) -> bool:
     return name.startswith(_KV_INPUT_PREFIX)
 
 
+def is_kv_output(name: str) -> bool:
+    return name.startswith(_KV_OUTPUT_PREFIX)
+
+
 def kv_dims(num_blocks: Dim, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[Dim, ...]:
     """A pool's dims: [num_blocks, 2 (K, V), Hkv, block_size, D], heads-major inside a block; block 0 is null."""
     return (num_blocks, 2, num_kv_heads, block_size, head_dim)

@@ -33,6 +33,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from trtopt import signature
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.ops import DOMAIN
 
@@ -138,7 +139,7 @@ def _weight_shape(node: ir.Node) -> tuple[int, int]:
 
 def _tainted(graph: ir.Graph) -> set[ir.Value]:
     """Values that depend on input_ids (the hidden states), as opposed to positions, tables and constants."""
-    start = [v for v in graph.inputs if v.name == "input_ids"]
+    start = [v for v in graph.inputs if v.name == signature.INPUT_IDS.name]
     seen: set[ir.Value] = set(start)
     for node in graph:  # nodes are in topological order
         if node.op_type in ("Shape", "Size"):  # sizes, not values: shape arithmetic is not hidden state
@@ -371,7 +372,7 @@ def _feeds_logits(node: ir.Node) -> bool:
     frontier, seen = [node.outputs[0]], set()
     while frontier:
         value = frontier.pop()
-        if value.is_graph_output() and value.name == "logits":
+        if value.is_graph_output() and value.name == signature.LOGITS.name:
             return True
         for use in value.uses():
             for out in use.node.outputs:
@@ -493,7 +494,7 @@ def shard_structure(model: ir.Model, size: int) -> ShardResult:
 def _retype_kv_io(model: ir.Model, kv_per_rank: int) -> None:
     """kv_cache.{i} / kv_cache_out.{i} are [num_blocks, 2, Hkv, block, D]: Hkv becomes the per-rank count."""
     for value in [*model.graph.inputs, *model.graph.outputs]:
-        if value.name.startswith(("kv_cache.", "kv_cache_out.")) and value.shape is not None:
+        if (signature.is_kv_input(value.name) or signature.is_kv_output(value.name)) and value.shape is not None:
             dims = list(value.shape)
             dims[2] = kv_per_rank
             value.shape = ir.Shape(dims)
