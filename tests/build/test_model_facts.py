@@ -13,9 +13,9 @@ from trtopt.fusion_passes.context import HeadDims
     # Falcon-7B: multi_query means one KV head although the config carries num_kv_heads = the query heads
     ({"hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 4, "multi_query": True,
       "new_decoder_architecture": False}, HeadDims(4, 1, 16)),
-    # Falcon-40B: the new decoder architecture reads num_kv_heads (multi_query stays True by default)
+    # Falcon-40B: the new decoder architecture broadcasts its num_kv_heads groups to every head before the cache
     ({"hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2, "multi_query": True,
-      "new_decoder_architecture": True}, HeadDims(4, 2, 16)),
+      "new_decoder_architecture": True}, HeadDims(4, 4, 16)),
     ({"hidden_size": 64, "num_attention_heads": 4, "multi_query": False}, HeadDims(4, 4, 16)),  # Falcon-RW
     ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}, HeadDims(4, 2, 16)),  # Llama
     ({"n_embd": 64, "n_head": 4}, HeadDims(4, 4, 16)),  # GPT-2 / BLOOM

@@ -103,5 +103,5 @@ def test_dynamo_export_build_generate_equals_hf(plan_for, arch, exporter):
         assert windows == (8, 0, 8) and built.config.model.sliding_window == 8
     else:
         assert not any(windows)
-    if arch.startswith("falcon"):  # multi_query: one KV head, as the graph has it; new architecture: num_kv_heads
-        assert built.config.model.num_kv_heads == (1 if arch == "falcon-mq" else 2) and not built.notes
+    if arch.startswith("falcon"):  # multi_query: one KV head; new architecture: groups broadcast before the cache
+        assert built.config.model.num_kv_heads == (1 if arch == "falcon-mq" else 4) and not built.notes

@@ -30,10 +30,11 @@ def _first(config: dict, *keys: str):
 
 
 def _kv_heads(config: dict, heads: int | None) -> int | None:
-    """KV heads as each family spells them. Falcon: ``new_decoder_architecture`` reads ``num_kv_heads``; otherwise
-    ``multi_query`` means one KV head (its config still carries ``num_kv_heads`` = the query heads)."""
+    """KV heads of the cache as each family spells them. Falcon: with ``new_decoder_architecture`` HF broadcasts
+    the ``num_kv_heads`` groups to every query head *before* the cache, so the cache has the query heads' count;
+    otherwise ``multi_query`` means one KV head (its config still carries ``num_kv_heads`` = the query heads)."""
     if config.get("new_decoder_architecture"):
-        return config.get("num_kv_heads") or heads
+        return heads
     if config.get("multi_query"):
         return 1
     return _first(config, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num") or heads
