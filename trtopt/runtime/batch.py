@@ -48,10 +48,21 @@ class ScheduledSeq:
     start_pos: int  # tokens already in the cache (== num_computed_tokens before this step)
     block_ids: list[int]  # the block table after allocation (covers start_pos + num_new tokens)
     samples: bool  # True when this chunk reaches the end of the sequence, so a token is sampled
+    # Speculative decoding (runtime/spec_decode): slots reserved after token_ids for up to num_lookahead draft
+    # tokens; the proposer fills spec_token_ids (<= num_lookahead) before the step runs. Each draft token is one
+    # more query row and one more logits row; the KV of the rejected ones is rolled back in Scheduler.update.
+    num_lookahead: int = 0
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
+        """Committed tokens computed this step (draft tokens excluded: they are verified, not committed)."""
         return len(self.token_ids)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Query rows this sequence puts into the step: its new tokens plus its draft tokens."""
+        return len(self.token_ids) + len(self.spec_token_ids)
 
 
 @dataclasses.dataclass
@@ -86,6 +97,9 @@ class StepOutput:
     """Engine -> Scheduler.update: the tokens sampled this step."""
 
     sampled: dict[str, SampledToken]  # request id -> its new token (only sequences that sampled)
+    # Speculating sequences: the accepted draft tokens followed by the one token drawn after them (bonus or
+    # correction), in order; they take the place of `sampled` for those ids.
+    spec_tokens: dict[str, list[SampledToken]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -137,6 +151,11 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
     num_generated_tokens: int
     num_prefix_cache_hit_tokens: int  # prompt tokens served from the prefix cache
+    # Speculative decoding (zeros when it is off): draft tokens verified, those accepted, and accepted counts by
+    # draft position (index j: the (j+1)-th draft token of a step was accepted).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def num_blocks_used(self) -> int:

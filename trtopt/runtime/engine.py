@@ -27,6 +27,7 @@ from trtopt.runtime.request import Request, RequestStatus
 from trtopt.runtime.sampler import Sampler
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.runtime.scheduler import Scheduler
+from trtopt.runtime.spec_decode import SpecDecoder, SpeculativeConfig, create_spec_decoder
 from trtopt.runtime.structured_output import GrammarCompiler, GrammarMatcher
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int | None = None  # seeds draws of requests that have no seed of their own
+    # Speculative decoding: a dict like {"method": "ngram", "num_speculative_tokens": 4} (vLLM's keys), its JSON
+    # text, or a SpeculativeConfig; None = off. See runtime/spec_decode.
+    speculative_config: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,9 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, executor: Executor, plan: PlanConfig, tokenizer: Any = None, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, executor: Executor, plan: PlanConfig, tokenizer: Any = None, config: EngineConfig = EngineConfig(),
+                 *, plan_dir: str | Path | None = None, backend: str = "torch", device: str = "cpu") -> None:
+        """plan_dir/backend/device: where a speculative draft plan is found and how it runs (from_plan passes them)."""
         if plan.kind != "paged":
             raise ConfigError(f"the plan is of kind {plan.kind!r}; LLMEngine runs 'paged' LLM plans built by `trtopt build`.")
         self.plan = plan
@@ -108,15 +114,17 @@ class LLMEngine:
         if hasattr(executor, "capture_decode_graphs"):
             executor.capture_decode_graphs()  # at start-up, not inside the first decode steps
         self.executor = executor
+        self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
+        self.spec = self._create_spec_decoder(config, plan_dir, backend, device)
         self.pool = BlockPool(self.limits.num_blocks, self.limits.block_size, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, copy_blocks=executor.copy_blocks)
+        self.kv = KVCacheManager(self.pool, copy_blocks=self._copy_blocks)
         self.scheduler = Scheduler(
             self.kv,
             max_num_batched_tokens=self.limits.max_num_batched_tokens,
             max_num_seqs=self.limits.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            num_speculative_tokens=self.spec.num_speculative_tokens if self.spec else 0,
         )
-        self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
         self.sampler = Sampler(config.seed)
         self.input_processor = InputProcessor(tokenizer, InputLimits(
             vocab_size=plan.model.vocab_size, max_model_len=self.limits.max_model_len,
@@ -149,7 +157,26 @@ class LLMEngine:
             cuda_graphs = default_cuda_graphs(backend, device)
         executor, plan = open_executor(plan_dir, backend=backend, device=device, cuda_graphs=cuda_graphs,
                                        tensor_parallel_size=tensor_parallel_size)
-        return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config))
+        return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config), plan_dir=plan_dir, backend=backend,
+                   device=device)
+
+    def _create_spec_decoder(self, config: EngineConfig, plan_dir: str | Path | None, backend: str, device: str) -> SpecDecoder | None:
+        spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if spec_config is None:
+            return None
+        spec = create_spec_decoder(
+            spec_config, target=self.executor, plan=self.plan, plan_dir=plan_dir, backend=backend, device=device,
+            input_builder=self.input_builder, max_num_batched_tokens=self.limits.max_num_batched_tokens,
+            max_model_len=self.limits.max_model_len,
+        )
+        spec.proposer.allocate_kv_cache(self.limits.num_blocks)
+        return spec
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write in the target's pools and in a speculative draft's own pools (same block ids)."""
+        self.executor.copy_blocks(pairs)
+        if self.spec is not None:
+            self.spec.proposer.copy_blocks(pairs)
 
     def shutdown(self) -> None:
         """Release the executor's processes (tensor-parallel workers); a no-op for single-device executors."""
@@ -218,6 +245,9 @@ class LLMEngine:
         # params.n <= max_num_seqs here (the input processor checked it), so this loop is short.
         if request_id in self._groups or any(f"{request_id}#{i}" in self.scheduler.requests for i in range(1, params.n)):
             raise RequestError(f"request id {request_id!r} is already in use; give each request a unique id.")
+        if self.spec is not None and (params.logprobs is not None or params.structured_outputs is not None):
+            raise RequestError("logprobs and structured outputs are not available with speculative decoding on; drop "
+                               "them or start the engine without speculative_config.")
 
     # ---- stepping ----------------------------------------------------------------------------------------
 
@@ -235,13 +265,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        requests = self.scheduler.requests
+        try:
+            proposals = self.spec.propose(batch, requests, self.sampler) if self.spec is not None else {}
+        except Exception as e:
+            self.num_consecutive_failed_steps += 1
+            return self._fail_batch(batch, e)
         inputs, batch, failed = self._build_inputs(batch)
         if batch.is_empty:
             return failed  # every sequence left belonged to a request that failed its inputs
         try:
             if isinstance(inputs, Exception):
                 raise inputs
-            logits = self.executor.execute(inputs)  # [N, vocab]
+            logits = self.executor.execute(inputs)  # [N, vocab]; K+1 rows per speculating sequence
+            if self.spec is not None:  # verification (and the plain sampler for the other rows)
+                output, sample_errors = self.spec.sample(logits, batch, requests, proposals, self.sampler), {}
         except WorkerDiedError as e:
             # A tensor-parallel rank is gone for good: every request ends now, and the error escapes so the driver
             # (LLM.generate, the serving loop) stops this engine instead of failing every later step.
@@ -253,17 +291,21 @@ class LLMEngine:
             self.num_consecutive_failed_steps += 1
             return failed + self._fail_batch(batch, e)
         self.num_consecutive_failed_steps = 0
-        ids = batch.sampling_ids
-        reqs = [self.scheduler.requests[i] for i in ids]
-        sampled = self.sampler.sample_each(logits[: len(ids)], reqs) if ids else []
-        tokens = {rid: s for rid, s in zip(ids, sampled) if not isinstance(s, Exception)}
-        changed, errors = self.scheduler.update(batch, StepOutput(sampled=tokens))
-        errors.update((rid, s) for rid, s in zip(ids, sampled) if isinstance(s, Exception))
+        if self.spec is None:
+            ids = batch.sampling_ids
+            reqs = [requests[i] for i in ids]
+            sampled = self.sampler.sample_each(logits[: len(ids)], reqs) if ids else []
+            output = StepOutput(sampled={rid: s for rid, s in zip(ids, sampled) if not isinstance(s, Exception)})
+            sample_errors = {rid: s for rid, s in zip(ids, sampled) if isinstance(s, Exception)}
+        num_generated = len(output.sampled) + sum(len(t) for t in output.spec_tokens.values())
+        changed, errors = self.scheduler.update(batch, output)
+        errors.update(sample_errors)
         if errors:
             failed += self._fail_requests(errors, "sampling or updating")
         self._num_steps += 1
-        self._num_batched_tokens += batch.num_batched_tokens
-        self._num_generated_tokens += len(tokens)
+        # Computed and kept: the scheduled tokens plus the accepted drafts (one per generated token but the last).
+        self._num_batched_tokens += sum(s.num_new_tokens for s in batch.seqs) + num_generated - len(output.sampled) - len(output.spec_tokens)
+        self._num_generated_tokens += num_generated
         return failed + self._outputs(changed)
 
     def _build_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs | Exception, ScheduledBatch, list[RequestOutput]]:
@@ -389,6 +431,9 @@ class LLMEngine:
             num_prompt_tokens=self._num_batched_tokens - self._num_generated_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=s.num_cached_tokens,
+            num_draft_tokens=self.spec.stats.num_draft_tokens if self.spec else 0,
+            num_accepted_tokens=self.spec.stats.num_accepted_tokens if self.spec else 0,
+            num_accepted_per_position=tuple(self.spec.stats.accepted_per_position) if self.spec else (),
         )
 
 

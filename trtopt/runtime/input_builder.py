@@ -15,7 +15,8 @@ class InputBuilder:
 
     def build(self, batch: ScheduledBatch) -> StepInputs:
         """Pack the batch. Block tables are as wide as the longest table this step (<= max_blocks_per_seq),
-        padded with the null block 0. When no sequence samples, logits_indices holds one row (the last
+        padded with the null block 0. A sampling sequence with K draft tokens gets K+1 logits rows (its last
+        committed token and each draft token). When no sequence samples, logits_indices holds one row (the last
         token) so that no executor sees an empty gather; the engine discards it."""
         assert not batch.is_empty, "an empty batch has nothing to run"
         bs = self.block_size
@@ -33,10 +34,11 @@ class InputBuilder:
         total = 0
         for s, seq in enumerate(seqs):
             start, blocks = seq.start_pos, seq.block_ids
-            n = len(seq.token_ids)
+            tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            n = len(tokens)
             end = start + n
             assert len(blocks) * bs >= end, f"{seq.request_id}: {len(blocks)} blocks for {end} tokens"
-            input_ids += seq.token_ids
+            input_ids += tokens
             if n == 1:  # a decode row: the common case, kept free of range objects
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -46,8 +48,8 @@ class InputBuilder:
             total += n
             qsl.append(total)
             seq_lens.append(end)
-            if seq.samples:
-                logits_indices.append(total - 1)
+            if seq.samples:  # one row per draft token verified, plus the row after the last one
+                logits_indices.extend(range(total - 1 - len(seq.spec_token_ids), total))
             tables[s, : len(blocks)] = blocks
         if not logits_indices:
             logits_indices.append(total - 1)

@@ -62,6 +62,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         cached_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for the K/V of tokens [num_computed, num_computed + num_new) of `token_ids`.
 
@@ -69,6 +70,10 @@ class KVCacheManager:
         (num_computed_tokens then already counts them). A block that will be written but is shared with
         another sequence is copied first (copy-on-write). All or nothing: returns the newly taken block
         ids, or None (and changes nothing) when the pool has too few free blocks.
+
+        `num_lookahead_tokens` more slots are made after them for draft tokens (speculative decoding): they are
+        written and copied-on-write like the others, but never hashed into the prefix cache, since only committed
+        tokens may be. `truncate` gives back what the rejected ones did not need.
         """
         assert num_new_tokens >= 1, f"allocate_slots needs >= 1 new token, got {num_new_tokens}"
         assert len(token_ids) >= num_computed_tokens + num_new_tokens, "token ids must cover the tokens to compute"
@@ -76,7 +81,7 @@ class KVCacheManager:
         assert not (cached_blocks and table), f"{request_id}: prefix hits can only seed an empty block table"
         bs = self.block_size
         end = num_computed_tokens + num_new_tokens
-        num_required = -(-end // bs)
+        num_required = -(-(end + num_lookahead_tokens) // bs)
         num_fresh = max(0, num_required - len(table) - len(cached_blocks))
         # Blocks that receive writes this step and that another sequence also holds.
         cow = [i for i in range(num_computed_tokens // bs, min(len(table), num_required)) if self.pool.ref_cnt[table[i]] > 1]
@@ -117,6 +122,21 @@ class KVCacheManager:
             block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(block_hash)
             self.pool.cache_block(table[i], block_hash)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Speculative-decoding rollback: keep only the blocks that hold the first `num_tokens` tokens.
+
+        Blocks past them held nothing but rejected draft tokens (or unused lookahead slots): they go back to the
+        pool, tail first. Rejected tokens left in the last kept block sit past the sequence's length, where the
+        next step overwrites them. None of this can touch a shared or prefix-cached block: draft slots were
+        copied-on-write when allocated, and blocks are hashed only up to committed tokens.
+        """
+        table = self._blocks[request_id]
+        keep = -(-num_tokens // self.block_size)
+        assert len(self._hashes.get(request_id, ())) <= keep, f"{request_id}: a hashed block would be rolled back"
+        if keep < len(table):
+            self.pool.free_blocks(reversed(table[keep:]))
+            del table[keep:]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give child_id the same blocks as parent_id (ref count + 1 each); the first write copies (COW)."""

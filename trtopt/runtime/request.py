@@ -46,6 +46,25 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens proposed (and verified), accepted, and steps that verified drafts.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    def record_speculation(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        self.num_spec_steps += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None before any draft was verified."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens gained per verification step: accepted drafts + the one token drawn after them."""
+        return 1 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -135,6 +135,34 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
                 tokens[rows[sub]] = _draw(cand_logits, cand_ids, u[rows[sub].cpu()])
     return _to_sampled(tokens, raw_logprobs, want_logprobs)
 
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The generator a request draws from: its own (seeded) one, else the engine's."""
+        return request.generator or self._generator
+
+
+def processed_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """[N, vocab] float32: the distribution the sampler draws row i from, given requests[i]'s context.
+
+    The same steps as Sampler.__call__ (min_tokens masking, penalties, temperature, top-k -> top-p -> min-p);
+    a greedy row is one-hot at its argmax. Speculative decoding verifies against, and drafts from, exactly these
+    distributions (runtime/spec_decode/rejection.py), so both sides are processed the same way.
+    """
+    logits = logits.float().clone()
+    vocab = logits.shape[1]
+    t = SamplingTensors.from_requests(requests, vocab, logits.device)
+    _mask_before_min_tokens(logits, requests)
+    _apply_penalties(logits, requests, t)
+    probs = torch.zeros_like(logits)
+    greedy = torch.nonzero(t.temperature <= 0).flatten()
+    if greedy.numel():
+        probs[greedy, logits[greedy].argmax(dim=-1)] = 1.0
+    rows = torch.nonzero(t.temperature > 0).flatten()
+    if rows.numel():
+        x = logits[rows] / t.temperature[rows, None]
+        cand_logits, cand_ids = _candidates(x, t.top_k[rows], t.top_p[rows], t.min_p[rows])
+        probs[rows] = torch.zeros_like(x).scatter_(1, cand_ids, torch.softmax(cand_logits, dim=-1))
+    return probs
+
 
 def _plain_greedy(r: Request) -> bool:
     """Greedy with nothing that changes the argmax or asks for more than the token."""

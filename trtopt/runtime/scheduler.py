@@ -27,9 +27,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
+        num_speculative_tokens: int = 0,
     ) -> None:
-        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1 and num_speculative_tokens >= 0
         self.kv = kv
+        self.num_speculative_tokens = num_speculative_tokens  # K: draft rows reserved per decoding sequence
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -91,16 +93,25 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new >= 1, f"{req} is running with nothing to compute"
-            if not self._allocate_or_preempt(req, num_new, preempted):
+            lookahead = self._num_lookahead(req, num_new, budget)
+            if not self._allocate_or_preempt(req, num_new, preempted, lookahead):
                 break  # req preempted itself: everything after it is already gone too
-            seqs.append(self._scheduled_seq(req, num_new))
-            budget -= num_new
+            seqs.append(self._scheduled_seq(req, num_new, lookahead))
+            budget -= num_new + lookahead
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[str]) -> bool:
+    def _num_lookahead(self, req: Request, num_new: int, budget: int) -> int:
+        """Draft rows for a decoding sequence: K, less where the budget or max_tokens leave less room."""
+        if not self.num_speculative_tokens or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0  # prefilling (or recomputing after a preemption): nothing to verify yet
+        room = req.max_tokens - req.num_output_tokens - 1  # the step adds accepted drafts + one token
+        return max(0, min(self.num_speculative_tokens, budget - num_new, room))
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[str], lookahead: int = 0) -> bool:
         """Allocate req's slots, preempting the newest running requests until it fits. False if req itself went."""
-        while self.kv.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, num_new) is None:
+        while self.kv.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens, num_new,
+                                     num_lookahead_tokens=lookahead) is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -147,7 +158,7 @@ class Scheduler:
         self.num_cached_tokens += num_cached
         return num_new
 
-    def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled_seq(self, req: Request, num_new: int, lookahead: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
         return ScheduledSeq(
             request_id=req.request_id,
@@ -155,6 +166,7 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             samples=start + num_new == req.num_tokens,
+            num_lookahead=lookahead,
         )
 
     # ---- update ------------------------------------------------------------------------------------------
@@ -170,7 +182,7 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished from outside after scheduling
-            if seq.samples and req.request_id not in output.sampled:
+            if seq.samples and req.request_id not in output.sampled and req.request_id not in output.spec_tokens:
                 continue
             try:
                 if self._advance(req, seq, output):
@@ -184,13 +196,32 @@ class Scheduler:
         req.num_computed_tokens += seq.num_new_tokens
         if not seq.samples:
             return False  # a prefill chunk that does not reach the end of the prompt
-        self._append_token(req, output.sampled[req.request_id])
+        tokens = output.spec_tokens.get(req.request_id) or [output.sampled[req.request_id]]
+        status = self._append_run(req, tokens)
         self._fork_siblings(req)
-        status = self._check_stop(req)
+        if seq.spec_token_ids:
+            req.metrics.record_speculation(len(seq.spec_token_ids), len(tokens) - 1)
         if status is not None:
             self.running.remove(req)
             self._finish(req, status)
+        elif seq.num_lookahead:
+            # Rollback: the accepted drafts' K/V stays; blocks holding only rejected drafts go back.
+            self.kv.truncate(req.request_id, req.num_computed_tokens)
         return True
+
+    def _append_run(self, req: Request, tokens: list[SampledToken]) -> RequestStatus | None:
+        """Append tokens one by one, each checked against the stop conditions; what follows a stop is dropped.
+
+        With speculation every token but the last is an accepted draft token, whose K/V this step computed.
+        """
+        for i, token in enumerate(tokens):
+            if i:
+                req.num_computed_tokens += 1  # the previous token was a draft: it is in the cache now
+            self._append_token(req, token)
+            status = self._check_stop(req)
+            if status is not None:
+                return status
+        return None
 
     def _append_token(self, req: Request, token: SampledToken) -> None:
         now = time.monotonic()
