@@ -64,3 +64,38 @@ def test_plan_with_external_data_outside_it_is_one_line_error(built_plan, tmp_pa
         assert result.exit_code == 1, result.output
         assert "BuildError" in result.output and "outside the model directory" in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_generate_with_speculation_prints_acceptance_and_refuses_bad_configs(built_plan, tmp_path):
+    plan = str(built_plan("tiny-llama"))
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    args = ["generate", plan, "-p", "one two one two one two one two", "--max-tokens", "12"]
+    result = runner.invoke(app, [*args, "--speculative-config", spec], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "speculative:" in result.output and "draft tokens accepted" in result.output
+    plain = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert plain.output.split("\n")[1] == result.output.split("\n")[1]  # the same greedy text
+    bad = runner.invoke(app, [*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+    assert bad.exit_code == 1 and "num_speculative_tokens=0" in bad.output and "Traceback" not in bad.output
+    missing = runner.invoke(app, [*args, "--speculative-config",
+                                  f'{{"method": "draft_model", "model": "{tmp_path}/nope", "num_speculative_tokens": 2}}'])
+    assert missing.exit_code == 1 and "does not exist" in missing.output
+
+
+def test_build_draft_layers_writes_a_self_draft_plan_that_speculates(built_plan, tmp_path):
+    from trtopt.build.draft import build_draft_plan
+    from trtopt.build.plan import read_plan
+    from trtopt.runtime.llm import LLM
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    plan = built_plan("tiny-llama")
+    draft = build_draft_plan(plan, 1)
+    assert read_plan(draft).model.num_layers == 1 and (draft / "tokenizer.json").is_file()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = LLM(plan).generate("The capital of France", params)[0].outputs[0].token_ids
+    for spec in ({"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 2},
+                 {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}):
+        llm = LLM(plan, speculative_config=spec)
+        out = llm.generate("The capital of France", params)[0]
+        assert out.outputs[0].token_ids == base
+        assert out.metrics.num_draft_tokens > 0 and llm.engine.stats().num_draft_tokens > 0

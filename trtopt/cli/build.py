@@ -68,6 +68,9 @@ def build(
         help="Shard the plan for N ranks (Megatron-style; writes rank0..rank{N-1}/). Run it with "
         "`trtopt generate/serve --tensor-parallel-size N`.",
     ),
+    draft_layers: list[int] = typer.Option(None, "--draft-layers",
+                                           help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
+                                           "(speculative decoding, method self_draft); repeatable."),
 ):
     """Fuse an exported ONNX model into a plan: attention → trtopt.PagedAttention (KV-cache graphs, rewritten to
     the packed paged signature) or trtopt.FlashAttention (encoders), norms, MatMul+Add. Writes model.onnx,
@@ -88,3 +91,8 @@ def build(
         tensor_parallel=tensor_parallel,
     )
     _print_report(result, explain)
+    if draft_layers:
+        from trtopt.build.draft import build_draft_plan
+
+        for n in draft_layers:
+            console.print(f"self-draft plan of {n} layers: {build_draft_plan(output, n)}")

@@ -32,6 +32,10 @@ def generate(
     seed: int = typer.Option(None, help="Makes sampling reproducible."),
     stop: list[str] = typer.Option(None, "--stop", help="A stop string; repeatable."),
     n: int = typer.Option(1, help="Completions per prompt."),
+    speculative_config: str = typer.Option(None, "--speculative-config",
+                                           help='Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
+                                           '"num_speculative_tokens": 4}\' or \'{"method": "self_draft", "num_layers": 8, '
+                                           '"num_speculative_tokens": 3}\'.'),
 ):
     """Generate text for one or more prompts. A single prompt with n=1 is streamed token by token; with
     several, each completion is printed as it finishes. Timings go to stderr.
@@ -43,6 +47,8 @@ def generate(
         trtopt generate out/plan -p "Once upon a time" -p "The meaning of life is" --max-tokens 64
 
         trtopt generate out/plan -p "Write a haiku" --temperature 0.8 --top-p 0.95 --seed 1 --n 2 --backend onnxruntime
+
+        trtopt generate out/plan -p "Repeat: a b c d e f" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     """
     from trtopt.runtime.llm import LLM
     from trtopt.runtime.sampling_params import SamplingParams
@@ -53,7 +59,7 @@ def generate(
     )
     started = time.perf_counter()
     llm = LLM(plan, backend=backend, device=device, cuda_graphs=False if eager else None,
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config)
     err_console.print(f"loaded {plan} on {backend}/{device} in {time.perf_counter() - started:.1f} s; {_describe(params)}", highlight=False)
     prompts = [_chat(p, system) if chat else p for p in prompt]
     stream = len(prompts) == 1 and n == 1
@@ -65,8 +71,16 @@ def generate(
         console.print()
     num_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     ttft = outs[0].metrics.time_to_first_token
+    st = llm.engine.stats()
+    spec = ""
+    if llm.engine.spec is not None:
+        steps = sum(o.metrics.num_spec_steps for o in outs)
+        spec = (f"; speculative: {st.num_accepted_tokens}/{st.num_draft_tokens} draft tokens accepted "
+                f"({st.num_accepted_tokens / max(st.num_draft_tokens, 1):.0%}), "
+                f"{1 + st.num_accepted_tokens / max(steps, 1):.2f} tokens per verification step")
     err_console.print(
-        f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tok/s); first token after {ttft:.2f} s", highlight=False
+        f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tok/s); first token after {ttft:.2f} s{spec}",
+        highlight=False,
     )
 
 

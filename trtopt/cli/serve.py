@@ -36,6 +36,10 @@ def serve(
                                            help="Seconds SIGTERM/SIGINT may take: in-flight requests are aborted at "
                                            "once and the process exits within about this long."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+    speculative_config: str = typer.Option(None, "--speculative-config",
+                                           help='Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
+                                           '"num_speculative_tokens": 4}\' or \'{"method": "self_draft", "num_layers": 8, '
+                                           '"num_speculative_tokens": 3}\'.'),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
     `stream: true`), /health and /metrics (Prometheus). Requests are batched continuously by one engine.
@@ -58,6 +62,7 @@ def serve(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
         tensor_parallel_size=tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
+        speculative_config=speculative_config,
     )
     name = model_name or Path(plan).resolve().name
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics)

@@ -103,6 +103,10 @@ class Sampler:
                 u[i] = torch.rand(1, generator=r.generator or self._generator)
         return u
 
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The generator a request draws from: its own (seeded) one, else the engine's."""
+        return request.generator or self._generator
+
 
 def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
             grammar_masker: GrammarMasker | None = None) -> list[SampledToken]:
@@ -134,10 +138,6 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
                 cand_logits, cand_ids = _candidates(x[sub], top_k[sub], top_p[sub], min_p[sub])  # [M, K]
                 tokens[rows[sub]] = _draw(cand_logits, cand_ids, u[rows[sub].cpu()])
     return _to_sampled(tokens, raw_logprobs, want_logprobs)
-
-    def generator_for(self, request: Request) -> torch.Generator:
-        """The generator a request draws from: its own (seeded) one, else the engine's."""
-        return request.generator or self._generator
 
 
 def processed_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -64,6 +64,16 @@ class _EngineCollector(Collector):
                                   value=s.num_prompt_tokens + s.num_prefix_cache_hit_tokens)
         yield CounterMetricFamily("trtopt_prefix_cache_hits", "prompt tokens found in the prefix cache",
                                   value=s.num_prefix_cache_hit_tokens)
+        # Speculative decoding (vLLM's spec_decode counters): zeros when it is off.
+        yield CounterMetricFamily("trtopt_spec_decode_num_draft_tokens", "draft tokens proposed and verified",
+                                  value=s.num_draft_tokens)
+        yield CounterMetricFamily("trtopt_spec_decode_num_accepted_tokens", "draft tokens accepted",
+                                  value=s.num_accepted_tokens)
+        per_pos = CounterMetricFamily("trtopt_spec_decode_num_accepted_tokens_per_pos",
+                                      "draft tokens accepted, by position in the draft (0 = first)", labels=["position"])
+        for position, count in enumerate(s.num_accepted_per_position):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
 
 
 class ServingMetrics:
