@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -112,6 +113,9 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float)
     join the group, load its rank's plan, mirror the driver's commands until "stop"."""
     from trtopt.runtime.executors.torch_executor import TorchExecutor
 
+    # Ctrl-C reaches the terminal's whole process group: the driver decides when workers stop ("stop", or its
+    # death, which fails the next collective here), so a worker must not die of it mid-collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not str(device).startswith("cuda"):
         torch.set_num_threads(cpu_threads_per_rank(size))
