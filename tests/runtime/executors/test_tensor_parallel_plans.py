@@ -128,3 +128,19 @@ def test_all_reduce_torch_face_checks_the_group_size():
     assert all_reduce_ref(x, world_size=1) is x  # a group of one: the sum is the value
     with pytest.raises(RuntimeError, match="sharded for 2 ranks but runs in a group of 1"):
         all_reduce_ref(x, world_size=2)
+
+
+def test_cli_build_prints_the_layout_and_explains_what_stayed_whole(export_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from trtopt.cli.main import app
+
+    result = CliRunner().invoke(app, ["build", str(export_dir("tiny-llama")), "-o", str(tmp_path / "p"),
+                                      "--tensor-parallel", "2", "--explain"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "sharded for 2 rank(s): 2/1 heads per rank" in out and "4 all-reduces per step" in out
+    assert "tensor_parallel | " in out and "not sharded: LM head: replicated" in out
+    result = CliRunner().invoke(app, ["build", str(export_dir("tiny-llama")), "-o", str(tmp_path / "q"), "--tp", "3"])
+    assert result.exit_code != 0 and "num_heads 4 is not a multiple of --tensor-parallel 3" in result.output
+    assert "Traceback" not in result.output
