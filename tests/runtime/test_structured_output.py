@@ -152,3 +152,17 @@ def test_masker_touches_only_constrained_rows(smollm2):
     allowed = {t for t in range(vocab) if masked[1, t] > float("-inf")}
     assert allowed and all(any(w.startswith(tok.decode([t])) for w in ("yes", "no")) for t in allowed)
     assert torch.equal(masked[1] > float("-inf"), masked[3] > float("-inf"))
+
+
+def test_speculative_decoding_refuses_structured_output():
+    """Draft tokens are proposed without the grammar, so the combination is refused up front (not rolled back)."""
+    from echo_model import EchoExecutor, make_plan
+
+    from trtopt.runtime.engine import EngineConfig, LLMEngine
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine = LLMEngine(EchoExecutor(4), make_plan(block_size=4, max_num_tokens=64, max_num_seqs=4, max_model_len=64),
+                       None, EngineConfig(num_blocks=32, speculative_config=spec))
+    with pytest.raises(RequestError, match="structured outputs are not available with speculative decoding"):
+        engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert not engine.has_unfinished_requests()
