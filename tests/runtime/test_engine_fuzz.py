@@ -32,13 +32,16 @@ class _Open:
 
 
 class Fuzzer:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, spec: bool = False) -> None:
         self.rnd = random.Random(seed)
+        self.spec = spec  # speculative decoding (n-gram, random K): greedy output must still equal the reference
         num_blocks = self.rnd.choice([11, 14, 20, 40])  # 11: room for one full-length sequence, so preemption is common
         plan = make_plan(block_size=BLOCK, max_num_tokens=self.rnd.choice([8, 8, 16, 64]), max_num_seqs=8,
                          max_model_len=MAX_MODEL_LEN)
         self.ex = EchoExecutor(BLOCK)
-        self.engine = LLMEngine(self.ex, plan, None, EngineConfig(num_blocks=num_blocks,
+        spec_config = {"method": "ngram", "num_speculative_tokens": self.rnd.randint(1, 4), "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 3} if spec else None
+        self.engine = LLMEngine(self.ex, plan, None, EngineConfig(num_blocks=num_blocks, speculative_config=spec_config,
                                                                   enable_prefix_caching=self.rnd.random() < 0.8))
         self.bad_inputs: set[str] = set()  # sequence ids whose inputs cannot be built (an injected fault)
         build = self.engine.input_builder.build
@@ -91,7 +94,7 @@ class Fuzzer:
         params = SamplingParams(
             n=rnd.randint(1, 4), temperature=0.0 if greedy else 0.8, top_k=rnd.choice([0, 5]),
             seed=rnd.randint(0, 100) if rnd.random() < 0.5 else None, max_tokens=rnd.randint(1, 12),
-            ignore_eos=rnd.random() < 0.5, logprobs=rnd.choice([None, None, 2]))
+            ignore_eos=rnd.random() < 0.5, logprobs=None if self.spec else rnd.choice([None, None, 2]))
         self.engine.add_request(rid, prompt, params)
         self.open[rid] = _Open(prompt, params)
         self.counts["add"] += 1
@@ -163,11 +166,12 @@ def _moment(leader) -> str:
     return "mid_decode" if running else "queued"  # waiting (new or preempted) or already finished while its siblings run
 
 
-def run(seed: int, num_ops: int) -> dict[str, int]:
-    fuzz = Fuzzer(seed)
+def run(seed: int, num_ops: int, spec: bool = False) -> dict[str, int]:
+    fuzz = Fuzzer(seed, spec)
     for _ in range(num_ops):
         fuzz.op()
     fuzz.drain()
+    fuzz.counts["draft_tokens"] = fuzz.engine.stats().num_draft_tokens
     return fuzz.counts
 
 
@@ -175,6 +179,12 @@ def run(seed: int, num_ops: int) -> dict[str, int]:
 def test_engine_fuzz(seed):
     counts = run(seed, 300)
     assert counts["checked"] > 5 and counts["abort"] > 5 and counts["error"] > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_engine_fuzz_with_speculation(seed):
+    counts = run(seed, 300, spec=True)
+    assert counts["checked"] > 5 and counts["abort"] > 5 and counts["error"] > 0 and counts["draft_tokens"] > 20
 
 
 @pytest.mark.slow

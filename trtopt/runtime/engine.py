@@ -279,7 +279,7 @@ class LLMEngine:
                 raise inputs
             logits = self.executor.execute(inputs)  # [N, vocab]; K+1 rows per speculating sequence
             if self.spec is not None:  # verification (and the plain sampler for the other rows)
-                output, sample_errors = self.spec.sample(logits, batch, requests, proposals, self.sampler), {}
+                output, sample_errors = self.spec.sample(logits, batch, requests, proposals, self.sampler)
         except WorkerDiedError as e:
             # A tensor-parallel rank is gone for good: every request ends now, and the error escapes so the driver
             # (LLM.generate, the serving loop) stops this engine instead of failing every later step.

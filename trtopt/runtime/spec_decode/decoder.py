@@ -66,8 +66,11 @@ class SpecDecoder:
         return proposals
 
     def sample(self, logits: torch.Tensor, batch: ScheduledBatch, requests: Mapping[str, Request],
-               proposals: Mapping[str, Proposal], sampler: Sampler) -> StepOutput:
-        """Logits rows -> the StepOutput: verification for speculating sequences, the sampler for the others."""
+               proposals: Mapping[str, Proposal], sampler: Sampler) -> tuple[StepOutput, dict[str, Exception]]:
+        """Logits rows -> the StepOutput: verification for speculating sequences, the sampler for the others.
+
+        A sequence whose sampling or verification raises is left out of the output and returned with its error
+        (the engine ends that request; the others go on), as Sampler.sample_each does."""
         plain_rows, plain_reqs, spans = [], [], []
         row = 0
         for seq in batch.seqs:
@@ -81,21 +84,29 @@ class SpecDecoder:
                 plain_rows.append(row)
                 plain_reqs.append(req)
                 row += 1
-        output = StepOutput(sampled={})
+        output, errors = StepOutput(sampled={}), {}
         if plain_reqs:
-            sampled = sampler(logits[torch.tensor(plain_rows)], plain_reqs)
-            output.sampled = {r.request_id: t for r, t in zip(plain_reqs, sampled)}
+            sampled = sampler.sample_each(logits[torch.tensor(plain_rows)], plain_reqs)
+            for r, t in zip(plain_reqs, sampled):
+                if isinstance(t, Exception):
+                    errors[r.request_id] = t
+                else:
+                    output.sampled[r.request_id] = t
         argmax = logits.argmax(dim=-1).tolist() if any(_plain_greedy(r) for r, _, _ in spans) else None
         for req, drafts, start in spans:
             k = len(drafts)
-            if _plain_greedy(req):
-                tokens, accepted = greedy_verify(argmax[start : start + k + 1], drafts)
-            else:
-                p = target_probs_for(logits[start : start + k + 1], req, drafts)
-                tokens, accepted = verify_one(p, drafts, proposals[req.request_id].probs, sampler.generator_for(req))
+            try:
+                if _plain_greedy(req):
+                    tokens, accepted = greedy_verify(argmax[start : start + k + 1], drafts)
+                else:
+                    p = target_probs_for(logits[start : start + k + 1], req, drafts)
+                    tokens, accepted = verify_one(p, drafts, proposals[req.request_id].probs, sampler.generator_for(req))
+            except Exception as e:  # this request's own parameters: it ends with an error, the others go on
+                errors[req.request_id] = e
+                continue
             output.spec_tokens[req.request_id] = [SampledToken(token_id=t) for t in tokens]
             self.stats.record(k, accepted)
-        return output
+        return output, errors
 
 
 def _plain_greedy(req: Request) -> bool:
