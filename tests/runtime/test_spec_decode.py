@@ -347,3 +347,20 @@ def test_smollm2_greedy_identity(smol, name, spec, cfg):
         assert st.num_preemptions > 0
     if spec["method"] != "ngram" and spec.get("num_layers", 20) == 20 or "draft" in name and "20" in str(spec):
         assert st.num_accepted_tokens > 0  # 20 of 30 layers guess some tokens right
+
+
+def test_prometheus_exports_draft_and_accepted_counters():
+    from prometheus_client import generate_latest
+
+    from trtopt.serving.metrics import ServingMetrics
+
+    engine, _ = make_engine({**NGRAM, "num_speculative_tokens": 4})
+    engine.spec.proposer = _OracleProposer()
+    engine.add_request("a", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    run_all(engine)
+    st = engine.stats()
+    assert st.num_draft_tokens == st.num_accepted_tokens > 0 and st.num_accepted_per_position[0] > 0
+    text = generate_latest(ServingMetrics(engine.stats).registry).decode()
+    assert f"trtopt_spec_decode_num_draft_tokens_total {float(st.num_draft_tokens)}" in text
+    assert f"trtopt_spec_decode_num_accepted_tokens_total {float(st.num_accepted_tokens)}" in text
+    assert f'trtopt_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {float(st.num_accepted_per_position[0])}' in text
