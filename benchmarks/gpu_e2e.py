@@ -85,8 +85,9 @@ def sync(device: torch.device) -> None:
 
 # ---- the model -------------------------------------------------------------------------------------------------
 
-def make_hf_dir(out: Path, shape: Shape, device: torch.device) -> int:
-    """A random-weight bf16 LlamaForCausalLM saved at `out`. Returns its parameter count (tied counted once)."""
+def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
+    """A random-weight LlamaForCausalLM (bf16 by default) saved at `out`. Returns its parameter count (tied counted
+    once)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -96,14 +97,31 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device) -> int:
     )
     torch.manual_seed(0)
     with torch.device(device):  # initialising 1.2B parameters on the GPU takes a second, on the CPU a minute
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(dtype)
     n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
     model.save_pretrained(out)
     del model
     return n
 
 
-def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int) -> tuple[Path, Path, int, dict]:
+def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
+    """An ablation plan: the same export built with one plan-level fusion pass turned off."""
+    import importlib
+
+    from trtopt.build.builder import build_plan
+
+    module = importlib.import_module(f"trtopt.fusion_passes.{rule}")
+    name = f"fuse_{rule}"
+    original = getattr(module, name)
+    setattr(module, name, lambda *a, **k: 0)  # the pipeline imports the rule at call time
+    try:
+        build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits)
+    finally:
+        setattr(module, name, original)
+
+
+def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
+          ablate: tuple[str, ...] = ()) -> tuple[Path, Path, int, dict]:
     from trtopt.build.builder import build_plan
     from trtopt.build.plan import Limits
     from trtopt.export import export_model
@@ -120,10 +138,13 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int) -> 
     times["export_s"] = time.perf_counter() - t
     log(f"exported ({times['export_s']:.1f} s)")
     t = time.perf_counter()
-    result = build_plan(onnx_dir, plan_dir, force=True, progress=False,
-                        limits=Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048))
+    limits = Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048)
+    result = build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits)
     times["build_s"] = time.perf_counter() - t
     log(f"built: {result.report.counts} ({times['build_s']:.1f} s)")
+    for rule in ablate:
+        build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
+        log(f"built the ablation plan without {rule}")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
     return hf_dir, plan_dir, params, times
 
@@ -146,12 +167,11 @@ class StepTimer:
         executor = engine.executor
         inner_execute = executor.execute
 
-        from trtopt.runtime.executors.cuda_graphs import is_decode_step
-
-        graphs = getattr(executor, "decode_graphs", None)
+        graphs = getattr(executor, "graphs", None)
 
         def execute(step):
             start = time.perf_counter()
+            replayed = graphs.num_replayed if graphs else 0
             if self.cuda:
                 a = torch.cuda.Event(enable_timing=True)
                 b = torch.cuda.Event(enable_timing=True)
@@ -159,7 +179,7 @@ class StepTimer:
             logits = inner_execute(step)
             if self.cuda:
                 b.record()
-                self.events.append((a, b, bool(graphs and graphs.enabled and is_decode_step(step))))
+                self.events.append((a, b, bool(graphs and graphs.num_replayed > replayed)))
             self.execute_wall += time.perf_counter() - start
             return logits
 
@@ -227,9 +247,47 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         "steps": steps, "mean_running": sum(batch_sizes) / max(1, len(batch_sizes)),
         "gpu_busy_s": gpu, "gpu_busy_frac": gpu / wall if gpu else None,
         "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
-        "cuda_graphs": bool(getattr(engine.executor, "decode_graphs", None) and engine.executor.decode_graphs.enabled),
+        "cuda_graphs": bool(getattr(engine.executor, "graphs", None) and engine.executor.graphs.enabled),
         **split,
     }
+
+
+def _fill_by_pad_step(graphs, step, bucket) -> None:
+    """Ablation of StepGraphs._fill: the step padded into new CPU tensors (pad_step) and copied from pageable memory,
+    as the first version of every-step graphs did."""
+    from trtopt.runtime.executors.cuda_graphs import pad_step
+
+    padded = pad_step(step, bucket, graphs.max_blocks_per_seq)
+    for name, view in graphs._views(bucket).items():
+        view.copy_(getattr(padded, name), non_blocking=True)
+
+
+def timed_workload(executor, plan, requests, *, max_batch: int, wave: int | None, kv_gb: float, device: torch.device,
+                   variant: str = "default") -> dict:
+    """One engine at `max_batch`: a warm-up pass of the whole workload, then the timed pass. `variant` ablates:
+    "decode_only" graphs only steps of one token per sequence; "pad_step" stages inputs the unpinned way."""
+    engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb)
+    graphs = getattr(executor, "graphs", None)
+    if graphs is not None:
+        graphs.decode_only = variant == "decode_only"
+        if variant == "pad_step":
+            graphs._fill = lambda step, bucket: _fill_by_pad_step(graphs, step, bucket)
+    # Warm-up: the whole workload once, so that every prefill shape's Triton and cuBLAS kernels are compiled and
+    # chosen before the timed pass (a first pass measured 100 ms eager steps against 35 ms warm on the H200).
+    run_engine(engine, requests, wave=wave, device=device)
+    gc.collect()
+    gc.freeze()  # as `trtopt serve` does after start-up
+    try:
+        r = run_engine(engine, requests, wave=wave, device=device)
+    finally:
+        gc.unfreeze()
+    r["max_batch"] = max_batch
+    report = graphs.capture_report if graphs is not None else None
+    if report is not None:
+        r["graph_capture"] = {"graphs": report.num_graphs, "seconds": report.seconds,
+                              "pool_MiB": report.pool_bytes / 2**20,
+                              "max_tokens": graphs.buckets[-1].num_tokens}
+    return r
 
 
 def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 256, prompt_len: int = 128) -> dict:
@@ -251,7 +309,7 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
     timer.restore()
     decode_steps = len(stamps) - 1  # the first step was the prefill
     wall = stamps[-1] - stamps[0]
-    graphs = getattr(engine.executor, "decode_graphs", None)
+    graphs = getattr(engine.executor, "graphs", None)
     return {
         "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": decode_steps / wall,
         "ms_per_token": wall / decode_steps * 1e3,
@@ -267,7 +325,7 @@ def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4) -> 
 
     from trtopt.runtime.sampling_params import SamplingParams
 
-    graphs = getattr(engine.executor, "decode_graphs", None)
+    graphs = getattr(engine.executor, "graphs", None)
     if device.type != "cuda" or graphs is None:
         return None
     engine.add_request("prof", {"prompt_token_ids": list(range(3, 67))},
@@ -296,12 +354,15 @@ def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4) -> 
 
 def graph_replay_ms(engine, device: torch.device) -> float | None:
     """Device time of one replay of the batch-1 decode graph (the model alone, no engine)."""
-    graphs = getattr(engine.executor, "decode_graphs", None)
-    if device.type != "cuda" or not graphs or 1 not in graphs._captured:
+    from trtopt.runtime.executors.cuda_graphs import GraphBucket
+
+    graphs = getattr(engine.executor, "graphs", None)
+    one = GraphBucket(1, 1, 1)
+    if device.type != "cuda" or not graphs or one not in graphs._captured:
         return None
     import triton.testing
 
-    return triton.testing.do_bench(graphs._captured[1].graph.replay, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(graphs._captured[one].replay, warmup=50, rep=300, return_mode="median")
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
@@ -401,8 +462,9 @@ def main() -> None:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128, 256],
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
-    ap.add_argument("--ablation-repeats", type=int, default=1, help="passes of the graph-bucket ablation")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous"])
+    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul"],
+                    help="plan-level fusion passes to measure at batch 1 with and without, same run")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/gpu_e2e_<gpu>.json)")
     args = ap.parse_args()
 
@@ -417,7 +479,7 @@ def main() -> None:
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
     args.work.mkdir(parents=True, exist_ok=True)
-    hf_dir, plan_dir, params, build_times = build(args.work, shape, device, args.max_num_seqs)
+    hf_dir, plan_dir, params, build_times = build(args.work, shape, device, args.max_num_seqs, tuple(args.ablate))
 
     from trtopt.build.plan import read_plan
     from trtopt.runtime.executors import create_executor
@@ -435,6 +497,12 @@ def main() -> None:
         "shape": dataclasses.asdict(shape), "params": params, "setup": build_times,
         "workload_spec": dataclasses.asdict(spec),
     }
+    out = args.out or DOCS / f"gpu_e2e_{'tiny_' if args.tiny else ''}{gpu_name.split()[-1].lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section, so that a run cut short keeps what it measured
+        out.write_text(json.dumps(data, indent=2) + "\n")
+
     import triton  # the CUDA kernels need it; the CPU smoke run has it too
 
     data["machine"]["triton"] = triton.__version__
@@ -449,70 +517,66 @@ def main() -> None:
         b1["copy_bandwidth_Bps"] = copy_bandwidth(device)
         b1["graph_replay_ms"] = graph_replay_ms(engine, device)
         b1["profile_eager"] = profile_decode(engine, shape.vocab, device)
-        if device.type == "cuda":
-            # Ablation, same run: the batch-1 graph with RMSNorm as the torch reference instead of the Triton kernel.
-            from trtopt.runtime.executors import trtopt_ops
-
-            kernel_impl = trtopt_ops._impl
-            trtopt_ops._impl = lambda op, dev: (trtopt_ops._impl_reference(op) if op == "rms_norm" else kernel_impl(op, dev))
-            try:
-                ablation = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
-                b1["graph_replay_ms_rms_norm_reference"] = graph_replay_ms(ablation, device)
-                del ablation
-            finally:
-                trtopt_ops._impl = kernel_impl
         if b1["copy_bandwidth_Bps"]:
             b1["roofline_tok_s"] = b1["copy_bandwidth_Bps"] / b1["bytes_per_step"]
             b1["fraction_of_roofline"] = b1["decode_tok_s"] / b1["roofline_tok_s"]
         data["batch1"] = b1
+        graphs = getattr(executor, "graphs", None)
+        if graphs is not None and graphs.capture_report is not None:
+            report = graphs.capture_report
+            b1["graph_capture"] = {"graphs": report.num_graphs, "seconds": report.seconds,
+                                   "pool_MiB": report.pool_bytes / 2**20, "max_tokens": graphs.buckets[-1].num_tokens}
+        del engine
+        ablations = data["fusion_ablation"] = {"with_all": {
+            k: b1.get(k) for k in ("decode_tok_s", "ms_per_token", "graph_replay_ms")}}
+        ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
+        for rule in args.ablate:
+            plan_x = read_plan(args.work / f"plan-without-{rule}")
+            executor_x = create_executor("torch", args.work / f"plan-without-{rule}", plan_x, device=str(device),
+                                         cuda_graphs=device.type == "cuda")
+            engine = make_engine(executor_x, plan_x, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
+            bx = batch1_decode(engine, shape.vocab, device)
+            bx["graph_replay_ms"] = graph_replay_ms(engine, device)
+            bx["kernels_per_step"] = ((profile_decode(engine, shape.vocab, device) or {}).get("kernels_per_step"))
+            ablations[f"without_{rule}"] = bx
+            log(f"batch 1 without {rule}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
+                f"{bx['graph_replay_ms'] or 0:.3f} ms, {bx['kernels_per_step']} kernels/step")
+            del engine, executor_x
+            # The same run's plan again, right after, to see the spread between passes.
+            engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
+            ablations[f"with_all_again_after_{rule}"] = {"graph_replay_ms": graph_replay_ms(engine, device),
+                                                          **batch1_decode(engine, shape.vocab, device)}
+            del engine
         log(f"batch 1: {b1['decode_tok_s']:.0f} tok/s ({b1['ms_per_token']:.3f} ms/token, GPU "
             f"{b1['gpu_ms_per_token'] or 0:.3f} ms, graph replay {b1['graph_replay_ms'] or 0:.3f} ms); roofline "
             f"{b1.get('roofline_tok_s', 0):.0f} tok/s")
-        del engine
+        save()
 
     workload: dict = {"hf": []}
     data["workload"] = workload
     runs = []
     if "static" not in args.skip:
-        runs.append(("static", args.max_batch, args.max_batch))
+        runs.append(("static", args.max_batch, args.max_batch, "default"))
     if "continuous" not in args.skip:
-        runs += [("continuous", args.max_batch, None), ("continuous_max", args.max_num_seqs, None)]
-    for key, max_batch, wave in runs:
-        engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=args.kv_gb)
-        # Warm-up: the whole workload once, so that every prefill shape's Triton and cuBLAS kernels are compiled
-        # and chosen before the timed pass (a server does this once at start-up; a first pass measured 100 ms
-        # eager steps against 35 ms warm on the H200).
-        run_engine(engine, requests, wave=wave, device=device)
-        gc.collect()
-        r = run_engine(engine, requests, wave=wave, device=device)
-        r["max_batch"] = max_batch
+        runs += [("continuous", args.max_batch, None, "default"), ("continuous_max", args.max_num_seqs, None, "default")]
+        if device.type == "cuda" and "ablation" not in args.skip:
+            # Ablations, same run: only steps of one token per sequence graphed (the rule before issue 11), so
+            # every step that admits a request runs eagerly; and the unpinned input staging. Then the defaults
+            # again, to see the spread between passes.
+            for variant in ("decode_only", "pad_step"):
+                runs += [(f"continuous_{variant}", args.max_batch, None, variant),
+                         (f"continuous_max_{variant}", args.max_num_seqs, None, variant)]
+            runs += [("continuous_again", args.max_batch, None, "default"),
+                     ("continuous_max_again", args.max_num_seqs, None, "default")]
+    for key, max_batch, wave, variant in runs:
+        r = timed_workload(executor, plan, requests, max_batch=max_batch, wave=wave, kv_gb=args.kv_gb,
+                           device=device, variant=variant)
         workload[key] = r
         log(f"trtopt {key} (max batch {max_batch}): {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
-            f"{r['steps']} steps, mean running {r['mean_running']:.0f}, GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%")
-        del engine
-
-    graphs = getattr(executor, "decode_graphs", None)
-    if graphs is not None and "continuous" not in args.skip:
-        # Ablation, same run: decode graphs at powers of two only (the buckets before this benchmark's session),
-        # alternating with the default buckets `--ablation-repeats` times, to see the spread between passes.
-        default = graphs.buckets
-        pow2 = tuple(sorted({min(2**i, args.max_num_seqs) for i in range(10) if 2**(i - 1) < args.max_num_seqs}))
-        passes = workload["bucket_ablation"] = []
-        try:
-            for rep in range(args.ablation_repeats):
-                for name, buckets in (("pow2", pow2), ("default", default)):
-                    graphs.buckets = buckets
-                    engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=args.kv_gb)
-                    run_engine(engine, requests, wave=None, device=device)  # warm-up, as above
-                    gc.collect()
-                    r = run_engine(engine, requests, wave=None, device=device)
-                    r.update(max_batch=args.max_num_seqs, buckets_name=name, buckets=list(buckets), repeat=rep)
-                    passes.append(r)
-                    log(f"trtopt continuous {args.max_num_seqs}, {name} buckets, pass {rep}: "
-                        f"{r['output_tok_s']:.0f} output tok/s, host {r['host_ms_per_step']:.2f} ms/step")
-                    del engine
-        finally:
-            graphs.buckets = default
+            f"{r['steps']} steps, mean running {r['mean_running']:.0f}, GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%, "
+            f"eager steps {r.get('eager_steps')}")
+        save()
+    graphs = getattr(executor, "graphs", None)
     del executor, graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -531,11 +595,13 @@ def main() -> None:
     if "static" in workload and "continuous" in workload:
         ratios["continuous_vs_static_same_max_batch"] = (workload["continuous"]["output_tok_s"]
                                                          / workload["static"]["output_tok_s"])
+    for key in ("continuous", "continuous_max"):
+        if f"{key}_decode_only" in workload:
+            ratios[f"{key}_every_step_graphed_vs_decode_only"] = (workload[key]["output_tok_s"]
+                                                                  / workload[f"{key}_decode_only"]["output_tok_s"])
     data["ratios"] = ratios
 
-    out = args.out or DOCS / f"gpu_e2e_{'tiny_' if args.tiny else ''}{gpu_name.split()[-1].lower()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2) + "\n")
+    save()
     if "batch1" in data and "roofline_tok_s" in data["batch1"] and workload.get("continuous_max"):
         plot(data, out.with_suffix(".png"))
 
@@ -550,16 +616,15 @@ def main() -> None:
         print(f"eager batch-1 decode step: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of kernels")
         for k in prof["top"][:10]:
             print(f"   {k['us_per_step']:8.1f} us  {k['per_step']:6.1f}x  {k['name'][:70]}")
-    if data.get("batch1", {}).get("graph_replay_ms_rms_norm_reference"):
-        print(f"graph replay: {data['batch1']['graph_replay_ms']:.3f} ms with the RMSNorm kernel, "
-              f"{data['batch1']['graph_replay_ms_rms_norm_reference']:.3f} ms with the torch reference")
+    for name, r in data.get("fusion_ablation", {}).items():
+        print(f"batch-1 {name:<40} {r.get('decode_tok_s') or 0:8.0f} tok/s   graph replay {r.get('graph_replay_ms') or 0:.3f} ms"
+              f"   kernels/step {r.get('kernels_per_step')}")
     for r in workload["hf"]:
         print(f"HF static {r['batch']:<4}       {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s")
-    rows = [(key, workload[key]) for key in ("static", "continuous", "continuous_max") if key in workload]
-    rows += [(f"{r['buckets_name']}#{r['repeat']}", r) for r in workload.get("bucket_ablation", [])]
+    rows = [(key, r) for key, r in workload.items() if key != "hf"]
     for key, r in rows:
         if True:
-            print(f"trtopt {key:<15}  {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s   "
+            print(f"trtopt {key:<34}  {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s   "
                   f"max batch {r['max_batch']}  steps {r['steps']}  host {r['host_ms_per_step'] or 0:.2f} ms/step  "
                   f"GPU/step graphed {r.get('graphed_gpu_ms_per_step') or 0:.2f} ms x{r.get('graphed_steps', 0)}, "
                   f"eager {r.get('eager_gpu_ms_per_step') or 0:.2f} ms x{r.get('eager_steps', 0)}")

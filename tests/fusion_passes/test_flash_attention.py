@@ -128,7 +128,8 @@ def test_real_minilm_fuses_all_layers_and_keeps_outputs(minilm_dir, exporter, tm
     result = build_plan(source, tmp_path / "plan", progress=False)
     assert result.report.kind == "flash" and result.config.kind == "flash"
     assert result.report.counts["flash_attention"] == 6
-    assert result.report.counts["matmul_add"] == 36  # q, k, v, o and the two FFN linears of 6 layers
+    assert result.report.counts["horizontal_matmul"] == 6  # q, k and v with their biases: one MatMul a layer
+    assert result.report.counts["matmul_add"] == 24  # qkv, o and the two FFN linears of 6 layers
     assert not result.report.unfused
     assert result.config.model.num_layers == 6 and result.config.model.num_heads == 12
 

@@ -11,9 +11,9 @@ from trtopt.signature import input_names, output_names
 
 # model → (layers, heads, kv heads, head_dim, expected counts beyond the attention/logits ones)
 MODELS = {
-    "tiny-gpt2": {"rms_norm": 0, "matmul_add": 0},
-    "tiny-llama": {"rms_norm": 5, "matmul_add": 0},
-    "tiny-qwen2": {"rms_norm": 5, "matmul_add": 6},
+    "tiny-gpt2": {"rms_norm": 0, "matmul_add": 0, "horizontal_matmul": 0},  # GPT-2's c_attn is one GEMM already
+    "tiny-llama": {"rms_norm": 5, "matmul_add": 0, "horizontal_matmul": 4},  # qkv and gate/up in 2 layers
+    "tiny-qwen2": {"rms_norm": 5, "matmul_add": 2, "horizontal_matmul": 4},  # the qkv biases: one per layer
 }
 CASES = [(m, e) for m in MODELS for e in ("dynamo", "legacy")]
 

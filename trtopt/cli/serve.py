@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import typer
@@ -64,6 +65,10 @@ def serve(
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
         speculative_config=speculative_config,
     )
+    # Start-up objects (the converted graph, weights, captured graphs) live as long as the process: freezing them
+    # keeps every later collection to per-request garbage.
+    gc.collect()
+    gc.freeze()
     name = model_name or Path(plan).resolve().name
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")

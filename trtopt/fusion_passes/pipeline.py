@@ -43,6 +43,7 @@ def optimize(
     A graph with KV-cache I/O becomes the paged signature of DESIGN.md §3 (or FusionError is raised); any other
     graph keeps its signature and gets FlashAttention.
     """
+    from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
     from trtopt.fusion_passes.layer_norm import fuse_layer_norm
     from trtopt.fusion_passes.matmul_add import fuse_matmul_add
     from trtopt.fusion_passes.rms_norm import fuse_rms_norm
@@ -59,6 +60,8 @@ def optimize(
     # Norms and MatMul+Add run after attention: the QKᵀ MatMul + mask Add must not be taken for a biased MatMul.
     counts["layer_norm"] = fuse_layer_norm(model)
     counts["rms_norm"] = fuse_rms_norm(model)
+    # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
+    counts["horizontal_matmul"] = fuse_horizontal_matmul(model, ctx.trace)
     counts["matmul_add"] = fuse_matmul_add(model)
     counts["cleanup"] += cleanup(model)
     return FusionReport(counts=counts, kind="paged" if paged else "flash", unfused=tuple(ctx.trace.failures))

@@ -111,8 +111,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.limits = resolve_limits(plan, config)
         executor.allocate_kv_cache(self.limits.num_blocks)
-        if hasattr(executor, "capture_decode_graphs"):
-            executor.capture_decode_graphs()  # at start-up, not inside the first decode steps
+        if hasattr(executor, "capture_graphs"):  # at start-up, not inside the first steps
+            executor.capture_graphs(max_num_seqs=self.limits.max_num_seqs,
+                                    max_num_tokens=self.limits.max_num_batched_tokens)
         self.executor = executor
         self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
         self.spec = self._create_spec_decoder(config, plan_dir, backend, device)

@@ -14,6 +14,7 @@ Outputs: text_output BYTES [1] (the new text when streaming, the whole completio
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -77,6 +78,8 @@ class TritonPythonModel:
         limits = {k: int(params[k]) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks")
                   if params.get(k)}
         engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device, **limits)
+        gc.collect()  # start-up objects live as long as the model: keep them out of every later collection
+        gc.freeze()
         self.loop = EngineLoop(engine)
         self.loop.start()
         self.ids = itertools.count()

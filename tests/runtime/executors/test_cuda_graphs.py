@@ -1,4 +1,4 @@
-"""Decode CUDA graphs: bucketing and padding are checked on CPU; capture/replay only on a GPU (`gpu` marker)."""
+"""Step CUDA graphs: bucketing and padding are checked on CPU; capture/replay only on a GPU (`gpu` marker)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,40 @@ import torch
 
 from paged_driver import BlockSource, Seq, make_step
 from trtopt.build.plan import read_plan
-from trtopt.runtime.executors.cuda_graphs import decode_buckets, dummy_decode_step, is_decode_step, pad_decode_step
+from trtopt.runtime.executors.cuda_graphs import (
+    GraphBucket, StepGraphs, dummy_step, graph_buckets, pad_step, token_buckets,
+)
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 
-def test_buckets_cover_every_batch_size():
-    assert decode_buckets(1) == (1,)
-    assert decode_buckets(8) == (1, 2, 4, 8)
-    assert decode_buckets(12) == (1, 2, 4, 8, 12)
-    assert decode_buckets(40) == (1, 2, 4, 8, 16, 32, 40)
-    buckets = decode_buckets(256)
-    assert buckets[-1] == 256 and len(buckets) == 20
-    for n in range(1, 257):  # every batch size has a bucket, padded by fewer than 16 rows
-        assert 0 <= min(b for b in buckets if b >= n) - n < 16
+def test_token_buckets_cover_every_step_size():
+    assert token_buckets(1, 1) == (1,)
+    assert token_buckets(8, 8) == (1, 2, 4, 8)
+    assert token_buckets(12, 12) == (1, 2, 4, 8, 12)
+    assert token_buckets(40, 40) == (1, 2, 4, 8, 16, 32, 40)
+    assert token_buckets(8, 4) == (1, 2, 4)
+    buckets = token_buckets(256, 8192)
+    assert buckets[:20] == (1, 2, 4, 8, *range(16, 257, 16)) and buckets[-1] == 8192
+    assert len(buckets) == 36, buckets  # bounded: what start-up captures
+    for n in range(1, 8193):  # every step size has a bucket: < 16 rows of padding up to 256, then < 25%
+        b = min(b for b in buckets if b >= n)
+        assert b - n < 16 if n <= 256 else b - n < 0.25 * n + 16, (n, b)
+
+
+def test_graph_buckets_hold_every_step_up_to_the_logits_cap():
+    buckets = graph_buckets(256, 8192)
+    assert all(b.num_seqs == min(b.num_tokens, 256) == b.num_logits for b in buckets)
+    assert graph_buckets(4, 64, max_logits=16)[-1] == GraphBucket(64, 4, 16)
+    source = BlockSource(64)
+    # A mixed step (two decode rows and a 9-token prefill chunk) and a multi-row (verification) step.
+    mixed = make_step([Seq([1, 2, 3], cached=2), Seq([4, 5], cached=1), Seq(list(range(9)))], [1, 1, 9], 16, source)
+    assert StepGraphs.bucket_of(graph_buckets(4, 64), mixed) == GraphBucket(16, 4, 4)
+    verify = make_step([Seq(list(range(8)), cached=4)], [4], 16, source)
+    verify.logits_indices = torch.arange(4)
+    assert StepGraphs.bucket_of(graph_buckets(4, 64), verify) == GraphBucket(4, 4, 4)
+    wide = make_step([Seq(list(range(12)), cached=2)], [10], 16, source)
+    wide.logits_indices = torch.arange(10)
+    assert StepGraphs.bucket_of(graph_buckets(4, 64), wide) is None  # 10 logits rows > max_logits 4: eager
 
 
 def test_graphs_are_on_by_default_only_for_torch_on_cuda():
@@ -30,29 +51,23 @@ def test_graphs_are_on_by_default_only_for_torch_on_cuda():
     assert not default_cuda_graphs("tensorrt", "cuda")
 
 
-def test_only_pure_decode_steps_are_graphable():
+def test_dummy_step_is_all_padding():
+    """What capture runs equals the padding of a real padded step: no writes, null block only, no tokens owned."""
     source = BlockSource(16)
-    decode = make_step([Seq([1, 2, 3], cached=2), Seq([4, 5], cached=1)], [1, 1], 16, source)
-    assert is_decode_step(decode)
-    mixed = make_step([Seq([1, 2, 3], cached=1), Seq([4, 5], cached=1)], [2, 1], 16, source)
-    assert not is_decode_step(mixed)
-
-
-def test_dummy_step_is_all_padding_rows():
-    """What start-up capture runs equals the padding rows of a real padded step: no writes, null block only."""
-    source = BlockSource(16)
-    real = pad_decode_step(make_step([Seq([1, 2, 3], cached=2)], [1], 16, source), 4, 6)
-    dummy = dummy_decode_step(4, 6)
-    assert is_decode_step(dummy)
-    for name in ("block_tables", "seq_lens", "slot_mapping"):
+    bucket = GraphBucket(8, 4, 4)
+    real = pad_step(make_step([Seq([1, 2, 3], cached=1)], [2], 16, source), bucket, 6)
+    dummy = dummy_step(bucket, 6)
+    for name in ("block_tables", "seq_lens"):
         torch.testing.assert_close(getattr(dummy, name)[1:], getattr(real, name)[1:])
-    assert dummy.slot_mapping.eq(-1).all() and dummy.block_tables.eq(0).all()
-    torch.testing.assert_close(dummy.query_start_loc, real.query_start_loc)
-    torch.testing.assert_close(dummy.logits_indices, real.logits_indices)
+    assert dummy.slot_mapping.eq(-1).all() and dummy.block_tables.eq(0).all() and dummy.query_start_loc.eq(0).all()
+    assert real.slot_mapping[2:].eq(-1).all() and real.query_start_loc.tolist() == [0, 2, 2, 2, 2]
+    assert real.input_ids.shape == (1, 8) and real.logits_indices.tolist() == [1, 0, 0, 0]
 
 
-def test_padded_decode_step_gives_the_same_logits_and_writes(plan_dir):
-    """The dummy rows of a padded step change nothing: same logits for the real rows, same pools."""
+@pytest.mark.parametrize("counts", [[1, 1, 1], [5, 1, 3], [2, 2, 2]], ids=["decode", "mixed", "multi-row"])
+def test_padded_step_gives_the_same_logits_and_writes(plan_dir, counts):
+    """The padding of a step changes nothing: same logits for the real rows, same pools (decode, mixed prefill +
+    decode, and several query rows per sequence with logits for each, as speculative verification runs)."""
     built = plan_dir("tiny-llama")
     plan = read_plan(built)
     bs = plan.limits.block_size
@@ -62,23 +77,28 @@ def test_padded_decode_step_gives_the_same_logits_and_writes(plan_dir):
         ex.allocate_kv_cache(24)
         source = BlockSource(24)
         seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7, 33)]
-        ex.execute(make_step(seqs, [len(s.tokens) for s in seqs], bs, source))
+        ex.execute(make_step(seqs, [len(s.tokens) - 3 for s in seqs], bs, source))
         for s in seqs:
-            s.tokens.append(9)
-        step = make_step(seqs, [1, 1, 1], bs, source)
+            s.tokens.extend([9, 10, 11])
+        step = make_step(seqs, counts, bs, source)
+        if counts == [2, 2, 2]:
+            step.logits_indices = torch.arange(6)
         if padded:
-            step = pad_decode_step(step, 8, plan.max_blocks_per_seq)
-            assert step.num_tokens == 8 and step.block_tables.shape == (8, plan.max_blocks_per_seq)
-            assert step.slot_mapping[3:].eq(-1).all() and step.block_tables[3:].eq(0).all()
-        runs[padded] = (ex.execute(step)[:3], [p[1:].clone() for p in ex.kv_caches])
+            bucket = GraphBucket(16, 8, 8)
+            step = pad_step(step, bucket, plan.max_blocks_per_seq)
+            assert step.num_tokens == 16 and step.block_tables.shape == (8, plan.max_blocks_per_seq)
+            assert step.slot_mapping[sum(counts):].eq(-1).all() and step.block_tables[3:].eq(0).all()
+        n = 6 if counts == [2, 2, 2] else 3
+        runs[padded] = (ex.execute(step)[:n], [p[1:].clone() for p in ex.kv_caches])
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=0)
-    # Block 0 (the null block) is nobody's data; elsewhere only matmul rounding differs (8 rows vs 3).
+    # Block 0 (the null block) is nobody's data; elsewhere only matmul rounding differs (16 rows vs fewer).
     for a, b in zip(runs[True][1], runs[False][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_on_cuda(plan_dir):
+    """Every step replays a graph after start-up capture (prefill, mixed, decode, multi-row) with eager's logits."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a CUDA GPU")
     built = plan_dir("tiny-llama")
@@ -88,18 +108,28 @@ def test_graph_replay_matches_eager_on_cuda(plan_dir):
     for graphs in (False, True):
         ex = TorchExecutor(built, plan, device="cuda", cuda_graphs=graphs)
         ex.allocate_kv_cache(32)
-        ex.capture_decode_graphs()  # every bucket at start-up (a no-op without graphs)
+        report = ex.capture_graphs(max_num_seqs=8, max_num_tokens=128)  # every bucket at start-up
         if graphs:
-            assert set(ex.decode_graphs._captured) == set(decode_buckets(plan.limits.max_num_seqs))
+            assert report.num_graphs == len(ex.graphs.buckets) and set(ex.graphs._captured) == set(ex.graphs.buckets)
         source = BlockSource(32)
         seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7, 33)]
-        ex.execute(make_step(seqs, [len(s.tokens) for s in seqs], bs, source))
-        rows = []
-        for _ in range(5):  # decode steps: replayed from the graph of bucket 4
+        rows = [ex.execute(make_step(seqs, [len(s.tokens) - 4 for s in seqs], bs, source)).cpu()]
+        for s in seqs:
+            s.tokens.extend([11, 12, 13, 14])
+        rows.append(ex.execute(make_step(seqs, [1, 3, 1], bs, source)).cpu())  # mixed
+        multi = make_step(seqs, [2, 2, 2], bs, source)
+        multi.logits_indices = torch.arange(6)
+        rows.append(ex.execute(multi).cpu())  # several rows per sequence, logits for each
+        if graphs:  # the device inputs the graph read are the step padded as pad_step specifies
+            bucket = ex.graphs.bucket_for(multi)
+            want = pad_step(multi, bucket, plan.max_blocks_per_seq)
+            for name, got in ex.graphs._views(bucket).items():
+                assert torch.equal(got.cpu(), getattr(want, name)), name
+        for _ in range(4):  # decode steps
             for s in seqs:
                 s.tokens.append(11)
             rows.append(ex.execute(make_step(seqs, [1, 1, 1], bs, source)).cpu())
         if graphs:
-            assert ex.decode_graphs.enabled and 4 in ex.decode_graphs._captured
-        logits[graphs] = torch.stack(rows)
+            assert ex.graphs.enabled and ex.graphs.num_eager == 0 and ex.graphs.num_replayed == len(rows)
+        logits[graphs] = torch.cat(rows)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=0)

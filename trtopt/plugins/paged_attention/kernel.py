@@ -24,6 +24,7 @@ size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -296,15 +297,19 @@ class PagedLaunch:
     num_stages: int
 
 
+@functools.cache
 def _device_sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a small number keeps split-KV exercised by small CPU tests
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=512)
 def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_context: int,
                       sm_count: int, *, interpret: bool = False) -> PagedLaunch:
     """Pick the tiling from shapes: the mean new tokens per sequence tells decode-like steps from prefill-like.
+
+    Cached: every layer of a step has the same shapes, so the plan is made once per step shape (STYLE.md §10).
 
     The thresholds come from the H200 sweep in docs/benchmarks/NOTES.md: decode reads fastest with 128-key tiles
     and 4 warps once a program walks >= 2K keys; short per-program ranges (heavy split-KV) prefer 32-key tiles.
@@ -347,6 +352,43 @@ def _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_l
     if q.dtype not in _SUPPORTED_DTYPES or any(x.dtype != q.dtype for x in (k, v, kv_cache)):
         raise ValueError(f"q/k/v/kv_cache must share one dtype of {_SUPPORTED_DTYPES}; "
                          f"got {q.dtype}, {k.dtype}, {v.dtype}, {kv_cache.dtype}")
+    if alibi_slopes is not None and (alibi_slopes.shape != (num_heads,) or alibi_slopes.dtype != torch.float32
+                                     or not alibi_slopes.is_contiguous() or alibi_slopes.device != q.device):
+        raise ValueError(f"alibi_slopes must be contiguous float32 [{num_heads}] on {q.device}; got "
+                         f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    if not (q.device == k.device == v.device == kv_cache.device):
+        raise ValueError(f"q/k/v/kv_cache must be on one device; got {q.device}, {k.device}, {v.device}, "
+                         f"{kv_cache.device}")
+    metadata = (block_tables, seq_lens, query_start_loc, slot_mapping)
+    if _STEP_CHECK.matches(metadata, T, q.device):
+        return  # the same step's metadata, checked for an earlier layer (plan once per step, STYLE.md §10)
+    _check_step_metadata(T, q.device, *metadata)
+    _STEP_CHECK.remember(metadata, T, q.device)
+
+
+class _StepCheckMemo:
+    """The metadata tensors last checked: every layer of a step passes the same four objects. Holding them keeps
+    their ids from being reused by other tensors, so an `is` match means the very tensors that passed."""
+
+    __slots__ = ("metadata", "num_tokens", "device")
+
+    def __init__(self) -> None:
+        self.metadata: tuple = ()
+        self.num_tokens = -1
+        self.device = None
+
+    def matches(self, metadata: tuple, num_tokens: int, device: torch.device) -> bool:
+        return (len(self.metadata) == 4 and num_tokens == self.num_tokens and device == self.device
+                and all(a is b for a, b in zip(metadata, self.metadata)))
+
+    def remember(self, metadata: tuple, num_tokens: int, device: torch.device) -> None:
+        self.metadata, self.num_tokens, self.device = metadata, num_tokens, device
+
+
+_STEP_CHECK = _StepCheckMemo()
+
+
+def _check_step_metadata(T, device, block_tables, seq_lens, query_start_loc, slot_mapping) -> None:
     S = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     expected = ((block_tables, torch.int32, 2), (seq_lens, torch.int32, 1), (query_start_loc, torch.int32, 1),
                 (slot_mapping, torch.int64, 1))
@@ -358,15 +400,10 @@ def _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_l
         raise ValueError(f"metadata shapes disagree: block_tables {tuple(block_tables.shape)}, seq_lens [{S}], "
                          f"query_start_loc {tuple(query_start_loc.shape)} (want [S+1]), slot_mapping "
                          f"{tuple(slot_mapping.shape)} (want [T={T}])")
-    if alibi_slopes is not None and (alibi_slopes.shape != (num_heads,) or alibi_slopes.dtype != torch.float32
-                                     or not alibi_slopes.is_contiguous()):
-        raise ValueError(f"alibi_slopes must be contiguous float32 [{num_heads}]; got {alibi_slopes.dtype} "
-                         f"{tuple(alibi_slopes.shape)}")
-    tensors = [q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping]
-    if alibi_slopes is not None:
-        tensors.append(alibi_slopes)
-    if len({x.device for x in tensors}) != 1:
-        raise ValueError(f"all inputs must be on one device; got {sorted({str(x.device) for x in tensors})}")
+    if any(x.device != device for x in (block_tables, seq_lens, query_start_loc, slot_mapping)):
+        raise ValueError(f"all inputs must be on one device ({device}); got block_tables {block_tables.device}, "
+                         f"seq_lens {seq_lens.device}, query_start_loc {query_start_loc.device}, slot_mapping "
+                         f"{slot_mapping.device}")
 
 
 def _output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
 
     device: "cpu" or "cuda" (onnxruntime: "cuda" selects the CUDA execution provider; tensorrt: always CUDA).
     num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
-    cuda_graphs: torch on CUDA only: replay decode steps from CUDA graphs (see cuda_graphs.py; LLMEngine.from_plan
+    cuda_graphs: torch on CUDA only: replay every step from CUDA graphs at bucketed shapes (see cuda_graphs.py; LLMEngine.from_plan
     turns them on by default there).
     Raises BuildError when the plan's model file is unreadable or its external data leaves the plan dir.
     """

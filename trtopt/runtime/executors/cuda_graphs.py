@@ -1,154 +1,286 @@
-"""CUDA graphs for decode steps of the torch executor (DESIGN.md §5), one graph per bucket of batch sizes.
+"""CUDA graphs for every step of the torch executor (DESIGN.md §5): full graphs at bucketed shapes.
 
-A decode step (one new token per sequence, T = S = N) of s sequences is padded up to the next bucket B >= s and
-replayed from a graph captured for B. Static input buffers are filled in place; padding rows are dummy
-sequences that write nothing (slot −1), read only the null block 0 (seq_len 1, block table of zeros) and whose
-logits are dropped. Everything else in a fused plan is shape arithmetic on the host (see onnx_to_torch) plus the
-Triton PagedAttention kernel, both capturable; a plan that does sync fails at capture, which turns graphs off
-for the executor with a warning instead of failing the step.
+A step of T tokens, S sequences and N logits rows (any mix: decode rows, prefill chunks, several rows of one
+sequence for speculative verification) is padded up to the smallest bucket (T_b, S_b, N_b) that holds it and
+replayed from the graph captured for that bucket. Buckets are keyed by T alone:
 
-The padding logic (`pad_decode_step`) is plain torch and is tested on CPU; capture and replay need a GPU and are
-covered by a `gpu` test.
+- T_b: 1, 2, 4, 8, then every 16 up to max_num_seqs (the decode sizes, where T = S), then ×1.25 steps rounded up
+  to a multiple of 16 until max_num_tokens (mixed and prefill steps: padding stays under 25%);
+- S_b = min(T_b, max_num_seqs) and N_b = min(T_b, max_logits): S <= T and N <= T always hold, so only a step with
+  more than max_logits logits rows (default max_num_seqs) has no bucket and runs eagerly.
+
+Padding is chosen so that it changes nothing and needs no host sync:
+- padding tokens (rows T..T_b) belong to no sequence: query_start_loc ends at T for every padding sequence, their
+  slot is −1 (no KV write), their id and position 0. PagedAttention leaves their output rows unwritten; every other
+  op of a decoder is row-wise, and no logits row reads them;
+- padding sequences (S..S_b) own zero tokens, read only the null block 0 (a table of zeros) and have seq_len 1;
+- padding logits rows gather row 0 and are dropped.
+
+The paged signature's no-host-sync rule (shapes alone decide every launch) is what makes a captured graph valid for
+any metadata values. All graphs share one memory pool, one set of device input buffers (views of the largest
+bucket's) and one logits buffer, and are captured largest first at start-up, so capture memory is about that of
+the largest step. A plan that does sync fails at capture, which turns graphs off for the executor with a warning
+instead of failing the step.
+
+The bucketing and padding are plain torch and tested on CPU; capture and replay need a GPU (`gpu` tests).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
+import time
 from typing import Callable
 
 import torch
 
 from trtopt.runtime.batch import StepInputs
-from trtopt.signature import SLOT_MAPPING, STEP_INPUT_NAMES
+from trtopt.signature import (
+    BLOCK_TABLES, INPUT_IDS, LOGITS_INDICES, POSITION_IDS, QUERY_START_LOC, SEQ_LENS, SLOT_MAPPING, STEP_INPUT_NAMES,
+)
+
+_IDS, _POS, _TABLES, _LENS, _QSL, _SLOTS, _ROWS = (spec.name for spec in (
+    INPUT_IDS, POSITION_IDS, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, SLOT_MAPPING, LOGITS_INDICES))
 
 log = logging.getLogger(__name__)
 
-
-def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, 16, then every multiple of 16 up to max_num_seqs (itself always a bucket), as vLLM does.
-
-    Doubling alone would pad 129 running sequences to 256 rows; steps of 16 keep the padding under 16 rows
-    (<= 11% past 144) for ~max_num_seqs/16 more graphs, captured at start-up into one shared memory pool."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += range(16, max_num_seqs, 16)
-    return (*sizes, max_num_seqs)
+# run(feeds, logits_out) -> logits: one step of the model on device feeds, logits written into logits_out if given.
+StepFn = Callable[[dict[str, torch.Tensor], "torch.Tensor | None"], torch.Tensor]
 
 
-def is_decode_step(step: StepInputs) -> bool:
-    """One new token per sequence, and logits for every row (T = S = N)."""
-    s = step.num_seqs
-    if s == 0 or step.num_tokens != s or step.logits_indices.shape[0] != s:
-        return False
-    return bool(torch.equal(step.query_start_loc, torch.arange(s + 1, dtype=step.query_start_loc.dtype)))
+@dataclasses.dataclass(frozen=True, order=True)
+class GraphBucket:
+    """The padded shape of a graphed step: T tokens, S sequences, N logits rows."""
+
+    num_tokens: int
+    num_seqs: int
+    num_logits: int
+
+    def holds(self, step: StepInputs) -> bool:
+        return (step.num_tokens <= self.num_tokens and step.num_seqs <= self.num_seqs
+                and step.logits_indices.shape[0] <= self.num_logits)
 
 
-def pad_decode_step(step: StepInputs, bucket: int, max_blocks_per_seq: int) -> StepInputs:
-    """The decode step padded to `bucket` sequences and `max_blocks_per_seq` table columns (fixed shapes)."""
-    s, width = step.num_seqs, step.block_tables.shape[1]
-    assert s <= bucket and width <= max_blocks_per_seq, (s, bucket, width, max_blocks_per_seq)
-    tables = torch.zeros((bucket, max_blocks_per_seq), dtype=torch.int32)  # padding reads the null block 0
+def token_buckets(max_num_seqs: int, max_num_tokens: int) -> tuple[int, ...]:
+    """The token counts T_b (see the module docstring); max_num_seqs and max_num_tokens are always buckets."""
+    decode = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    sizes = [t for t in decode if t <= max_num_tokens]
+    t = sizes[-1]
+    while t < max_num_tokens:
+        t = min(max_num_tokens, -(-(t * 5 // 4) // 16) * 16)
+        sizes.append(t)
+    if sizes[-1] != max_num_tokens:
+        sizes.append(max_num_tokens)
+    return tuple(sizes)
+
+
+def graph_buckets(max_num_seqs: int, max_num_tokens: int, max_logits: int | None = None) -> tuple[GraphBucket, ...]:
+    """Every bucket, smallest first. max_logits (default max_num_seqs) caps N_b: the logits rows are [N_b, vocab]."""
+    cap = max_logits or max_num_seqs
+    return tuple(GraphBucket(t, min(t, max_num_seqs), min(t, cap)) for t in token_buckets(max_num_seqs, max_num_tokens))
+
+
+def _num_tokens(bucket: GraphBucket) -> int:
+    return bucket.num_tokens
+
+
+def pad_step(step: StepInputs, bucket: GraphBucket, max_blocks_per_seq: int) -> StepInputs:
+    """The step padded to `bucket` (fixed shapes; block tables `max_blocks_per_seq` wide). CPU tensors."""
+    t, s, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+    width = step.block_tables.shape[1]
+    assert bucket.holds(step) and width <= max_blocks_per_seq, (t, s, n, width, bucket, max_blocks_per_seq)
+    tb, sb, nb = bucket.num_tokens, bucket.num_seqs, bucket.num_logits
+    ids = torch.zeros((1, tb), dtype=torch.int64)
+    ids[:, :t] = step.input_ids
+    positions = torch.zeros((1, tb), dtype=torch.int64)
+    positions[:, :t] = step.position_ids
+    tables = torch.zeros((sb, max_blocks_per_seq), dtype=torch.int32)  # padding reads the null block 0
     tables[:s, :width] = step.block_tables
-    seq_lens = torch.ones(bucket, dtype=torch.int32)  # a dummy sequence holds one (null) token
+    seq_lens = torch.ones(sb, dtype=torch.int32)
     seq_lens[:s] = step.seq_lens
-    slots = torch.full((bucket,), -1, dtype=torch.int64)  # dummy rows write nothing
-    slots[:s] = step.slot_mapping
-    ids = torch.zeros((1, bucket), dtype=torch.int64)
-    ids[:, :s] = step.input_ids
-    positions = torch.zeros((1, bucket), dtype=torch.int64)
-    positions[:, :s] = step.position_ids
+    starts = torch.full((sb + 1,), t, dtype=torch.int32)  # padding sequences own no tokens; padding rows no sequence
+    starts[: s + 1] = step.query_start_loc
+    slots = torch.full((tb,), -1, dtype=torch.int64)  # padding rows write nothing
+    slots[:t] = step.slot_mapping
+    logits = torch.zeros(nb, dtype=torch.int64)
+    logits[:n] = step.logits_indices
+    return StepInputs(input_ids=ids, position_ids=positions, block_tables=tables, seq_lens=seq_lens,
+                      query_start_loc=starts, slot_mapping=slots, logits_indices=logits)
+
+
+def dummy_step(bucket: GraphBucket, max_blocks_per_seq: int) -> StepInputs:
+    """A step of `bucket`'s shape that is all padding (what capture runs: it writes nothing, reads the null block)."""
+    tb, sb = bucket.num_tokens, bucket.num_seqs
     return StepInputs(
-        input_ids=ids,
-        position_ids=positions,
-        block_tables=tables,
-        seq_lens=seq_lens,
-        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32),
-        slot_mapping=slots,
-        logits_indices=torch.arange(bucket, dtype=torch.int64),
+        input_ids=torch.zeros((1, tb), dtype=torch.int64),
+        position_ids=torch.zeros((1, tb), dtype=torch.int64),
+        block_tables=torch.zeros((sb, max_blocks_per_seq), dtype=torch.int32),
+        seq_lens=torch.ones(sb, dtype=torch.int32),
+        query_start_loc=torch.zeros(sb + 1, dtype=torch.int32),
+        slot_mapping=torch.full((tb,), -1, dtype=torch.int64),
+        logits_indices=torch.zeros(bucket.num_logits, dtype=torch.int64),
     )
 
 
-def dummy_decode_step(bucket: int, max_blocks_per_seq: int) -> StepInputs:
-    """A decode step of `bucket` padding rows only (what capture runs: it writes nothing, reads the null block)."""
-    return StepInputs(
-        input_ids=torch.zeros((1, bucket), dtype=torch.int64),
-        position_ids=torch.zeros((1, bucket), dtype=torch.int64),
-        block_tables=torch.zeros((bucket, max_blocks_per_seq), dtype=torch.int32),
-        seq_lens=torch.ones(bucket, dtype=torch.int32),
-        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32),
-        slot_mapping=torch.full((bucket,), -1, dtype=torch.int64),
-        logits_indices=torch.arange(bucket, dtype=torch.int64),
-    )
+@dataclasses.dataclass(frozen=True)
+class CaptureReport:
+    """What start-up capture cost (logged, and read by benchmarks)."""
+
+    num_graphs: int
+    seconds: float
+    pool_bytes: int  # device memory the graphs' shared pool and buffers took (torch's reserved memory grew by it)
 
 
-@dataclasses.dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]  # static device buffers, refilled before each replay
-    logits: torch.Tensor  # static output [bucket, vocab]
+class StepGraphs:
+    """Captures the step function per bucket (all at start-up, or lazily) and replays it for any step that fits."""
 
-
-class DecodeGraphs:
-    """Captures lazily, per bucket, the step function `run(feeds) -> logits` and replays it for decode steps."""
-
-    def __init__(self, run: Callable[[dict[str, torch.Tensor]], torch.Tensor], *, device: torch.device,
-                 max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, run: StepFn, *, device: torch.device, max_num_seqs: int, max_num_tokens: int,
+                 max_blocks_per_seq: int, max_logits: int | None = None):
         self.run = run
         self.device = device
-        self.buckets = decode_buckets(max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.buckets = graph_buckets(max_num_seqs, max_num_tokens, max_logits)
         self.enabled = True
-        self._captured: dict[int, _Captured] = {}
+        self.decode_only = False  # ablations: graph only steps of one token per sequence (the pre-issue-11 rule)
+        self.num_replayed = 0  # steps replayed from a graph
+        self.num_eager = 0  # steps that fit no bucket (or came while graphs were off) and ran eagerly
+        self.capture_report: CaptureReport | None = None
+        self._captured: dict[GraphBucket, torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool shared by every bucket's graph
+        self._inputs: dict[str, torch.Tensor] = {}  # device buffers of the largest bucket; graphs read views
+        self._logits: torch.Tensor | None = None  # [largest N_b, vocab] fp32, written by every graph
+        self._staging: dict[str, torch.Tensor] = {}  # pinned host mirrors of _inputs, refilled every step
+        self._staging_np: dict = {}  # numpy views of _staging (slice writes without torch dispatch)
+        self._copied = torch.cuda.Event()  # recorded after each step's host-to-device copies
+
+    def set_buckets(self, buckets: tuple[GraphBucket, ...]) -> None:
+        """Use other buckets (ablations); forgets the captured graphs."""
+        self.reset()
+        self.buckets = tuple(sorted(buckets))
 
     def reset(self) -> None:
         """Forget every graph (the KV pools they captured by address were reallocated)."""
         self._captured.clear()
         self._pool = None  # the memory pool died with its graphs; capturing into it trips an allocator assert
+        self._inputs.clear()
+        self._staging.clear()
+        self._staging_np.clear()
+        self._logits = None
 
-    def capture_all(self) -> None:
-        """Capture every bucket now (at start-up, as vLLM does), so that no step pays for a capture."""
-        for bucket in self.buckets:
+    def capture_all(self) -> CaptureReport:
+        """Capture every bucket now, largest first (so that smaller graphs reuse its pool memory), as vLLM does."""
+        torch.cuda.synchronize(self.device)
+        # Return the memory of graphs and pools already dropped (reset) first, so the reserved-memory delta below is
+        # what this capture took (warm-up runs, the shared pool and buffers), not that minus a late release.
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.device)
+        started = time.perf_counter()
+        for bucket in reversed(self.buckets):
             if not self.enabled:
-                return
+                break
             if bucket not in self._captured:
-                self._capture(bucket, dummy_decode_step(bucket, self.max_blocks_per_seq))
+                self._capture(bucket)
+        torch.cuda.synchronize(self.device)
+        self.capture_report = CaptureReport(len(self._captured), time.perf_counter() - started,
+                                            torch.cuda.memory_reserved(self.device) - reserved)
+        log.info("captured %d CUDA graphs (T up to %d) in %.1f s, %.0f MiB", self.capture_report.num_graphs,
+                 self.buckets[-1].num_tokens, self.capture_report.seconds, self.capture_report.pool_bytes / 2**20)
+        return self.capture_report
+
+    @staticmethod
+    def bucket_of(buckets: tuple[GraphBucket, ...], step: StepInputs) -> GraphBucket | None:
+        """The smallest of `buckets` (sorted) that holds the step, or None."""
+        i = bisect.bisect_left(buckets, step.num_tokens, key=_num_tokens)
+        return next((b for b in buckets[i:] if b.holds(step)), None)
+
+    def bucket_for(self, step: StepInputs) -> GraphBucket | None:
+        if step.block_tables.shape[1] > self.max_blocks_per_seq:
+            return None
+        if self.decode_only and not (step.num_tokens == step.num_seqs == step.logits_indices.shape[0]):
+            return None
+        return self.bucket_of(self.buckets, step)
 
     def try_run(self, step: StepInputs) -> torch.Tensor | None:
-        """Logits [s, vocab] from a graph replay, or None when the step is not a graphable decode step."""
-        if not self.enabled or not is_decode_step(step) or step.block_tables.shape[1] > self.max_blocks_per_seq:
+        """Logits [N, vocab] from a graph replay, or None when the step has no bucket (it then runs eagerly)."""
+        bucket = self.bucket_for(step) if self.enabled else None
+        graph = None
+        if bucket is not None:
+            graph = self._captured.get(bucket) or self._capture(bucket)
+        if graph is None:
+            self.num_eager += 1
             return None
-        s = step.num_seqs
-        bucket = next((b for b in self.buckets if b >= s), None)
-        if bucket is None:
-            return None
-        padded = pad_decode_step(step, bucket, self.max_blocks_per_seq)
-        captured = self._captured.get(bucket) or self._capture(bucket, padded)
-        if captured is None:
-            return None
-        for name in STEP_INPUT_NAMES:
-            captured.inputs[name].copy_(getattr(padded, name), non_blocking=True)
-        captured.graph.replay()
-        return captured.logits[:s].clone()
+        self._fill(step, bucket)
+        graph.replay()
+        self.num_replayed += 1
+        return self._logits[: step.logits_indices.shape[0]].clone()
 
-    def _capture(self, bucket: int, example: StepInputs) -> _Captured | None:
-        # Capture with an all-dummy step (every slot −1): warm-up runs really execute and must not touch the pools.
-        inputs = {name: getattr(example, name).to(self.device) for name in STEP_INPUT_NAMES}
-        inputs[SLOT_MAPPING.name].fill_(-1)
+    def _fill(self, step: StepInputs, bucket: GraphBucket) -> None:
+        """Write the step, padded as pad_step does, into the pinned staging buffers (numpy views: no allocation, no
+        torch op per field) and copy the bucket's part to the device inputs asynchronously."""
+        self._copied.synchronize()  # the previous step's copies have read the staging buffers
+        t, s, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+        tb, sb, nb = bucket.num_tokens, bucket.num_seqs, bucket.num_logits
+        width = step.block_tables.shape[1]
+        st = self._staging_np
+        st[_IDS][0, :t] = step.input_ids.numpy()[0]
+        st[_IDS][0, t:tb] = 0
+        st[_POS][0, :t] = step.position_ids.numpy()[0]
+        st[_POS][0, t:tb] = 0
+        st[_SLOTS][:t] = step.slot_mapping.numpy()
+        st[_SLOTS][t:tb] = -1
+        st[_TABLES][:s, :width] = step.block_tables.numpy()
+        st[_TABLES][:s, width:] = 0
+        st[_TABLES][s:sb] = 0
+        st[_LENS][:s] = step.seq_lens.numpy()
+        st[_LENS][s:sb] = 1
+        st[_QSL][: s + 1] = step.query_start_loc.numpy()
+        st[_QSL][s + 1 : sb + 1] = t
+        st[_ROWS][:n] = step.logits_indices.numpy()
+        st[_ROWS][n:nb] = 0
+        staged = self._views(bucket, self._staging)
+        for name, view in self._views(bucket).items():
+            view.copy_(staged[name], non_blocking=True)
+        self._copied.record()
+
+    def _views(self, bucket: GraphBucket, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The input buffers (device ones by default) cut to `bucket` (contiguous views: each buffer's first axis is
+        the padded one)."""
+        tb, sb, nb = bucket.num_tokens, bucket.num_seqs, bucket.num_logits
+        b = self._inputs if buffers is None else buffers
+        return {_IDS: b[_IDS][:, :tb], _POS: b[_POS][:, :tb],
+                _TABLES: b[_TABLES][:sb], _LENS: b[_LENS][:sb],
+                _QSL: b[_QSL][: sb + 1], _SLOTS: b[_SLOTS][:tb],
+                _ROWS: b[_ROWS][:nb]}
+
+    def _capture(self, bucket: GraphBucket) -> torch.cuda.CUDAGraph | None:
+        if not self._inputs:
+            largest = dummy_step(self.buckets[-1], self.max_blocks_per_seq)
+            self._inputs = {name: getattr(largest, name).to(self.device) for name in STEP_INPUT_NAMES}
+            self._staging = {name: getattr(largest, name).pin_memory() for name in STEP_INPUT_NAMES}
+            self._staging_np = {name: t.numpy() for name, t in self._staging.items()}
+        inputs = self._views(bucket)
+        example = dummy_step(bucket, self.max_blocks_per_seq)  # every slot −1: warm-up runs must not touch the pools
+        for name, view in inputs.items():
+            view.copy_(getattr(example, name))
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
-                    self.run(inputs)
-            torch.cuda.current_stream().wait_stream(side)
+                    logits = self.run(inputs, None)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._logits is None:
+                largest = max(b.num_logits for b in self.buckets)
+                self._logits = torch.empty((largest, logits.shape[-1]), dtype=torch.float32, device=self.device)
+            del logits
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.run(inputs)
+                self.run(inputs, self._logits[: bucket.num_logits])
             self._pool = graph.pool()
         except RuntimeError as e:  # e.g. an op that syncs with the host cannot be captured
-            log.warning("CUDA graph capture failed for %d sequences (%s); decode steps run eagerly", bucket, e)
+            log.warning("CUDA graph capture failed for %s (%s); steps run eagerly", bucket, e)
             self.enabled = False
             return None
-        self._captured[bucket] = _Captured(graph, inputs, logits)
-        return self._captured[bucket]
+        self._captured[bucket] = graph
+        return graph

@@ -11,7 +11,7 @@ import torch
 from trtopt.build.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs
-from trtopt.runtime.executors.cuda_graphs import DecodeGraphs
+from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
@@ -51,9 +51,10 @@ class TorchExecutor:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # Off unless asked for; LLMEngine.from_plan asks for them on CUDA (gpu tests: test_cuda_graphs.py, tests/e2e).
-        self.decode_graphs = DecodeGraphs(
+        # Buckets span the plan's limits until capture_graphs() learns the engine's (which may be smaller).
+        self.graphs = StepGraphs(
             self._run, device=self.device, max_num_seqs=plan.limits.max_num_seqs,
-            max_blocks_per_seq=plan.max_blocks_per_seq,
+            max_num_tokens=plan.limits.max_num_tokens, max_blocks_per_seq=plan.max_blocks_per_seq,
         ) if cuda_graphs and self.device.type == "cuda" else None
 
     def _check_dtype(self, dtype: torch.dtype | str | None) -> None:
@@ -72,26 +73,30 @@ class TorchExecutor:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.plan.model.num_layers)]
         self.num_blocks = num_blocks
-        if self.decode_graphs is not None:
-            self.decode_graphs.reset()  # the captured graphs hold the old pools' addresses
+        if self.graphs is not None:
+            self.graphs.reset()  # the captured graphs hold the old pools' addresses
 
-    def capture_decode_graphs(self) -> None:
-        """Capture the decode graph of every batch-size bucket now; a no-op without CUDA graphs."""
-        if self.decode_graphs is not None:
-            assert self.kv_caches, "allocate_kv_cache() must run before the graphs capture the pools"
-            self.decode_graphs.capture_all()
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> CaptureReport | None:
+        """Capture the step graph of every bucket up to the engine's limits now; None without CUDA graphs."""
+        if self.graphs is None:
+            return None
+        assert self.kv_caches, "allocate_kv_cache() must run before the graphs capture the pools"
+        self.graphs = StepGraphs(self._run, device=self.device, max_num_seqs=max_num_seqs,
+                                 max_num_tokens=max_num_tokens, max_blocks_per_seq=self.plan.max_blocks_per_seq)
+        return self.graphs.capture_all()
 
     def execute(self, step: StepInputs) -> torch.Tensor:
         assert self.kv_caches, "allocate_kv_cache() must run before execute()"
         feeds = step_tensors(step)
-        if self.decode_graphs is not None:
-            logits = self.decode_graphs.try_run(step)
+        if self.graphs is not None:
+            logits = self.graphs.try_run(step)
             if logits is not None:
                 return logits
         return self._run({name: t.to(self.device, non_blocking=True) for name, t in feeds.items()})
 
-    def _run(self, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One step on device-resident feeds; the pools are written in place. Returns logits [N, vocab] fp32."""
+    def _run(self, feeds: dict[str, torch.Tensor], logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One step on device-resident feeds; the pools are written in place. Returns logits [N, vocab] fp32,
+        written into `logits_out` when given (graphs write one shared buffer)."""
         args: list[torch.Tensor | None] = [None] * len(self.graph.input_names)
         for name, tensor in feeds.items():
             args[self._step_positions[name]] = tensor
@@ -104,9 +109,12 @@ class TorchExecutor:
                 if outputs[position] is not pool:
                     pool.copy_(outputs[position])
             logits = outputs[self._logits_position]
+        logits = logits.reshape(-1, logits.shape[-1])
+        if logits_out is not None:
+            return logits_out.copy_(logits)
         # Made outside inference mode, the copy is an ordinary tensor that callers may modify in place (the
         # sampler's penalties do); an inference tensor would refuse that.
-        return logits.reshape(-1, logits.shape[-1]).to(torch.float32, copy=True)
+        return logits.to(torch.float32, copy=True)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:

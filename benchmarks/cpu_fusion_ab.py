@@ -1,0 +1,87 @@
+"""CPU A/B of a plan-level fusion pass: the same export built with and without it, decode steps timed interleaved.
+
+A random-weight fp32 Llama of SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152)
+is exported once and built twice; `LLMEngine` on the torch executor (CPU) decodes batch 1 and batch 8, alternating
+A, B, A, B, ... so that drift of a shared machine hits both alike. Reports median ms per decode step of each.
+
+    python3 benchmarks/cpu_fusion_ab.py --rule horizontal_matmul --out ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_e2e import Shape, build_without, make_hf_dir  # noqa: E402
+
+SMOLLM2_SHAPE = Shape(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
+
+
+def decode_ms(plan_dir: Path, batch: int, new_tokens: int) -> list[float]:
+    """Per-step wall ms of `new_tokens` decode steps of `batch` requests (prefill excluded)."""
+    from trtopt.build.plan import read_plan
+    from trtopt.runtime.engine import EngineConfig, LLMEngine
+    from trtopt.runtime.executors import create_executor
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    plan = read_plan(plan_dir)
+    engine = LLMEngine(create_executor("torch", plan_dir, plan, device="cpu"), plan, None,
+                       EngineConfig(max_num_seqs=batch, enable_prefix_caching=False))
+    for i in range(batch):
+        engine.add_request(str(i), {"prompt_token_ids": list(range(5 + i, 69 + i))},
+                           SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True, temperature=0.0))
+    engine.step()  # prefill
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rule", default="horizontal_matmul")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/trtopt-cpu-ab"))
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from trtopt.build.builder import build_plan
+    from trtopt.build.plan import Limits
+    from trtopt.export import export_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    make_hf_dir(args.work / "hf", SMOLLM2_SHAPE, torch.device("cpu"), dtype=torch.float32)
+    export_model(args.work / "hf", args.work / "onnx", verify_outputs=False, force=True)
+    limits = Limits(block_size=16, max_num_tokens=1024, max_num_seqs=16, max_model_len=1024)
+    plans = {"with": args.work / "plan", "without": args.work / f"plan-without-{args.rule}"}
+    build_plan(args.work / "onnx", plans["with"], force=True, progress=False, limits=limits)
+    build_without(args.work / "onnx", plans["without"], args.rule, limits)
+    result = {"rule": args.rule, "shape": "SmolLM2-135M (random fp32)", "threads": torch.get_num_threads(),
+              "new_tokens": args.new_tokens, "rounds": args.rounds}
+    for batch in args.batches:
+        steps = {"with": [], "without": []}
+        for _ in range(args.rounds):
+            for name in ("without", "with"):
+                steps[name] += decode_ms(plans[name], batch, args.new_tokens)
+        for name, ms in steps.items():
+            result[f"batch{batch}_{name}_ms_per_step"] = statistics.median(ms)
+        print(f"batch {batch}: with {args.rule} {result[f'batch{batch}_with_ms_per_step']:.2f} ms/step, without "
+              f"{result[f'batch{batch}_without_ms_per_step']:.2f} ms/step (medians of {len(steps['with'])} steps)")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
