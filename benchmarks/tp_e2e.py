@@ -100,7 +100,7 @@ def all_reduce_profile(engine, vocab: int, steps: int = 8) -> dict | None:
                        SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0))
     engine.step()  # prefill
     executor = engine.executor
-    graphs = executor.decode_graphs
+    graphs = executor.graphs
     was_enabled = bool(graphs and graphs.enabled)
 
     def set_graphs(flag: bool) -> None:  # on every rank at once for a tensor-parallel executor

@@ -62,7 +62,7 @@ def tp_llm(plan_dir: Path):
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 def test_fp32_two_gpus_equal_hf_with_cuda_graphs(model, tp_plan, hf_for):
     with tp_llm(tp_plan(model, "fp32")) as llm:
-        graphs = llm.engine.executor.decode_graphs  # rank 0's; every rank captured the same buckets
+        graphs = llm.engine.executor.graphs  # rank 0's; every rank captured the same buckets
         assert graphs is not None and graphs.enabled and graphs._captured  # NCCL all-reduces captured inside
         outs = llm.generate(PROMPTS, GREEDY)
         assert graphs.enabled  # no capture failed and turned replay off

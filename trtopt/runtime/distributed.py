@@ -140,12 +140,12 @@ def _apply(executor: Any, command: _Command) -> torch.Tensor | None:
     if command.op == "alloc":
         executor.allocate_kv_cache(command.arg)
     elif command.op == "capture":
-        executor.capture_decode_graphs()
+        executor.capture_graphs(**command.arg)
     elif command.op == "copy":
         executor.copy_blocks(command.arg)
     elif command.op == "graphs":
-        if executor.decode_graphs is not None:
-            executor.decode_graphs.enabled = command.arg
+        if executor.graphs is not None:
+            executor.graphs.enabled = command.arg
     else:
         raise AssertionError(f"unknown command {command.op!r}")
     return None
@@ -205,8 +205,10 @@ class TensorParallelExecutor:
         self._run(_Command("alloc", num_blocks))
         self.num_blocks = num_blocks
 
-    def capture_decode_graphs(self) -> None:
-        self._run(_Command("capture"))
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> Any:
+        """Every rank captures the same buckets; returns rank 0's capture report (None without graphs)."""
+        self._run(_Command("capture", {"max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens}))
+        return self._local.graphs.capture_report if self._local.graphs is not None else None
 
     def execute(self, step: StepInputs) -> torch.Tensor:
         logits = self._run(_Command("step", step))
@@ -218,9 +220,9 @@ class TensorParallelExecutor:
             self._run(_Command("copy", list(pairs)))
 
     @property
-    def decode_graphs(self) -> Any:
+    def graphs(self) -> Any:
         """Rank 0's CUDA graphs (every rank captured the same buckets), or None."""
-        return self._local.decode_graphs
+        return self._local.graphs
 
     def set_cuda_graphs(self, enabled: bool) -> None:
         """Turn graph replay on/off on every rank together (a rank replaying while another runs eagerly would
