@@ -263,6 +263,7 @@ def build_plan(
                 block_size=limits.block_size,
                 vocab_size=config_json.get("vocab_size"),
                 probe_len=_probe_len(limits, config_json),
+                horizontal=tensor_parallel is None,
             )
         with steps.step("validating the plan graph"):
             _refuse_non_transformer(model, report, onnx_path)

@@ -37,6 +37,7 @@ def optimize(
     block_size: int = 16,
     vocab_size: int | None = None,
     probe_len: int = 512,
+    horizontal: bool = True,
 ) -> FusionReport:
     """Rewrite ``model`` in place into the plan graph; return the report.
 
@@ -61,7 +62,8 @@ def optimize(
     counts["layer_norm"] = fuse_layer_norm(model)
     counts["rms_norm"] = fuse_rms_norm(model)
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
-    counts["horizontal_matmul"] = fuse_horizontal_matmul(model, ctx.trace)
+    # Off for tensor-parallel builds: the sharding pass does not split concatenated q/k/v or gate/up weights yet.
+    counts["horizontal_matmul"] = fuse_horizontal_matmul(model, ctx.trace) if horizontal else 0
     counts["matmul_add"] = fuse_matmul_add(model)
     counts["cleanup"] += cleanup(model)
     return FusionReport(counts=counts, kind="paged" if paged else "flash", unfused=tuple(ctx.trace.failures))
