@@ -96,20 +96,28 @@ def main() -> None:
                        "token_ids": tokens}
                 results.append(row)
                 print(f"{name:14s} {set_name:10s} b={bs}: {row['tok_per_s']:7.2f} tok/s  acceptance={row['acceptance_rate']}", flush=True)
+                write(args, results)  # after every cell, so a cut-short run keeps what it measured
+    write(args, results, final=True)
+
+
+def write(args, results: list[dict], final: bool = False) -> None:
     base = {(r["prompt_set"], r["batch_size"]): r for r in results if r["method"] == "baseline"}
+    rows = []
     for r in results:
-        b = base[(r["prompt_set"], r["batch_size"])]
-        r["speedup"] = round(r["tok_per_s"] / b["tok_per_s"], 3)
-        r["identical_to_baseline"] = r["token_ids"] == b["token_ids"]
-    for r in results:
-        del r["token_ids"]
+        b = base.get((r["prompt_set"], r["batch_size"]))
+        row = {k: v for k, v in r.items() if k != "token_ids"}
+        if b is not None:
+            row["speedup"] = round(r["tok_per_s"] / b["tok_per_s"], 3)
+            row["identical_to_baseline"] = r["token_ids"] == b["token_ids"]
+        rows.append(row)
     meta = {"plan": str(args.plan), "device": args.device, "max_tokens": args.max_tokens, "k": args.k,
             "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "complete": final}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"), meta)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    if final:
+        plot(rows, out.with_suffix(".png"), meta)
 
 
 def engine_config(spec):

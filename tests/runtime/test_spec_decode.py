@@ -333,8 +333,8 @@ def smol(built_plan, executor_for):
 @pytest.mark.parametrize("name,spec,cfg", [
     ("ngram-small-budget", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}, {"max_num_batched_tokens": 24}),
     ("self-draft-4", {"method": "self_draft", "num_layers": 4, "num_speculative_tokens": 3}, {}),
-    ("self-draft-20-tiny-pool", {"method": "self_draft", "num_layers": 20, "num_speculative_tokens": 3}, {"num_blocks": 36}),
-    ("draft-plan-own-pool", {"method": "draft_model", "model": "draft_20", "num_speculative_tokens": 3}, {"num_blocks": 36}),
+    ("self-draft-20-tiny-pool", {"method": "self_draft", "num_layers": 20, "num_speculative_tokens": 3}, {"num_blocks": 18}),
+    ("draft-plan-own-pool", {"method": "draft_model", "model": "draft_20", "num_speculative_tokens": 3}, {"num_blocks": 18}),
 ])
 def test_smollm2_greedy_identity(smol, name, spec, cfg):
     plan_dir, run, base = smol
@@ -345,7 +345,7 @@ def test_smollm2_greedy_identity(smol, name, spec, cfg):
     assert st.num_draft_tokens > 0
     if "num_blocks" in cfg:
         assert st.num_preemptions > 0
-    if spec["method"] != "ngram" and spec.get("num_layers", 20) == 20 or "draft" in name and "20" in str(spec):
+    if "20" in name or "own-pool" in name:
         assert st.num_accepted_tokens > 0  # 20 of 30 layers guess some tokens right
 
 
