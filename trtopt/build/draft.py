@@ -19,17 +19,22 @@ import onnx
 from trtopt.build.builder import _save
 from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan, write_plan
 from trtopt.errors import BuildError, ConfigError
+from trtopt.signature import LOGITS, LOGITS_INDICES, kv_input, kv_output
 
+DRAFT_DIR_PREFIX = "draft_"  # plan/draft_N holds the self-draft plan of the first N layers
 _NORMS = ("RMSNorm", "LayerNormalization", "SimplifiedLayerNormalization")
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                "chat_template.jinja", "chat_template.json")
 
 
+def self_draft_dir(plan_dir: str | Path, num_layers: int) -> Path:
+    """Where `trtopt build --draft-layers N` writes the self-draft plan, and where the self_draft method looks."""
+    return Path(plan_dir) / f"{DRAFT_DIR_PREFIX}{num_layers}"
+
+
 def build_draft_plan(plan_dir: str | Path, num_layers: int, out_dir: str | Path | None = None) -> Path:
     """Write the N-layer self-draft plan of `plan_dir` (default: plan_dir/draft_N). Returns its dir."""
-    from trtopt.runtime.spec_decode.config import self_draft_dir
-
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
     total = plan.model.num_layers
@@ -55,7 +60,7 @@ def _cut(graph: onnx.GraphProto, n: int, total: int) -> None:
     layer_input = _layer_input(graph, producer, n)
     final_norm = _final_norm(graph, producer)
     final_norm.input[0] = layer_input
-    keep_out = {"logits", *(f"kv_cache_out.{i}" for i in range(n))}
+    keep_out = {LOGITS.name, *(kv_output(i) for i in range(n))}
     outputs = [o for o in graph.output if o.name in keep_out]
     del graph.output[:]
     graph.output.extend(outputs)
@@ -69,7 +74,7 @@ def _cut(graph: onnx.GraphProto, n: int, total: int) -> None:
     kept.reverse()
     del graph.node[:]
     graph.node.extend(kept)
-    dropped = {f"kv_cache.{i}" for i in range(n, total)}
+    dropped = {kv_input(i) for i in range(n, total)}
     inputs = [i for i in graph.input if i.name not in dropped]
     del graph.input[:]
     graph.input.extend(inputs)
@@ -84,9 +89,9 @@ def _cut(graph: onnx.GraphProto, n: int, total: int) -> None:
 
 def _layer_input(graph: onnx.GraphProto, producer: dict, n: int) -> str:
     """The residual stream entering layer n: the input of the norm that feeds layer n's attention."""
-    attn = next((node for node in graph.node if node.op_type == "PagedAttention" and f"kv_cache.{n}" in node.input), None)
+    attn = next((node for node in graph.node if node.op_type == "PagedAttention" and kv_input(n) in node.input), None)
     if attn is None:
-        raise BuildError(f"the plan has no PagedAttention node reading kv_cache.{n}; rebuild it with `trtopt build`.")
+        raise BuildError(f"the plan has no PagedAttention node reading {kv_input(n)}; rebuild it with `trtopt build`.")
     frontier, seen = [attn.input[0]], set()
     while frontier:  # breadth-first up the query path until the layer's input norm
         name = frontier.pop(0)
@@ -101,7 +106,7 @@ def _layer_input(graph: onnx.GraphProto, producer: dict, n: int) -> str:
 
 
 def _final_norm(graph: onnx.GraphProto, producer: dict) -> onnx.NodeProto:
-    gather = next((node for node in graph.node if node.op_type == "Gather" and "logits_indices" in node.input), None)
+    gather = next((node for node in graph.node if node.op_type == "Gather" and LOGITS_INDICES.name in node.input), None)
     node = producer.get(gather.input[0]) if gather is not None else None
     if node is None or node.op_type not in _NORMS:
         raise BuildError("the plan's LM head is not fed by a final norm; --draft-layers needs a pre-norm transformer.")

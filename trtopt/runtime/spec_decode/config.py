@@ -17,11 +17,6 @@ from typing import Any, Mapping
 from trtopt.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "self_draft")
-DRAFT_DIR_PREFIX = "draft_"  # plan/draft_N holds the self-draft plan of the first N layers
-
-
-def self_draft_dir(plan_dir: str | Path, num_layers: int) -> Path:
-    return Path(plan_dir) / f"{DRAFT_DIR_PREFIX}{num_layers}"
 
 
 @dataclasses.dataclass(frozen=True)

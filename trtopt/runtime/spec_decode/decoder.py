@@ -21,7 +21,8 @@ from trtopt.runtime.batch import SampledToken, ScheduledBatch, StepOutput
 from trtopt.runtime.input_builder import InputBuilder
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler
-from trtopt.runtime.spec_decode.config import SpeculativeConfig, self_draft_dir
+from trtopt.build.draft import self_draft_dir
+from trtopt.runtime.spec_decode.config import SpeculativeConfig
 from trtopt.runtime.spec_decode.ngram import NgramProposer
 from trtopt.runtime.spec_decode.proposer import Proposal, Proposer
 from trtopt.runtime.spec_decode.rejection import greedy_verify, target_probs_for, verify_one
