@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-from trtopt.build.draft import build_draft_plan
+from trtopt.build.draft import build_draft_plan, self_draft_dir
 from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
-from trtopt.runtime.spec_decode.config import self_draft_dir
 
 PROMPTS = Path(__file__).parent / "prompts"
 SETS = {"copy_heavy": PROMPTS / "spec_copy_heavy.json", "open_chat": PROMPTS / "spec_open_chat.json"}
