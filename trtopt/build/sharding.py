@@ -50,6 +50,9 @@ def write_rank_plans(proto: onnx.ModelProto, shard: ShardResult, out_dir: Path, 
             for name, data in rank_weights(shard, rank).items():
                 _set_tensor(proto, name, data)
         save(proto, path)
+        # A plan over the external-data threshold is saved with its weights moved out of the proto (onnx converts
+        # in place); read them back so the next rank's slices can be swapped in and its other weights are written.
+        onnx.external_data_helper.load_external_data_for_model(proto, str(path))
         write_plan(path, dataclasses.replace(rank_config, parallel=parallel_config(shard.layout, rank)))
         dirs.append(path)
     return dirs

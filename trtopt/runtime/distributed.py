@@ -236,22 +236,27 @@ class TensorParallelExecutor:
         if self._closed:
             return
         self._closed = True
+        stopped = False
         if self._error is None and dist.is_initialized() and all(p.poll() is None for p in self._workers):
             try:
                 dist.broadcast_object_list([_Command("stop")], src=0, group=self._control)
+                stopped = True
             except Exception:  # a worker died in between: it is terminated below
                 log.warning("tensor-parallel stop message failed; terminating the workers")
+        if dist.is_initialized():
+            if stopped:
+                # Leaving a NCCL group is a handshake: the workers destroy theirs right after "stop", so the driver
+                # must do the same now, not after waiting for them to exit (the first H200x2 run hung exactly so).
+                if not _destroy_group(timeout_s=30.0):
+                    log.warning("tensor-parallel group did not close within 30 s; terminating the workers")
+            else:
+                _abort_group()
         for proc in self._workers:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-        if dist.is_initialized():
-            if self._error is not None:
-                _abort_group()
-            else:
-                dist.destroy_process_group()
         torch.set_num_threads(self._threads)
 
     def __del__(self) -> None:  # an engine dropped without shutdown() must not leave workers behind
@@ -310,6 +315,21 @@ class TensorParallelExecutor:
                     "is stopped and its requests failed. Check that rank's stderr (and memory), then restart."
                 )
         return None
+
+
+def _destroy_group(timeout_s: float) -> bool:
+    """destroy_process_group() with a bound: True when it returned in time (a peer that never answers the goodbye
+    would otherwise hang the driver's shutdown forever)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="trtopt-tp-destroy", daemon=True).start()
+    return done.wait(timeout_s)
 
 
 def _abort_group() -> None:

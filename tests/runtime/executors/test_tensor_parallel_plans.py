@@ -81,6 +81,24 @@ def test_llama_rank_plans_split_heads_and_mlp(tp_plan, export_dir):
         np.testing.assert_array_equal(np.concatenate([a, b], axis=axis), whole)
 
 
+def test_rank_plans_with_external_weights_match_inline_ones(tp_plan, export_dir, tmp_path, monkeypatch):
+    """A plan over the external-data threshold (the 1.24B benchmark shape) has its weights moved out of the proto
+    when rank 0 is saved: every later rank must still get all of its weights, its own slices included."""
+    import trtopt.build.builder as builder
+
+    monkeypatch.setattr(builder, "_EXTERNAL_DATA_THRESHOLD", 0)
+    result = build_plan(export_dir("tiny-llama"), tmp_path / "plan", limits=LIMITS, force=True, progress=False,
+                        tensor_parallel=2)
+    inline = tp_plan("tiny-llama", 2)
+    for r in range(2):
+        path = rank_dir(result.plan_dir, r)
+        assert (path / builder.EXTERNAL_DATA_FILE).exists()
+        got, want = initializers(path), initializers(rank_dir(inline.plan_dir, r))
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 def test_qwen2_kv_head_is_replicated_when_fewer_than_ranks(tp_plan):
     """tiny-qwen2: 4 query heads, ONE KV head (MQA), QKV bias, tied embeddings: N = 2 keeps the KV head on both."""
     result = tp_plan("tiny-qwen2", 2)
