@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -131,6 +132,7 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float)
         if command.op == "stop":
             break
         _apply(executor, command)
+    _release_graphs(executor)
     dist.destroy_process_group()
 
 
@@ -243,6 +245,7 @@ class TensorParallelExecutor:
                 stopped = True
             except Exception:  # a worker died in between: it is terminated below
                 log.warning("tensor-parallel stop message failed; terminating the workers")
+        _release_graphs(self._local)
         if dist.is_initialized():
             if stopped:
                 # Leaving a NCCL group is a handshake: the workers destroy theirs right after "stop", so the driver
@@ -315,6 +318,15 @@ class TensorParallelExecutor:
                     "is stopped and its requests failed. Check that rank's stderr (and memory), then restart."
                 )
         return None
+
+
+def _release_graphs(executor: Any) -> None:
+    """Drop the CUDA graphs that captured all-reduces: NCCL holds a reference per such graph and its comm destroy
+    waits until every one is gone (pytorch#115388; vLLM and TensorRT release graphs before NCCL for this reason)."""
+    if getattr(executor, "graphs", None) is not None:
+        executor.graphs.reset()
+        torch.cuda.synchronize(executor.device)
+        gc.collect()
 
 
 def _destroy_group(timeout_s: float) -> bool:
