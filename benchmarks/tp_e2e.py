@@ -7,8 +7,11 @@ and built twice: unsharded (N = 1) and with `--tensor-parallel 2`. Then, for eac
 
 1. batch-1 decode tok/s (128-token prompt, 256 new tokens; gpu_e2e.batch1_decode);
 2. the 256-request variable-length workload of gpu_e2e.py (continuous batching, max_num_seqs 256);
-3. the all-reduce time per decode step from a torch.profiler trace of rank 0 (eager steps: NCCL kernels by name),
-   next to the whole step's device time, so the communication share is visible.
+3. the NCCL kernel time per decode step from a torch.profiler trace of rank 0 (eager steps: NCCL kernels by name),
+   next to the whole step's device time. In eager steps a NCCL kernel also waits for the peer rank to arrive, so
+   this is an upper bound on communication; hence also
+4. the all-reduce alone: two processes, one per GPU, replaying a CUDA graph of 2 x layers all-reduces of the
+   decode step's [tokens, hidden] bf16 tensor (tokens 1, 64, 256): the communication a graphed step really pays.
 
 Scaling efficiency = (throughput at N=2 / throughput at N=1) / 2, reported as measured. Needs two GPUs of one host
 (nvidia-h200-x2); `--tiny --device cpu` runs the same code on the CPU with gloo in under a minute (a harness smoke
@@ -129,7 +132,63 @@ def all_reduce_profile(engine, vocab: int, steps: int = 8) -> dict | None:
         if "nccl" in event.key.lower() or "allreduce" in event.key.lower():
             nccl += device_us
     return {"eager_steps": steps, "device_ms_per_step": total / steps / 1e3,
-            "all_reduce_ms_per_step": nccl / steps / 1e3, "all_reduce_share": nccl / total if total else None}
+            "nccl_kernel_ms_per_step": nccl / steps / 1e3, "nccl_share": nccl / total if total else None}
+
+
+def _all_reduce_rank(rank: int, port: int, hidden: int, calls: int, tokens: tuple, out) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    result = {}
+    for t in tokens:
+        x = torch.ones(t, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                dist.all_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / 10
+        result[str(t)] = {"ms_per_step": ms, "us_per_call": ms / calls * 1e3}
+        del graph
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def all_reduce_alone(hidden: int, layers: int, tokens: tuple = (1, 64, 256)) -> dict | None:
+    """The all-reduces of one step (2 per layer), graphed, on two GPUs in lockstep: their real cost."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, port, hidden, 2 * layers, tokens, out)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    result = out.get(timeout=300)
+    for proc in procs:
+        proc.join(timeout=60)
+    return result
 
 
 def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int, args) -> dict:
@@ -145,8 +204,8 @@ def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int,
         log(f"N={n} batch-1 decode: {out['batch1']['decode_tok_s']:.1f} tok/s")
         out["profile"] = all_reduce_profile(engine, vocab)
         if out["profile"]:
-            log(f"N={n} eager step {out['profile']['device_ms_per_step']:.2f} ms on rank 0, all-reduce "
-                f"{out['profile']['all_reduce_ms_per_step']:.3f} ms")
+            log(f"N={n} eager step {out['profile']['device_ms_per_step']:.2f} ms on rank 0, NCCL kernels "
+                f"{out['profile']['nccl_kernel_ms_per_step']:.3f} ms (incl. waiting for the peer)")
         out["workload"] = gpu_e2e.run_engine(engine, requests, wave=None, device=device)
         log(f"N={n} workload: {out['workload']['output_tok_s']:.0f} output tok/s")
     finally:
@@ -207,11 +266,14 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         made = make_plans(work, shape, device, args.max_num_seqs, tied=(name != "8b"))
         requests = workload.make(shape.vocab)
+        alone = all_reduce_alone(shape.hidden, shape.layers) if device.type == "cuda" else None
+        if alone:
+            log(f"{name}: graphed all-reduces of one step, per token count: {alone}")
         runs = {str(n): run_size(made["plans"][n]["dir"], n, device, requests, shape.vocab, args) for n in (1, 2)}
         one, two = runs["1"], runs["2"]
         data["shapes"][name] = {
             "shape": dataclasses.asdict(shape), "params": made["params"],
-            "layout": made["plans"][2]["layout"], "runs": runs,
+            "layout": made["plans"][2]["layout"], "runs": runs, "all_reduce_graphed": alone,
             "scaling_efficiency": {
                 "batch1_decode": two["batch1"]["decode_tok_s"] / one["batch1"]["decode_tok_s"] / 2,
                 "workload": two["workload"]["output_tok_s"] / one["workload"]["output_tok_s"] / 2,
