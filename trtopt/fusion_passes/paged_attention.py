@@ -117,7 +117,8 @@ def _rebind_shapes(graph: ir.Graph, layers: list[PagedLayer]) -> None:
         ):
             cut[id(tensor)] = layer.num_kv_heads
         for tensor in (layer.match.k_repeated, layer.match.v_repeated):
-            cut[id(tensor)] = layer.num_heads
+            # Without repeat_kv these are the cache tensors themselves, which keep the kv heads (MQA broadcast).
+            cut.setdefault(id(tensor), layer.num_heads)
         # (In the heads-folded form these are still the 4-D tensors before the fold; the 3-D folds stay dead
         # or are read only by the removed attention.)
     head_dims = {layer.head_dim for layer in layers}

@@ -117,7 +117,9 @@ def _static_dim(value: ir.Value, axis: int) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
-def _head_dims(match: AttentionMatch, past_key: ir.Value, ctx: PassContext) -> tuple[int, int, int]:
+def _head_dims(
+    match: AttentionMatch, past_key: ir.Value, past_value: ir.Value, ctx: PassContext
+) -> tuple[int, int, int]:
     """(num_heads, num_kv_heads, head_dim): from the past input's shape where static, else config.json."""
     hkv = _static_dim(past_key, 1) or ctx.dims.num_kv_heads
     head_dim = _static_dim(past_key, 3) or ctx.dims.head_dim
@@ -128,9 +130,24 @@ def _head_dims(match: AttentionMatch, past_key: ir.Value, ctx: PassContext) -> t
         raise NoMatch("cannot tell the head counts from the graph; put the model's config.json next to it")
     if ctx.dims.num_kv_heads is not None and ctx.dims.num_kv_heads != hkv:
         raise NoMatch(f"past input has {hkv} kv heads but config.json says {ctx.dims.num_kv_heads}")
+    if _broadcast_single_kv_head(match, past_key, past_value, num_heads):
+        return num_heads, 1, head_dim
     if not match.heads_consistent(num_heads, hkv):
         raise NoMatch(f"{num_heads} query heads and {hkv} kv heads do not match the graph's repeat_kv")
     return num_heads, hkv, head_dim
+
+
+def _broadcast_single_kv_head(match: AttentionMatch, past_key: ir.Value, past_value: ir.Value, num_heads: int) -> bool:
+    """Multi-query attention by broadcasting (Falcon-7B's form): no repeat_kv, and the cached keys and values have
+    one head, which QKᵀ and probs·V broadcast over the query heads, so every query head reads kv head 0 (= h // Hq,
+    the op's mapping). Proven from the past inputs' static head dim, never from config.json."""
+    return (
+        not match.repeat_kv
+        and not match.native_gqa
+        and num_heads > 1
+        and _static_dim(past_key, 1) == 1
+        and _static_dim(past_value, 1) == 1
+    )
 
 
 def _roles(graph: ir.Graph, pasts: list[ir.Value]) -> ProbeInputs:
@@ -192,7 +209,7 @@ def _prove_layer(
     if match.mask is None:
         raise NoMatch("no mask before Softmax, so the attention is not causal over the cache", softmax.name or "")
     meaning = _probe_once(model, match.mask, roles, ctx, proven)
-    num_heads, hkv, head_dim = _head_dims(match, _past_of(k_cat.inputs[0]), ctx)
+    num_heads, hkv, head_dim = _head_dims(match, _past_of(k_cat.inputs[0]), _past_of(v_cat.inputs[0]), ctx)
     slopes = _slopes_per_head(meaning.alibi_slopes, num_heads)
     return PagedLayer(
         match=match,
