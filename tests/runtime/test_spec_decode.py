@@ -7,13 +7,15 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 import torch
 
 from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.block_pool import hash_block
 from trtopt.runtime.engine import EngineConfig, LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
-from trtopt.runtime.spec_decode.ngram import ngram_lookup
+from trtopt.runtime.spec_decode.ngram import ngram_lookup, ngram_lookup_batch
 from trtopt.runtime.spec_decode.proposer import Proposal
 
 from echo_model import VOCAB, EchoExecutor, make_plan, next_logits, reference_generate
@@ -270,6 +272,32 @@ def test_ngram_lookup_finds_the_latest_longest_match():
     assert ngram_lookup(t, 3, 1, 3) == [5, 6, 7]  # suffix [2, 3] matched most recently at 6..7
     assert ngram_lookup(np.array([1, 2, 3]), 3, 1, 3) == []
     assert ngram_lookup(np.array([4, 4, 4, 4]), 2, 2, 2) == [4]
+
+
+def _ngram_by_hand(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, token by token: the latest earlier occurrence of the longest suffix."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.lists(hst.lists(hst.integers(0, 3), max_size=24), min_size=1, max_size=6), hst.integers(1, 3),
+       hst.integers(1, 4), hst.integers(1, 5))
+def test_batched_ngram_lookup_equals_the_definition_row_by_row(rows, min_n, extra, k):
+    """One vectorised pass over right-aligned histories of different lengths gives each row its own answer."""
+    max_n = min_n + extra - 1
+    width = max(1, max(len(r) for r in rows))
+    histories = np.full((len(rows), width), -1, dtype=np.int64)
+    for b, r in enumerate(rows):
+        histories[b, width - len(r):] = r
+    ks = [k + b % 2 for b in range(len(rows))]
+    got = ngram_lookup_batch(histories, np.array([len(r) for r in rows]), ks, min_n, max_n)
+    assert got == [_ngram_by_hand(r, kb, min_n, max_n) for r, kb in zip(rows, ks)]
 
 
 @pytest.mark.parametrize("spec,match", [

@@ -228,9 +228,10 @@ class TensorParallelExecutor:
         self._run(_Command("alloc", num_blocks))
         self.num_blocks = num_blocks
 
-    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> Any:
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int, max_logits: int | None = None) -> Any:
         """Every rank captures the same buckets; returns rank 0's capture report (None without graphs)."""
-        self._run(_Command("capture", {"max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens}))
+        self._run(_Command("capture", {"max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
+                                        "max_logits": max_logits}))
         return self._local.graphs.capture_report if self._local.graphs is not None else None
 
     def execute(self, step: StepInputs) -> torch.Tensor:

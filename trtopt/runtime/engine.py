@@ -110,13 +110,18 @@ class LLMEngine:
         self.plan = plan
         self.tokenizer = tokenizer
         self.limits = resolve_limits(plan, config)
+        spec_config = SpeculativeConfig.parse(config.speculative_config)
         executor.allocate_kv_cache(self.limits.num_blocks)
         if hasattr(executor, "capture_graphs"):  # at start-up, not inside the first steps
+            # A verifying sequence asks for K+1 logits rows: graphs must hold that many per sequence, or every
+            # verification step would run eagerly.
+            rows = self.limits.max_num_seqs * (1 + (spec_config.num_speculative_tokens if spec_config else 0))
             executor.capture_graphs(max_num_seqs=self.limits.max_num_seqs,
-                                    max_num_tokens=self.limits.max_num_batched_tokens)
+                                    max_num_tokens=self.limits.max_num_batched_tokens,
+                                    max_logits=min(rows, self.limits.max_num_batched_tokens))
         self.executor = executor
         self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
-        self.spec = self._create_spec_decoder(config, plan_dir, backend, device)
+        self.spec = self._create_spec_decoder(spec_config, plan_dir, backend, device)
         self.pool = BlockPool(self.limits.num_blocks, self.limits.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, copy_blocks=self._copy_blocks)
         self.scheduler = Scheduler(
@@ -161,8 +166,8 @@ class LLMEngine:
         return cls(executor, plan, load_tokenizer(plan_dir), EngineConfig(**config), plan_dir=plan_dir, backend=backend,
                    device=device)
 
-    def _create_spec_decoder(self, config: EngineConfig, plan_dir: str | Path | None, backend: str, device: str) -> SpecDecoder | None:
-        spec_config = SpeculativeConfig.parse(config.speculative_config)
+    def _create_spec_decoder(self, spec_config: SpeculativeConfig | None, plan_dir: str | Path | None, backend: str,
+                             device: str) -> SpecDecoder | None:
         if spec_config is None:
             return None
         spec = create_spec_decoder(
@@ -171,6 +176,8 @@ class LLMEngine:
             max_model_len=self.limits.max_model_len,
         )
         spec.proposer.allocate_kv_cache(self.limits.num_blocks)
+        spec.capture_report = spec.proposer.capture_graphs(max_num_seqs=self.limits.max_num_seqs,
+                                                           max_num_tokens=self.limits.max_num_batched_tokens)
         return spec
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -76,13 +76,18 @@ class TorchExecutor:
         if self.graphs is not None:
             self.graphs.reset()  # the captured graphs hold the old pools' addresses
 
-    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> CaptureReport | None:
-        """Capture the step graph of every bucket up to the engine's limits now; None without CUDA graphs."""
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int,
+                       max_logits: int | None = None) -> CaptureReport | None:
+        """Capture the step graph of every bucket up to the engine's limits now; None without CUDA graphs.
+
+        max_logits: logits rows a step may ask for (default max_num_seqs); speculative verification asks for
+        K+1 per sequence, so the engine passes max_num_seqs * (K+1) there (cuda_graphs.graph_buckets)."""
         if self.graphs is None:
             return None
         assert self.kv_caches, "allocate_kv_cache() must run before the graphs capture the pools"
         self.graphs = StepGraphs(self._run, device=self.device, max_num_seqs=max_num_seqs,
-                                 max_num_tokens=max_num_tokens, max_blocks_per_seq=self.plan.max_blocks_per_seq)
+                                 max_num_tokens=max_num_tokens, max_blocks_per_seq=self.plan.max_blocks_per_seq,
+                                 max_logits=max_logits)
         return self.graphs.capture_all()
 
     def execute(self, step: StepInputs) -> torch.Tensor:

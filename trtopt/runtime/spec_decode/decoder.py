@@ -18,6 +18,7 @@ import torch
 from trtopt.build.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import SampledToken, ScheduledBatch, StepOutput
+from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler
@@ -25,7 +26,7 @@ from trtopt.build.draft import self_draft_dir
 from trtopt.runtime.spec_decode.config import SpeculativeConfig
 from trtopt.runtime.spec_decode.ngram import NgramProposer
 from trtopt.runtime.spec_decode.proposer import Proposal, Proposer
-from trtopt.runtime.spec_decode.rejection import greedy_verify, target_probs_for, verify_one
+from trtopt.runtime.spec_decode.rejection import greedy_verify, plain_greedy, target_probs_for, verify_one
 
 
 @dataclasses.dataclass
@@ -50,6 +51,7 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.stats = SpecStats()
+        self.capture_report: CaptureReport | None = None  # the draft's CUDA graphs, captured at engine start-up
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -85,19 +87,27 @@ class SpecDecoder:
                 plain_rows.append(row)
                 plain_reqs.append(req)
                 row += 1
+        # One argmax and one device->host read for every plain greedy row of the step (plain or verifying): the
+        # common case is greedy throughout, and each further read would wait for the device again.
+        greedy_plain = [plain_greedy(r) for r in plain_reqs]
+        any_greedy = any(greedy_plain) or any(plain_greedy(r) for r, _, _ in spans)
+        argmax = logits[:row].argmax(dim=-1).tolist() if any_greedy else None
         output, errors = StepOutput(sampled={}), {}
-        if plain_reqs:
-            sampled = sampler.sample_each(logits[torch.tensor(plain_rows)], plain_reqs)
-            for r, t in zip(plain_reqs, sampled):
+        rest = [(r, req) for r, req, g in zip(plain_rows, plain_reqs, greedy_plain) if not g]
+        for r, req, g in zip(plain_rows, plain_reqs, greedy_plain):
+            if g:
+                output.sampled[req.request_id] = SampledToken(token_id=argmax[r])
+        if rest:
+            sampled = sampler.sample_each(logits[torch.tensor([r for r, _ in rest])], [req for _, req in rest])
+            for (_, req), t in zip(rest, sampled):
                 if isinstance(t, Exception):
-                    errors[r.request_id] = t
+                    errors[req.request_id] = t
                 else:
-                    output.sampled[r.request_id] = t
-        argmax = logits.argmax(dim=-1).tolist() if any(_plain_greedy(r) for r, _, _ in spans) else None
+                    output.sampled[req.request_id] = t
         for req, drafts, start in spans:
             k = len(drafts)
             try:
-                if _plain_greedy(req):
+                if plain_greedy(req):
                     tokens, accepted = greedy_verify(argmax[start : start + k + 1], drafts)
                 else:
                     p = target_probs_for(logits[start : start + k + 1], req, drafts)
@@ -108,12 +118,6 @@ class SpecDecoder:
             output.spec_tokens[req.request_id] = [SampledToken(token_id=t) for t in tokens]
             self.stats.record(k, accepted)
         return output, errors
-
-
-def _plain_greedy(req: Request) -> bool:
-    """Greedy with nothing that changes the argmax (penalties, min_tokens): verification by argmax alone."""
-    p = req.params
-    return p.greedy and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.min_tokens == 0
 
 
 def create_spec_decoder(config: SpeculativeConfig, *, target, plan: PlanConfig, plan_dir: str | Path | None,
@@ -141,7 +145,9 @@ def create_spec_decoder(config: SpeculativeConfig, *, target, plan: PlanConfig, 
             raise ConfigError(f"the draft plan {draft_dir} does not exist (no plan.json); build one with "
                               "`trtopt build` or point 'model' at an existing plan dir.")
     draft_plan = _check_draft_plan(draft_dir, plan, plan_dir, max_num_batched_tokens, max_model_len)
-    executor = create_executor(backend, draft_dir, draft_plan, device=device)
+    # The draft's K sequential forwards replay CUDA graphs wherever the target's steps do (torch on CUDA).
+    executor = create_executor(backend, draft_dir, draft_plan, device=device,
+                               cuda_graphs=getattr(target, "graphs", None) is not None)
     if config.method == "self_draft":
         share_weights(executor.graph.module, target.graph.module)
         return SpecDecoder(config, DraftModelProposer(executor, input_builder, target=target))

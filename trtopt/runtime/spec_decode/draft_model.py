@@ -19,16 +19,20 @@ with the same tokens or rolls back.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping, Sequence
 
 import torch
 
 from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
+from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler, processed_probs
 from trtopt.runtime.spec_decode.proposer import Proposal
-from trtopt.runtime.spec_decode.rejection import DraftContext, draw
+from trtopt.runtime.spec_decode.rejection import DraftContext, draw, plain_greedy
+
+log = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
@@ -45,9 +49,26 @@ class DraftModelProposer:
         if self.shared_kv:  # the target's first N pools, the very tensors (the target allocated them)
             self.executor.kv_caches = self.target.kv_caches[: self.executor.plan.model.num_layers]
             self.executor.num_blocks = num_blocks
+            if getattr(self.executor, "graphs", None) is not None:
+                self.executor.graphs.reset()  # its graphs captured the old pools' addresses
         else:
             self.executor.allocate_kv_cache(num_blocks)
         self._computed.clear()
+
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> CaptureReport | None:
+        """Capture the draft's step graphs now (torch on CUDA; None elsewhere), at its own buckets: its K-1 later
+        forwards are decode steps of at most max_num_seqs rows, and its first forward, in the steady state, one or
+        two tokens per sequence (own pool: the last token of a fully accepted run lags), so buckets stop at
+        2 * max_num_seqs tokens. That bounds capture time and memory by about one target decode capture; a longer
+        first forward (prefill chunks mirrored into an own pool) runs eagerly."""
+        if not hasattr(self.executor, "capture_graphs"):
+            return None
+        report = self.executor.capture_graphs(max_num_seqs=max_num_seqs,
+                                              max_num_tokens=min(max_num_tokens, 2 * max_num_seqs))
+        if report is not None:
+            log.info("speculative draft: captured %d CUDA graphs in %.1f s, %.0f MiB", report.num_graphs,
+                     report.seconds, report.pool_bytes / 2**20)
+        return report
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not self.shared_kv:  # shared pools are copied by the target itself
@@ -61,21 +82,29 @@ class DraftModelProposer:
         logits = self.executor.execute(self.input_builder.build(ScheduledBatch(first, 0, [])))
         drafts: dict[str, list[int]] = {s.request_id: [] for s in spec}
         probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in spec}
+        # Plain greedy requests are verified by argmax alone (decoder.py), so their q is never read: their draft
+        # token is the draft's argmax, one device->host read per forward for the whole batch.
+        greedy = {s.request_id: plain_greedy(requests[s.request_id]) for s in spec}
         active = list(spec)
         for j in range(max((s.num_lookahead for s in spec), default=0)):
             if j:
                 steps = [self._draft_step(s, drafts[s.request_id][-1], j) for s in active]
                 logits = self.executor.execute(self.input_builder.build(ScheduledBatch(steps, 0, [])))
-            reqs = [requests[s.request_id] for s in active]
-            q = processed_probs(logits[: len(active)], [DraftContext(r, drafts[r.request_id]) for r in reqs])
-            for row, (s, req) in enumerate(zip(active, reqs)):
-                token = draw(q[row], float(torch.rand(1, generator=sampler.generator_for(req))))
+            logits = logits[: len(active)]
+            argmax = logits.argmax(dim=-1).tolist()
+            sampled = [row for row, s in enumerate(active) if not greedy[s.request_id]]
+            if sampled:
+                reqs = [requests[active[row].request_id] for row in sampled]
+                q = processed_probs(logits[sampled], [DraftContext(r, drafts[r.request_id]) for r in reqs])
+                for i, (row, req) in enumerate(zip(sampled, reqs)):
+                    argmax[row] = draw(q[i], float(torch.rand(1, generator=sampler.generator_for(req))))
+                    probs[req.request_id].append(q[i])
+            for s, token in zip(active, argmax):
                 drafts[s.request_id].append(token)
-                probs[s.request_id].append(q[row])
             active = [s for s in active if s.num_lookahead > j + 1]
         for s in spec:  # it wrote the last committed token and d_1 .. d_{K-1}
             self._computed[s.request_id] = s.start_pos + s.num_lookahead
-        return {rid: Proposal(toks, torch.stack(probs[rid])) for rid, toks in drafts.items()}
+        return {rid: Proposal(toks, None if greedy[rid] else torch.stack(probs[rid])) for rid, toks in drafts.items()}
 
     def _first_forward(self, batch: ScheduledBatch, requests: Mapping[str, Request]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
         """The rows of the draft's first forward, and the speculating sequences (who get a logits row there)."""

@@ -1,12 +1,16 @@
 """N-gram / prompt-lookup proposer: the continuation of the most recent earlier occurrence of the sequence's
 last n tokens (n from prompt_lookup_max down to prompt_lookup_min), searched in the prompt and output so far.
 
-The search is one numpy comparison over the history per sequence and n (sliding windows), never a Python loop
-over tokens. It needs no model, so it costs nothing when it guesses wrong but the verification rows.
+Vectorised over the batch: the step's histories are right-aligned in one [B, L] array (left padding -1, which no
+token equals) and each n is one numpy comparison of every sliding window of every row with that row's suffix; no
+Python loop over tokens, and the loop over sequences only copies rows. Each request's history is kept as a growing
+numpy buffer that takes only the tokens appended since the last step, so a step does not convert whole token lists.
+The proposer needs no model: a wrong guess costs only its verification rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -17,37 +21,93 @@ from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler
 from trtopt.runtime.spec_decode.proposer import Proposal
 
+_PAD = -1  # left padding of the right-aligned histories; token ids are >= 0
+
+
+def ngram_lookup_batch(histories: np.ndarray, lengths: np.ndarray, ks: Sequence[int], min_n: int,
+                       max_n: int) -> list[list[int]]:
+    """For each row b of `histories` [B, L] (int64; its lengths[b] tokens right-aligned, padding _PAD before them):
+    up to ks[b] tokens following the latest earlier occurrence of its longest suffix of max_n .. min_n tokens that
+    occurs earlier (an occurrence ends before the suffix itself does). [] where none occurs."""
+    num_rows, width = histories.shape
+    start = np.full(num_rows, -1, dtype=np.int64)  # column after the chosen match; -1 = none yet
+    for n in range(min(max_n, width - 1), min_n - 1, -1):
+        open_rows = (start < 0) & (lengths > n)  # a suffix of n tokens needs one earlier window at least
+        if not open_rows.any():
+            continue
+        # windows[b, w] = histories[b, w : w + n] for w = 0 .. width-n-1, every window ending before the last token
+        windows = sliding_window_view(histories[:, : width - 1], n, axis=1)
+        hits = (windows == histories[:, None, width - n :]).all(axis=2)  # [B, width - n]; padding never matches
+        found = hits.any(axis=1) & open_rows
+        latest = hits.shape[1] - 1 - hits[:, ::-1].argmax(axis=1)
+        start = np.where(found, latest + n, start)
+    k_max = max(ks, default=0)
+    cols = start[:, None] + np.arange(k_max)  # the continuation's columns (within the history: < width)
+    tokens = histories[np.arange(num_rows)[:, None], np.minimum(cols, width - 1)]
+    counts = np.where(start >= 0, np.minimum(np.asarray(ks, dtype=np.int64), width - start), 0)
+    return [tokens[b, : counts[b]].tolist() for b in range(num_rows)]
+
 
 def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens following the latest earlier match of the longest suffix (max_n .. min_n) of `tokens`."""
-    length = tokens.shape[0]
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows starting at 0 .. length-n-1: every occurrence that ends before the suffix itself does.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    return ngram_lookup_batch(tokens[None, :], np.array([tokens.shape[0]]), [k], min_n, max_n)[0]
+
+
+@dataclasses.dataclass
+class _History:
+    """A request's token ids as a numpy buffer, grown by the tokens appended since it was last read."""
+
+    request: Request  # the owner (an id may be reused by a later request: then the history starts over)
+    buffer: np.ndarray
+    length: int = 0
+
+    def read(self) -> np.ndarray:
+        ids = self.request.token_ids
+        if len(ids) > self.buffer.shape[0]:
+            grown = np.empty(max(len(ids), 2 * self.buffer.shape[0]), dtype=np.int64)
+            grown[: self.length] = self.buffer[: self.length]
+            self.buffer = grown
+        if len(ids) > self.length:  # token ids only grow (rejected drafts are never appended)
+            self.buffer[self.length : len(ids)] = ids[self.length :]
+            self.length = len(ids)
+        return self.buffer[: self.length]
 
 
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
+        self._histories: dict[str, _History] = {}
 
     def propose(self, batch: ScheduledBatch, requests: Mapping[str, Request], sampler: Sampler) -> dict[str, Proposal]:
-        out = {}
-        for seq in batch.seqs:
-            if seq.num_lookahead:
-                tokens = np.asarray(requests[seq.request_id].token_ids, dtype=np.int64)
-                draft = ngram_lookup(tokens, seq.num_lookahead, self.min_n, self.max_n)
-                if draft:
-                    out[seq.request_id] = Proposal(draft)
-        return out
+        seqs = [s for s in batch.seqs if s.num_lookahead]
+        if not seqs:
+            return {}
+        rows = [self._history(requests[s.request_id]) for s in seqs]
+        width = max(r.shape[0] for r in rows)
+        histories = np.full((len(rows), width), _PAD, dtype=np.int64)
+        for b, r in enumerate(rows):
+            histories[b, width - r.shape[0] :] = r
+        lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
+        drafts = ngram_lookup_batch(histories, lengths, [s.num_lookahead for s in seqs], self.min_n, self.max_n)
+        self._forget_finished(requests)
+        return {s.request_id: Proposal(d) for s, d in zip(seqs, drafts) if d}
+
+    def _history(self, req: Request) -> np.ndarray:
+        h = self._histories.get(req.request_id)
+        if h is None or h.request is not req:
+            h = self._histories[req.request_id] = _History(req, np.empty(max(64, 2 * req.num_tokens), dtype=np.int64))
+        return h.read()
+
+    def _forget_finished(self, requests: Mapping[str, Request]) -> None:
+        if len(self._histories) > 2 * len(requests):
+            self._histories = {rid: h for rid, h in self._histories.items() if requests.get(rid) is h.request}
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         pass  # no model, no KV
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         pass
+
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> None:
+        return None  # nothing runs on the device

@@ -15,6 +15,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 
 from trtopt.runtime.batch import ScheduledBatch
+from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler
 
@@ -41,3 +42,7 @@ class Proposer(Protocol):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """The target copied blocks src -> dst (copy-on-write); a draft with its own pool does the same."""
+
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int) -> CaptureReport | None:
+        """After allocate_kv_cache at start-up: capture the proposer's own CUDA graphs (a draft model on the torch
+        backend on CUDA), bounded by the engine's limits; None when it has none."""

@@ -93,6 +93,14 @@ def greedy_verify(target_argmax: list[int], drafts: list[int]) -> tuple[list[int
     return drafts[:accepted] + [target_argmax[accepted]], accepted
 
 
+def plain_greedy(req: Request) -> bool:
+    """Greedy with nothing that changes the argmax (penalties, min_tokens): verified by argmax alone, and a draft
+    model's q is never read for it (the one-hot case above)."""
+    p = req.params
+    return (p.greedy and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and p.min_tokens == 0)
+
+
 def target_probs_for(logits: torch.Tensor, req: Request, drafts: list[int]) -> torch.Tensor:
     """The K+1 processed target distributions of one verifying sequence (its logits rows [K+1, V])."""
     return processed_probs(logits, contexts(req, drafts))
