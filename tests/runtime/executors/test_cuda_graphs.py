@@ -133,3 +133,55 @@ def test_graph_replay_matches_eager_on_cuda(plan_dir):
             assert ex.graphs.enabled and ex.graphs.num_eager == 0 and ex.graphs.num_replayed == len(rows)
         logits[graphs] = torch.cat(rows)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+def test_speculative_steps_replay_graphs_after_warm_up(plan_dir, method):
+    """With speculation on, every step after the prefill replays a graph: the target's K+1-row verification
+    steps and the draft's K forwards (own buckets, captured at start-up); greedy output is unchanged."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    from trtopt.build.draft import build_draft_plan, self_draft_dir
+    from trtopt.runtime.engine import LLMEngine
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    built = plan_dir("tiny-llama")
+    if not (self_draft_dir(built, 1) / "plan.json").is_file():
+        build_draft_plan(built, 1)
+    k = 3
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1},
+            "self_draft": {"method": "self_draft", "num_layers": 1, "num_speculative_tokens": k},
+            "draft_model": {"method": "draft_model", "model": str(self_draft_dir(built, 1)),
+                            "num_speculative_tokens": k}}[method]
+    # Repetitive prompts so that n-gram lookup proposes; every request is admitted in the first step.
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [12, 13] * 7, [20, 21, 22, 23, 24] * 3]
+
+    def run(speculative_config):
+        engine = LLMEngine.from_plan(built, device="cuda", max_model_len=256, speculative_config=speculative_config)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        done = {o.request_id: o for o in engine.step() if o.finished}  # the prefill step (an own-pool draft
+        graphs = [engine.executor.graphs]                                 # mirrors it eagerly: T > its buckets)
+        if engine.spec is not None and hasattr(engine.spec.proposer, "executor"):
+            graphs.append(engine.spec.proposer.executor.graphs)
+        for g in graphs:
+            g.num_eager = g.num_replayed = 0
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], engine, graphs
+
+    base, _, _ = run(None)
+    out, engine, graphs = run(spec)
+    assert out == base
+    st = engine.stats()
+    assert st.num_draft_tokens > 0
+    for g in graphs:
+        assert g.enabled and g.num_eager == 0 and g.num_replayed > 0, (g.num_eager, g.num_replayed)
+    if method != "ngram":
+        report = engine.spec.capture_report
+        draft_graphs = graphs[1]
+        assert report is not None and report.num_graphs == len(draft_graphs.buckets)
+        assert draft_graphs.buckets[-1].num_tokens <= 2 * engine.limits.max_num_seqs
+        assert draft_graphs.num_replayed >= k * len(prompts)  # K forwards per speculating step
