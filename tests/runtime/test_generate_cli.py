@@ -99,3 +99,27 @@ def test_build_draft_layers_writes_a_self_draft_plan_that_speculates(built_plan,
         out = llm.generate("The capital of France", params)[0]
         assert out.outputs[0].token_ids == base
         assert out.metrics.num_draft_tokens > 0 and llm.engine.stats().num_draft_tokens > 0
+
+
+def test_kv_cache_memory_holds_a_draft_models_own_pool(built_plan):
+    """kv_cache_memory_gb covers the target's pools and a draft plan's own pools (same block count: the block ids
+    are shared), split in proportion to their per-block bytes; a self-draft runs on the target's pools and adds none."""
+    from trtopt.build.draft import build_draft_plan, self_draft_dir
+    from trtopt.build.plan import read_plan
+    from trtopt.runtime.engine import LLMEngine, block_bytes
+
+    plan_dir = built_plan("tiny-llama")
+    draft = self_draft_dir(plan_dir, 1)
+    if not (draft / "plan.json").is_file():
+        build_draft_plan(plan_dir, 1)
+    gb = 0.002
+    target_bytes, draft_bytes = block_bytes(read_plan(plan_dir)), block_bytes(read_plan(draft))
+    assert 0 < draft_bytes < target_bytes
+
+    def num_blocks(spec):
+        return LLMEngine.from_plan(plan_dir, kv_cache_memory_gb=gb, speculative_config=spec).limits.num_blocks
+
+    assert num_blocks(None) == int(gb * 2**30) // target_bytes + 1
+    assert num_blocks({"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 2}) == num_blocks(None)
+    own = num_blocks({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    assert own == int(gb * 2**30) // (target_bytes + draft_bytes) + 1 < num_blocks(None)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 
-from trtopt.build.plan import PlanConfig
-from trtopt.errors import ConfigError, RequestError, WorkerDiedError
+from trtopt.build.plan import PlanConfig, read_plan
+from trtopt.errors import BuildError, ConfigError, RequestError, WorkerDiedError
 from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput
 from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.detokenizer import IncrementalDetokenizer
@@ -63,7 +63,16 @@ class ResolvedLimits:
     max_blocks_per_seq: int
 
 
-def resolve_limits(plan: PlanConfig, config: EngineConfig) -> ResolvedLimits:
+def block_bytes(plan: PlanConfig, block_size: int | None = None) -> int:
+    """Bytes one KV block takes across every layer of `plan` (K and V)."""
+    m = plan.model
+    return m.num_layers * 2 * m.num_kv_heads * (block_size or plan.limits.block_size) * m.head_dim * _DTYPE_BYTES.get(m.dtype, 4)
+
+
+def resolve_limits(plan: PlanConfig, config: EngineConfig, draft_block_bytes: int = 0) -> ResolvedLimits:
+    """draft_block_bytes: what one block of a speculative draft's own pools takes (0 without one). The draft's pools
+    have the target's block count (the same block ids), so kv_cache_memory_gb holds both: num_blocks comes from
+    the sum of the two per-block sizes, and the memory splits between them in that proportion."""
     lim = plan.limits
 
     def capped(name: str, value: int | None, plan_max: int) -> int:
@@ -79,10 +88,9 @@ def resolve_limits(plan: PlanConfig, config: EngineConfig) -> ResolvedLimits:
     max_blocks_per_seq = -(-max_model_len // lim.block_size)
     num_blocks = config.num_blocks
     if num_blocks is None:
-        m = plan.model
-        block_bytes = m.num_layers * 2 * m.num_kv_heads * lim.block_size * m.head_dim * _DTYPE_BYTES.get(m.dtype, 4)
+        per_block = block_bytes(plan) + draft_block_bytes
         # More blocks than every sequence at full length can use would only waste memory.
-        num_blocks = min(int(config.kv_cache_memory_gb * 2**30) // block_bytes, max_num_seqs * max_blocks_per_seq) + 1
+        num_blocks = min(int(config.kv_cache_memory_gb * 2**30) // per_block, max_num_seqs * max_blocks_per_seq) + 1
     if num_blocks - 1 < max_blocks_per_seq:
         raise ConfigError(
             f"{num_blocks - 1} usable KV blocks cannot hold one sequence of max_model_len={max_model_len} "
@@ -109,8 +117,8 @@ class LLMEngine:
             raise ConfigError(f"the plan is of kind {plan.kind!r}; LLMEngine runs 'paged' LLM plans built by `trtopt build`.")
         self.plan = plan
         self.tokenizer = tokenizer
-        self.limits = resolve_limits(plan, config)
         spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.limits = resolve_limits(plan, config, _draft_block_bytes(spec_config, plan))
         executor.allocate_kv_cache(self.limits.num_blocks)
         if hasattr(executor, "capture_graphs"):  # at start-up, not inside the first steps
             # A verifying sequence asks for K+1 logits rows: graphs must hold that many per sequence, or every
@@ -443,6 +451,17 @@ class LLMEngine:
             num_accepted_tokens=self.spec.stats.num_accepted_tokens if self.spec else 0,
             num_accepted_per_position=tuple(self.spec.stats.accepted_per_position) if self.spec else (),
         )
+
+
+def _draft_block_bytes(spec: SpeculativeConfig | None, plan: PlanConfig) -> int:
+    """Per-block bytes of a draft plan's own pools (method draft_model); 0 for n-gram and self-draft (which runs on
+    the target's pools), and for a draft plan that cannot be read (create_spec_decoder then says what is wrong)."""
+    if spec is None or spec.method != "draft_model" or not (Path(spec.model) / "plan.json").is_file():
+        return 0
+    try:
+        return block_bytes(read_plan(spec.model), plan.limits.block_size)
+    except BuildError:
+        return 0
 
 
 def default_cuda_graphs(backend: str, device: str) -> bool:
