@@ -138,6 +138,37 @@ def test_repository_layout(repo, tiny_plan):
     assert (model_dir / "1" / "model.py").read_text().startswith('"""Triton Inference Server Python-backend model')
 
 
+def test_repository_carries_the_speculative_config(tiny_plan, tmp_path):
+    """--speculative-config lands in config.pbtxt as the engine's JSON (protobuf-escaped, a draft plan's path made
+    absolute); a bad config or a missing draft is refused before anything is written."""
+    import re
+
+    from google.protobuf import text_encoding
+
+    from trtopt.build.draft import build_draft_plan, self_draft_dir
+    from trtopt.runtime.spec_decode import SpeculativeConfig
+
+    if not (self_draft_dir(tiny_plan, 1) / "plan.json").is_file():
+        build_draft_plan(tiny_plan, 1)
+    runner = CliRunner()
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+                 {"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 3},
+                 {"method": "draft_model", "model": str(self_draft_dir(tiny_plan, 1)), "num_speculative_tokens": 2}):
+        out = tmp_path / spec["method"]
+        result = runner.invoke(app, ["triton-repo", str(tiny_plan), "-o", str(out), "--speculative-config", json.dumps(spec)])
+        assert result.exit_code == 0, result.output
+        config = (out / "trtopt" / "config.pbtxt").read_text()
+        value = re.search(r'key: "speculative_config" value: \{ string_value: "((?:[^"\\]|\\.)*)" \}', config).group(1)
+        written = json.loads(text_encoding.CUnescape(value))  # what Triton hands the model's initialize()
+        assert SpeculativeConfig.parse(written) == SpeculativeConfig.parse(spec)
+    bad = runner.invoke(app, ["triton-repo", str(tiny_plan), "-o", str(tmp_path / "bad"), "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 0}'])
+    assert bad.exit_code == 1 and "num_speculative_tokens=0" in bad.output and not (tmp_path / "bad").exists()
+    missing = runner.invoke(app, ["triton-repo", str(tiny_plan), "-o", str(tmp_path / "missing"), "--speculative-config",
+                                  '{"method": "self_draft", "num_layers": 7, "num_speculative_tokens": 2}'])
+    assert missing.exit_code == 1 and "--draft-layers 7" in missing.output and not (tmp_path / "missing").exists()
+
+
 def test_generate_stream_and_grpc_agree(triton):
     base, grpc_address = triton
     body = {"text_input": "The capital of France is", "max_tokens": 8, **GREEDY}

@@ -23,6 +23,9 @@ def triton_repo(
     copy_plan: bool = typer.Option(False, "--copy-plan", help="Copy the plan into the repository instead of referencing it."),
     python_env: Path = typer.Option(None, "--python-env",
                                     help="A venv for the model's Python (EXECUTION_ENV_PATH) (default: python3 on Triton's PATH)."),
+    speculative_config: str = typer.Option(None, "--speculative-config",
+                                           help='Speculative decoding for every instance, as JSON (vLLM\'s keys), e.g. '
+                                           '\'{"method": "ngram", "num_speculative_tokens": 4}\'.'),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing model of that name."),
 ):
     """Write a Triton model repository serving PLAN: NAME/config.pbtxt (a decoupled Python-backend model) and
@@ -36,12 +39,15 @@ def triton_repo(
 
         trtopt triton-repo out/plan -o repo --name smollm2 --instances 2 --kind gpu --max-batch-tokens 1024 --copy-plan
 
+        trtopt triton-repo out/plan -o repo --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
         curl http://127.0.0.1:8000/v2/models/trtopt/generate -d '{"text_input": "Hello", "max_tokens": 16}'
     """
     from trtopt.serving.triton_repo import TritonRepoConfig, write_triton_repo
 
     config = TritonRepoConfig(name=name, instances=instances, kind=kind, backend=backend, max_batch_tokens=max_batch_tokens,
-                              max_num_seqs=max_num_seqs, num_blocks=num_blocks, python_env=python_env)
+                              max_num_seqs=max_num_seqs, num_blocks=num_blocks, python_env=python_env,
+                              speculative_config=speculative_config)
     model_dir = write_triton_repo(plan, output, config, copy_plan=copy_plan, force=force)
     console.print(f"[green]wrote[/] {model_dir}/config.pbtxt and {model_dir}/1/model.py")
     _print_launch_hint(output, name)

@@ -77,7 +77,9 @@ class TritonPythonModel:
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
         limits = {k: int(params[k]) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks")
                   if params.get(k)}
-        engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device, **limits)
+        # speculative_config: the engine's JSON text, written by `trtopt triton-repo --speculative-config`.
+        engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device,
+                                     speculative_config=params.get("speculative_config") or None, **limits)
         gc.collect()  # start-up objects live as long as the model: keep them out of every later collection
         gc.freeze()
         self.loop = EngineLoop(engine)

@@ -1,6 +1,7 @@
 """`trtopt triton-repo`: write a Triton Inference Server model repository that serves a plan.
 
-    REPO/NAME/config.pbtxt    decoupled Python-backend model, its I/O, instances, engine parameters
+    REPO/NAME/config.pbtxt    decoupled Python-backend model, its I/O, instances, engine parameters (speculative
+                              decoding too: parameter speculative_config, the engine's JSON)
     REPO/NAME/1/model.py      trtopt.serving.triton_model, verbatim
     REPO/NAME/1/plan/         only with copy_plan=True; otherwise config.pbtxt points at the plan by absolute path
 
@@ -11,11 +12,14 @@ set-up that provides both).
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
+from trtopt.build.draft import self_draft_dir
 from trtopt.build.plan import read_plan
 from trtopt.errors import ConfigError
+from trtopt.runtime.spec_decode.config import SpeculativeConfig
 
 _TEMPLATE = Path(__file__).with_name("triton_model.py")
 
@@ -45,6 +49,9 @@ class TritonRepoConfig:
     max_num_seqs: int | None = None
     num_blocks: int | None = None  # KV blocks per instance; None = from the engine's default memory budget
     python_env: Path | None = None  # a venv/conda dir for EXECUTION_ENV_PATH; None = the Python on Triton's PATH
+    # Speculative decoding for every instance's engine: vLLM's speculative_config as a dict or its JSON text (the
+    # engine's keys; runtime/spec_decode/config.py). None = off.
+    speculative_config: dict | str | None = None
 
     def validate(self) -> None:
         if not self.name or not all(ch.isalnum() or ch in "-_." for ch in self.name):
@@ -57,6 +64,7 @@ class TritonRepoConfig:
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ConfigError(f"{field}={value} must be >= 1.")
+        SpeculativeConfig.parse(self.speculative_config)  # a ConfigError that names the key, before anything is written
 
 
 def write_triton_repo(plan_dir: str | Path, repo_dir: str | Path, config: TritonRepoConfig = TritonRepoConfig(), *,
@@ -70,6 +78,7 @@ def write_triton_repo(plan_dir: str | Path, repo_dir: str | Path, config: Triton
     plan = read_plan(plan_dir)
     if plan.kind != "paged":
         raise ConfigError(f"{plan_dir} is a {plan.kind!r} plan; Triton serving needs a paged LLM plan from `trtopt build`.")
+    speculative_json = _speculative_json(config, plan_dir)
     model_dir = Path(repo_dir) / config.name
     if model_dir.exists():
         if not force:
@@ -83,11 +92,30 @@ def write_triton_repo(plan_dir: str | Path, repo_dir: str | Path, config: Triton
         plan_ref = "plan"  # relative to the version dir, so the repository can move
     else:
         plan_ref = str(plan_dir)
-    (model_dir / "config.pbtxt").write_text(render_config(config, plan_ref))
+    (model_dir / "config.pbtxt").write_text(render_config(config, plan_ref, speculative_json))
     return model_dir
 
 
-def render_config(config: TritonRepoConfig, plan_ref: str) -> str:
+def _speculative_json(config: TritonRepoConfig, plan_dir: Path) -> str | None:
+    """The speculative config as JSON for config.pbtxt, its draft checked to exist now (the model loads it later, on
+    the server) and a draft plan's path made absolute (the server's working directory is not the caller's)."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        draft = Path(spec.model).resolve()
+        if not (draft / "plan.json").is_file():
+            raise ConfigError(f"the draft plan {draft} does not exist (no plan.json); build one with `trtopt build` "
+                              "or point 'model' at an existing plan dir.")
+        spec = dataclasses.replace(spec, model=str(draft))
+    elif spec.method == "self_draft" and not (self_draft_dir(plan_dir, spec.num_layers) / "plan.json").is_file():
+        raise ConfigError(f"{self_draft_dir(plan_dir, spec.num_layers)} does not exist; build it with "
+                          f"`trtopt build MODEL -o {plan_dir} --draft-layers {spec.num_layers}`.")
+    return json.dumps({f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                       if getattr(spec, f.name) is not None})
+
+
+def render_config(config: TritonRepoConfig, plan_ref: str, speculative_json: str | None = None) -> str:
     inputs = ",\n".join(
         f'  {{ name: "{n}" data_type: {t} dims: {d}{" optional: true" if opt else ""} }}' for n, t, d, opt in _INPUTS)
     outputs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in _OUTPUTS)
@@ -96,9 +124,11 @@ def render_config(config: TritonRepoConfig, plan_ref: str) -> str:
                        ("num_blocks", config.num_blocks)):
         if value is not None:
             params[key] = str(value)
+    if speculative_json is not None:
+        params["speculative_config"] = speculative_json
     if config.python_env is not None:
         params["EXECUTION_ENV_PATH"] = str(Path(config.python_env).resolve())
-    parameters = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    parameters = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{_pbtxt_escape(v)}" }} }}' for k, v in params.items())
     kind = "KIND_GPU" if config.kind == "gpu" else "KIND_CPU"
     return f"""# Written by `trtopt triton-repo`. Decoupled: one request may get many responses (streaming).
 name: "{config.name}"
@@ -116,3 +146,8 @@ parameters [
 {parameters}
 ]
 """
+
+
+def _pbtxt_escape(value: str) -> str:
+    """A protobuf text-format string body: backslashes and double quotes escaped (JSON values carry quotes)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
