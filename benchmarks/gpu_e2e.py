@@ -105,19 +105,10 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 
 
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
-    """An ablation plan: the same export built with one plan-level fusion pass turned off."""
-    import importlib
-
+    """An ablation plan: the same export built with one plan-level fusion pass turned off (`--disable-pass`)."""
     from trtopt.build.builder import build_plan
 
-    module = importlib.import_module(f"trtopt.fusion_passes.{rule}")
-    name = f"fuse_{rule}"
-    original = getattr(module, name)
-    setattr(module, name, lambda *a, **k: 0)  # the pipeline imports the rule at call time
-    try:
-        build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits)
-    finally:
-        setattr(module, name, original)
+    build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=(rule,))
 
 
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
@@ -462,7 +453,7 @@ def main() -> None:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128, 256],
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
-    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul"],
+    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul"],
                     help="plan-level fusion passes to measure at batch 1 with and without, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/gpu_e2e_<gpu>.json)")

@@ -19,6 +19,7 @@ def test_smollm2_builds_and_generates_like_the_original(export_dir, exporter, tm
     result = build_plan(source, tmp_path / "plan", progress=False)
     counts = result.report.counts
     assert counts["paged_attention"] == 30 and counts["rms_norm"] == 61 and counts["logits_gather"] == 1
+    assert counts["silu_mul"] == 30
     assert not result.report.unfused
     facts = result.config.model
     assert (facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_dim) == (30, 9, 3, 64)

@@ -16,7 +16,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -32,7 +32,7 @@ from trtopt.build.plan import MODEL_FILE, REPORT_FILE, Limits, PlanConfig, write
 from trtopt.build.signature import check_signature
 from trtopt.build.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
-from trtopt.fusion_passes.pipeline import FusionReport, optimize
+from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
 from trtopt.fusion_passes.tensor_parallel import ParallelLayout
 from trtopt.fusion_passes.trace import Trace
 
@@ -227,6 +227,7 @@ def build_plan(
     explain: bool = False,
     progress: bool = True,
     tensor_parallel: int | None = None,
+    disable_passes: Sequence[str] = (),
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
 
@@ -239,6 +240,9 @@ def build_plan(
 
     ``tensor_parallel`` N: shard the fused graph for N ranks after every fusion (trtopt/build/sharding.py says what
     the plan dir then holds); FusionError when an attention layer cannot be split N ways.
+
+    ``disable_passes`` names fusion passes to skip (``OPTIONAL_PASSES``: the performance fusions, for ablations);
+    ConfigError for a name that is not one of them.
     """
     start = time.perf_counter()
     onnx_path = resolve_model_path(Path(model_path))
@@ -250,6 +254,10 @@ def build_plan(
     validate_limits(limits)
     if tensor_parallel is not None and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
         raise ConfigError(f"--tensor-parallel must be a positive integer, got {tensor_parallel!r}.")
+    unknown = sorted(set(disable_passes) - set(OPTIONAL_PASSES))
+    if unknown:
+        raise ConfigError(f"--disable-pass {', '.join(unknown)}: no such optional pass; choose from "
+                          f"{', '.join(OPTIONAL_PASSES)}.")
     _check_out_dir(out_dir, source_dir, force)
 
     steps = _Steps(progress)
@@ -264,6 +272,7 @@ def build_plan(
                 vocab_size=config_json.get("vocab_size"),
                 probe_len=_probe_len(limits, config_json),
                 horizontal=tensor_parallel is None,
+                disable=tuple(disable_passes),
             )
         with steps.step("validating the plan graph"):
             _refuse_non_transformer(model, report, onnx_path)

@@ -60,13 +60,18 @@ def build(
         help="Most tokens (prompt + output) per sequence (default: min(2048, the model's context)).",
     ),
     explain: bool = typer.Option(
-        False, "--explain", help="Say, for each attention-like region left unfused, which check failed."
+        False, "--explain", help="Say, for each region a fusion looked at and left unfused, which check failed."
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty plan directory."),
     tensor_parallel: int = typer.Option(
         None, "--tensor-parallel", "--tp",
         help="Shard the plan for N ranks (Megatron-style; writes rank0..rank{N-1}/). Run it with "
         "`trtopt generate/serve --tensor-parallel-size N`.",
+    ),
+    disable_pass: list[str] = typer.Option(
+        None, "--disable-pass",
+        help="Skip one performance fusion (layer_norm, rms_norm, horizontal_matmul, silu_mul, matmul_add), to "
+        "measure what it is worth; repeatable.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
@@ -88,7 +93,7 @@ def build(
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
     result = build_plan(
         model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel, disable_passes=tuple(disable_pass or ()),
     )
     _print_report(result, explain)
     if draft_layers:

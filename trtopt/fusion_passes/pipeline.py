@@ -13,6 +13,10 @@ from trtopt.fusion_passes.logits_gather import gather_logits
 from trtopt.fusion_passes.paged_attention import fuse_paged_attention, has_cache_io
 from trtopt.fusion_passes.trace import MatchFailure, Trace
 
+# The passes a build may turn off (`trtopt build --disable-pass NAME`, for ablations): the performance fusions.
+# Attention, the logits gather and cleanup make the plan's signature and are never optional.
+OPTIONAL_PASSES = ("layer_norm", "rms_norm", "horizontal_matmul", "silu_mul", "matmul_add")
+
 
 @dataclasses.dataclass(frozen=True)
 class FusionReport:
@@ -38,12 +42,15 @@ def optimize(
     vocab_size: int | None = None,
     probe_len: int = 512,
     horizontal: bool = True,
+    disable: frozenset[str] | tuple[str, ...] = (),
 ) -> FusionReport:
     """Rewrite ``model`` in place into the plan graph; return the report.
 
     A graph with KV-cache I/O becomes the paged signature of DESIGN.md §3 (or FusionError is raised); any other
-    graph keeps its signature and gets FlashAttention.
+    graph keeps its signature and gets FlashAttention. Passes named in ``disable`` (from OPTIONAL_PASSES; the
+    caller checks the names) are skipped and count 0.
     """
+    from trtopt.fusion_passes.silu_mul import fuse_silu_mul
     from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
     from trtopt.fusion_passes.layer_norm import fuse_layer_norm
     from trtopt.fusion_passes.matmul_add import fuse_matmul_add
@@ -59,11 +66,15 @@ def optimize(
     else:
         counts["flash_attention"] = fuse_flash_attention(model, ctx)
     # Norms and MatMul+Add run after attention: the QKᵀ MatMul + mask Add must not be taken for a biased MatMul.
-    counts["layer_norm"] = fuse_layer_norm(model)
-    counts["rms_norm"] = fuse_rms_norm(model)
+    assert set(disable) <= set(OPTIONAL_PASSES), f"unknown passes {set(disable) - set(OPTIONAL_PASSES)}"
+    on = set(OPTIONAL_PASSES) - set(disable)
+    counts["layer_norm"] = fuse_layer_norm(model) if "layer_norm" in on else 0
+    counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
     # Off for tensor-parallel builds: the sharding pass does not split concatenated q/k/v or gate/up weights yet.
-    counts["horizontal_matmul"] = fuse_horizontal_matmul(model, ctx.trace) if horizontal else 0
-    counts["matmul_add"] = fuse_matmul_add(model)
+    counts["horizontal_matmul"] = (fuse_horizontal_matmul(model, ctx.trace)
+                                   if horizontal and "horizontal_matmul" in on else 0)
+    counts["silu_mul"] = fuse_silu_mul(model, ctx.trace) if "silu_mul" in on else 0
+    counts["matmul_add"] = fuse_matmul_add(model) if "matmul_add" in on else 0
     counts["cleanup"] += cleanup(model)
     return FusionReport(counts=counts, kind="paged" if paged else "flash", unfused=tuple(ctx.trace.failures))

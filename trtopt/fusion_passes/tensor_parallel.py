@@ -49,6 +49,9 @@ _O_PATH_OPS = frozenset({"Transpose", "Reshape", "Cast", "Identity"})
 # Elementwise ops between an MLP's up projections and its down projection.
 _MLP_PATH_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Pow", "Neg",
                            "Cast", "Softplus", "Exp", "Identity", "HardSigmoid", "Where"})
+# Elementwise trtopt ops an MLP path may hold (SwiGLU fused by silu_mul.py): each output column reads the same
+# column of its inputs, so a column-split gate/up stays split through them.
+_POINTWISE_TRTOPT_OPS = frozenset({"SiluMul"})
 
 
 class _Skip(Exception):
@@ -216,7 +219,8 @@ def _projection_above(value: ir.Value, tainted: set[ir.Value], allowed: frozense
             if node not in found:
                 found.append(node)
             continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in allowed:
+        trtopt_pointwise = node.domain == DOMAIN and node.op_type in _POINTWISE_TRTOPT_OPS and allowed is _MLP_PATH_OPS
+        if not trtopt_pointwise and (node.domain not in ("", "ai.onnx") or node.op_type not in allowed):
             raise _Skip(f"{node.domain + '.' if node.domain else ''}{node.op_type} lies on the path", node.name or "")
         if scalar_operands_only:
             for operand in node.inputs:

@@ -23,6 +23,8 @@ from trtopt.plugins.paged_attention import function as paged_attention_function
 from trtopt.plugins.paged_attention import schema as paged_attention_schema
 from trtopt.plugins.rms_norm import function as rms_norm_function
 from trtopt.plugins.rms_norm import schema as rms_norm_schema
+from trtopt.plugins.silu_mul import function as silu_mul_function
+from trtopt.plugins.silu_mul import schema as silu_mul_schema
 
 # op_type → its schema (attributes, optional inputs, shape inference).
 OP_SCHEMAS: dict[str, OpSchema] = {
@@ -31,6 +33,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     rms_norm_schema.OP_TYPE: rms_norm_schema.SCHEMA,  # added by the fusion engineer
     matmul_add_schema.OP_TYPE: matmul_add_schema.SCHEMA,  # added by the fusion engineer
     all_reduce_schema.OP_TYPE: all_reduce_schema.SCHEMA,  # inserted by the tensor-parallel sharding pass
+    silu_mul_schema.OP_TYPE: silu_mul_schema.SCHEMA,  # SwiGLU (fusion_passes/silu_mul.py)
 }
 
 # op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
@@ -40,6 +43,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     rms_norm_schema.OP_TYPE: rms_norm_function.make_function,  # added by the fusion engineer
     matmul_add_schema.OP_TYPE: matmul_add_function.make_function,  # added by the fusion engineer
     all_reduce_schema.OP_TYPE: all_reduce_function.make_function,  # inserted by the tensor-parallel sharding pass
+    silu_mul_schema.OP_TYPE: silu_mul_function.make_function,  # SwiGLU (fusion_passes/silu_mul.py)
 }
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",

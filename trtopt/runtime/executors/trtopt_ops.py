@@ -25,7 +25,7 @@ def _impl_reference(op: str) -> Callable[..., object]:
 
 @functools.cache
 def _impl(op: str, device_type: str) -> Callable[..., object]:
-    """The function that runs `op` ("paged_attention", "flash_attention", "rms_norm") for tensors on `device_type`."""
+    """The function that runs `op` ("paged_attention", "rms_norm", "silu_mul", ...) for tensors on `device_type`."""
     reference = _impl_reference(op)
     if device_type == "cpu" and op == "paged_attention":
         from trtopt.plugins.paged_attention.cpu import paged_attention_cpu
@@ -70,6 +70,11 @@ def rms_norm(x, scale, *, epsilon: float):
     return _impl("rms_norm", x.device.type)(x, scale, epsilon=epsilon)
 
 
+def silu_mul(gate, up):
+    """trtopt::SiluMul: one Triton kernel on CUDA; elsewhere the unfused ops' arithmetic with one allocation."""
+    return _impl("silu_mul", gate.device.type)(gate, up)
+
+
 def all_reduce(x, *, world_size: int):
     """trtopt::AllReduce: the sum over the tensor-parallel group (torch.distributed; identity for one rank)."""
     from trtopt.plugins.all_reduce.reference import all_reduce_ref
@@ -84,6 +89,7 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "MatMulAdd": OpSpec(matmul_add),
     "RMSNorm": OpSpec(rms_norm),
     "AllReduce": OpSpec(all_reduce),
+    "SiluMul": OpSpec(silu_mul),
 }
 # AllReduce is a collective: folding or deduplicating it would desynchronise the ranks' call sequences.
 IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce")})

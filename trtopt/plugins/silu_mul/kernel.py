@@ -1,0 +1,58 @@
+"""SiluMul as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+
+The exported SwiGLU is three kernels per layer (Sigmoid, Mul, Mul) that each read and write the [T, I]
+intermediate; here one program reads gate and up once and writes y once. gate and up may be strided views (the
+horizontal gate/up fusion hands them over as the two halves of one Split), as long as the last axis is dense.
+
+The rounding is the unfused graph's, step for step: sigmoid in fp32 rounded to the dtype, gate·s rounded, then ·up
+rounded (torch computes a half/bf16 product in fp32 and rounds it). fp32 launches with FMA contraction off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    t = (g * s).to(DTYPE).to(tl.float32)
+    tl.store(Y + row * N + offs, (t * u).to(DTYPE), mask=m)
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    rows = x.reshape(-1, n)  # a view for a Split half of a contiguous tensor
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """y = gate · sigmoid(gate) · up for gate, up [..., N] of one shape and float dtype → a new contiguous y."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _TL_DTYPES:
+        raise ValueError(f"SiluMul needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
+                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    n = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g, u = _rows(gate, n), _rows(up, n)
+    block = min(triton.next_power_of_2(n), 4096)
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
+        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype],
+        num_warps=4 if block >= 1024 else 1, **({} if _interpreting() else {"enable_fp_fusion": False}),
+    )
+    return out
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"

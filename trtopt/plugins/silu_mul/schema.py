@@ -1,0 +1,37 @@
+"""SiluMul, face 1 of DESIGN.md §4.
+
+Inputs: gate [..., N], up [..., N] (one float dtype, the same shape). Output: y = gate · sigmoid(gate) · up, the
+inputs' shape and dtype. No attributes besides the TensorRT ones every trtopt node carries. Each product is
+rounded to the inputs' dtype, as in the exported graph it replaces (Sigmoid → Mul → Mul).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from trtopt.errors import BuildError
+from trtopt.plugins.common import OpSchema, Shape
+
+OP_TYPE = "SiluMul"
+INPUTS = ("gate", "up")
+OUTPUTS = ("y",)
+
+
+def infer_shapes(shapes: Sequence[Shape | None], attrs: Mapping[str, Any]) -> list[Shape]:
+    gate, up = shapes[0], shapes[1]
+    if gate is not None and up is not None:
+        if len(gate) != len(up) or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(gate, up)):
+            raise BuildError(f"{OP_TYPE}: gate {tuple(gate)} and up {tuple(up)} must have one shape; fix the rule.")
+    known = gate if gate is not None else up
+    return [tuple(known) if known is not None else ()]
+
+
+SCHEMA = OpSchema(
+    op_type=OP_TYPE,
+    inputs=INPUTS,
+    optional_inputs={},
+    tensorrt_plugin=False,  # TensorRT fuses the body's Sigmoid·Mul·Mul into one pointwise kernel on its own
+    outputs=OUTPUTS,
+    attributes=(),
+    infer_shapes=infer_shapes,
+)
