@@ -2,8 +2,8 @@
 last n tokens (n from prompt_lookup_max down to prompt_lookup_min), searched in the prompt and output so far.
 
 Vectorised over the batch: the step's histories are right-aligned in one [B, L] array (left padding -1, which no
-token equals) and each n is one numpy comparison of every sliding window of every row with that row's suffix; no
-Python loop over tokens, and the loop over sequences only copies rows. Each request's history is kept as a growing
+token equals); the occurrences of every suffix length n come from n column comparisons over the whole batch, with
+no Python loop over tokens, and the loop over sequences only copies rows. Each request's history is kept as a growing
 numpy buffer that takes only the tokens appended since the last step, so a step does not convert whole token lists.
 The proposer needs no model: a wrong guess costs only its verification rows.
 """
@@ -14,7 +14,6 @@ import dataclasses
 from typing import Mapping, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from trtopt.runtime.batch import ScheduledBatch
 from trtopt.runtime.request import Request
@@ -30,20 +29,25 @@ def ngram_lookup_batch(histories: np.ndarray, lengths: np.ndarray, ks: Sequence[
     up to ks[b] tokens following the latest earlier occurrence of its longest suffix of max_n .. min_n tokens that
     occurs earlier (an occurrence ends before the suffix itself does). [] where none occurs."""
     num_rows, width = histories.shape
-    start = np.full(num_rows, -1, dtype=np.int64)  # column after the chosen match; -1 = none yet
-    for n in range(min(max_n, width - 1), min_n - 1, -1):
-        open_rows = (start < 0) & (lengths > n)  # a suffix of n tokens needs one earlier window at least
-        if not open_rows.any():
-            continue
-        # windows[b, w] = histories[b, w : w + n] for w = 0 .. width-n-1, every window ending before the last token
-        windows = sliding_window_view(histories[:, : width - 1], n, axis=1)
-        hits = (windows == histories[:, None, width - n :]).all(axis=2)  # [B, width - n]; padding never matches
-        found = hits.any(axis=1) & open_rows
-        latest = hits.shape[1] - 1 - hits[:, ::-1].argmax(axis=1)
-        start = np.where(found, latest + n, start)
+    max_n = min(max_n, width - 1)
+    body = histories[:, : width - 1]  # an earlier occurrence ends at a column j <= width - 2
+    # ends[n][b, j]: the n tokens ending at column j equal row b's last n tokens; built from n-1 with one more
+    # column comparison, so the whole search is about 2 * max_n vector ops. Padding never equals a token.
+    ends = {1: body == histories[:, width - 1 :]}
+    for n in range(2, max_n + 1):
+        m = np.zeros_like(ends[1])
+        m[:, n - 1 :] = ends[n - 1][:, n - 1 :] & (body[:, : width - n] == histories[:, width - n : width - n + 1])
+        ends[n] = m
+    start = np.full(num_rows, -1, dtype=np.int64)  # column after the chosen occurrence; -1 = none
+    for n in range(max_n, min_n - 1, -1):
+        hits = ends[n]
+        found = (start < 0) & (lengths > n) & hits.any(axis=1)  # a suffix of n tokens needs n + 1 tokens at least
+        if found.any():
+            latest = hits.shape[1] - 1 - hits[:, ::-1].argmax(axis=1)
+            start = np.where(found, latest + 1, start)
     k_max = max(ks, default=0)
     cols = start[:, None] + np.arange(k_max)  # the continuation's columns (within the history: < width)
-    tokens = histories[np.arange(num_rows)[:, None], np.minimum(cols, width - 1)]
+    tokens = histories[np.arange(num_rows)[:, None], np.clip(cols, 0, width - 1)]
     counts = np.where(start >= 0, np.minimum(np.asarray(ks, dtype=np.int64), width - start), 0)
     return [tokens[b, : counts[b]].tolist() for b in range(num_rows)]
 
