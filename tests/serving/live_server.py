@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -71,3 +72,54 @@ def start_server(plan: Path, log_path: Path, *extra: str) -> LiveServer:
         time.sleep(0.25)
     proc.kill()
     raise AssertionError(f"trtopt serve did not become healthy in 120 s:\n{server.log()}")
+
+
+@contextlib.contextmanager
+def running_tritonserver(repo: Path, work: Path, model: str):
+    """(http base url, grpc address) of the bundled tritonserver serving `repo`; stopped on exit. Skips only when
+    tritonserver itself cannot start here; fails when it started but could not load `model` (our bug)."""
+    import pytest
+
+    from trtopt.errors import ConfigError
+    from trtopt.serving.tritonserver import prepare_tritonserver
+
+    try:
+        install = prepare_tritonserver(work / "server")
+    except ConfigError as e:
+        pytest.skip(f"tritonserver cannot start: {e}")
+    http_port, grpc_port = free_port(), free_port()
+    log_path = work / "tritonserver.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(install.command(repo, http_port=http_port, grpc_port=grpc_port), env=install.env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        _wait_triton_ready(proc, base, log_path, model)
+        yield base, f"127.0.0.1:{grpc_port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_triton_ready(proc: subprocess.Popen, base: str, log_path: Path, model: str) -> None:
+    import pytest
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = log_path.read_text(errors="replace")
+            if f"'{model}'" in log:  # the server ran and tried our model: that is our bug, not the environment's
+                pytest.fail(f"tritonserver could not load the generated model:\n{log[-4000:]}")
+            print(f"tritonserver exited with {proc.returncode} before loading any model:\n{log[-4000:]}")
+            pytest.skip(f"tritonserver cannot start here (exit {proc.returncode}); see the printed log")
+        try:
+            if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.25)
+    proc.kill()
+    pytest.fail(f"tritonserver not ready in 180 s:\n{log_path.read_text(errors='replace')[-4000:]}")

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import json
 import queue
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
-from live_server import free_port
+from live_server import running_tritonserver
 from typer.testing import CliRunner
 
 from trtopt.cli.main import app
 
 MODEL = "tiny_llm"
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "exclude_input_in_output": True}  # the completion only
 
 
 @pytest.fixture(scope="module")
@@ -37,50 +36,8 @@ def repo(tiny_plan, tmp_path_factory):
 @pytest.fixture(scope="module")
 def triton(repo, tmp_path_factory):
     """(http base url, grpc address) of a running tritonserver serving `repo`."""
-    from trtopt.errors import ConfigError
-    from trtopt.serving.tritonserver import prepare_tritonserver
-
-    work = tmp_path_factory.mktemp("tritonserver")
-    try:
-        install = prepare_tritonserver(work / "server")
-    except ConfigError as e:
-        pytest.skip(f"tritonserver cannot start: {e}")
-    http_port, grpc_port = free_port(), free_port()
-    log_path = work / "tritonserver.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(install.command(repo, http_port=http_port, grpc_port=grpc_port), env=install.env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{http_port}"
-    try:
-        _wait_ready(proc, base, log_path)
-        yield base, f"127.0.0.1:{grpc_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_ready(proc: subprocess.Popen, base: str, log_path) -> None:
-    import time
-
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log = log_path.read_text(errors="replace")
-            if f"'{MODEL}'" in log:  # the server ran and tried our model: that is our bug, not the environment's
-                pytest.fail(f"tritonserver could not load the generated model:\n{log[-4000:]}")
-            print(f"tritonserver exited with {proc.returncode} before loading any model:\n{log[-4000:]}")
-            pytest.skip(f"tritonserver cannot start here (exit {proc.returncode}); see the printed log")
-        try:
-            if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass  # not listening yet
-        time.sleep(0.25)
-    proc.kill()
-    pytest.fail(f"tritonserver not ready in 120 s:\n{log_path.read_text(errors='replace')[-4000:]}")
+    with running_tritonserver(repo, tmp_path_factory.mktemp("tritonserver"), MODEL) as addresses:
+        yield addresses
 
 
 def _generate(base: str, body: dict) -> httpx.Response:

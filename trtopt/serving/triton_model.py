@@ -5,10 +5,9 @@ The model is decoupled: execute() only queues requests on the instance's EngineL
 the loop's step thread sends each request's responses, so concurrent requests share every engine step
 (continuous batching) instead of being served one at a time.
 
-Inputs:  text_input BYTES [1]; max_tokens INT32 [1]; optional temperature FP32 [1], top_p FP32 [1],
-         stop_words BYTES [-1], stream BOOL [1], ignore_eos BOOL [1], seed INT64 [1].
-Outputs: text_output BYTES [1] (the new text when streaming, the whole completion otherwise);
-         step_batch_size INT32 [1] (the most requests that advanced together in one step while this one ran).
+Inputs and outputs: trtopt.serving.triton_request (INPUTS, OUTPUTS), which also translates them: the TensorRT-LLM
+backend's ensemble names and the vLLM backend's `sampling_parameters` both work. A streaming response holds the text
+new since the previous one; a non-streaming one the whole text, led by the prompt unless exclude_input_in_output.
 """
 
 from __future__ import annotations
@@ -24,11 +23,12 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trtopt.errors import RequestError, TrtOptError
+from trtopt.errors import TrtOptError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.engine_loop import EngineLoop
+from trtopt.serving.triton_request import TritonRequest, parse_request
 
 log = logging.getLogger("trtopt.triton")
 
@@ -36,14 +36,19 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class _Reply:
-    """Sends the responses of one Triton request; called by the EngineLoop on the step thread."""
+    """Sends the responses of one Triton request; called by the EngineLoop on the step thread.
 
-    def __init__(self, request_id: str, sender: Any, stream: bool, loop: EngineLoop) -> None:
+    Streaming sends each step's new text (never the prompt); otherwise one response at the end. Counts and
+    log-probs in a response cover the tokens new since the previous response of this request.
+    """
+
+    def __init__(self, request_id: str, sender: Any, request: TritonRequest, loop: EngineLoop) -> None:
         self.request_id = request_id
         self.sender = sender
-        self.stream = stream
+        self.request = request
         self.loop = loop
         self.step_batch_size = 0  # most requests that advanced together in one step with this one
+        self.sent_tokens: dict[int, int] = {}  # completion index -> tokens already covered by a response
 
     def __call__(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -54,18 +59,37 @@ class _Reply:
             self.sender.send(flags=_FINAL)
             return
         self.step_batch_size = max(self.step_batch_size, self.loop.last_step_requests)
-        c = item.outputs[0]
-        if self.stream and (c.delta_text or item.finished):
-            self._send(c.delta_text, final=item.finished)
-        elif not self.stream and item.finished:
-            self._send(c.text, final=True)
+        if self.request.stream:
+            if item.finished or any(c.delta_text for c in item.outputs):
+                self._send(item, [c.delta_text for c in item.outputs])
+        elif item.finished:
+            prefix = (item.prompt or "") if self.request.include_prompt else ""
+            self._send(item, [prefix + c.text for c in item.outputs])
 
-    def _send(self, text: str, *, final: bool) -> None:
+    def _send(self, item: RequestOutput, texts: list[str]) -> None:
+        new = [c.token_ids[self.sent_tokens.get(c.index, 0):] for c in item.outputs]
+        new_logprobs = [(c.logprobs or [])[self.sent_tokens.get(c.index, 0):] for c in item.outputs]
+        for c in item.outputs:
+            self.sent_tokens[c.index] = len(c.token_ids)
         outputs = [
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("step_batch_size", np.array([self.step_batch_size], dtype=np.int32)),
+            _tensor("text_output", [t.encode("utf-8") for t in texts], np.object_),
+            _tensor("finish_reason", [(c.finish_reason or "").encode() for c in item.outputs], np.object_),
+            _tensor("num_input_tokens", [len(item.prompt_token_ids)], np.uint32),
+            _tensor("num_output_tokens", [len(ids) for ids in new], np.uint32),
+            _tensor("step_batch_size", [self.step_batch_size], np.int32),
         ]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0)
+        chosen = [[lp[t] for t, lp in zip(ids, lps)] for ids, lps in zip(new, new_logprobs)]
+        if self.request.trtllm_log_probs:
+            width = max((len(row) for row in chosen), default=0)
+            rows = [row + [0.0] * (width - len(row)) for row in chosen]  # rectangular: [completion, token]
+            outputs.append(_tensor("output_log_probs", rows, np.float32, shape=(len(rows), width)))
+            outputs.append(_tensor("cum_log_probs", [c.cumulative_logprob or 0.0 for c in item.outputs], np.float32))
+        if self.request.vllm_cumulative_logprob:
+            outputs.append(_tensor("cumulative_logprob", [c.cumulative_logprob or 0.0 for c in item.outputs], np.float32))
+        if self.request.vllm_logprobs:
+            rows = [json.dumps([{str(t): {"logprob": x}} for t, x in zip(ids, row)]).encode() for ids, row in zip(new, chosen)]
+            outputs.append(_tensor("logprobs", rows, np.object_))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if item.finished else 0)
 
 
 class TritonPythonModel:
@@ -75,11 +99,11 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         plan_dir = version_dir / params["plan_dir"]  # an absolute plan_dir stays absolute
         device = f"cuda:{args['model_instance_device_id']}" if args["model_instance_kind"] == "GPU" else "cpu"
-        limits = {k: int(params[k]) for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks")
-                  if params.get(k)}
-        # speculative_config: the engine's JSON text, written by `trtopt triton-repo --speculative-config`.
-        engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device,
-                                     speculative_config=params.get("speculative_config") or None, **limits)
+        engine_config: dict[str, Any] = {k: int(params[k]) for k in ("max_num_batched_tokens", "max_num_seqs",
+                                                                     "max_model_len", "num_blocks") if params.get(k)}
+        if params.get("speculative_config"):  # JSON text, passed through as `trtopt serve --speculative-config`
+            engine_config["speculative_config"] = params["speculative_config"]
+        engine = LLMEngine.from_plan(plan_dir, backend=params.get("backend", "torch"), device=device, **engine_config)
         gc.collect()  # start-up objects live as long as the model: keep them out of every later collection
         gc.freeze()
         self.loop = EngineLoop(engine)
@@ -93,17 +117,18 @@ class TritonPythonModel:
         the loop). Tokenizing runs on this (Triton's) thread through the engine's InputProcessor, with its byte
         cap checked first, so a huge prompt never stalls the step thread that every running request needs."""
         processor = self.loop.engine.input_processor  # stateless: safe to use off the step thread
+        eos = tuple(self.loop.engine.plan.model.eos_token_ids)
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{self.instance}-{next(self.ids)}"
             try:
-                text, params, stream = _parse(request)
-                prompt = processor.process(text, params)
+                parsed = parse_request(functools.partial(_input, request), eos)
+                prompt = processor.process(parsed.prompt, parsed.params)
             except TrtOptError as e:  # a bad request answers with its own error; the others go on
                 _send_error(sender, e)
                 continue
-            reply = _Reply(request_id, sender, stream, self.loop)
-            queued = self.loop.submit(request_id, prompt, params, reply)
+            reply = _Reply(request_id, sender, parsed, self.loop)
+            queued = self.loop.submit(request_id, prompt, parsed.params, reply)
             queued.add_done_callback(functools.partial(_answer_rejected, sender))
         return None
 
@@ -122,42 +147,11 @@ def _send_error(sender: Any, error: BaseException) -> None:
     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=_FINAL)
 
 
-def _parse(request: Any) -> tuple[str, SamplingParams, bool]:
-    text = _scalar(request, "text_input")
-    if text is None:
-        raise _bad("text_input is required (a BYTES tensor holding the prompt).")
-    stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
-    stop_words = [_text(s, "stop_words") for s in stop.as_numpy().reshape(-1)] if stop else []
-    kwargs: dict[str, Any] = {"stop": [s for s in stop_words if s]}
-    for name, cast in (("max_tokens", int), ("temperature", float), ("top_p", float), ("seed", int), ("ignore_eos", bool)):
-        value = _scalar(request, name)
-        if value is not None:
-            kwargs[name] = cast(value)
-    if "max_tokens" not in kwargs:
-        raise _bad("max_tokens is required (an INT32 tensor).")
-    stream = bool(_scalar(request, "stream") or False)
-    return _text(text, "text_input"), SamplingParams(**kwargs), stream
-
-
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, bytes):
-        return str(value)
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _bad(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start}); send UTF-8 text.") from None
-
-
-def _scalar(request: Any, name: str) -> Any:
+def _input(request: Any, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return None
-    values = tensor.as_numpy().reshape(-1)
-    if values.size != 1:
-        raise _bad(f"{name} must hold exactly one value, got {values.size}.")
-    value = values[0]
-    return value.item() if isinstance(value, np.generic) else value
+    return None if tensor is None else tensor.as_numpy()
 
 
-def _bad(message: str) -> RequestError:
-    return RequestError(message)
+def _tensor(name: str, values: list, dtype: Any, shape: tuple[int, ...] | None = None) -> Any:
+    array = np.array(values, dtype=dtype)
+    return pb_utils.Tensor(name, array if shape is None else array.reshape(shape))
