@@ -44,7 +44,7 @@ def reference(plan):
     """LLM.generate's greedy answers on the same plan: {prompt: RequestOutput}, logprobs of the chosen tokens."""
     from trtopt.runtime.llm import LLM
 
-    with LLM(plan, num_blocks=64) as llm:
+    with LLM(plan, num_blocks=160) as llm:
         chat = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                        tokenize=False, add_generation_prompt=True)
         prompts = [PROMPT, chat]
@@ -55,7 +55,7 @@ def reference(plan):
 @pytest.fixture(scope="module")
 def triton(plan, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton-smol") / "repo"
-    write_triton_repo(plan, repo, TritonRepoConfig(name=MODEL, num_blocks=64, max_batch=8))
+    write_triton_repo(plan, repo, TritonRepoConfig(name=MODEL, num_blocks=160, max_batch=8))
     with running_tritonserver(repo, tmp_path_factory.mktemp("tritonserver-smol"), MODEL) as addresses:
         yield addresses
 
