@@ -53,6 +53,9 @@ class ScheduledSeq:
     # more query row and one more logits row; the KV of the rejected ones is rolled back in Scheduler.update.
     num_lookahead: int = 0
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # prompt_logprobs: the positions of this chunk whose logits are wanted too (position p predicts prompt token
+    # p+1). Their logits rows come after every sampling row of the step, in batch order.
+    prompt_logprob_positions: range = range(0)
 
     @property
     def num_new_tokens(self) -> int:
@@ -81,6 +84,11 @@ class ScheduledBatch:
     def sampling_ids(self) -> list[str]:
         """Request ids that get a token this step, in logits-row order."""
         return [s.request_id for s in self.seqs if s.samples]
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Logits rows after the sampling rows, for prompt_logprobs."""
+        return sum(len(s.prompt_logprob_positions) for s in self.seqs)
 
 
 @dataclasses.dataclass
@@ -132,6 +140,9 @@ class RequestOutput:
     finished: bool  # every completion finished
     metrics: "RequestMetrics"  # of completion 0: arrival, first token, finish times, cached prompt tokens
     error: str | None = None  # why the request failed, when it ended with finish_reason "error"
+    # With params.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token its
+    # logprob given the tokens before it plus the top-k alternatives (raw log_softmax); set once the prompt is in.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

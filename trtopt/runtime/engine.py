@@ -24,7 +24,7 @@ from trtopt.runtime.input_builder import InputBuilder
 from trtopt.runtime.input_processor import InputLimits, InputProcessor, PromptType, prompt_byte_cap
 from trtopt.runtime.kv_cache_manager import KVCacheManager
 from trtopt.runtime.request import Request, RequestStatus
-from trtopt.runtime.sampler import Sampler
+from trtopt.runtime.sampler import Sampler, prompt_logprobs
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.runtime.scheduler import Scheduler
 from trtopt.runtime.spec_decode import SpecDecoder, SpeculativeConfig, create_spec_decoder
@@ -225,6 +225,7 @@ class LLMEngine:
                 req.detok = IncrementalDetokenizer(self.tokenizer, token_ids, req.params)
             if grammar is not None:
                 req.grammar = GrammarMatcher(grammar)  # each completion walks the grammar on its own
+            req.bad_words_token_ids = processed.bad_words_token_ids
             seqs.append(req)
         self.scheduler.add_request(seqs[0], seqs[1:])
         self._groups[request_id] = _Group(processed.prompt, token_ids, seqs, [0] * params.n)
@@ -261,9 +262,11 @@ class LLMEngine:
         # params.n <= max_num_seqs here (the input processor checked it), so this loop is short.
         if request_id in self._groups or any(f"{request_id}#{i}" in self.scheduler.requests for i in range(1, params.n)):
             raise RequestError(f"request id {request_id!r} is already in use; give each request a unique id.")
-        if self.spec is not None and (params.logprobs is not None or params.structured_outputs is not None):
-            raise RequestError("logprobs and structured outputs are not available with speculative decoding on; drop "
-                               "them or start the engine without speculative_config.")
+        if self.spec is not None and (params.logprobs is not None or params.structured_outputs is not None
+                                      or params.prompt_logprobs is not None or params.has_token_controls):
+            raise RequestError("logprobs, prompt_logprobs, structured outputs, logits_processors, allowed_token_ids, "
+                               "bad_words and logit_bias are not available with speculative decoding on; drop them or "
+                               "start the engine without speculative_config.")
 
     # ---- stepping ----------------------------------------------------------------------------------------
 
@@ -313,6 +316,8 @@ class LLMEngine:
             sampled = self.sampler.sample_each(logits[: len(ids)], reqs) if ids else []
             output = StepOutput(sampled={rid: s for rid, s in zip(ids, sampled) if not isinstance(s, Exception)})
             sample_errors = {rid: s for rid, s in zip(ids, sampled) if isinstance(s, Exception)}
+            if batch.num_prompt_logprob_rows:
+                self._record_prompt_logprobs(batch, logits[len(ids):], requests)
         num_generated = len(output.sampled) + sum(len(t) for t in output.spec_tokens.values())
         changed, errors = self.scheduler.update(batch, output)
         errors.update(sample_errors)
@@ -323,6 +328,21 @@ class LLMEngine:
         self._num_batched_tokens += sum(s.num_new_tokens for s in batch.seqs) + num_generated - len(output.sampled) - len(output.spec_tokens)
         self._num_generated_tokens += num_generated
         return failed + self._outputs(changed)
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, logits: Any, requests: dict[str, Request]) -> None:
+        """Append this step's prompt logprobs to their requests: logits holds the prompt_logprob_positions rows of
+        the batch's sequences in order (InputBuilder put them after the sampling rows)."""
+        seqs = [s for s in batch.seqs if s.prompt_logprob_positions]
+        targets = [requests[s.request_id].token_ids[p + 1] for s in seqs for p in s.prompt_logprob_positions]
+        ks = [requests[s.request_id].params.prompt_logprobs for s in seqs]
+        rows = prompt_logprobs(logits, targets, max(ks))
+        start = 0
+        for seq, k in zip(seqs, ks):
+            req = requests[seq.request_id]
+            end = start + len(seq.prompt_logprob_positions)
+            assert seq.prompt_logprob_positions.start == len(req.prompt_logprobs), "prompt logprobs are filled in order"
+            req.prompt_logprobs += [_top(row, k) for row in rows[start:end]]
+            start = end
 
     def _build_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs | Exception, ScheduledBatch, list[RequestOutput]]:
         """The step's inputs, the batch they are for, and the outputs of requests ended on the way. If building
@@ -424,13 +444,18 @@ class LLMEngine:
                     stop_reason=req.stop_reason,
                 )
             )
+        leader = group.seqs[0]
+        prompt_lps = None
+        if leader.params.prompt_logprobs is not None and len(leader.prompt_logprobs) == leader.num_prompt_tokens - 1:
+            prompt_lps = [None, *leader.prompt_logprobs]
         return RequestOutput(
             request_id=request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=completions,
             finished=all(c.finished for c in completions),
-            metrics=group.seqs[0].metrics,
+            metrics=leader.metrics,
+            prompt_logprobs=prompt_lps,
         )
 
     # ---- introspection -----------------------------------------------------------------------------------
@@ -462,6 +487,12 @@ def _draft_block_bytes(spec: SpeculativeConfig | None, plan: PlanConfig) -> int:
         return block_bytes(read_plan(spec.model), plan.limits.block_size)
     except BuildError:
         return 0
+
+
+def _top(row: tuple[int, float, list[tuple[int, float]]], k: int) -> dict[int, float]:
+    """The prompt token's logprob plus the top-k alternatives (the token first, as in `Request.logprobs`)."""
+    token, logprob, top = row
+    return {token: logprob, **dict(top[:k])}
 
 
 def default_cuda_graphs(backend: str, device: str) -> bool:

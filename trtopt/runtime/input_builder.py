@@ -17,7 +17,8 @@ class InputBuilder:
         """Pack the batch. Block tables are as wide as the longest table this step (<= max_blocks_per_seq),
         padded with the null block 0. A sampling sequence with K draft tokens gets K+1 logits rows (its last
         committed token and each draft token). When no sequence samples, logits_indices holds one row (the last
-        token) so that no executor sees an empty gather; the engine discards it."""
+        token) so that no executor sees an empty gather; the engine discards it. The rows of prompt_logprob_positions
+        follow all sampling rows, sequence by sequence."""
         assert not batch.is_empty, "an empty batch has nothing to run"
         bs = self.block_size
         seqs = batch.seqs
@@ -32,6 +33,7 @@ class InputBuilder:
         # Filled row by row in numpy: a per-row torch op costs ~5 us, which a 256-sequence decode step pays 256 times.
         tables = np.zeros((len(seqs), width), dtype=np.int32)  # [S, W], 0 = null block
         total = 0
+        prompt_rows: list[int] = []
         for s, seq in enumerate(seqs):
             start, blocks = seq.start_pos, seq.block_ids
             tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
@@ -50,7 +52,11 @@ class InputBuilder:
             seq_lens.append(end)
             if seq.samples:  # one row per draft token verified, plus the row after the last one
                 logits_indices.extend(range(total - 1 - len(seq.spec_token_ids), total))
+            if seq.prompt_logprob_positions:
+                first = total - n - start  # the row of position 0
+                prompt_rows.extend(first + p for p in seq.prompt_logprob_positions)
             tables[s, : len(blocks)] = blocks
+        logits_indices += prompt_rows
         if not logits_indices:
             logits_indices.append(total - 1)
         return StepInputs(

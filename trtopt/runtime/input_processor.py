@@ -14,7 +14,12 @@ Rules, in the order they run (each failure is a RequestError that says what to c
   - BOS: text gets the tokenizer's special tokens unless it already starts with the BOS token (rendered chat
     usually does; a second BOS would change the prompt);
   - token ids are ints in [0, vocab); the prompt is not empty and leaves room for one output token;
-  - params against the plan: n <= max_num_seqs, top_k <= vocab, stop_token_ids < vocab;
+  - params against the plan: n <= max_num_seqs, top_k <= vocab, stop_token_ids, allowed_token_ids and logit_bias
+    keys < vocab;
+  - truncate_prompt_tokens=k keeps the last k prompt tokens (vLLM's left truncation; -1 = max_model_len - 1), before
+    the length checks below, and the reported prompt text becomes the text of the kept tokens;
+  - bad_words are tokenized here (vLLM's rule: each word as written, and with one leading space when that gives
+    as many tokens and a different first token, so a word is banned both at the start and inside the text);
   - max_tokens: prompt + max_tokens must fit max_model_len, else the request is refused (vLLM's OpenAI server
     rule; silently cutting the answer short would look like a model failure). max_tokens=None means "up to
     max_model_len" and is resolved here, so ProcessedPrompt.max_tokens is always the real budget.
@@ -58,6 +63,9 @@ class ProcessedPrompt:
     prompt: str | None  # the text that was tokenized (rendered chat included); None for token-id prompts
     prompt_token_ids: list[int]
     max_tokens: int  # output tokens this request may produce (params.max_tokens, or what the context leaves)
+    # params.bad_words as token sequences (see the module docstring); the sampler bans a sequence's last token
+    # wherever the output ends with the rest of it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +92,36 @@ class InputProcessor:
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         text, token_ids = self.tokenize(prompt)
+        text, token_ids = self._truncate(text, token_ids, params.truncate_prompt_tokens)
         self._check_tokens(token_ids)
-        return ProcessedPrompt(text, token_ids, self._max_tokens(len(token_ids), params))
+        return ProcessedPrompt(text, token_ids, self._max_tokens(len(token_ids), params), self.bad_words_token_ids(params))
+
+    def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """params.bad_words as token-id sequences (vLLM's tokenization, see the module docstring)."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise RequestError("bad_words needs the plan's tokenizer files; pass the banned ids as a logit_bias of -100 instead.")
+        out: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        bad = next((t for seq in out for t in seq if t >= self.limits.vocab_size), None)
+        assert bad is None, f"the tokenizer gave id {bad} outside the plan's vocabulary"
+        return tuple(out)
+
+    def _truncate(self, text: str | None, token_ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+        """Keep the last `keep` tokens (-1: as many as the context allows with one output token)."""
+        if keep is None:
+            return text, token_ids
+        keep = self.limits.max_model_len - 1 if keep == -1 else keep
+        if len(token_ids) <= keep:
+            return text, token_ids
+        token_ids = token_ids[-keep:]
+        return (self.tokenizer.decode(token_ids) if self.tokenizer is not None else None), token_ids
 
     def check_params(self, params: SamplingParams) -> None:
         """The params' bounds that depend on the plan (SamplingParams checks the rest on construction)."""
@@ -95,9 +131,11 @@ class InputProcessor:
         if params.top_k > lim.vocab_size:
             raise RequestError(f"top_k={params.top_k} exceeds the vocabulary size {lim.vocab_size}; use at most "
                                f"{lim.vocab_size}, or -1 for no top-k.")
-        bad = next((t for t in params.stop_token_ids if t >= lim.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {lim.vocab_size}).")
+        for what, ids in (("stop token id", params.stop_token_ids), ("allowed_token_ids id", params.allowed_token_ids or ()),
+                          ("logit_bias token id", params.logit_bias or {})):
+            bad = next((t for t in ids if t >= lim.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"{what} {bad} is outside the vocabulary [0, {lim.vocab_size}).")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of any prompt form; RequestError if it is unusable."""

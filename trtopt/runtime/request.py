@@ -115,6 +115,11 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.pending_forks: list[Request] = []  # n>1 siblings that fork from this prompt's blocks
         self.logprobs: list[dict[int, float]] = []  # per output token: chosen + top-k alternatives
+        # params.bad_words as token sequences (InputProcessor made them); the sampler bans their last tokens.
+        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+        # params.prompt_logprobs: entry j is prompt token j+1's logprob given tokens 0..j (+ the top-k), filled in
+        # order by the steps that compute the prompt (the engine owns it; a recompute after preemption skips it).
+        self.prompt_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
@@ -133,6 +138,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Prompt positions whose logits are still wanted for prompt_logprobs (position p predicts token p+1)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(len(self.prompt_logprobs), self.num_prompt_tokens - 1)
 
     @property
     def num_seats(self) -> int:

@@ -1,6 +1,7 @@
 """Sampler: logits [N, vocab] -> one token per row, vectorised over the batch (DESIGN.md §6).
 
-Order of operations (vLLM's): min_tokens masking, penalties, the grammar mask of structured-output rows, then greedy argmax for temperature 0, or
+Order of operations (vLLM's): the request's logits processors, its allowed_token_ids and bad_words masks, min_tokens
+masking, logit_bias, penalties, the grammar mask of structured-output rows, then greedy argmax for temperature 0, or
 temperature -> top-k -> top-p -> min-p -> a draw for the others. Each seeded request draws with its own
 torch.Generator (one uniform per step, inverse-CDF), so its tokens do not depend on what else is in the batch. Logprobs are the model's raw
 log_softmax, before penalties and temperature, as in vLLM and HF `output_scores`-free comparisons.
@@ -15,6 +16,7 @@ import torch
 
 from trtopt.runtime.batch import SampledToken
 from trtopt.runtime.request import Request
+from trtopt.runtime.sampling_params import LogitsProcessor, _processor_arity
 from trtopt.runtime.structured_output import GrammarMasker
 
 
@@ -118,9 +120,14 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
 
     constrained = any(r.grammar is not None for r in requests)
-    if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t) or constrained:
+    controlled = any(r.params.has_token_controls for r in requests)
+    if any(r.num_output_tokens < r.params.min_tokens for r in requests) or _has_penalties(t) or constrained or controlled:
         logits = logits.clone()  # the executor's logits stay as they came
+        if controlled:
+            _apply_token_controls(logits, requests, before_min_tokens=True)
         _mask_before_min_tokens(logits, requests)
+        if controlled:
+            _apply_token_controls(logits, requests, before_min_tokens=False)
         _apply_penalties(logits, requests, t)
         if constrained:  # structured output: tokens the grammar forbids are -inf before any filtering or draw
             assert grammar_masker is not None, "a constrained row needs the sampler's GrammarMasker"
@@ -164,10 +171,23 @@ def processed_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     return probs
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Per row of logits [M, vocab]: (target token, its raw logprob, the top-k (token, logprob) best first)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.int64, device=logp.device)[:, None]).squeeze(1).tolist()
+    if k > 0:
+        vals, ids = logp.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in targets]
+    return list(zip(targets, chosen, tops))
+
+
 def _plain_greedy(r: Request) -> bool:
     """Greedy with nothing that changes the argmax or asks for more than the token."""
     p = r.params
-    return (r.grammar is None and p.greedy and p.logprobs is None and p.repetition_penalty == 1 and p.presence_penalty == 0
+    return (r.grammar is None and p.greedy and p.logprobs is None and not p.has_token_controls
+            and p.repetition_penalty == 1 and p.presence_penalty == 0
             and p.frequency_penalty == 0 and (p.min_tokens == 0 or r.num_output_tokens >= p.min_tokens))
 
 
@@ -176,6 +196,71 @@ def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, u: torch.Tensor) ->
     cdf = torch.softmax(cand_logits, dim=-1).cumsum(dim=-1)  # [M, K]
     picks = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
     return cand_ids.gather(1, picks).squeeze(1)
+
+
+def _apply_token_controls(logits: torch.Tensor, requests: Sequence[Request], *, before_min_tokens: bool) -> None:
+    """The per-request token controls, in place on logits [N, vocab] (on its device). Before min_tokens: the
+    logits processors (user code, one call per row: a row is the request's own logits), then allowed_token_ids and
+    bad_words as one masked write each for the whole batch; after it, logit_bias as one indexed add. Python loops
+    run over requests and their listed ids, never over the vocabulary; rows without controls are untouched."""
+    if not before_min_tokens:
+        rows, cols, vals = [], [], []
+        for i, r in enumerate(requests):
+            if r.params.logit_bias:
+                rows += [i] * len(r.params.logit_bias)
+                cols += r.params.logit_bias.keys()
+                vals += r.params.logit_bias.values()
+        if rows:
+            logits.index_put_(_index(rows, cols, logits.device), torch.tensor(vals, dtype=logits.dtype, device=logits.device),
+                              accumulate=True)
+        return
+    for i, r in enumerate(requests):
+        for proc in r.params.logits_processors:
+            logits[i] = _run_processor(proc, r, logits[i])
+    allowed_rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
+    if allowed_rows:
+        rows, cols = [], []
+        for j, i in enumerate(allowed_rows):
+            ids = requests[i].params.allowed_token_ids
+            rows += [j] * len(ids)
+            cols += ids
+        keep = torch.zeros(len(allowed_rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+        keep[_index(rows, cols, logits.device)] = True
+        sel = torch.tensor(allowed_rows, dtype=torch.int64, device=logits.device)
+        logits[sel] = logits[sel].masked_fill(~keep, float("-inf"))
+    rows, cols = [], []
+    for i, r in enumerate(requests):
+        banned = _banned_by_bad_words(r)
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        logits[_index(rows, cols, logits.device)] = float("-inf")
+
+
+def _index(rows: list[int], cols: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(list(cols), dtype=torch.int64, device=device))
+
+
+def _banned_by_bad_words(r: Request) -> list[int]:
+    """vLLM's bad_words rule: a sequence's last token is banned where the output ends with the rest of it (a
+    one-token word is always banned). Only output tokens count, as in vLLM: the prompt may contain the words."""
+    out = r.output_token_ids if r.bad_words_token_ids else ()
+    banned = []
+    for seq in r.bad_words_token_ids:
+        prefix = seq[:-1]
+        if len(prefix) <= len(out) and (not prefix or tuple(out[len(out) - len(prefix):]) == prefix):
+            banned.append(seq[-1])
+    return banned
+
+
+def _run_processor(proc: LogitsProcessor, r: Request, row: torch.Tensor) -> torch.Tensor:
+    """Call a v0-style logits processor on a copy of the request's row; its result must be a [vocab] tensor."""
+    args = (r.output_token_ids, row.clone()) if _processor_arity(proc) == 2 else (r.prompt_token_ids, r.output_token_ids, row.clone())
+    result = proc(*args)
+    if not isinstance(result, torch.Tensor) or result.shape != row.shape:
+        raise TypeError(f"logits processor {proc!r} returned {type(result).__name__} "
+                        f"{tuple(getattr(result, 'shape', ()))}; it must return the logits tensor of shape {tuple(row.shape)}.")
+    return result.to(device=row.device, dtype=row.dtype)
 
 
 def _mask_before_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

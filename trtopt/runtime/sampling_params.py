@@ -10,8 +10,10 @@ InputProcessor, which knows the plan.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json as _json
 import math
+from typing import Any, Callable, Mapping
 
 from trtopt.errors import RequestError
 
@@ -27,6 +29,14 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes [-2**63, 2**64); seeds are in [0, 2**63)
+# bad_words: vLLM's own caps (MAX_NUM_BAD_WORDS); each word is tokenized twice (with and without a leading space).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, +100 forces it in practice
+
+# A logits processor (vLLM's v0 style): (output_token_ids, logits) -> logits, or
+# (prompt_token_ids, output_token_ids, logits) -> logits; logits is the request's own row, float32 [vocab].
+LogitsProcessor = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,16 +108,36 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a JSON schema, regex, ...
+    # None = none; k >= 0 = for every prompt token after the first, its logprob given the tokens before it plus
+    # the top-k alternatives (RequestOutput.prompt_logprobs). Such a request is never served from the prefix cache.
+    prompt_logprobs: int | None = None
+    # Token controls, applied in this order before penalties and any filtering (the logprobs stay raw):
+    logits_processors: tuple[LogitsProcessor, ...] = ()  # offline only; see LogitsProcessor above
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens can be generated
+    bad_words: tuple[str, ...] = ()  # words never generated (as a whole token sequence; see InputProcessor)
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens; -1 = the last max_model_len - 1
 
     def __post_init__(self) -> None:
         # Accept the usual loose spellings (a single stop string, lists) but store tuples.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        for name in ("stop", "stop_token_ids"):
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        if callable(self.logits_processors):
+            object.__setattr__(self, "logits_processors", (self.logits_processors,))
+        for name in ("stop", "stop_token_ids", "bad_words", "logits_processors"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, (list, tuple)), name, value, "a list")
             object.__setattr__(self, name, tuple(value or ()))
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple)), "allowed_token_ids", self.allowed_token_ids, "a list of token ids or None")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, Mapping), "logit_bias", self.logit_bias, "a dict of token id -> bias, or None")
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # a private copy: the caller's may change
         self._validate()
+        self._validate_token_controls()
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
@@ -146,6 +176,35 @@ class SamplingParams:
             # EOS is the grammar's own end; banning it before min_tokens could leave no allowed token at all.
             _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where the output ends)")
 
+    def _validate_token_controls(self) -> None:
+        """The bounds of prompt_logprobs and the token controls that need no plan (InputProcessor checks the ids
+        against the vocabulary)."""
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for proc in self.logits_processors:
+            _check(callable(proc) and _processor_arity(proc) in (2, 3), "logits_processors", proc,
+                   "callables taking (output_token_ids, logits) or (prompt_token_ids, output_token_ids, logits)")
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", _short(self.allowed_token_ids), "None or a non-empty list of token ids >= 0")
+        _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"<{len(self.bad_words)} words>", f"at most {MAX_BAD_WORDS} words")
+        _check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words), "bad_words",
+               _short(self.bad_words), f"non-blank strings of at most {MAX_BAD_WORD_CHARS} characters")
+        for w in self.bad_words:
+            check_text(w, "a bad word")
+        if self.logit_bias is not None:
+            _check(all(_is_int(t) and t >= 0 for t in self.logit_bias), "logit_bias", _short(self.logit_bias),
+                   "a dict whose keys are token ids >= 0")
+            _check(all(_is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()), "logit_bias",
+                   _short(self.logit_bias), f"a dict whose values are numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)),
+               "truncate_prompt_tokens", self.truncate_prompt_tokens, "None, -1 (the context length) or an integer >= 1")
+
+    @property
+    def has_token_controls(self) -> bool:
+        """Anything that changes logits per request before sampling: logits processors, allowed or bad tokens, biases."""
+        return bool(self.logits_processors or self.allowed_token_ids is not None or self.bad_words or self.logit_bias)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -157,7 +216,18 @@ class SamplingParams:
     def for_completion(self, index: int) -> SamplingParams:
         """The params of completion `index` of an n>1 request: n=1 and its own seed (seed + index)."""
         seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
+        # The prompt's logprobs are the request's, computed once by completion 0 (the one that prefills).
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def _processor_arity(proc: Callable[..., Any]) -> int | None:
+    """Positional parameters of a logits processor (2 or 3 are valid); None if it has no inspectable signature."""
+    try:
+        params = inspect.signature(proc).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
 def _is_int(v: object) -> bool:

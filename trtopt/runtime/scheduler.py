@@ -141,7 +141,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Move the head of the queue to running with its first chunk allocated; None if it does not fit."""
-        cached_blocks, num_cached = self.kv.get_computed_blocks(req.token_ids)
+        # A request that wants prompt_logprobs computes its whole prompt (vLLM's rule): a cached prefix has no logits.
+        cached_blocks, num_cached = ([], 0) if req.params.prompt_logprobs is not None else self.kv.get_computed_blocks(req.token_ids)
         num_new = req.num_tokens - num_cached
         if not self.enable_chunked_prefill and num_new > budget:
             return None
@@ -160,6 +161,7 @@ class Scheduler:
 
     def _scheduled_seq(self, req: Request, num_new: int, lookahead: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
+        wanted = req.prompt_logprob_positions
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.token_ids[start : start + num_new],
@@ -167,6 +169,7 @@ class Scheduler:
             block_ids=self.kv.block_ids(req.request_id),
             samples=start + num_new == req.num_tokens,
             num_lookahead=lookahead,
+            prompt_logprob_positions=range(max(start, wanted.start), min(start + num_new, wanted.stop)),
         )
 
     # ---- update ------------------------------------------------------------------------------------------
