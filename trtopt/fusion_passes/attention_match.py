@@ -29,6 +29,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from trtopt.fusion_passes.head_dim_scale import HeadDimFactor, head_dim_factor
 from trtopt.fusion_passes.ir_helpers import int_list_constant, is_float_cast, perm, same_dims, scalar_constant
 from trtopt.fusion_passes.trace import NoMatch
 
@@ -70,6 +71,16 @@ class AttentionMatch:
     guard_nodes: tuple[ir.Node, ...]  # IsNaN/Where guards around the Softmax (dead after the rewrite)
     native_gqa: bool = False  # the op itself maps query head h to kv head h // (Hq / Hkv) (ONNX Attention)
     heads_folded: bool = False  # the 3-D bmm form: ``out`` is [B·Hq, T, D] (q/k/v above are still 4-D)
+    # Factors of the scores computed from the head dim (SDPA's 1/√q.size(-1) traced from a Shape); ``scale`` is
+    # the constant part, ``scale_for`` the whole.
+    head_dim_factors: tuple[HeadDimFactor, ...] = ()
+
+    def scale_for(self, head_dim: int) -> float:
+        """The attention scale once the head dim is proven: the constant part times every head-dim factor."""
+        scale = self.scale
+        for factor in self.head_dim_factors:
+            scale *= factor.evaluate(head_dim)
+        return _checked_scale(scale, self.softmax)
 
     def heads_consistent(self, num_heads: int, num_kv_heads: int) -> bool:
         """Do these head counts fit how the graph maps query heads to kv heads?"""
@@ -90,14 +101,24 @@ def _producer(value: ir.Value | None, what: str, near: ir.Node) -> ir.Node:
 def _strip_scalar_scale(value: ir.Value) -> tuple[ir.Value, float]:
     """Walk back through Mul/Div by scalar constants and float Casts; return the unscaled value and the product of
     the factors."""
+    value, factor, shaped = _strip_scale(value)
+    if shaped:
+        raise NoMatch(f"{value.name} is scaled by a factor computed from a shape here")
+    return value, factor
+
+
+def _strip_scale(value: ir.Value) -> tuple[ir.Value, float, tuple[HeadDimFactor, ...]]:
+    """_strip_scalar_scale that also walks through Mul by a factor computed from Shape(x) (head_dim_scale): those
+    are returned for the caller to prove (x must be an operand of QKᵀ) and evaluate."""
     factor = 1.0
+    shaped: list[HeadDimFactor] = []
     while True:
         node = value.producer()
         if is_float_cast(node):
             value = node.inputs[0]
             continue
         if node is None or node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
-            return value, factor
+            return value, factor, tuple(shaped)
         a, b = node.inputs
         cb = scalar_constant(b)
         ca = scalar_constant(a) if node.op_type == "Mul" else None
@@ -107,8 +128,11 @@ def _strip_scalar_scale(value: ir.Value) -> tuple[ir.Value, float]:
         elif ca is not None:
             factor *= ca
             value = b
+        elif node.op_type == "Mul" and (found := head_dim_factor(b) or head_dim_factor(a)) is not None:
+            shaped.append(found)
+            value = a if found.value is b else b
         else:
-            return value, factor
+            return value, factor, tuple(shaped)
 
 
 def _strip_repeat_kv(value: ir.Value) -> tuple[ir.Value, bool]:
@@ -312,11 +336,11 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
     if unfold is not None:
         return _match_folded(region, unfold)
 
-    q, q_scale = _strip_scalar_scale(qk.inputs[0])
-    k_t, k_scale = _strip_scalar_scale(qk.inputs[1])
+    q, q_scale, q_shaped = _strip_scale(qk.inputs[0])
+    k_t, k_scale, k_shaped = _strip_scale(qk.inputs[1])
     k_rep, heads_second = _strip_key_transpose(k_t)
     return _finish(region, q=q, q_scale=q_scale, k_scale=k_scale, k_operand=k_rep, k_heads_second=heads_second,
-                   v_operand=out_node.inputs[1], heads_folded=False)
+                   v_operand=out_node.inputs[1], heads_folded=False, shaped=q_shaped + k_shaped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,10 +365,18 @@ def _finish(
     k_heads_second: bool,
     v_operand: ir.Value,
     heads_folded: bool,
+    shaped: tuple[HeadDimFactor, ...] = (),
 ) -> AttentionMatch:
     """The match ending both forms share: the keys' inner scale and repeat_kv, the values, the total scale."""
-    k_rep, k_scale_inner = _strip_scalar_scale(k_operand)
+    k_rep, k_scale_inner, k_shaped = _strip_scale(k_operand)
+    shaped += k_shaped
     k, k_repeated = _strip_repeat_kv(k_rep)
+    # A factor read off a shape is the head dim's only if it reads an operand of QKᵀ (last dim = contraction dim).
+    operands = {id(q), id(k_operand), id(k_rep), id(k)}
+    for found in shaped:
+        if id(found.source) not in operands:
+            raise NoMatch(f"the scale {found.value.name} reads the shape of {found.source.name}, not of q or k",
+                          region.qk.name or "")
     if not k_heads_second and k_repeated:
         raise NoMatch("keys are repeated to the query heads in [B, S, H, D] layout", region.qk.name or "")
     v_side, v = _match_values(v_operand, region.out_node, k_repeated)
@@ -364,6 +396,7 @@ def _finish(
         v_repeated=v_side,
         guard_nodes=region.guards,
         heads_folded=heads_folded,
+        head_dim_factors=shaped,
     )
 
 

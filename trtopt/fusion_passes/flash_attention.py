@@ -67,6 +67,7 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
             if match.k.producer() is not None and match.k.producer().op_type == "Concat":
                 raise NoMatch("keys are concatenated with a past; that is the paged rule's case")
             num_heads, hkv, head_dim = _head_counts(match, ctx)
+            scale = match.scale_for(head_dim)
         except NoMatch as e:
             ctx.trace.fail(RULE, softmax.name or "Softmax", e)
             continue
@@ -83,7 +84,7 @@ def fuse_flash_attention(model: ir.Model, ctx: PassContext) -> int:
             ir.AttrInt64("num_heads", num_heads),
             ir.AttrInt64("num_kv_heads", hkv),
             ir.AttrInt64("head_dim", head_dim),
-            ir.AttrFloat32("scale", match.scale),
+            ir.AttrFloat32("scale", scale),
             ir.AttrInt64("causal", 0),
         ]
         node = trtopt_node(

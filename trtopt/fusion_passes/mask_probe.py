@@ -261,6 +261,26 @@ def _alibi_slopes(probes: list[_Probed]) -> tuple[float, ...] | None:
     return tuple(float(x) for x in slopes)
 
 
+def evaluate_at(
+    model: ir.Model, targets: list[ir.Value], roles: ProbeInputs, lengths: list[tuple[int, int]]
+) -> list[list[np.ndarray]]:
+    """Run the subgraph computing ``targets`` on ORT for each (past, new) length, fed as the paged runtime implies
+    (batch 1, attention_mask all ones); NoMatch when it cannot be cut out, fed or run."""
+    import onnxruntime as ort
+
+    proto, inputs = _probe_model(model, targets)
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        return [
+            [np.asarray(v) for v in session.run([t.name for t in targets], _feeds(inputs, roles, past, new))]
+            for past, new in lengths
+        ]
+    except NoMatch:
+        raise
+    except Exception as e:  # ORT raises its own exception types; any failure means "cannot prove"
+        raise NoMatch(f"the subgraph of {targets[0].name} does not run on its own ({type(e).__name__})") from e
+
+
 def probe_causal(model: ir.Model, mask: MaskSpec, roles: ProbeInputs, *, long_len: int = 512) -> CausalWindow:
     """Evaluate ``mask`` (and its folded bias) for several lengths; return its causal window and ALiBi slopes or
     raise NoMatch."""

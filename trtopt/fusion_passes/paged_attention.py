@@ -56,7 +56,7 @@ def _paged_node(
         ir.AttrInt64("num_heads", layer.num_heads),
         ir.AttrInt64("num_kv_heads", layer.num_kv_heads),
         ir.AttrInt64("head_dim", layer.head_dim),
-        ir.AttrFloat32("scale", m.scale),
+        ir.AttrFloat32("scale", layer.scale),
         ir.AttrInt64("causal", 1),
         ir.AttrInt64("sliding_window", layer.window),
     ]

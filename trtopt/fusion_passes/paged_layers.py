@@ -19,6 +19,7 @@ from trtopt.fusion_passes.attention_match import AttentionMatch, MaskSpec, is_at
 from trtopt.fusion_passes.context import PassContext
 from trtopt.fusion_passes.ir_helpers import int_list_constant
 from trtopt.fusion_passes.mask_probe import CausalWindow, ProbeInputs, probe_causal
+from trtopt.fusion_passes.positions import derive_position_ids
 from trtopt.fusion_passes.trace import NoMatch
 
 RULE = "paged_attention"
@@ -40,6 +41,7 @@ class PagedLayer:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    scale: float  # the whole attention scale (the match's constant part times its head-dim factors)
     window: int
     alibi_slopes: tuple[float, ...] | None  # one per query head; None: no ALiBi
 
@@ -224,6 +226,7 @@ def _prove_layer(
         num_heads=num_heads,
         num_kv_heads=hkv,
         head_dim=head_dim,
+        scale=match.scale_for(head_dim),
         window=meaning.window,
         alibi_slopes=slopes,
     )
@@ -248,6 +251,7 @@ def prove_layers(model: ir.Model, ctx: PassContext) -> list[PagedLayer]:
     graph = model.graph
     concats = cache_concats(graph)
     pasts = [_past_of(c.inputs[0]) for c in concats] or [v for v in graph.inputs if "past" in (v.name or "")]
+    derive_position_ids(model, pasts)
     roles = _roles(graph, pasts)
     layers: list[PagedLayer] = []
     proven: dict[tuple[int, str, int], CausalWindow | NoMatch] = {}
