@@ -172,3 +172,30 @@ def test_other_masks_are_refused(tmp_path, module, reason):
 def test_a_keep_mask_read_as_a_drop_mask_is_refused(tmp_path):
     with pytest.raises(NoMatch, match="not causal"):
         _probe(_export(CausalBool(), tmp_path), "where_drop")
+
+
+def test_a_table_read_only_through_shape_is_never_materialised(export_dir, monkeypatch):
+    """Legacy exports take the mask's shape off the token embeddings (Shape(Gather(embed_tokens, ids)·c)): the probe
+    holds one zero row of the table instead of all of it, so even a table above the probe's size limit (Gemma-3's
+    671 MB; here the limit is lowered to 1 kB) does not stop the proof, and the build fuses every layer."""
+    import json
+
+    from trtopt.build.model_facts import head_dims_from_config
+    from trtopt.fusion_passes import mask_probe, optimize
+
+    source = export_dir("tiny-llama", "legacy")
+    config = json.loads((source / "config.json").read_text())
+    embed_shapes = []
+    real_probe_model = mask_probe._probe_model
+
+    def spy(model, targets):
+        proto, inputs = real_probe_model(model, targets)
+        embed_shapes.extend(list(t.dims) for t in proto.graph.initializer if "embed_tokens" in t.name)
+        return proto, inputs
+
+    monkeypatch.setattr(mask_probe, "_MAX_PROBE_INITIALIZER", 1024)
+    monkeypatch.setattr(mask_probe, "_probe_model", spy)
+    graph = ir.load(str(source / "model.onnx"))
+    report = optimize(graph, dims=head_dims_from_config(config), block_size=4, vocab_size=config["vocab_size"])
+    assert report.counts["paged_attention"] == config["num_hidden_layers"] and not report.unfused
+    assert embed_shapes and all(shape == [1, config["hidden_size"]] for shape in embed_shapes)

@@ -27,9 +27,16 @@ import onnx_ir as ir
 from trtopt.fusion_passes.attention_match import MASKED, MaskSpec
 from trtopt.fusion_passes.trace import NoMatch
 
-# Initializers bigger than this may not be pulled into a probe. Legacy exports read the mask's shape and dtype off
-# the token embeddings (Shape(Gather(embed_tokens, ids))), so the embedding table must be allowed.
+# Initializers bigger than this may not be pulled into a probe (their contents would have to be copied into it).
+# Tables that a probe reads only through Shape (legacy exports take the mask's shape and dtype off the token
+# embeddings, Shape(Gather(embed_tokens, ids)·c)) are never pulled in whole: see _shape_only_tables.
 _MAX_PROBE_INITIALIZER = 1 << 28
+# Ops whose output *shape* depends only on their inputs' shapes (not on any input's contents). Walking back from a
+# Shape node through these, every input is read for its shape only.
+_SHAPE_FROM_SHAPES = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Cast", "CastLike", "Identity", "Relu", "Sigmoid",
+    "Tanh", "Erf", "Exp", "Log", "Gather", "Equal", "Less", "Greater", "Not", "And", "Or", "Where",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +94,50 @@ def _slice_nodes(graph: ir.Graph, targets: list[ir.Value]) -> tuple[list[ir.Node
     return nodes, list(inputs.values()), list(initializers.values())
 
 
+def _content_read(nodes: list[ir.Node], targets: list[ir.Value]) -> set[int]:
+    """ids of the values in the slice whose *contents* the targets depend on; the others are read only for their
+    shape (they reach the targets only through Shape, possibly via ops of _SHAPE_FROM_SHAPES)."""
+    content = {id(t) for t in targets}
+    for node in reversed(nodes):  # graph order reversed: every consumer is seen before its producer
+        if node.op_type == "Shape":
+            continue
+        if node.op_type in _SHAPE_FROM_SHAPES and not any(id(out) in content for out in node.outputs):
+            continue  # only its shape is read, and that depends only on its inputs' shapes
+        content.update(id(v) for v in node.inputs if v is not None)  # e.g. Reshape: its shape input's contents
+    return content
+
+
+def _shape_only_tables(nodes: list[ir.Node], targets: list[ir.Value], initializers: list[ir.Value]) -> set[int]:
+    """Initializers that the probe reads only for their shape, and only as the data of Gather(axis=0): such a table
+    can stand in as one zero row, [1, *rest], since Gather's output shape does not depend on the rows it has (the
+    probe feeds token id 0; a Gather that indexes further fails the probe, which then proves nothing)."""
+    content = _content_read(nodes, targets)
+    in_slice = {id(n) for n in nodes}
+    tables = set()
+    for init in initializers:
+        uses = [u for u in init.uses() if id(u.node) in in_slice]
+        if id(init) not in content and uses and all(
+            u.node.op_type == "Gather" and u.idx == 0 and _axis(u.node) == 0 for u in uses
+        ):
+            tables.add(id(init))
+    return tables
+
+
+def _axis(node: ir.Node) -> int:
+    attr = node.attributes.get("axis")
+    return attr.value if attr is not None else 0
+
+
+def _probe_tensor(init: ir.Value, shape_only: bool) -> onnx.TensorProto:
+    """The initializer as the probe holds it: its contents, or one zero row when only its shape is read."""
+    if shape_only:
+        rest = tuple(init.const_value.shape)[1:]
+        array = np.zeros((1, *rest), dtype=init.const_value.dtype.numpy())
+    else:
+        array = init.const_value.numpy()  # reads external data too (a model from bytes cannot follow its paths)
+    return ir.serde.serialize_tensor(ir.Tensor(array, name=init.name))
+
+
 def _output_info(target: ir.Value) -> onnx.ValueInfoProto:
     if target.type is not None:
         return ir.serde.serialize_value(target)
@@ -96,16 +147,17 @@ def _output_info(target: ir.Value) -> onnx.ValueInfoProto:
 
 def _probe_model(model: ir.Model, targets: list[ir.Value]) -> tuple[onnx.ModelProto, list[ir.Value]]:
     nodes, inputs, initializers = _slice_nodes(model.graph, targets)
+    shape_only = _shape_only_tables(nodes, targets, initializers)
     for init in initializers:
-        if init.const_value.nbytes > _MAX_PROBE_INITIALIZER:
-            raise NoMatch(f"the mask reads the large initializer {init.name}; refusing to treat it as a mask")
+        if id(init) not in shape_only and init.const_value.nbytes > _MAX_PROBE_INITIALIZER:
+            raise NoMatch(f"the mask reads the contents of the large initializer {init.name}; refusing to treat "
+                          "it as a mask")
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in nodes],
         "mask_probe",
         [ir.serde.serialize_value(v) for v in inputs],
         [_output_info(t) for t in targets],
-        # Read external data into the probe (a model loaded from bytes cannot follow external-data paths).
-        [ir.serde.serialize_tensor(ir.Tensor(v.const_value.numpy(), name=v.name)) for v in initializers],
+        [_probe_tensor(v, id(v) in shape_only) for v in initializers],
     )
     for proto, init in zip(graph.initializer, initializers, strict=True):
         proto.name = init.name
