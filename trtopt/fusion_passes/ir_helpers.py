@@ -66,3 +66,50 @@ def int64_initializer(graph: ir.Graph, name: str, values: list[int]) -> ir.Value
     value.shape, value.type = ir.Shape([len(values)]), ir.TensorType(ir.DataType.INT64)
     graph.register_initializer(value)
     return value
+
+
+def infer_missing_shapes(model: ir.Model) -> int:
+    """Give intermediate values whose shape is missing or partly unknown the one onnxruntime's symbolic shape inference derives (it
+    propagates shape arithmetic, so `[B·H, S, D]` folds come out as `4*batch_size`, ...); returns how many got one.
+
+    TorchScript-traced exports (the legacy exporter, optimum) carry no intermediate shapes, and some proofs (BLOOM's
+    head folds) need them. This serialises the whole model, so callers use it only where a proof failed without it.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    proto = ir.to_proto(model)
+    _constants_as_tensors(proto.graph)
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
+    except Exception:  # it raises many types on graphs it cannot follow; then nothing is added
+        return 0
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    count = 0
+    for info in inferred.graph.value_info:
+        value = values.get(info.name)
+        if value is None or _complete(value.shape) or not info.type.tensor_type.HasField("shape"):
+            continue
+        found = ir.serde.deserialize_value_info_proto(info, None)
+        value.shape = found.shape
+        value.type = value.type or found.type
+        count += 1
+    return count
+
+
+def _complete(shape: ir.Shape | None) -> bool:
+    return shape is not None and all(_known_dim(d) for d in shape)
+
+
+def _constants_as_tensors(graph) -> None:
+    """Constant(value_int[s]/value_float[s]) → Constant(value=tensor): the symbolic shape inference reads only
+    ``value`` (onnxscript's folding writes the other forms)."""
+    import onnx
+
+    for node in graph.node:
+        if node.op_type != "Constant" or any(a.name == "value" for a in node.attribute):
+            continue
+        (attr,) = node.attribute
+        array = np.asarray(onnx.helper.get_attribute_value(attr),
+                           dtype=np.int64 if attr.name.startswith("value_int") else np.float32)
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("value", onnx.numpy_helper.from_array(array)))

@@ -16,7 +16,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from trtopt import signature
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.context import PassContext
-from trtopt.fusion_passes.ir_helpers import int64_initializer
+from trtopt.fusion_passes.ir_helpers import infer_missing_shapes, int64_initializer
 from trtopt.fusion_passes.ops import cast_like_original, declare_domain, trtopt_node
 from trtopt.fusion_passes.paged_layers import PagedLayer, has_cache_io, prove_layers
 from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
@@ -183,6 +183,19 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
     """
     if not has_cache_io(model.graph):
         return 0
-    layers = prove_layers(model, ctx)
+    try:
+        layers = prove_layers(model, ctx)
+    except FusionError as first:
+        # TorchScript exports carry no intermediate shapes; with inferred ones the proof may go through (BLOOM's
+        # heads-folded bmm). The first attempt's failures stand unless the retry proves every layer.
+        failures = list(ctx.trace.failures)
+        if not infer_missing_shapes(model):
+            raise
+        ctx.trace.failures.clear()
+        try:
+            layers = prove_layers(model, ctx)
+        except FusionError:
+            ctx.trace.failures[:] = failures
+            raise first from None
     _rewrite(model, layers, block_size)
     return len(layers)
