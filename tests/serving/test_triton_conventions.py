@@ -172,6 +172,12 @@ def test_http_generate_with_both_conventions(triton, reference):
     assert "".join(e["text_output"] for e in events) == ref.text
     assert sum(e["num_output_tokens"] for e in events) == len(ref.token_ids)
     assert events[-1]["finish_reason"] == ref.finish_reason
+    # n completions: one row each (the vLLM backend's shape).
+    body = {"text_input": PROMPT, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS, "n": 2})}
+    resp = httpx.post(f"{base}/v2/models/{MODEL}/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["text_output"] == [ref.text, ref.text]
 
 
 def test_bad_values_get_a_triton_error_and_the_model_keeps_serving(triton, reference):
@@ -183,5 +189,8 @@ def test_bad_values_get_a_triton_error_and_the_model_keeps_serving(triton, refer
     assert "beam_width=4" in str(error)
     [error] = _grpc(grpc_address, ENSEMBLE, _trtllm_inputs("hi", streaming=False, top_p=np.array([[0.0]], dtype=np.float32)))
     assert "top_p" in str(error)
+    batch_of_two = {name: np.repeat(value, 2, axis=0) for name, value in _trtllm_inputs("hi", streaming=False).items()}
+    [error] = _grpc(grpc_address, ENSEMBLE, batch_of_two)
+    assert "batch size 2" in str(error)
     pieces = _grpc(grpc_address, ENSEMBLE, _trtllm_inputs(PROMPT, streaming=True))
     assert "".join(r.as_numpy("text_output")[0].decode() for r in pieces) == reference[PROMPT].outputs[0].text
