@@ -139,6 +139,12 @@ def test_tensorrt_llm_grpc_client_streaming_and_not(triton, reference):
         np.testing.assert_allclose(excluded.as_numpy("cum_log_probs")[0, 0], sum(chosen), atol=1e-3)
         assert excluded.as_numpy("num_input_tokens")[0, 0] == len(ref.prompt_token_ids)
         assert excluded.as_numpy("num_output_tokens")[0, 0] == len(ref.outputs[0].token_ids)
+    # bad_words: the greedy answer's first word can no longer be generated.
+    banned = reference[PROMPT].outputs[0].text.split()[0].strip(".,")
+    [whole] = _grpc(grpc_address, ENSEMBLE, _trtllm_inputs(PROMPT, streaming=False, bad_words=np.array([[banned]], dtype=object),
+                                                           exclude_input_in_output=np.array([[True]])))
+    text = whole.as_numpy("text_output")[0].decode("utf-8")
+    assert text and banned not in text, (banned, text)
 
 
 def test_vllm_grpc_client_streaming_and_not(triton, reference):

@@ -107,6 +107,10 @@ def test_vllm_sampling_parameters_with_string_numbers():
     ({"text_input": "Hi", "sampling_parameters": '{"max_tokens": 1.5}'}, "send an integer"),
     ({"text_input": "Hi", "sampling_parameters": '{"ignore_eos": "maybe"}'}, "true or false"),
     ({"text_input": "Hi", "sampling_parameters": '{"lora_name": "x"}'}, "LoRA"),
+    ({"text_input": "Hi", "sampling_parameters": '{"prompt_logprobs": 1}'}, "no prompt log-prob output"),
+    ({"text_input": "Hi", "sampling_parameters": '{"logits_processors": []}'}, "callables"),
+    ({"text_input": "Hi", "sampling_parameters": '{"logit_bias": {"x": 1}}'}, "not a token id"),
+    ({"text_input": "Hi", "sampling_parameters": '{"logit_bias": {"3": 500}}'}, "logit_bias"),
     ({"text_input": "Hi", "max_tokens": 4, "sampling_parameters": '{"max_tokens": 8}'}, "both"),
     ({"text_input": "Hi", "sampling_parameters": '{"structured_outputs": {"regex": "a", "choice": ["b"]}}'}, "exactly one"),
 ])
@@ -121,14 +125,12 @@ def test_invalid_utf8_is_a_request_error():
         parse_request({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}.get, EOS)
 
 
-def test_bad_words_reach_sampling_params_or_are_refused_clearly():
-    try:
-        params = parse(text_input="Hi", bad_words=["foo", ""]).params
-    except RequestError as e:
-        assert "bad_words is not supported" in str(e)
-    else:
-        assert tuple(params.bad_words) == ("foo",)
-    assert parse(text_input="Hi", bad_words=[""]).params is not None  # TensorRT-LLM's "none"
+def test_bad_words_and_vllm_token_controls_reach_sampling_params():
+    assert parse(text_input="Hi", bad_words=["foo", ""]).params.bad_words == ("foo",)
+    assert parse(text_input="Hi", bad_words=[""]).params.bad_words == ()  # TensorRT-LLM's "none"
+    body = {"logit_bias": {"17": -100, "4": 2.5}, "allowed_token_ids": [1, 2, 3], "bad_words": ["x"]}
+    p = parse(text_input="Hi", sampling_parameters=json.dumps(body)).params
+    assert p.logit_bias == {17: -100, 4: 2.5} and p.allowed_token_ids == (1, 2, 3) and p.bad_words == ("x",)
 
 
 def test_config_declares_every_input_optional_but_text_input(tiny_plan, tmp_path):

@@ -105,6 +105,12 @@ _VLLM_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logp
                "return_num_output_tokens")
 
 _PARAM_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+# SamplingParams fields (and vLLM backend keys) that a Triton request cannot use, and why.
+_NOT_OVER_TRITON = {
+    "lora_name": "trtopt serves no LoRA adapters; leave it out.",
+    "logits_processors": "logits processors are Python callables (LLM.generate only); leave it out.",
+    "prompt_logprobs": "the Triton model has no prompt log-prob output; use `trtopt serve` (/v1/completions) for them.",
+}
 _PARAM_HINTS = typing.get_type_hints(SamplingParams)
 
 
@@ -174,8 +180,6 @@ def parse_request(get: Callable[[str], np.ndarray | None], eos_token_ids: tuple[
 
 
 def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
-    if "bad_words" in kwargs and "bad_words" not in _PARAM_FIELDS:
-        raise RequestError("bad_words is not supported by this trtopt version; leave it out (or send empty strings).")
     try:
         return SamplingParams(**kwargs)
     except TypeError as e:  # a structurally wrong value that the field checks did not anticipate
@@ -198,14 +202,23 @@ def _sampling_parameters(get: Callable[[str], np.ndarray | None]) -> dict[str, A
     for key, value in body.items():
         if key in ("structured_outputs", "guided_decoding"):  # vLLM sends StructuredOutputsParams as JSON text
             out["structured_outputs"] = _structured(value, f"sampling_parameters.{key}")
-        elif key == "lora_name":
-            raise RequestError("sampling_parameters.lora_name: trtopt serves no LoRA adapters; leave it out.")
+        elif key in _NOT_OVER_TRITON:
+            raise RequestError(f"sampling_parameters.{key}: {_NOT_OVER_TRITON[key]}")
+        elif key == "logit_bias" and isinstance(value, dict):  # JSON object keys are strings: {"1234": -100}
+            out[key] = {_token_id(k, "sampling_parameters.logit_bias"): v for k, v in value.items()}
         elif key in _PARAM_FIELDS and key != "structured_outputs":
             out[key] = value if value is None else _typed(key, value, f"sampling_parameters.{key}")
         else:
-            known = sorted(k for k in _PARAM_FIELDS if k != "structured_outputs")
+            known = sorted(k for k in _PARAM_FIELDS if k not in _NOT_OVER_TRITON)
             raise RequestError(f"sampling_parameters has the unknown key {key!r}; the keys are {known}.")
     return out
+
+
+def _token_id(key: str, where: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise RequestError(f"{where} key {key!r} is not a token id; send {{\"<token id>\": <bias>}}.") from None
 
 
 def _merge(kwargs: dict[str, Any], extra: dict[str, Any]) -> None:
