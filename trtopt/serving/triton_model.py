@@ -26,7 +26,6 @@ import triton_python_backend_utils as pb_utils
 from trtopt.errors import TrtOptError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
-from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.engine_loop import EngineLoop
 from trtopt.serving.triton_request import TritonRequest, parse_request
 
