@@ -67,7 +67,7 @@ CASES = {
     "schema that does not compile": ("/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
         400, ["could not be compiled"]),
-    "logit_bias": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, 400,
+    "logit_bias": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1.0}}, 400,
                    ["logit_bias"]),
 }
 

@@ -134,10 +134,20 @@ CORPUS: dict[str, tuple[str, object]] = {
     "json_schema": (CHAT, _chat(response_format={"type": "json_schema", "json_schema": {}})),
     "chat over the context": (CHAT, _chat({"role": "user", "content": " hello" * 600})),
     # ---- unsupported OpenAI fields
-    "logit_bias": (C, _c(logit_bias={"5": 1.0})),
-    "echo": (C, _c(echo=True)),
-    "best_of": (C, _c(best_of=3)),
     "suffix": (C, _c(suffix="x")),
+    # ---- token controls, echo and best_of with bad values
+    "logit_bias key not an id": (C, _c(logit_bias={"abc": 1.0})),
+    "logit_bias negative key": (C, _c(logit_bias={"-5": 1.0})),
+    "logit_bias over 100": (C, _c(logit_bias={"5": 100.5})),
+    "logit_bias id outside vocab": (C, _c(logit_bias={"999999999": 1.0})),
+    "logit_bias value a string": (C, _c(logit_bias={"5": "1"})),
+    "allowed_token_ids empty": (C, _c(allowed_token_ids=[])),
+    "allowed_token_ids outside vocab": (C, _c(allowed_token_ids=[10**9])),
+    "bad_words blank": (CHAT, _chat(bad_words=["  "])),
+    "truncate_prompt_tokens 0": (C, _c(truncate_prompt_tokens=0)),
+    "prompt_logprobs 21": (C, _c(prompt_logprobs=21)),
+    "best_of below n": (C, _c(n=2, best_of=1)),
+    "best_of streamed": (C, _c(best_of=2, stream=True)),
     # ---- not a request at all
     "json array": (C, "[1, 2]"),
     "json string": (C, '"hello"'),

@@ -57,6 +57,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured output (trtopt.serving.structured): OpenAI's response_format, vLLM's structured_outputs object
     # and its older guided_* spellings; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -71,10 +74,20 @@ class _SamplingFields(BaseModel):
                   "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
         return structured_outputs_of(self.response_format, self.structured_outputs, guided)
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids as decimal strings -> bias (the range is SamplingParams')."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise RequestError(f"logit_bias key {key!r} is not a token id; the keys are token ids as strings, "
+                                   'e.g. {"50256": -100}.')
+            out[int(key)] = bias
+        return out
+
     def _common_params(self, max_tokens: int | None, logprobs: int | None,
-                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported by trtopt; remove it from the request.")
+                       structured: StructuredOutputsParams | None = None, **extra: Any) -> SamplingParams:
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
@@ -92,6 +105,11 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
+            logit_bias=self._logit_bias(),
+            bad_words=tuple(self.bad_words or ()),
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            **extra,
         )
 
     @property
@@ -105,9 +123,10 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions API
     logprobs: int | None = None  # top alternatives per token (0..20); None = no logprobs
-    echo: bool = False
+    echo: bool = False  # the prompt text is prepended to each choice (and its logprobs, when logprobs is set)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # best_of >= n completions are generated; the n of highest cumulative logprob return
+    prompt_logprobs: int | None = None  # vLLM's extra: each choice carries the prompt's logprobs (top-k per token)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each text or token ids (a list of them is a batch: n choices per prompt)."""
@@ -120,14 +139,28 @@ class CompletionRequest(_SamplingFields):
                 raise RequestError("a prompt is empty; send at least one token.")
         return batch
 
+    @property
+    def num_generated(self) -> int:
+        """Completions generated per prompt: best_of when it is set, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise RequestError("echo=true is not supported by trtopt; the prompt is in your request already.")
         if self.suffix:
             raise RequestError("suffix (insertion) is not supported by trtopt; remove it from the request.")
-        if self.best_of is not None and self.best_of != self.n:
-            raise RequestError(f"best_of={self.best_of} is not supported (only best_of == n); use n instead.")
-        return self._common_params(self.max_tokens, self.logprobs, self._structured())
+        logprobs = self.logprobs
+        if self.best_of is not None:
+            if not (isinstance(self.best_of, int) and self.n <= self.best_of):
+                raise RequestError(f"best_of={self.best_of} must be an integer >= n ({self.n}).")
+            if self.stream and self.best_of > self.n:
+                raise RequestError("best_of > n cannot be streamed (the best completions are known only at the end); "
+                                   "set stream=false or best_of=n.")
+            if self.best_of > self.n and logprobs is None:
+                logprobs = 0  # the ranking needs each token's logprob; the renderer drops them again
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs  # vLLM: echo with logprobs returns the prompt's logprobs too
+        params = self._common_params(self.max_tokens, logprobs, self._structured(), prompt_logprobs=prompt_logprobs)
+        return dataclasses.replace(params, n=self.num_generated) if self.num_generated != self.n else params
 
 
 class ContentPart(BaseModel):

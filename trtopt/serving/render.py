@@ -7,6 +7,7 @@ has sent and whether it has sent the finish, because every RequestOutput carries
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -34,9 +35,14 @@ class Renderer(abc.ABC):
 
     # ---- subclass hooks ------------------------------------------------------------------------------------
 
+    has_prefix = False  # the first chunk of each streamed choice carries add_prefix's fields
+
     @abc.abstractmethod
-    def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
-        """One finished choice of a full (non-streamed) response."""
+    def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
+        """One finished choice of a full (non-streamed) response (`out` is its prompt's output)."""
+
+    def add_prefix(self, choice: dict[str, Any], out: RequestOutput) -> None:
+        """Put what comes before the generated text (an echoed prompt) into a choice's first streamed chunk."""
 
     @abc.abstractmethod
     def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -52,11 +58,15 @@ class Renderer(abc.ABC):
     def finish_reason(self, c: CompletionOutput) -> str | None:
         return c.finish_reason
 
+    def select(self, out: RequestOutput) -> list[CompletionOutput]:
+        """The completions of `out` that become choices (all of them, unless best_of picks)."""
+        return out.outputs
+
     # ---- shared ---------------------------------------------------------------------------------------------
 
     def full_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         """The response to a request whose prompts (one per item of outs, in order) have all finished."""
-        choices = [self.choice(c, k * self.n + c.index) for k, out in enumerate(outs) for c in out.outputs]
+        choices = [self.choice(c, k * self.n + c.index, out) for k, out in enumerate(outs) for c in self.select(out)]
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
         completion_tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
         return {**self._envelope(self.object_full), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -69,12 +79,15 @@ class Renderer(abc.ABC):
             start, end = self._sent_tokens.get(index, 0), len(c.token_ids)
             newly_finished = c.finished and index not in self._sent_finish
             lp = self.logprobs(c, start, end) if c.logprobs is not None and end > start else None
-            if not (c.delta_text or lp or newly_finished):
+            first = index not in self._sent_tokens
+            if not (c.delta_text or lp or newly_finished or (first and self.has_prefix)):
                 continue
             self._sent_tokens[index] = end
             if newly_finished:
                 self._sent_finish.add(index)
             choice = self.delta_choice(c, index, c.delta_text, lp)
+            if first and self.has_prefix:
+                self.add_prefix(choice, out)
             choice["finish_reason"] = self.finish_reason(c) if newly_finished else None
             chunks.append({**self._envelope(self.object_chunk), "choices": [choice]})
         return chunks
@@ -101,15 +114,86 @@ class Renderer(abc.ABC):
 
 
 class CompletionRenderer(Renderer):
-    """The legacy /v1/completions format (logprobs as tokens / token_logprobs / top_logprobs / text_offset)."""
+    """The legacy /v1/completions format (logprobs as tokens / token_logprobs / top_logprobs / text_offset).
+
+    echo: each choice starts with the prompt text, and (with logprobs) its logprobs start with the prompt tokens'
+    (the first one None, as OpenAI and vLLM answer). best_of: the n completions of highest cumulative logprob
+    become the choices (logprobs were asked for internally only for the ranking when `logprobs` is False).
+    prompt_logprobs: vLLM's per-choice list, None for the first token, then {token id: {logprob, decoded_token}}.
+    """
 
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
+    def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, echo: bool = False,
+                 logprobs: bool = False, prompt_logprobs: bool = False, best_of: int | None = None) -> None:
+        super().__init__(request_id, model_name, tokenizer, n=n)
+        self.echo = echo
+        self.want_logprobs = logprobs
+        self.want_prompt_logprobs = prompt_logprobs
+        self.best_of = best_of
+        self.has_prefix = echo or prompt_logprobs
+
+    def select(self, out: RequestOutput) -> list[CompletionOutput]:
+        outputs = out.outputs
+        if self.best_of is not None and self.best_of > self.n:
+            ranked = sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[: self.n]
+            outputs = [dataclasses.replace(c, index=i) for i, c in enumerate(ranked)]
+        if not self.want_logprobs:
+            outputs = [dataclasses.replace(c, logprobs=None, cumulative_logprob=None) for c in outputs]
+        return outputs
+
+    def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
-        return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        choice = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        self.add_prefix(choice, out)
+        return choice
+
+    def add_prefix(self, choice: dict[str, Any], out: RequestOutput) -> None:
+        if self.want_prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+        if not self.echo:
+            return
+        choice["text"] = self._prompt_text(out) + choice["text"]
+        if choice.get("logprobs") is not None or (self.want_logprobs and out.prompt_logprobs is not None):
+            prompt = self._echo_logprobs(out)
+            gen = choice.get("logprobs") or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            shift = sum(len(t) for t in prompt["tokens"])
+            choice["logprobs"] = {
+                "tokens": prompt["tokens"] + gen["tokens"],
+                "token_logprobs": prompt["token_logprobs"] + gen["token_logprobs"],
+                "top_logprobs": prompt["top_logprobs"] + gen["top_logprobs"],
+                "text_offset": prompt["text_offset"] + [o + shift for o in gen["text_offset"]],
+            }
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self._tokenizer.decode(out.prompt_token_ids) if self._tokenizer else ""
+
+    def _echo_logprobs(self, out: RequestOutput) -> dict[str, Any]:
+        """The prompt tokens in the logprobs format: the first has no logprob (nothing comes before it)."""
+        ids = out.prompt_token_ids
+        rows = out.prompt_logprobs or [None] * len(ids)
+        tokens = [self.token_text(t) for t in ids]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if row is None else row[t] for t, row in zip(ids, rows)],
+            "top_logprobs": [None if row is None else {self.token_text(a): v for a, v in sorted(row.items(), key=lambda kv: -kv[1])}
+                             for row in rows],
+            "text_offset": offsets,
+        }
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        if out.prompt_logprobs is None:
+            return None
+        return [None if row is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in row.items()}
+                for row in out.prompt_logprobs]
 
     def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs}
@@ -148,7 +232,7 @@ class ChatRenderer(Renderer):
                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]} for i in range(self.n)]
 
-    def choice(self, c: CompletionOutput, index: int) -> dict[str, Any]:
+    def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         calls = tool_calls(self.tool_plan, c.text) if self.tool_plan is not None else []

@@ -163,7 +163,9 @@ class _Handlers:
             self.engine.engine.compile_grammar(params)  # here, not on the step thread (add_request hits the cache)
             return prompts, params
 
-        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n)
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n,
+                                      echo=body.echo, logprobs=body.logprobs is not None,
+                                      prompt_logprobs=body.prompt_logprobs is not None, best_of=body.best_of)
         return await self._serve("completions", body, request, prepare, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
