@@ -25,6 +25,8 @@ Examples:
 
     trtopt generate out/plan --chat --prompt "What is the capital of France?"
 
+    trtopt check out/onnx out/plan --layerwise
+
     trtopt serve out/plan --port 8000
 """,
     no_args_is_help=True,
@@ -38,6 +40,7 @@ SUBCOMMANDS = [
     ("trtopt.cli.export", "export"),
     ("trtopt.cli.build", "build"),
     ("trtopt.cli.generate", "generate"),
+    ("trtopt.cli.check", "check"),
     ("trtopt.cli.bench", "bench"),
     ("trtopt.cli.serve", "serve"),
     ("trtopt.cli.triton_repo", "triton_repo"),

@@ -21,7 +21,12 @@ from trtopt.fusion_passes.ops import cast_like_original, declare_domain, trtopt_
 from trtopt.fusion_passes.paged_layers import PagedLayer, has_cache_io, prove_layers
 from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
 
-__all__ = ["fuse_paged_attention", "has_cache_io"]
+__all__ = ["SOURCE_OUTPUT_KEY", "fuse_paged_attention", "has_cache_io"]
+
+# Node metadata on each PagedAttention: the name of the original graph's attention output that the node replaces
+# (MatMul(probs, v) or the Attention op's output, [B, Hq, T, D] or [B·Hq, T, D]). `trtopt check --layerwise`
+# marks it in the original export to compare layer by layer.
+SOURCE_OUTPUT_KEY = "trtopt.source_output"
 
 
 def _new_input(name: str, dtype: ir.DataType, dims: Sequence[int | str]) -> ir.Value:
@@ -69,6 +74,7 @@ def _paged_node(
         slopes,
     ]
     node = trtopt_node("PagedAttention", inputs, attrs, num_outputs=2, name=f"PagedAttention_{index}")
+    node.metadata_props[SOURCE_OUTPUT_KEY] = m.out.name or ""
     out, cache_out = node.outputs
     out.name = f"paged_attention.{index}.out"
     out.shape = None if m.heads_folded else m.out.shape  # folded: [1, Hq, T, D], squeezed after

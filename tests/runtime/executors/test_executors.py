@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from paged_driver import BlockSource, OriginalModel, Seq, make_step, packed_schedule
 from trtopt.build.plan import read_plan
+from trtopt.check.compare import Tolerance
+from trtopt.check.driver import BlockSource, Seq, make_step
+from trtopt.check.original import OriginalModel
+from trtopt.check.runner import Workload, compare_executors
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.executors import create_executor
 from trtopt.runtime.executors.ort_executor import OrtExecutor
@@ -26,28 +29,15 @@ def prompts(vocab: int, lens=(21, 6, 1)) -> list[list[int]]:
 
 
 def generate_and_compare(plan_dir, export_dir, executors, *, chunk=8, decode_steps=4) -> dict[str, float]:
-    """Packed greedy generation; returns max |Δlogits| of each executor vs the original graph."""
+    """Packed greedy generation (trtopt check's driver); returns max |Δlogits| over every scheduled row of each
+    executor vs the original graph on onnxruntime, one sequence at a time with past KV."""
     plan = read_plan(plan_dir)
-    m = plan.model
-    original = OriginalModel(export_dir / "model.onnx", m.num_kv_heads, m.head_dim)
-    seqs = [Seq(p) for p in prompts(m.vocab_size)]
-    pasts = [original.new_state() for _ in seqs]
-    blocks = BlockSource(NUM_BLOCKS)
-    worst = {name: 0.0 for name in executors}
-    for counts in packed_schedule([len(s.tokens) for s in seqs], chunk=chunk, decode_steps=decode_steps):
-        active = [i for i, n in enumerate(counts) if n]
-        step = make_step([seqs[i] for i in active], [counts[i] for i in active], plan.limits.block_size, blocks)
-        got = {name: ex.execute(step) for name, ex in executors.items()}
-        for name, logits in got.items():
-            assert logits.dtype == torch.float32 and tuple(logits.shape) == (len(active), m.vocab_size)
-        for row, i in enumerate(active):
-            start = seqs[i].cached - counts[i]
-            expected, pasts[i] = original.step(pasts[i], seqs[i].tokens[start : seqs[i].cached], start)
-            for name, logits in got.items():
-                worst[name] = max(worst[name], float(np.abs(logits[row].numpy() - expected).max()))
-            if seqs[i].cached == len(seqs[i].tokens):
-                seqs[i].tokens.append(int(np.argmax(expected)))
-    return worst
+    original = OriginalModel(export_dir / "model.onnx", plan.model)
+    workload = Workload(tuple(map(tuple, prompts(plan.model.vocab_size))), chunk=chunk, decode_steps=decode_steps)
+    results = compare_executors(plan, executors, workload, Tolerance(atol=ATOL, rtol=0.0), original=original)
+    for name in executors:
+        assert results[name].logits.elements > 0 and results[name].greedy_tokens, name
+    return {name: results[name].logits.max_abs for name in executors}
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "tiny-qwen2"])

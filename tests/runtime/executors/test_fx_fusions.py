@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paged_driver import BlockSource, Seq, make_step
+from trtopt.check.driver import BlockSource, Seq, make_step
 
 from trtopt.build.plan import read_plan
 from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, rope

@@ -22,7 +22,7 @@ def test_engine_matches_torch_executor(plan_dir):
     pytest.importorskip("polygraphy", reason="the engine build uses Polygraphy's loaders (the tensorrt extra)")
     if not torch.cuda.is_available():
         pytest.skip("the TensorRT engine needs a CUDA GPU")
-    from paged_driver import BlockSource, Seq, make_step
+    from trtopt.check.driver import BlockSource, Seq, make_step
     from trtopt.build.plan import read_plan
     from trtopt.runtime.executors import create_executor
 

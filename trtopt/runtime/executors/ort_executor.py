@@ -24,7 +24,7 @@ from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.signature import (
     NUMPY_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
-from trtopt.signature import LOGITS, kv_input, kv_output
+from trtopt.signature import LOGITS, kv_input, kv_output, output_names
 
 
 def _cpu_count() -> int:
@@ -60,8 +60,12 @@ class OrtExecutor:
         self.kv_dtype = kv_dtype(plan, NUMPY_DTYPES)
         self.session = ort.InferenceSession(str(model_path), session_options(threads=threads), providers=providers)
         input_names = [i.name for i in self.session.get_inputs()]
-        output_names = [o.name for o in self.session.get_outputs()]
-        check_paged_plan(plan, plan_dir, input_names, output_names)
+        graph_outputs = [o.name for o in self.session.get_outputs()]
+        check_paged_plan(plan, plan_dir, input_names, graph_outputs)
+        signature_outputs = set(output_names(plan.model.num_layers))
+        self._extra_names = [name for name in graph_outputs if name not in signature_outputs]
+        # Graph outputs beyond the paged signature (tensors `trtopt check --layerwise` marked) of the last step.
+        self.extra_outputs: dict[str, torch.Tensor] = {}
         self._pools: list[list[np.ndarray]] = [[], []]  # two sets of per-layer pools, swapped every step
         self._current = 0  # index of the set that holds the live pools
         self._pool_values: list[list[ort.OrtValue]] = [[], []]
@@ -91,9 +95,15 @@ class OrtExecutor:
         for layer in range(self.plan.model.num_layers):
             binding.bind_ortvalue_input(kv_input(layer), live[layer])
             binding.bind_ortvalue_output(kv_output(layer), spare[layer])
+        for name in self._extra_names:
+            binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         self._current = 1 - self._current
-        logits = binding.get_outputs()[0].numpy()
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()
+        if self._extra_names:  # bound last, so they come last
+            extras = outputs[len(outputs) - len(self._extra_names):]
+            self.extra_outputs = {name: torch.from_numpy(v.numpy()) for name, v in zip(self._extra_names, extras)}
         return torch.from_numpy(logits).reshape(-1, logits.shape[-1]).float()
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -17,7 +17,7 @@ from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
-from trtopt.signature import LOGITS, STEP_INPUT_NAMES, kv_input, kv_output
+from trtopt.signature import LOGITS, STEP_INPUT_NAMES, kv_input, kv_output, output_names
 
 
 class TorchExecutor:
@@ -48,6 +48,11 @@ class TorchExecutor:
         self._kv_positions = [self.graph.input_names.index(kv_input(i)) for i in layers]
         self._kv_out_positions = [self.graph.output_names.index(kv_output(i)) for i in layers]
         self._logits_position = self.graph.output_names.index(LOGITS.name)
+        signature_outputs = set(output_names(plan.model.num_layers))
+        self._extra_positions = {name: i for i, name in enumerate(self.graph.output_names)
+                                 if name not in signature_outputs}
+        # Graph outputs beyond the paged signature (tensors `trtopt check --layerwise` marked) of the last eager step.
+        self.extra_outputs: dict[str, torch.Tensor] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # Off unless asked for; LLMEngine.from_plan asks for them on CUDA (gpu tests: test_cuda_graphs.py, tests/e2e).
@@ -114,6 +119,8 @@ class TorchExecutor:
                 if outputs[position] is not pool:
                     pool.copy_(outputs[position])
             logits = outputs[self._logits_position]
+            if self._extra_positions:
+                self.extra_outputs = {name: outputs[i].clone() for name, i in self._extra_positions.items()}
         logits = logits.reshape(-1, logits.shape[-1])
         if logits_out is not None:
             return logits_out.copy_(logits)

@@ -49,6 +49,7 @@ class TrtExecutor:
         self.device = torch.device("cuda")
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.extra_outputs: dict[str, torch.Tensor] = {}  # marked intermediates are not bound on TensorRT
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_shape(self.plan, num_blocks)
