@@ -11,7 +11,7 @@ from trtopt import signature
 
 PACKAGE = Path(trtopt.__file__).parent
 LOWER = ("build", "fusion_passes", "plugins")  # may import each other and the top-level modules
-UPPER = ("runtime", "serving", "cli")
+UPPER = ("runtime", "serving", "cli", "check")
 
 
 def _modules() -> list[tuple[str, ast.Module]]:

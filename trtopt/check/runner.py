@@ -77,7 +77,7 @@ class BackendResult:
     def to_dict(self) -> dict:
         return {
             "name": self.name, "status": self.status, "reason": self.reason or None, "seconds": round(self.seconds, 3),
-            "logits": self.logits.to_dict() if self.logits else None,
+            "logits_error": self.logits.to_dict() if self.logits else None,
             "layers": [{"layer": i, **s.to_dict()} for i, s in enumerate(self.layers)],
             "first_bad_layer": self.first_bad_layer,
             "greedy_tokens": self.greedy_tokens or None,
@@ -168,6 +168,10 @@ def run_check(plan_dir: str | Path, *, original: str | Path | None = None, backe
     ref_name = ORIGINAL if original_path else _reference(reference, runnable)
     if original_path and reference:
         raise ConfigError("--reference names a plan backend, but with ORIGINAL.onnx the original is the reference.")
+    if original_path is None and len(runnable) < 2:
+        raise ConfigError(f"only {[b.name for b in runnable]} can run this {plan.model.dtype} plan here, so there is "
+                          "nothing to compare it with: pass the export it was built from (`trtopt check ORIGINAL.onnx "
+                          "PLAN`) or name another backend that can run it.")
     results = {b.name: BackendResult(b.name, "skipped", reason=why) for b, why in chosen if why is not None}
     num_blocks = blocks_needed([len(p) for p in workload.prompts], workload.decode_steps + 1, plan.limits.block_size)
     with tempfile.TemporaryDirectory(prefix="trtopt-check-") as scratch:

@@ -133,7 +133,7 @@ def _print(report) -> None:
         _print_layers(report)
     for r in report.results:
         if r.status in ("failed", "error"):
-            console.print(f"[bold red]FAILED[/] {r.name}: {_why(r)}", highlight=False)
+            console.print(f"[bold red]FAILED[/] {r.name}: {_why(r)}", highlight=False, soft_wrap=True)
     if report.passed:
         console.print(f"[bold green]PASSED[/]: every backend within tolerance of {report.reference}.")
 
