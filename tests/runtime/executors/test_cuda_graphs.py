@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.build.plan import read_plan
+from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.runtime.executors.cuda_graphs import (
     GraphBucket, StepGraphs, dummy_step, graph_buckets, pad_step, token_buckets,
 )

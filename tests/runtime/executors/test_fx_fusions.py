@@ -14,9 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from trtopt.check.driver import BlockSource, Seq, make_step
-
 from trtopt.build.plan import read_plan
+from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, rope
 from trtopt.runtime.executors.kernels.rope import rope_triton
 from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_driver import BlockSource, Seq, make_step
 
 from trtopt.build.builder import build_plan
 from trtopt.build.plan import Limits, read_plan
+from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 
