@@ -154,3 +154,39 @@ def test_every_option_samples_on_cuda_as_on_cpu():
         assert [t.token_id for t in gpu] == [t.token_id for t in cpu]
         assert gpu[5].logprob == pytest.approx(cpu[5].logprob, abs=1e-5)
     assert 0 not in {Sampler()(x[:1].cuda(), [req(temperature=1.0, min_tokens=4)])[0].token_id for _ in range(50)}
+
+
+def test_token_controls_on_the_sampler_alone():
+    """allowed_token_ids, logit_bias and multi-token bad_words, row by row, beside rows without them."""
+    x = logits_rows(4, seed=9)
+    bad = req(out=(5, 6), temperature=0)
+    bad.bad_words_token_ids = ((5, 6, int(x[2].argmax())), (int(x[2].argmax()),), (9, 9, 1))  # 1st and 2nd ban the argmax
+    free = req(temperature=0)
+    rows = [free, req(temperature=1.0, seed=1, allowed_token_ids=(3, 8)), bad,
+            req(temperature=0, logit_bias={int(x[3].argmin()): 100.0})]
+    for _ in range(10):
+        got = [t.token_id for t in Sampler()(x, rows)]
+        assert got[0] == int(x[0].argmax()) and got[1] in (3, 8)
+        assert got[2] != int(x[2].argmax()) and got[2] == int(x[2].topk(2).indices[1])
+        assert got[3] == int(x[3].argmin())
+    partial = req(out=(7,), temperature=0)
+    partial.bad_words_token_ids = ((5, int(x[0].argmax())),)  # the output does not end with 5: nothing banned
+    assert Sampler()(x[:1], [partial])[0].token_id == int(x[0].argmax())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+def test_token_controls_on_cuda_as_on_cpu():
+    x = logits_rows(5, seed=6)
+
+    def batch():
+        bad = req(out=(5,), temperature=1.0, seed=3)
+        bad.bad_words_token_ids = ((5, 7), (11,))
+        return [req(temperature=0), req(temperature=1.0, seed=1, allowed_token_ids=(3, 8, 20)), bad,
+                req(temperature=0.7, seed=2, logit_bias={4: 5.0, 9: -100.0}),
+                req(temperature=0, logits_processors=[lambda ids, row: row.flip(0)])]
+
+    for _ in range(5):
+        cpu = Sampler()(x, batch())
+        gpu = Sampler()(x.cuda(), batch())
+        assert [t.token_id for t in gpu] == [t.token_id for t in cpu]

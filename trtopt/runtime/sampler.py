@@ -203,15 +203,13 @@ def _apply_token_controls(logits: torch.Tensor, requests: Sequence[Request], *, 
     logits processors (user code, one call per row: a row is the request's own logits), then allowed_token_ids and
     bad_words as one masked write each for the whole batch; after it, logit_bias as one indexed add. Python loops
     run over requests and their listed ids, never over the vocabulary; rows without controls are untouched."""
+    dev = logits.device
     if not before_min_tokens:
-        rows, cols, vals = [], [], []
-        for i, r in enumerate(requests):
-            if r.params.logit_bias:
-                rows += [i] * len(r.params.logit_bias)
-                cols += r.params.logit_bias.keys()
-                vals += r.params.logit_bias.values()
-        if rows:
-            logits.index_put_(_index(rows, cols, logits.device), torch.tensor(vals, dtype=logits.dtype, device=logits.device),
+        biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
+        if biased:
+            ids, vals = zip(*(_control_tensors(requests[i]).bias for i in biased))
+            rows = _row_index(biased, ids)
+            logits.index_put_((rows.to(dev), torch.cat(ids).to(dev)), torch.cat(vals).to(device=dev, dtype=logits.dtype),
                               accumulate=True)
         return
     for i, r in enumerate(requests):
@@ -219,14 +217,10 @@ def _apply_token_controls(logits: torch.Tensor, requests: Sequence[Request], *, 
             logits[i] = _run_processor(proc, r, logits[i])
     allowed_rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
     if allowed_rows:
-        rows, cols = [], []
-        for j, i in enumerate(allowed_rows):
-            ids = requests[i].params.allowed_token_ids
-            rows += [j] * len(ids)
-            cols += ids
-        keep = torch.zeros(len(allowed_rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-        keep[_index(rows, cols, logits.device)] = True
-        sel = torch.tensor(allowed_rows, dtype=torch.int64, device=logits.device)
+        ids = [_control_tensors(requests[i]).allowed for i in allowed_rows]
+        keep = torch.zeros(len(allowed_rows), logits.shape[1], dtype=torch.bool, device=dev)
+        keep[_row_index(range(len(allowed_rows)), ids).to(dev), torch.cat(ids).to(dev)] = True
+        sel = torch.tensor(allowed_rows, dtype=torch.int64, device=dev)
         logits[sel] = logits[sel].masked_fill(~keep, float("-inf"))
     rows, cols = [], []
     for i, r in enumerate(requests):
@@ -235,6 +229,31 @@ def _apply_token_controls(logits: torch.Tensor, requests: Sequence[Request], *, 
         cols += banned
     if rows:
         logits[_index(rows, cols, logits.device)] = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ControlTensors:
+    """A request's allowed ids and logit_bias as CPU tensors, built once (a request keeps its params)."""
+
+    allowed: torch.Tensor | None  # int64 [A]
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # (int64 ids [B], float32 biases [B])
+
+
+def _control_tensors(r: Request) -> _ControlTensors:
+    cached = getattr(r, "_control_tensors", None)
+    if cached is None:
+        p = r.params
+        allowed = None if p.allowed_token_ids is None else torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+        bias = None if not p.logit_bias else (torch.tensor(list(p.logit_bias), dtype=torch.int64),
+                                              torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+        cached = r._control_tensors = _ControlTensors(allowed, bias)
+    return cached
+
+
+def _row_index(rows: Sequence[int], per_row: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Row i repeated once per entry of per_row[i] (CPU int64)."""
+    return torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64),
+                                   torch.tensor([len(t) for t in per_row], dtype=torch.int64))
 
 
 def _index(rows: list[int], cols: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
