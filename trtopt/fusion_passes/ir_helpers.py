@@ -21,6 +21,11 @@ def _constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
     return tensor
 
 
+def is_constant(value: ir.Value | None) -> bool:
+    """An initializer or a Constant node's output."""
+    return _constant_tensor(value) is not None
+
+
 def scalar_constant(value: ir.Value | None) -> float | None:
     """The float value of a one-element constant (initializer or Constant node), else None."""
     tensor = _constant_tensor(value)

@@ -15,7 +15,7 @@ from trtopt.fusion_passes.trace import MatchFailure, Trace
 
 # The passes a build may turn off (`trtopt build --disable-pass NAME`, for ablations): the performance fusions.
 # Attention, the logits gather and cleanup make the plan's signature and are never optional.
-OPTIONAL_PASSES = ("layer_norm", "rms_norm", "horizontal_matmul", "silu_mul", "matmul_add")
+OPTIONAL_PASSES = ("layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "matmul_add")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,7 @@ def optimize(
     graph keeps its signature and gets FlashAttention. Passes named in ``disable`` (from OPTIONAL_PASSES; the
     caller checks the names) are skipped and count 0.
     """
+    from trtopt.fusion_passes.add_rms_norm import fuse_add_rms_norm
     from trtopt.fusion_passes.silu_mul import fuse_silu_mul
     from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
     from trtopt.fusion_passes.layer_norm import fuse_layer_norm
@@ -70,6 +71,7 @@ def optimize(
     on = set(OPTIONAL_PASSES) - set(disable)
     counts["layer_norm"] = fuse_layer_norm(model) if "layer_norm" in on else 0
     counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0
+    counts["add_rms_norm"] = fuse_add_rms_norm(model, ctx.trace) if "add_rms_norm" in on else 0
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
     # Off for tensor-parallel builds: the sharding pass does not split concatenated q/k/v or gate/up weights yet.
     counts["horizontal_matmul"] = (fuse_horizontal_matmul(model, ctx.trace)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from trtopt.fusion_passes.ir_helpers import FLOAT_TYPES, int_list_constant, same_dims
-from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_value, trtopt_node
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_value
 from trtopt.fusion_passes.trace import NoMatch, Trace
 
 RULE = "silu_mul"
@@ -103,7 +103,8 @@ def fuse_silu_mul(model: ir.Model, trace: Trace | None = None) -> int:
                 trace.fail(RULE, silu.name or "", e)
             continue
         name = mul.name or mul.outputs[0].name
-        fused = trtopt_node("SiluMul", [g, up], [], num_outputs=1, name=f"{name}.silu_mul")
+        # No plugin_namespace: SiluMul has no TensorRT plugin, so TensorRT must inline its body (trt_plugin.py).
+        fused = ir.Node(DOMAIN, "SiluMul", [g, up], num_outputs=1, name=f"{name}.silu_mul")
         graph.insert_before(mul, fused)
         old = mul.outputs[0]
         fused.outputs[0].name = f"{old.name}.silu_mul"

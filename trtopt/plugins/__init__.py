@@ -12,6 +12,8 @@ from typing import Callable
 import onnx
 
 from trtopt.plugins import common
+from trtopt.plugins.add_rms_norm import function as add_rms_norm_function
+from trtopt.plugins.add_rms_norm import schema as add_rms_norm_schema
 from trtopt.plugins.common import DOMAIN, OPSET_VERSION, OpSchema, attach_functions, make_node
 from trtopt.plugins.all_reduce import function as all_reduce_function
 from trtopt.plugins.all_reduce import schema as all_reduce_schema
@@ -34,6 +36,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     matmul_add_schema.OP_TYPE: matmul_add_schema.SCHEMA,  # added by the fusion engineer
     all_reduce_schema.OP_TYPE: all_reduce_schema.SCHEMA,  # inserted by the tensor-parallel sharding pass
     silu_mul_schema.OP_TYPE: silu_mul_schema.SCHEMA,  # SwiGLU (fusion_passes/silu_mul.py)
+    add_rms_norm_schema.OP_TYPE: add_rms_norm_schema.SCHEMA,  # residual add + RMSNorm (fusion_passes/add_rms_norm.py)
 }
 
 # op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
@@ -44,6 +47,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     matmul_add_schema.OP_TYPE: matmul_add_function.make_function,  # added by the fusion engineer
     all_reduce_schema.OP_TYPE: all_reduce_function.make_function,  # inserted by the tensor-parallel sharding pass
     silu_mul_schema.OP_TYPE: silu_mul_function.make_function,  # SwiGLU (fusion_passes/silu_mul.py)
+    add_rms_norm_schema.OP_TYPE: add_rms_norm_function.make_function,  # fusion_passes/add_rms_norm.py
 }
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",

@@ -75,6 +75,17 @@ def silu_mul(gate, up):
     return _impl("silu_mul", gate.device.type)(gate, up)
 
 
+def add_rms_norm(x, residual, scale, *, epsilon: float):
+    """trtopt::AddRMSNorm → (y, sum): one Triton kernel on CUDA when x and residual have one shape and dtype (the
+    residual stream always does); the reference (the unfused Add, then RMSNorm's reference) otherwise."""
+    from trtopt.plugins.add_rms_norm.reference import add_rms_norm_ref
+
+    fn = _impl("add_rms_norm", x.device.type)
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        fn = add_rms_norm_ref  # a broadcasting add: the kernel reads one row of each
+    return fn(x, residual, scale, epsilon=epsilon)
+
+
 def all_reduce(x, *, world_size: int):
     """trtopt::AllReduce: the sum over the tensor-parallel group (torch.distributed; identity for one rank)."""
     from trtopt.plugins.all_reduce.reference import all_reduce_ref
@@ -90,6 +101,7 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "RMSNorm": OpSpec(rms_norm),
     "AllReduce": OpSpec(all_reduce),
     "SiluMul": OpSpec(silu_mul),
+    "AddRMSNorm": OpSpec(add_rms_norm),
 }
 # AllReduce is a collective: folding or deduplicating it would desynchronise the ranks' call sequences.
 IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce")})

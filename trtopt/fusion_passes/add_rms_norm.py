@@ -1,0 +1,70 @@
+"""Rule: the residual Add and the trtopt.RMSNorm that reads it → trtopt.AddRMSNorm with two outputs.
+
+    s = Add(x, residual);  y = RMSNorm(s, scale)      →      y, s = AddRMSNorm(x, residual, scale)
+
+Every pre-norm decoder layer adds the attention (or MLP) output to the residual stream and normalises the sum for
+the next block; the sum is also the next residual, hence the second output. The pair becomes one kernel that reads
+both addends once and writes the sum and the normed row (TensorRT's "add + norm" fusion, in the plan). Runs after
+rms_norm, on its trtopt.RMSNorm nodes: 2 per layer minus one (layer 0's input norm reads the embedding), plus the
+final norm.
+
+Matched only when the Add has two computed (non-constant) operands of the norm's input dtype: an Add of a constant
+is a bias, not a residual. Such near misses are recorded in the trace for ``--explain``; a norm whose input is no
+Add at all (the first layer's, on the embedding) is simply not a candidate. The standard RMSNormalization of
+opset ≥ 23 exports is left as it is (no standard op adds first; a trtopt op there is future work).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from trtopt.fusion_passes.ir_helpers import is_constant
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_value
+from trtopt.fusion_passes.trace import NoMatch, Trace
+
+RULE = "add_rms_norm"
+
+
+def _residual_add(norm: ir.Node) -> ir.Node | None:
+    """The Add that computes the norm's input, or None when there is none; NoMatch when it is not a residual."""
+    s = norm.inputs[0]
+    add = s.producer() if s is not None else None
+    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        return None
+    for operand in add.inputs:
+        if operand is None or is_constant(operand):
+            raise NoMatch("the Add has a constant operand (a bias, not the residual stream)", add.name or "")
+        if operand.dtype is not None and s.dtype is not None and operand.dtype != s.dtype:
+            raise NoMatch(f"the Add's operands are {operand.dtype}, its sum {s.dtype}", add.name or "")
+    return add
+
+
+def fuse_add_rms_norm(model: ir.Model, trace: Trace | None = None) -> int:
+    """Fuse every residual Add + trtopt.RMSNorm; returns the count."""
+    graph = model.graph
+    count = 0
+    for norm in [n for n in graph if n.domain == DOMAIN and n.op_type == "RMSNorm"]:
+        try:
+            add = _residual_add(norm)
+        except NoMatch as e:
+            if trace is not None:
+                trace.fail(RULE, norm.name or "", e)
+            continue
+        if add is None:
+            continue
+        s, y = add.outputs[0], norm.outputs[0]
+        # No plugin_namespace: AddRMSNorm has no TensorRT plugin, so TensorRT must inline its body (trt_plugin.py).
+        fused = ir.Node(DOMAIN, "AddRMSNorm", [*add.inputs, norm.inputs[1]],
+                        [ir.AttrFloat32("epsilon", norm.attributes["epsilon"].value)], num_outputs=2,
+                        name=f"{norm.name or y.name}.add")
+        graph.insert_before(add, fused)  # the sum's other readers may come before the norm
+        for old, new, suffix in ((y, fused.outputs[0], "y"), (s, fused.outputs[1], "sum")):
+            new.name = f"{old.name}.add_rms_norm_{suffix}"
+            new.type, new.shape = old.type, old.shape
+        replace_value(y, fused.outputs[0])
+        replace_value(s, fused.outputs[1])
+        graph.remove([norm, add], safe=True)
+        count += 1
+    if count:
+        declare_domain(model)
+    return count

@@ -1,0 +1,68 @@
+"""AddRMSNorm as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+
+The unfused pair is two kernels per norm (the residual add, then trtopt::RMSNorm's one-row kernel) with the sum
+written by the first and read back by the second. Here one program reads x and the residual once, writes the sum
+(the next residual) and the normed row.
+
+The arithmetic is the unfused pair's, step for step: the sum rounded to the inputs' dtype (torch adds half/bf16 in
+fp32 and rounds), then exactly plugins/rms_norm/kernel.py's row (same block and warp count, so the same fp32
+reduction order): y equals rms_norm_triton(x + residual) bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN, _TL_DTYPES
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
+                         BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(X_DTYPE)
+    tl.store(Sum + row * N + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
+    y = (s * rstd).to(X_DTYPE).to(tl.float32)  # rounded to the sum's dtype, as the reference's .to(x.dtype)
+    w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * N + offs, (w * y).to(OUT_DTYPE), mask=mask)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    rows = t.reshape(-1, n)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *,
+                        epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, sum) for x and residual [..., N] of one shape and dtype, scale [N]; both outputs new and contiguous."""
+    n = x.shape[-1]
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"AddRMSNorm's kernel needs x and residual of one shape and dtype; got {tuple(x.shape)} "
+                         f"{x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+    if scale.dim() != 1 or scale.shape[0] != n:
+        raise ValueError(f"AddRMSNorm scale must be [{n}] (x's last dim); got {tuple(scale.shape)}")
+    if x.dtype not in _TL_DTYPES or scale.dtype not in _TL_DTYPES:
+        raise ValueError(f"AddRMSNorm supports float32/float16/bfloat16; got x {x.dtype}, scale {scale.dtype}")
+    if n > _MAX_HIDDEN:
+        raise ValueError(f"AddRMSNorm over {n} > {_MAX_HIDDEN} elements is not supported by the one-row kernel")
+    out_dtype = torch.promote_types(scale.dtype, x.dtype)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out, total
+    xs, rs = _rows(x, n), _rows(residual, n)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm_kernel[(xs.shape[0],)](
+        xs, rs, scale.contiguous(), total, out, xs.stride(0), rs.stride(0), n, float(epsilon),
+        BLOCK=block, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
+        num_warps=4 if block <= 4096 else 8,
+    )
+    return out, total
