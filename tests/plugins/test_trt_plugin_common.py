@@ -24,7 +24,7 @@ from trtopt.plugins.trt_common import (
 )
 
 PLUGIN_OPS = {"PagedAttention", "FlashAttention"}  # ops with a Triton kernel, hence an AOT plugin
-BODY_OPS = {"RMSNorm", "MatMulAdd", "AllReduce", "SiluMul", "AddRMSNorm"}  # ops TensorRT should import through their ONNX function body
+BODY_OPS = {"RMSNorm", "MatMulAdd", "AllReduce", "SiluMul", "AddRMSNorm", "Rope"}  # ops TensorRT should import through their ONNX function body
 
 
 def test_every_op_is_classified() -> None:

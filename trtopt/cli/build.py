@@ -70,7 +70,7 @@ def build(
     ),
     disable_pass: list[str] = typer.Option(
         None, "--disable-pass",
-        help="Skip one performance fusion (layer_norm, rms_norm, add_rms_norm, horizontal_matmul, silu_mul, matmul_add), to "
+        help="Skip one performance fusion (rope, layer_norm, rms_norm, add_rms_norm, horizontal_matmul, silu_mul, matmul_add), to "
         "measure what it is worth; repeatable.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",

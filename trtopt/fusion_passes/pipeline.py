@@ -15,7 +15,7 @@ from trtopt.fusion_passes.trace import MatchFailure, Trace
 
 # The passes a build may turn off (`trtopt build --disable-pass NAME`, for ablations): the performance fusions.
 # Attention, the logits gather and cleanup make the plan's signature and are never optional.
-OPTIONAL_PASSES = ("layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "matmul_add")
+OPTIONAL_PASSES = ("rope", "layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "matmul_add")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,15 @@ def optimize(
     caller checks the names) are skipped and count 0.
     """
     from trtopt.fusion_passes.add_rms_norm import fuse_add_rms_norm
+    from trtopt.fusion_passes.rope import fuse_rope
     from trtopt.fusion_passes.silu_mul import fuse_silu_mul
     from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
     from trtopt.fusion_passes.layer_norm import fuse_layer_norm
     from trtopt.fusion_passes.matmul_add import fuse_matmul_add
     from trtopt.fusion_passes.rms_norm import fuse_rms_norm
 
+    assert set(disable) <= set(OPTIONAL_PASSES), f"unknown passes {set(disable) - set(OPTIONAL_PASSES)}"
+    on = set(OPTIONAL_PASSES) - set(disable)
     ctx = PassContext(trace=Trace(), dims=dims, probe_len=probe_len)
     counts: dict[str, int] = {}
     counts["cleanup"] = cleanup(model)
@@ -66,9 +69,9 @@ def optimize(
         counts["logits_gather"] = gather_logits(model, vocab_size=vocab_size)
     else:
         counts["flash_attention"] = fuse_flash_attention(model, ctx)
+    # After attention: the paged rewrite's proofs walk the exported RoPE ops.
+    counts["rope"] = fuse_rope(model, ctx.trace) if "rope" in on else 0
     # Norms and MatMul+Add run after attention: the QKᵀ MatMul + mask Add must not be taken for a biased MatMul.
-    assert set(disable) <= set(OPTIONAL_PASSES), f"unknown passes {set(disable) - set(OPTIONAL_PASSES)}"
-    on = set(OPTIONAL_PASSES) - set(disable)
     counts["layer_norm"] = fuse_layer_norm(model) if "layer_norm" in on else 0
     counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0
     counts["add_rms_norm"] = fuse_add_rms_norm(model, ctx.trace) if "add_rms_norm" in on else 0

@@ -51,7 +51,9 @@ _MLP_PATH_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu"
                            "Cast", "Softplus", "Exp", "Identity", "HardSigmoid", "Where"})
 # Elementwise trtopt ops an MLP path may hold (SwiGLU fused by silu_mul.py): each output column reads the same
 # column of its inputs, so a column-split gate/up stays split through them.
-_POINTWISE_TRTOPT_OPS = frozenset({"SiluMul"})
+# Likewise trtopt.Rope on the q/k paths: it rotates within each head's last axis, with tables that broadcast over
+# heads (checked like a Mul's operands in _check_head_agnostic).
+_POINTWISE_TRTOPT_OPS = {_MLP_PATH_OPS: frozenset({"SiluMul"}), _QKV_PATH_OPS: frozenset({"Rope"})}
 
 
 class _Skip(Exception):
@@ -192,7 +194,7 @@ def _check_head_agnostic(node: ir.Node, tainted: set[ir.Value]) -> None:
         axis = node.attributes["axis"].value if "axis" in node.attributes else 0
         if axis not in (-1, 3):
             raise _Skip(f"it concatenates along axis {axis}, not the head dim", node.name or "")
-    elif node.op_type in ("Mul", "Add", "Sub", "Div"):
+    elif node.op_type in ("Mul", "Add", "Sub", "Div", "Rope"):
         for operand in node.inputs:
             if operand is None or operand in tainted:
                 continue
@@ -219,7 +221,7 @@ def _projection_above(value: ir.Value, tainted: set[ir.Value], allowed: frozense
             if node not in found:
                 found.append(node)
             continue
-        trtopt_pointwise = node.domain == DOMAIN and node.op_type in _POINTWISE_TRTOPT_OPS and allowed is _MLP_PATH_OPS
+        trtopt_pointwise = node.domain == DOMAIN and node.op_type in _POINTWISE_TRTOPT_OPS.get(allowed, ())
         if not trtopt_pointwise and (node.domain not in ("", "ai.onnx") or node.op_type not in allowed):
             raise _Skip(f"{node.domain + '.' if node.domain else ''}{node.op_type} lies on the path", node.name or "")
         if scalar_operands_only:

@@ -25,6 +25,8 @@ from trtopt.plugins.paged_attention import function as paged_attention_function
 from trtopt.plugins.paged_attention import schema as paged_attention_schema
 from trtopt.plugins.rms_norm import function as rms_norm_function
 from trtopt.plugins.rms_norm import schema as rms_norm_schema
+from trtopt.plugins.rope import function as rope_function
+from trtopt.plugins.rope import schema as rope_schema
 from trtopt.plugins.silu_mul import function as silu_mul_function
 from trtopt.plugins.silu_mul import schema as silu_mul_schema
 
@@ -37,6 +39,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     all_reduce_schema.OP_TYPE: all_reduce_schema.SCHEMA,  # inserted by the tensor-parallel sharding pass
     silu_mul_schema.OP_TYPE: silu_mul_schema.SCHEMA,  # SwiGLU (fusion_passes/silu_mul.py)
     add_rms_norm_schema.OP_TYPE: add_rms_norm_schema.SCHEMA,  # residual add + RMSNorm (fusion_passes/add_rms_norm.py)
+    rope_schema.OP_TYPE: rope_schema.SCHEMA,  # rotary embedding (fusion_passes/rope.py)
 }
 
 # op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
@@ -48,6 +51,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     all_reduce_schema.OP_TYPE: all_reduce_function.make_function,  # inserted by the tensor-parallel sharding pass
     silu_mul_schema.OP_TYPE: silu_mul_function.make_function,  # SwiGLU (fusion_passes/silu_mul.py)
     add_rms_norm_schema.OP_TYPE: add_rms_norm_function.make_function,  # fusion_passes/add_rms_norm.py
+    rope_schema.OP_TYPE: rope_function.make_function,  # fusion_passes/rope.py
 }
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",

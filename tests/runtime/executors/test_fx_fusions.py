@@ -14,10 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from trtopt.build.plan import read_plan
+from trtopt.build.builder import build_plan
+from trtopt.build.plan import Limits, read_plan
 from trtopt.check.driver import BlockSource, Seq, make_step
+from trtopt.plugins.rope.kernel import rope_triton
+from trtopt.runtime.executors import trtopt_ops
 from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, rope
-from trtopt.runtime.executors.kernels.rope import rope_triton
 from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
@@ -71,9 +73,13 @@ def test_rope_falls_back_to_the_original_ops_off_the_fast_path():
 
 
 @pytest.mark.parametrize("model,exporter", [("tiny-llama", "dynamo"), ("tiny-qwen2", "dynamo"), ("tiny-llama", "legacy")])
-def test_every_layer_fuses_and_the_step_is_bit_identical(model, exporter, plan_dir):
-    """Dynamo exports give `half` as a constant; TorchScript exports compute it from Shape(x) at run time."""
-    built = plan_dir(model, exporter)
+def test_every_layer_fuses_and_the_step_is_bit_identical(model, exporter, export_dir, tmp_path):
+    """Plans built without the plan-level rope pass (`--disable-pass rope`, as every plan was before it): the
+    executor's fx rewrite still finds each layer's q and k rotation. Dynamo exports give `half` as a constant;
+    TorchScript exports compute it from Shape(x) at run time."""
+    built = build_plan(export_dir(model, exporter), tmp_path / "plan", progress=False,
+                       limits=Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=256),
+                       disable_passes=("rope",)).plan_dir
     plan = read_plan(built)
     outs = []
     for fused in (True, False):
@@ -93,6 +99,24 @@ def test_every_layer_fuses_and_the_step_is_bit_identical(model, exporter, plan_d
         outs.append((first, ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source))))
     for a, b in zip(outs[0], outs[1]):
         assert torch.equal(a, b)
+
+
+def test_plans_carry_rope_and_the_fx_rewrite_finds_none(plan_dir):
+    """With the plan-level pass (the default), the torch executor runs trtopt.Rope and has nothing left to rewrite."""
+    built = plan_dir("tiny-llama")
+    ex = TorchExecutor(built, read_plan(built))
+    assert ex.num_fused_rope == 0
+    names = [getattr(n.target, "__name__", "") for n in ex.graph.module.graph.nodes]
+    assert names.count("rope") == 2 * ex.plan.model.num_layers and "neg" not in names  # trtopt_ops.rope
+
+
+def test_plan_op_falls_back_to_the_exported_arithmetic():
+    x, cos, sin = rope_inputs(1, 2, 3, 16, torch.float32, device="cpu")
+    assert torch.equal(trtopt_ops.rope(x, cos, sin, half=8), unfused(x, cos, sin))
+    assert torch.equal(trtopt_ops.rope(x, cos, sin, half=0), unfused(x, cos, sin))
+    if DEVICE.type == "cuda":
+        xc, cc, sc = (t.to(DEVICE) for t in (x, cos, sin))
+        assert torch.equal(trtopt_ops.rope(xc, cc, sc, half=8), rope_triton(xc, cc, sc))
 
 
 @pytest.mark.gpu

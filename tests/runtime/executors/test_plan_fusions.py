@@ -30,7 +30,8 @@ def _steps(plan_dir) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("rule,model", [("silu_mul", "tiny-llama"), ("silu_mul", "tiny-qwen2"),
-                                        ("add_rms_norm", "tiny-llama"), ("add_rms_norm", "tiny-qwen2")])
+                                        ("add_rms_norm", "tiny-llama"), ("add_rms_norm", "tiny-qwen2"),
+                                        ("rope", "tiny-llama"), ("rope", "tiny-qwen2")])
 def test_plan_fusion_is_bit_identical_on_the_cpu_executor(rule, model, plan_dir, export_dir, tmp_path):
     with_pass = plan_dir(model)
     limits = read_plan(with_pass).limits

@@ -68,7 +68,7 @@ def _half_of_dim(node, x, axis) -> list[torch.fx.Node] | None:
 def _rope_launcher():
     """The Triton RoPE launcher, or None without triton (the original ops run instead)."""
     try:
-        from trtopt.runtime.executors.kernels.rope import rope_triton
+        from trtopt.plugins.rope.kernel import rope_triton
     except ImportError:
         return None
     return rope_triton

@@ -13,6 +13,8 @@ import importlib
 import logging
 from typing import Callable
 
+import torch
+
 
 from trtopt.runtime.executors.onnx_ops import OpSpec
 
@@ -86,6 +88,18 @@ def add_rms_norm(x, residual, scale, *, epsilon: float):
     return fn(x, residual, scale, epsilon=epsilon)
 
 
+def rope(x, cos, sin, *, half: int = 0):
+    """trtopt::Rope: the Triton kernel on CUDA where its preconditions hold (x [B, H, T, D] with D = 2·half, one
+    dtype, cos/sin broadcast to x), else the reference: the exported ops' arithmetic, bit for bit."""
+    h = half or x.shape[-1] // 2
+    if (x.is_cuda and x.dim() == 4 and x.shape[-1] == 2 * h and x.dtype == cos.dtype == sin.dtype
+            and torch.broadcast_shapes(x.shape, cos.shape, sin.shape) == x.shape):
+        return _impl("rope", "cuda")(x, cos, sin)
+    from trtopt.plugins.rope.reference import rope_ref
+
+    return rope_ref(x, cos, sin, half=half)
+
+
 def all_reduce(x, *, world_size: int):
     """trtopt::AllReduce: the sum over the tensor-parallel group (torch.distributed; identity for one rank)."""
     from trtopt.plugins.all_reduce.reference import all_reduce_ref
@@ -102,6 +116,7 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "AllReduce": OpSpec(all_reduce),
     "SiluMul": OpSpec(silu_mul),
     "AddRMSNorm": OpSpec(add_rms_norm),
+    "Rope": OpSpec(rope),
 }
 # AllReduce is a collective: folding or deduplicating it would desynchronise the ranks' call sequences.
 IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce")})

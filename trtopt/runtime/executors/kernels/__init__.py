@@ -1,1 +1,0 @@
-"""Triton kernels of the torch executor's own fusions (ops that are not trtopt ops)."""
