@@ -453,7 +453,7 @@ def main() -> None:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128, 256],
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
-    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul"],
+    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope"],
                     help="plan-level fusion passes to measure at batch 1 with and without, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/gpu_e2e_<gpu>.json)")
