@@ -278,7 +278,7 @@ def _folded_scores(value: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Node]
 
 
 def _is_qk(value: ir.Value) -> bool:
-    producer = _strip_scalar_scale(value)[0].producer()
+    producer = _strip_scale(value)[0].producer()
     return producer is not None and producer.op_type == "MatMul"
 
 
@@ -325,14 +325,14 @@ def match_attention(softmax: ir.Node) -> AttentionMatch:
         raise NoMatch("probabilities are the right operand of the output MatMul", out_node.name or "")
 
     raw_scores, mask, unfold = _mask_of(softmax.inputs[0])
-    scores, post_scale = _strip_scalar_scale(raw_scores)
+    scores, post_scale, post_shaped = _strip_scale(raw_scores)
     qk = _producer(scores, "the Softmax input", softmax)
     if qk.op_type != "MatMul":
         raise NoMatch(f"scores come from {qk.op_type}, not a QKᵀ MatMul", qk.name or "")
     probs_folded = any(n.op_type == "Reshape" for n in guards)
     if (unfold is not None) != probs_folded:
         raise NoMatch("scores and probabilities are not both in the heads-folded [B·H, T, S] form", qk.name or "")
-    region = _Region(softmax, qk, post_scale, mask, out_node, guards)
+    region = _Region(softmax, qk, post_scale, mask, out_node, guards, post_shaped)
     if unfold is not None:
         return _match_folded(region, unfold)
 
@@ -353,6 +353,7 @@ class _Region:
     mask: MaskSpec | None
     out_node: ir.Node  # MatMul(probs, v)
     guards: tuple[ir.Node, ...]
+    post_shaped: tuple[HeadDimFactor, ...] = ()  # factors from a shape between QKᵀ and the mask
 
 
 def _finish(
@@ -369,7 +370,7 @@ def _finish(
 ) -> AttentionMatch:
     """The match ending both forms share: the keys' inner scale and repeat_kv, the values, the total scale."""
     k_rep, k_scale_inner, k_shaped = _strip_scale(k_operand)
-    shaped += k_shaped
+    shaped += k_shaped + region.post_shaped
     k, k_repeated = _strip_repeat_kv(k_rep)
     # A factor read off a shape is the head dim's only if it reads an operand of QKᵀ (last dim = contraction dim).
     operands = {id(q), id(k_operand), id(k_rep), id(k)}
