@@ -105,7 +105,8 @@ def table(jsonl: Path) -> str:
              "random configs of tests/export/tiny_archs.py; the optimum column builds the committed optimum-onnx 0.1.0",
              "exports of tests/fixtures/optimum/ (tools/optimum_fixtures.py, their own tiny configs). A cell reads",
              "\"fused attention / layers, prompts whose greedy tokens equal HF's\"; – was not run; a failure is shown",
-             "as it happened.", "",
+             "as it happened. Seconds are wall time on a shared 2-core machine (export + build + both generations; the",
+             "optimum cells have no export step), so they compare nothing but orders of magnitude.", "",
              "| architecture | " + " | ".join(f"{e} {d}" for e, d in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for arch in archs:

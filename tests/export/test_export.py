@@ -124,6 +124,17 @@ def test_fp16_export_verifies(tmp_path):
     assert max(result.max_rel_error.values()) <= TOLERANCE["fp16"]
 
 
+def test_legacy_export_without_position_ids_verifies(tmp_path):
+    """The legacy trace drops an input the model ignores (BLOOM's position_ids); verify() feeds the inputs the graph
+    kept by name (it used to pair the remaining names with the wrong tensors and ORT refused the feed)."""
+    from tiny_archs import save_tiny
+
+    result = export_model(save_tiny("bloom", tmp_path / "hf"), tmp_path / "out", exporter="legacy")
+    names = [i.name for i in onnx.load(str(result.out_dir / "model.onnx")).graph.input]
+    assert "position_ids" not in names and names[:2] == ["input_ids", "attention_mask"]
+    assert max(result.max_rel_error.values()) <= TOLERANCE["fp32"]
+
+
 def test_verification_run_failure_is_an_export_error(tmp_path):
     """A graph ORT loads but cannot run on a verification case: an ExportError naming the case and what to try
     (a sliding-window Mistral traced on one side of its window used to print ORT's traceback from verify())."""
