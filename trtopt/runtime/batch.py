@@ -29,6 +29,10 @@ class StepInputs:
     query_start_loc: torch.Tensor  # int32 [S+1]: sequence s owns rows [qsl[s], qsl[s+1]) of the T tokens
     slot_mapping: torch.Tensor  # int64 [T]: block*block_size+offset where each token's K/V goes; -1 = no write
     logits_indices: torch.Tensor  # int64 [N]: rows of the T hidden states projected to logits
+    # Async scheduling: the previous step's sampled ids, on the executor's device. An input id -1-k is a placeholder
+    # for row k of it; executors that read it on the device say so (`resolves_placeholders`), the engine fills the
+    # ids on the host for the others (fill_placeholders).
+    sampled_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +41,12 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+def fill_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids with each placeholder -1-k replaced by sampled_ids[k] (both on one device; no host sync)."""
+    rows = (-1 - input_ids).clamp_(min=0)
+    return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 
 @dataclasses.dataclass

@@ -2,7 +2,11 @@
 
 One step = Scheduler.schedule -> InputBuilder.build -> Executor.execute -> Sampler -> Scheduler.update,
 then a RequestOutput (with text/token deltas for streaming) for every request that advanced. The engine
-is synchronous and single-threaded; the async server drives it from one task.
+is single-threaded; the async server drives it from one task.
+
+With async scheduling (on by default on CUDA) one step stays in flight: step() schedules and launches step N+1
+before it processes step N's sampled tokens, which meanwhile travel to the host behind step N. The order, and why
+greedy output stays the same, is in docs/architecture.md ("The step loop").
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
 
 from trtopt.build.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError, RequestError, WorkerDiedError
-from trtopt.runtime.batch import CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput
+from trtopt.runtime.batch import (
+    CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput, fill_placeholders,
+)
 from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.detokenizer import IncrementalDetokenizer
 from trtopt.runtime.executors.base import Executor
@@ -24,7 +31,7 @@ from trtopt.runtime.input_builder import InputBuilder
 from trtopt.runtime.input_processor import InputLimits, InputProcessor, PromptType, prompt_byte_cap
 from trtopt.runtime.kv_cache_manager import KVCacheManager
 from trtopt.runtime.request import Request, RequestStatus
-from trtopt.runtime.sampler import Sampler, prompt_logprobs
+from trtopt.runtime.sampler import PendingTokens, Sampler, prompt_logprobs
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.runtime.scheduler import Scheduler
 from trtopt.runtime.spec_decode import SpecDecoder, SpeculativeConfig, create_spec_decoder
@@ -49,6 +56,10 @@ class EngineConfig:
     # Speculative decoding: a dict like {"method": "ngram", "num_speculative_tokens": 4} (vLLM's keys), its JSON
     # text, or a SpeculativeConfig; None = off. See runtime/spec_decode.
     speculative_config: Any = None
+    # Async scheduling: schedule and launch step N+1 before step N's tokens reach the host (one step in flight).
+    # None = on for a CUDA device, off on CPU (nothing runs meanwhile there). Speculative decoding steps stay
+    # synchronous (the proposer needs the tokens).
+    async_scheduling: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +108,15 @@ def resolve_limits(plan: PlanConfig, config: EngineConfig, draft_block_bytes: in
             f"({max_blocks_per_seq} blocks of {lim.block_size}); raise num_blocks/kv_cache_memory_gb or lower max_model_len."
         )
     return ResolvedLimits(num_blocks, lim.block_size, max_tokens, max_num_seqs, max_model_len, max_blocks_per_seq)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are not processed yet (async scheduling)."""
+
+    batch: ScheduledBatch
+    reqs: list[Request]  # the sequences that sample: row k of `tokens` is reqs[k]'s token
+    tokens: PendingTokens
 
 
 @dataclasses.dataclass
@@ -153,6 +173,16 @@ class LLMEngine:
         self._num_steps = 0
         self._num_batched_tokens = 0
         self._num_generated_tokens = 0
+        self.async_scheduling = self._resolve_async(config.async_scheduling, device)
+        self._in_flight: _InFlight | None = None  # async scheduling: the launched step not yet processed
+
+    def _resolve_async(self, wanted: bool | None, device: str) -> bool:
+        if wanted is None:
+            wanted = default_async_scheduling(device)
+        if wanted and self.spec is not None:
+            log.info("async scheduling is off with speculative decoding: its proposer needs each step's tokens")
+            return False
+        return bool(wanted)
 
     @classmethod
     def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
@@ -273,6 +303,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that got a token or finished.
 
+        With async scheduling the tokens reported are those of the step launched by the previous call (the one
+        launched now is reported by the next call), so the first call reports nothing but failures.
+
         Faults stay with their owner (docs/architecture.md, "Failure isolation"): a request whose inputs,
         sampling or update raises ends alone with finish_reason="error" (and `error` set), its blocks freed,
         while the step goes on for the others. When the executor fails, the whole step's requests end that
@@ -281,6 +314,8 @@ class LLMEngine:
         scheduler invariant) or WorkerDiedError (a tensor-parallel rank died; every request has been ended): the
         engine must not be stepped again.
         """
+        if self.async_scheduling:
+            return self._step_async()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -343,6 +378,93 @@ class LLMEngine:
             assert seq.prompt_logprob_positions.start == len(req.prompt_logprobs), "prompt logprobs are filled in order"
             req.prompt_logprobs += [_top(row, k) for row in rows[start:end]]
             start = end
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule, build and launch step N+1, then process step N's tokens while N+1 runs, then sample N+1.
+
+        Step N's sequences were advanced when it was launched, each sampling one with a placeholder token: N+1 is
+        scheduled as if each got its token, and its input ids read the placeholders' tokens on the device. A
+        sequence that step N ends (stop, max_tokens) has its N+1 row discarded: it is not sampled, and its blocks
+        (with the extra slot N+1 wrote) are already freed. Sampling N+1 comes after processing N, so penalties,
+        min_tokens and grammars see every token before N+1's, as in the synchronous loop.
+        """
+        prev, self._in_flight = self._in_flight, None
+        batch = self.scheduler.schedule()
+        failed: list[RequestOutput] = []
+        logits, error = None, None
+        if not batch.is_empty:
+            inputs, batch, failed = self._build_inputs(batch)
+            if not batch.is_empty:
+                try:
+                    if isinstance(inputs, Exception):
+                        raise inputs
+                    logits = self.executor.execute(self._with_sampled_ids(inputs, prev))
+                except WorkerDiedError as e:
+                    self.num_consecutive_failed_steps += 1
+                    self._fail_batch(batch, e)
+                    self._fail_groups(dict.fromkeys(self._groups, f"the engine stopped: {e}"))
+                    raise
+                except Exception as e:
+                    error = e
+        outs = failed + (self._process(prev) if prev is not None else [])
+        # Outputs in the order things happened: step N's tokens before step N+1's failures.
+        if error is not None:
+            self.num_consecutive_failed_steps += 1
+            outs += self._fail_batch(batch, error)
+        elif logits is not None:
+            self.num_consecutive_failed_steps = 0
+            outs += self._sample_in_flight(batch, logits)
+        return outs
+
+    def _with_sampled_ids(self, inputs: StepInputs, prev: _InFlight | None) -> StepInputs:
+        """Hand the previous step's sampled ids to the executor for the placeholders among the input ids: on the
+        device where the executor reads them there, else filled in on the host (which waits for them)."""
+        if prev is None:
+            return inputs
+        if getattr(self.executor, "resolves_placeholders", False):
+            return dataclasses.replace(inputs, sampled_ids=prev.tokens.token_ids)
+        host_ids = torch.tensor([s.token_id if not isinstance(s, Exception) else 0 for s in prev.tokens.resolve()],
+                                dtype=torch.int64)
+        return dataclasses.replace(inputs, input_ids=fill_placeholders(inputs.input_ids, host_ids))
+
+    def _sample_in_flight(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample the launched step's live rows (tokens stay on the device where possible), end the requests
+        whose row failed, and advance the batch with placeholders. Returns the failed requests' outputs."""
+        requests = self.scheduler.requests
+        ids = batch.sampling_ids
+        rows = [k for k, rid in enumerate(ids) if rid in requests]  # the others ended since scheduling
+        reqs = [requests[ids[k]] for k in rows]
+        failed: list[RequestOutput] = []
+        tokens = None
+        if reqs:
+            live = logits[: len(ids)] if len(rows) == len(ids) else logits[torch.tensor(rows, device=logits.device)]
+            tokens = self.sampler.sample_async(live, reqs)
+            if tokens.sampled is not None:  # sampled on the host: a row's own error ends its request now
+                errors = {r.request_id: s for r, s in zip(reqs, tokens.sampled) if isinstance(s, Exception)}
+                if errors:
+                    failed = self._fail_requests(errors, "sampling")
+        prompt_seqs = [s for s in batch.seqs if s.prompt_logprob_positions]
+        if prompt_seqs and all(s.request_id in requests for s in prompt_seqs):  # rows after the sampling rows
+            self._record_prompt_logprobs(batch, logits[len(ids):], requests)
+        placeholders = {r.request_id: k for k, r in enumerate(reqs) if requests.get(r.request_id) is r}
+        self._num_batched_tokens += self.scheduler.advance_scheduled(batch, placeholders)
+        self._num_steps += 1
+        if placeholders:
+            self._in_flight = _InFlight(batch, reqs, tokens)
+        return failed
+
+    def _process(self, prev: _InFlight) -> list[RequestOutput]:
+        """Step N's tokens on the host: placeholders resolved, stop conditions applied, outputs made."""
+        try:
+            sampled = prev.tokens.resolve()
+        except Exception as e:  # a device fault surfaces at the first wait on it
+            self.num_consecutive_failed_steps += 1
+            return self._fail_batch(prev.batch, e)
+        output = StepOutput(sampled={r.request_id: s for r, s in zip(prev.reqs, sampled) if not isinstance(s, Exception)})
+        changed, errors = self.scheduler.update_sampled(prev.reqs, output)
+        self._num_generated_tokens += sum(1 for r in changed)
+        failed = self._fail_requests(errors, "updating") if errors else []
+        return failed + self._outputs(changed)
 
     def _build_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs | Exception, ScheduledBatch, list[RequestOutput]]:
         """The step's inputs, the batch they are for, and the outputs of requests ended on the way. If building
@@ -493,6 +615,10 @@ def _top(row: tuple[int, float, list[tuple[int, float]]], k: int) -> dict[int, f
     """The prompt token's logprob plus the top-k alternatives (the token first, as in `Request.logprobs`)."""
     token, logprob, top = row
     return {token: logprob, **dict(top[:k])}
+
+def default_async_scheduling(device: str) -> bool:
+    """Async scheduling pays off where the host can work while the device runs: a CUDA device."""
+    return str(device).startswith("cuda")
 
 
 def default_cuda_graphs(backend: str, device: str) -> bool:

@@ -119,7 +119,10 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            block = token_ids[i * bs : (i + 1) * bs]
+            if block[-1] < 0:
+                break  # async scheduling: its last token is a placeholder; the block is hashed once the token is known
+            block_hash = hash_block(parent, block)
             hashes.append(block_hash)
             self.pool.cache_block(table[i], block_hash)
 

@@ -147,6 +147,11 @@ class Request:
         return range(len(self.prompt_logprobs), self.num_prompt_tokens - 1)
 
     @property
+    def has_placeholder(self) -> bool:
+        """The last token is a placeholder (async scheduling): sampled on the device, not yet known here."""
+        return self.token_ids[-1] < 0
+
+    @property
     def num_seats(self) -> int:
         """Running slots this request needs on admission: itself plus the siblings that will fork from it."""
         return 1 + len(self.pending_forks)

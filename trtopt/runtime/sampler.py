@@ -51,6 +51,26 @@ class SamplingTensors:
         )
 
 
+@dataclasses.dataclass
+class PendingTokens:
+    """One step's sampled tokens on their way to the host (async scheduling): `token_ids` stays on the logits'
+    device for the next step's placeholders to read, while a copy travels to the host behind it."""
+
+    token_ids: torch.Tensor  # int64 [N] on the logits' device
+    _host: torch.Tensor | None = None  # pinned int64 [N], filled by a non-blocking copy (greedy rows on CUDA)
+    _copied: torch.cuda.Event | None = None  # recorded after that copy
+    sampled: list[SampledToken | Exception] | None = None  # set when the rows were sampled on the host (sync)
+
+    def resolve(self) -> list[SampledToken | Exception]:
+        """The tokens on the host. Waits for this step's sampling only, never for work launched after it."""
+        if self.sampled is not None:
+            return self.sampled
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host if self._host is not None else self.token_ids
+        return [SampledToken(token_id=t) for t in host.tolist()]
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         # Draws for requests without a seed of their own.
@@ -94,6 +114,25 @@ class Sampler:
                 except Exception as e:  # this request's own fault; the engine ends it with finish_reason="error"
                     rows.append(e)
             return rows
+
+    def sample_async(self, logits: torch.Tensor, requests: Sequence[Request]) -> PendingTokens:
+        """sample_each without waiting for the device where it can: plain greedy rows (the common serving case)
+        take their argmax on the device and copy it to the host behind the step, so the engine can launch the
+        next step first. Any other row (penalties, logprobs, grammar, random draws) samples on the host as
+        sample_each does, which waits for this step's logits (the step still overlapped the previous outputs)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
+        if all(_plain_greedy(r) for r in requests):
+            ids = logits.argmax(dim=-1)
+            if ids.device.type != "cuda":
+                return PendingTokens(ids)
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            return PendingTokens(ids, host, copied)
+        sampled = self.sample_each(logits, requests)
+        ids = [0 if isinstance(s, Exception) else s.token_id for s in sampled]  # a failed row's request ends now
+        return PendingTokens(torch.tensor(ids, dtype=torch.int64).to(logits.device, non_blocking=True), sampled=sampled)
 
     def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
         """[N] float32 on the CPU: one uniform per sampling (non-greedy) row from the row's own generator (the

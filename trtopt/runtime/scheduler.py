@@ -6,6 +6,13 @@ the sequence limit and the free blocks allow; a prompt larger than the budget le
 no prefill or decode phases. When the pool runs out of blocks, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed (prefix caching makes
 that cheap). `update` appends the sampled tokens and applies the stop conditions.
+
+Async scheduling (the engine's option; docs/architecture.md, "The step loop") splits `update` in two:
+`advance_scheduled` runs as soon as a step is launched, counting its tokens as computed and appending a
+placeholder (a negative id, -1-k = row k of the step's sampled ids, still on the device) for each sequence that
+samples, so the next step can be scheduled before the tokens are known; `update_sampled` later puts the real
+tokens in the placeholders' place and applies the stop conditions. A sequence holds at most one placeholder, and
+only between those two calls.
 """
 
 from __future__ import annotations
@@ -91,6 +98,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_tokens >= req.max_tokens:
+                i += 1  # async: its placeholder is its last token (max_tokens); it finishes when that is known
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new >= 1, f"{req} is running with nothing to compute"
             lookahead = self._num_lookahead(req, num_new, budget)
@@ -141,6 +151,8 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Move the head of the queue to running with its first chunk allocated; None if it does not fit."""
+        # A preempted sequence's placeholder is resolved before the next schedule (no admission follows a preemption).
+        assert not req.has_placeholder, f"{req.request_id} is waiting with an unresolved placeholder"
         # A request that wants prompt_logprobs computes its whole prompt (vLLM's rule): a cached prefix has no logits.
         cached_blocks, num_cached = ([], 0) if req.params.prompt_logprobs is not None else self.kv.get_computed_blocks(req.token_ids)
         num_new = req.num_tokens - num_cached
@@ -193,6 +205,63 @@ class Scheduler:
             except Exception as e:  # this sequence's own fault: the others go on
                 failed[req.request_id] = e
         return changed, failed
+
+    def advance_scheduled(self, batch: ScheduledBatch, placeholder_rows: dict[str, int]) -> int:
+        """Async scheduling, right after the step is launched: count each live sequence's scheduled tokens as
+        computed and append the placeholder -1-k for those in `placeholder_rows` (request id -> row k of the
+        step's sampled ids). Sequences that ended since scheduling are skipped. Returns the tokens counted."""
+        num_tokens = 0
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished (stop, abort, error) after it was scheduled: its rows are discarded
+            assert not seq.num_lookahead, "async scheduling runs without speculative decoding"
+            req.num_computed_tokens += seq.num_new_tokens
+            num_tokens += seq.num_new_tokens
+            if seq.samples:
+                assert not req.has_placeholder and seq.request_id in placeholder_rows, f"{req} samples without a row"
+                req.token_ids.append(-1 - placeholder_rows[seq.request_id])
+        return num_tokens
+
+    def update_sampled(self, reqs: Sequence[Request], output: StepOutput) -> tuple[list[Request], dict[str, Exception]]:
+        """Async scheduling: replace the placeholders of `reqs` (the sequences that sampled in an earlier
+        advance_scheduled step) by their tokens and apply the stop conditions, as `update` does. A sequence that
+        ended meanwhile is skipped; one preempted meanwhile gets its token in the waiting queue (and ends there if
+        it stops). Returns the sequences that changed, in order, and those whose update raised."""
+        changed: list[Request] = []
+        failed: dict[str, Exception] = {}
+        for req in reqs:
+            if self.requests.get(req.request_id) is not req or req.request_id not in output.sampled:
+                continue  # ended since (abort, error, a failed sampling row): its token is dropped
+            assert req.has_placeholder, f"{req} has no placeholder to resolve"
+            req.token_ids.pop()
+            try:
+                status = self._append_run(req, [output.sampled[req.request_id]])
+                if req.status is RequestStatus.RUNNING:
+                    self._fork_siblings(req)
+                else:
+                    self._queue_siblings(req)
+                if status is not None:
+                    self._dequeue(req)
+                    self._finish(req, status)
+                changed.append(req)
+            except Exception as e:  # this sequence's own fault: the others go on
+                failed[req.request_id] = e
+        return changed, failed
+
+    def _queue_siblings(self, leader: Request) -> None:
+        """The leader sampled its first token but was preempted before that was known: its blocks are gone, so
+        its n>1 siblings queue right behind it and compute the prompt themselves (prefix caching shares it)."""
+        at = self.waiting.index(leader) + 1
+        for sib in reversed(leader.pending_forks):
+            self.waiting.insert(at, sib)
+        leader.pending_forks = []
+
+    def _dequeue(self, req: Request) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def _advance(self, req: Request, seq: ScheduledSeq, output: StepOutput) -> bool:
         """Apply one scheduled chunk to req; True if it got a token (and maybe finished)."""
@@ -273,6 +342,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         assert status.finished, f"{status} is not a finished status"
+        if req.has_placeholder:
+            req.token_ids.pop()  # ended before its in-flight token was known (abort, error): that token is dropped
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         req.status = status

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.batch import StepInputs, fill_placeholders
 from trtopt.signature import (
     BLOCK_TABLES, INPUT_IDS, LOGITS_INDICES, POSITION_IDS, QUERY_START_LOC, SEQ_LENS, SLOT_MAPPING, STEP_INPUT_NAMES,
 )
@@ -239,9 +239,12 @@ class StepGraphs:
         st[_ROWS][:n] = step.logits_indices.numpy()
         st[_ROWS][n:nb] = 0
         staged = self._views(bucket, self._staging)
-        for name, view in self._views(bucket).items():
+        inputs = self._views(bucket)
+        for name, view in inputs.items():
             view.copy_(staged[name], non_blocking=True)
         self._copied.record()
+        if step.sampled_ids is not None:  # async scheduling: placeholders read the previous step's tokens here
+            inputs[_IDS].copy_(fill_placeholders(inputs[_IDS], step.sampled_ids))
 
     def _views(self, bucket: GraphBucket, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The input buffers (device ones by default) cut to `bucket` (contiguous views: each buffer's first axis is

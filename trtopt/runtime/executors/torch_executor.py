@@ -10,14 +10,14 @@ import torch
 
 from trtopt.build.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
-from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.batch import StepInputs, fill_placeholders
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
-from trtopt.signature import LOGITS, STEP_INPUT_NAMES, kv_input, kv_output, output_names
+from trtopt.signature import INPUT_IDS, LOGITS, STEP_INPUT_NAMES, kv_input, kv_output, output_names
 
 
 class TorchExecutor:
@@ -26,7 +26,12 @@ class TorchExecutor:
     The module's KV inputs are this executor's pools; trtopt::PagedAttention writes them in place and returns the
     same tensor as kv_cache_out. If a layer's kv_cache_out is a new tensor instead (a plan whose attention runs as
     its ONNX function body), it is copied back so the pool stays the one source of truth.
+
+    Placeholder input ids (async scheduling, StepInputs.sampled_ids) are filled on the device, after the step's
+    inputs are copied there, so launching a step never waits for the previous one's tokens.
     """
+
+    resolves_placeholders = True
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False):
@@ -102,7 +107,10 @@ class TorchExecutor:
             logits = self.graphs.try_run(step)
             if logits is not None:
                 return logits
-        return self._run({name: t.to(self.device, non_blocking=True) for name, t in feeds.items()})
+        feeds = {name: t.to(self.device, non_blocking=True) for name, t in feeds.items()}
+        if step.sampled_ids is not None:
+            feeds[INPUT_IDS.name] = fill_placeholders(feeds[INPUT_IDS.name], step.sampled_ids.to(self.device))
+        return self._run(feeds)
 
     def _run(self, feeds: dict[str, torch.Tensor], logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """One step on device-resident feeds; the pools are written in place. Returns logits [N, vocab] fp32,
