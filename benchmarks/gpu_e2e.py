@@ -15,6 +15,10 @@ same process, on the same GPU, in the same run:
    Throughput = requested output tokens / wall time (padding and overshoot count for nothing).
 3. **Continuous vs static batching in our engine**, at the same maximum batch: static = waves of B requests, the
    next wave starts when the whole wave is done; continuous = all requests queued, refilled every step.
+4. **Async scheduling vs the synchronous loop** (`--scheduling both`, the default): batch 1 and every workload run
+   of 3 once with one step in flight (the plain keys) and once synchronously (the `*_sync` keys), same run.
+   host_ms_per_step is the wall time the GPU did not run the model, per step: all the host work when synchronous,
+   only the exposed part with async scheduling.
 
 The engine runs without a tokenizer (token ids in, token ids out), as HF does here; nothing is detokenized.
 
@@ -190,11 +194,12 @@ class StepTimer:
 
 # ---- our engine ------------------------------------------------------------------------------------------------
 
-def make_engine(executor, plan, *, max_num_seqs: int, kv_gb: float, max_num_batched_tokens: int = 8192):
+def make_engine(executor, plan, *, max_num_seqs: int, kv_gb: float, max_num_batched_tokens: int = 8192,
+                async_scheduling: bool | None = None):
     from trtopt.runtime.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          kv_cache_memory_gb=kv_gb, enable_prefix_caching=False)
+                          kv_cache_memory_gb=kv_gb, enable_prefix_caching=False, async_scheduling=async_scheduling)
     return LLMEngine(executor, plan, None, config)
 
 
@@ -237,7 +242,10 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         "output_tok_s": out_tokens / wall, "total_tok_s": (out_tokens + prompt_tokens) / wall,
         "steps": steps, "mean_running": sum(batch_sizes) / max(1, len(batch_sizes)),
         "gpu_busy_s": gpu, "gpu_busy_frac": gpu / wall if gpu else None,
+        # The wall time the GPU did not run the model, per step: all of the host work in the synchronous loop, only
+        # the part left exposed (not overlapped with the previous step) with async scheduling.
         "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
+        "step_ms": wall / steps * 1e3, "async_scheduling": engine.async_scheduling,
         "cuda_graphs": bool(getattr(engine.executor, "graphs", None) and engine.executor.graphs.enabled),
         **split,
     }
@@ -254,10 +262,10 @@ def _fill_by_pad_step(graphs, step, bucket) -> None:
 
 
 def timed_workload(executor, plan, requests, *, max_batch: int, wave: int | None, kv_gb: float, device: torch.device,
-                   variant: str = "default") -> dict:
+                   variant: str = "default", async_scheduling: bool | None = None) -> dict:
     """One engine at `max_batch`: a warm-up pass of the whole workload, then the timed pass. `variant` ablates:
     "decode_only" graphs only steps of one token per sequence; "pad_step" stages inputs the unpinned way."""
-    engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb)
+    engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb, async_scheduling=async_scheduling)
     graphs = getattr(executor, "graphs", None)
     if graphs is not None:
         graphs.decode_only = variant == "decode_only"
@@ -291,14 +299,14 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
     while engine.has_unfinished_requests():
         engine.step()
     engine.add_request("b1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0))
-    stamps = []
+    stamps = []  # when each token reached the host (with async scheduling a step reports the previous one's token)
     timer = StepTimer(engine, device)
     while engine.has_unfinished_requests():
-        engine.step()
-        stamps.append(time.perf_counter())
+        if engine.step():
+            stamps.append(time.perf_counter())
     gpu = timer.gpu_seconds() - (timer.events[0][0].elapsed_time(timer.events[0][1]) / 1e3 if timer.events else 0)
     timer.restore()
-    decode_steps = len(stamps) - 1  # the first step was the prefill
+    decode_steps = len(stamps) - 1  # the first token came from the prefill
     wall = stamps[-1] - stamps[0]
     graphs = getattr(engine.executor, "graphs", None)
     return {
@@ -306,6 +314,9 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
         "ms_per_token": wall / decode_steps * 1e3,
         "gpu_ms_per_token": gpu / decode_steps * 1e3 if device.type == "cuda" else None,
         "cuda_graphs": bool(graphs and graphs.enabled and graphs._captured),
+        "async_scheduling": engine.async_scheduling,
+        # Wall time per token the GPU did not run the model (all host work when synchronous, the exposed part async).
+        "host_ms_per_token": (wall - gpu) / decode_steps * 1e3 if device.type == "cuda" else None,
     }
 
 
@@ -456,6 +467,9 @@ def main() -> None:
     ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope"],
                     help="plan-level fusion passes to measure at batch 1 with and without, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
+    ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
+                    help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
+                    "(the plain keys are async, the *_sync keys synchronous)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/gpu_e2e_<gpu>.json)")
     args = ap.parse_args()
 
@@ -498,8 +512,10 @@ def main() -> None:
 
     data["machine"]["triton"] = triton.__version__
 
+    use_async = args.scheduling != "sync"
     if "batch1" not in args.skip:
-        engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
+        engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0),
+                             async_scheduling=use_async)
         b1 = batch1_decode(engine, shape.vocab, device)
         head_dim = shape.hidden // shape.heads
         kv_bytes = 2 * shape.layers * shape.kv_heads * head_dim * 2 * (b1["prompt_len"] + b1["new_tokens"] / 2)
@@ -518,6 +534,12 @@ def main() -> None:
             b1["graph_capture"] = {"graphs": report.num_graphs, "seconds": report.seconds,
                                    "pool_MiB": report.pool_bytes / 2**20, "max_tokens": graphs.buckets[-1].num_tokens}
         del engine
+        if args.scheduling == "both":  # the synchronous loop, same run, same plan
+            engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0),
+                                 async_scheduling=False)
+            data["batch1_sync"] = batch1_decode(engine, shape.vocab, device)
+            del engine
+            log(f"batch 1 sync: {data['batch1_sync']['decode_tok_s']:.0f} tok/s vs async {b1['decode_tok_s']:.0f}")
         ablations = data["fusion_ablation"] = {"with_all": {
             k: b1.get(k) for k in ("decode_tok_s", "ms_per_token", "graph_replay_ms")}}
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
@@ -559,9 +581,11 @@ def main() -> None:
                          (f"continuous_max_{variant}", args.max_num_seqs, None, variant)]
             runs += [("continuous_again", args.max_batch, None, "default"),
                      ("continuous_max_again", args.max_num_seqs, None, "default")]
+    if args.scheduling == "both":  # the synchronous loop on the same workloads, same run
+        runs += [(f"{key}_sync", b, w, v) for key, b, w, v in runs if key in ("static", "continuous", "continuous_max")]
     for key, max_batch, wave, variant in runs:
         r = timed_workload(executor, plan, requests, max_batch=max_batch, wave=wave, kv_gb=args.kv_gb,
-                           device=device, variant=variant)
+                           device=device, variant=variant, async_scheduling=use_async and not key.endswith("_sync"))
         workload[key] = r
         log(f"trtopt {key} (max batch {max_batch}): {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
             f"{r['steps']} steps, mean running {r['mean_running']:.0f}, GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%, "
@@ -586,6 +610,14 @@ def main() -> None:
     if "static" in workload and "continuous" in workload:
         ratios["continuous_vs_static_same_max_batch"] = (workload["continuous"]["output_tok_s"]
                                                          / workload["static"]["output_tok_s"])
+    if "static_sync" in workload and "continuous_sync" in workload:
+        ratios["continuous_vs_static_same_max_batch_sync"] = (workload["continuous_sync"]["output_tok_s"]
+                                                              / workload["static_sync"]["output_tok_s"])
+    for key in ("static", "continuous", "continuous_max"):
+        if key in workload and f"{key}_sync" in workload:
+            ratios[f"{key}_async_vs_sync"] = workload[key]["output_tok_s"] / workload[f"{key}_sync"]["output_tok_s"]
+    if "batch1" in data and "batch1_sync" in data:
+        ratios["batch1_async_vs_sync"] = data["batch1"]["decode_tok_s"] / data["batch1_sync"]["decode_tok_s"]
     for key in ("continuous", "continuous_max"):
         if f"{key}_decode_only" in workload:
             ratios[f"{key}_every_step_graphed_vs_decode_only"] = (workload[key]["output_tok_s"]
@@ -602,6 +634,12 @@ def main() -> None:
         print(f"batch-1 decode      {b1['decode_tok_s']:8.0f} tok/s   {b1['ms_per_token']:.3f} ms/token"
               + (f"   roofline {b1['roofline_tok_s']:.0f} tok/s -> {100 * b1['fraction_of_roofline']:.1f}%"
                  if "roofline_tok_s" in b1 else ""))
+    for name in ("batch1", "batch1_sync"):
+        if name in data:
+            b = data[name]
+            print(f"{name:<12} async={b['async_scheduling']!s:<5} {b['decode_tok_s']:8.0f} tok/s   "
+                  f"{b['ms_per_token']:.3f} ms/token   GPU {b['gpu_ms_per_token'] or 0:.3f} ms   "
+                  f"exposed host {b['host_ms_per_token'] or 0:.3f} ms")
     prof = data.get("batch1", {}).get("profile_eager")
     if prof:
         print(f"eager batch-1 decode step: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of kernels")
@@ -616,6 +654,7 @@ def main() -> None:
     for key, r in rows:
         if True:
             print(f"trtopt {key:<34}  {r['output_tok_s']:8.0f} output tok/s   {r['wall_s']:.1f} s   "
+                  f"async={r['async_scheduling']!s:<5}  GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%  "
                   f"max batch {r['max_batch']}  steps {r['steps']}  host {r['host_ms_per_step'] or 0:.2f} ms/step  "
                   f"GPU/step graphed {r.get('graphed_gpu_ms_per_step') or 0:.2f} ms x{r.get('graphed_steps', 0)}, "
                   f"eager {r.get('eager_gpu_ms_per_step') or 0:.2f} ms x{r.get('eager_steps', 0)}")

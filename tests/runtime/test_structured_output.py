@@ -166,3 +166,23 @@ def test_speculative_decoding_refuses_structured_output():
     with pytest.raises(RequestError, match="structured outputs are not available with speculative decoding"):
         engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow  # two SmolLM2 engines on the CPU
+def test_async_scheduling_gives_the_same_constrained_outputs(smollm2):
+    """With one step in flight the grammar still sees every token before the next row is masked: the matcher is
+    advanced when step N's tokens are processed, before step N+1 is sampled (docs/architecture.md §6a)."""
+    reqs = [
+        (_chat("Is the sky blue?"),
+         SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "it depends"]))),
+        ("The capital of France is", SamplingParams(temperature=0, max_tokens=6)),
+        (_chat("Pick a fruit."),
+         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["apple", "pear"]))),
+    ]
+    results = []
+    for mode in (False, True):
+        engine = smollm2(async_scheduling=mode)
+        assert engine.async_scheduling is mode
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in _run(engine, reqs)])
+    assert results[0] == results[1]
+    assert results[1][0][1] == results[1][2][1] == "stop"

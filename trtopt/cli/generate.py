@@ -23,6 +23,9 @@ def generate(
     ),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
                                "replay captured graphs by default)."),
+    async_scheduling: bool = typer.Option(None, "--async-scheduling/--no-async-scheduling",
+                                          help="Schedule and launch each step before the previous step's tokens reach "
+                                          "the host (default: on for cuda, off for cpu)."),
     max_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0),
@@ -59,7 +62,8 @@ def generate(
     )
     started = time.perf_counter()
     llm = LLM(plan, backend=backend, device=device, cuda_graphs=False if eager else None,
-              tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config)
+              tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
+              async_scheduling=async_scheduling)
     err_console.print(f"loaded {plan} on {backend}/{device} in {time.perf_counter() - started:.1f} s; {_describe(params)}", highlight=False)
     prompts = [_chat(p, system) if chat else p for p in prompt]
     stream = len(prompts) == 1 and n == 1

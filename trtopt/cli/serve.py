@@ -25,6 +25,9 @@ def serve(
     ),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
                                "replay captured graphs by default)."),
+    async_scheduling: bool = typer.Option(None, "--async-scheduling/--no-async-scheduling",
+                                          help="Schedule and launch each step before the previous step's tokens reach "
+                                          "the host (default: on for cuda, off for cpu)."),
     max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
@@ -63,7 +66,7 @@ def serve(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
         tensor_parallel_size=tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-        speculative_config=speculative_config,
+        speculative_config=speculative_config, async_scheduling=async_scheduling,
     )
     # Start-up objects (the converted graph, weights, captured graphs) live as long as the process: freezing them
     # keeps every later collection to per-request garbage.
