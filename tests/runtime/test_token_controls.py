@@ -72,8 +72,10 @@ def test_prompt_logprobs_equal_hf_log_softmax_through_chunks_and_a_warm_prefix_c
         assert set(ref[j - 1].topk(3).indices.tolist()) <= set(row)
 
 
-def test_prompt_logprobs_of_a_token_prompt_on_the_tiny_model(engine_for, hf_model):
-    engine = engine_for(TINY, "onnxruntime", max_model_len=128, max_num_batched_tokens=8)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])  # async: ids filled on the host (ORT)
+def test_prompt_logprobs_of_a_token_prompt_on_the_tiny_model(engine_for, hf_model, async_scheduling):
+    engine = engine_for(TINY, "onnxruntime", max_model_len=128, max_num_batched_tokens=8, async_scheduling=async_scheduling)
+    assert engine.async_scheduling is async_scheduling
     ids = [5, 17, 99, 3, 250, 41, 7, 7, 7, 12, 60]
     out = run(engine, {"a": ({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))})["a"]
     with torch.inference_mode():
