@@ -56,7 +56,9 @@ def check_parity(hf_dir, built) -> None:
     from trtopt import LLM, SamplingParams
 
     report = built.report
-    assert report.counts["paged_attention"] == built.config.model.num_layers > 0 and not report.unfused
+    # Every attention fused (other rules, e.g. RoPE, may leave regions they do not recognise: not asserted here).
+    assert report.counts["paged_attention"] == built.config.model.num_layers > 0
+    assert not [f for f in report.unfused if f.rule == "paged_attention"]
     outs = LLM(built.plan_dir).generate([{"prompt_token_ids": p} for p in PROMPTS],
                                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
