@@ -184,3 +184,14 @@ def test_elemwise_tolerance_needs_both_bounds_exceeded():
     assert stats.mismatched == 1 and stats.max_abs == 0.5 and stats.elements == 4
     stats.add(np.array([102.0]), np.array([100.0]))  # 2 > atol and 2% > rtol
     assert stats.mismatched == 2 and not stats.passed
+
+
+@pytest.mark.slow
+def test_smollm2_plan_matches_its_export_on_torch_and_onnxruntime(built_plan, export_dir):
+    report = run_check(built_plan("smollm2-135m"), original=export_dir("smollm2-135m"),
+                       backends=["torch-cpu", "onnxruntime-cpu"], layerwise=True)
+    assert report.passed, report.to_dict()
+    for name in ("torch-cpu", "onnxruntime-cpu"):
+        result = report.by_name(name)
+        assert len(result.layers) == 30 and result.logits.passed  # elemwise: torch-cpu's max abs is ~1.1e-4, rel ~0.09
+        assert report.tokens_agree(result)[0] == report.tokens_agree(result)[1]

@@ -2,14 +2,14 @@
 
 The plan's per-layer probe is each PagedAttention node's attention output; the original's is the tensor that node
 replaced, whose name the build recorded on the node (fusion_passes.paged_attention.SOURCE_OUTPUT_KEY). A marked
-model is written to a scratch directory next to links (or copies) of its external data files, so that neither the
-plan nor the export is touched and a model of any size can be marked without loading its weights.
+model is written to a scratch directory next to copies of its external data files, so that neither the plan nor the
+export is touched and a model of any size can be marked without parsing its weights. (Copies, not hard links: onnx
+refuses external data with more than one link, as a possible link attack.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shutil
 from pathlib import Path
@@ -61,8 +61,8 @@ def check_source_names(probes: list[LayerProbe], original: Path) -> None:
 
 
 def marked_copy(model_path: Path, names: list[str], scratch: Path) -> Path:
-    """A copy of ``model_path`` in ``scratch`` whose graph also outputs ``names``; its external data files and a
-    plan.json beside it are hard-linked (copied across file systems). Returns the new model path."""
+    """A copy of ``model_path`` in ``scratch`` whose graph also outputs ``names``, with copies of its external data
+    files and of a plan.json beside it. Returns the new model path."""
     proto = onnx.load(str(model_path), load_external_data=False)
     types = _value_types(proto)
     outputs = {o.name for o in proto.graph.output}
@@ -76,7 +76,8 @@ def marked_copy(model_path: Path, names: list[str], scratch: Path) -> Path:
     for location in _external_files(proto) | {"plan.json"}:
         source = model_path.parent / location
         if source.is_file():
-            _link_or_copy(source, scratch / location)
+            (scratch / location).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, scratch / location)
     out = scratch / model_path.name
     onnx.save(proto, str(out))
     return out
@@ -99,11 +100,3 @@ def _external_files(proto: onnx.ModelProto) -> set[str]:
         for entry in tensor.external_data
         if entry.key == "location"
     }
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:  # another file system, or links not allowed
-        shutil.copyfile(source, target)
