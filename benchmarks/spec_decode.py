@@ -50,12 +50,14 @@ def graph_counters(engine: LLMEngine) -> tuple[int, int]:
     return (target.num_eager if target is not None else -1, draft.num_eager if draft is not None else -1)
 
 
-def run(engine: LLMEngine, prompts: list[str], max_tokens: int, ignore_eos: bool) -> tuple[float, list[list[int]], dict]:
+def run(engine: LLMEngine, prompts: list, max_tokens: int, ignore_eos: bool) -> tuple[float, list[list[int]], dict]:
+    """``prompts``: chat texts, or token-id lists (a plan without a tokenizer, prompts tokenized by --tokenizer)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     before = engine.stats()
     eager_before = graph_counters(engine)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), [{"role": "user", "content": p}], params)
+        engine.add_request(str(i), {"prompt_token_ids": p} if isinstance(p, list) else [{"role": "user", "content": p}],
+                           params)
     done = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -91,22 +93,35 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts run one at a time for batch 1 (summed)")
     ap.add_argument("--out", default="docs/benchmarks/spec_decode_cpu")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--tokenizer", default=None,
+                    help="an HF tokenizer dir whose chat template turns the prompt sets into token ids, for a plan "
+                    "without a tokenizer (the random-weight 1.24B plan of gpu_e2e.py; its vocabulary must cover them)")
     args = ap.parse_args()
     for n in args.self_draft_layers:
         if not (self_draft_dir(args.plan, n) / "plan.json").is_file():
             build_draft_plan(args.plan, n)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     results, captures = [], {}
     for name, spec in methods(args).items():
         started = time.perf_counter()
-        engine = LLMEngine.from_plan(args.plan, device=args.device, max_model_len=1024, speculative_config=spec)
+        engine = LLMEngine.from_plan(args.plan, device=args.device, max_model_len=args.max_model_len, speculative_config=spec)
         report = engine.spec.capture_report if engine.spec else None
         captures[name] = {"engine_start_s": round(time.perf_counter() - started, 2),
                           "draft_graphs": report.num_graphs if report else None,
                           "draft_capture_s": round(report.seconds, 2) if report else None,
                           "draft_capture_mib": round(report.pool_bytes / 2**20, 1) if report else None}
-        run(engine, ["Hello"], 8, True)  # warm-up (allocator, first replays)
+        run(engine, [[1, 2, 3, 4]] if tokenizer else ["Hello"], 8, True)  # warm-up (allocator, first replays)
         for set_name in args.sets:
             prompts = json.loads(SETS[set_name].read_text())
+            if tokenizer is not None:
+                prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                                              add_generation_prompt=True, return_dict=False))
+                           for p in prompts]
             for bs in args.batch_sizes:
                 groups = [[p] for p in prompts[: args.batch1_prompts]] if bs == 1 else [prompts[:bs]]
                 elapsed, tokens = 0.0, []
