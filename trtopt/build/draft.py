@@ -101,6 +101,8 @@ def _layer_input(graph: onnx.GraphProto, producer: dict, n: int) -> str:
         seen.add(id(node))
         if node.op_type in _NORMS:
             return node.input[0]
+        if node.op_type == "AddRMSNorm":  # fusion_passes/add_rms_norm.py: its second output is the residual stream
+            return node.output[1]
         frontier.extend(node.input)
     raise BuildError(f"no norm found in front of layer {n}'s attention; --draft-layers needs a pre-norm transformer.")
 
@@ -108,6 +110,15 @@ def _layer_input(graph: onnx.GraphProto, producer: dict, n: int) -> str:
 def _final_norm(graph: onnx.GraphProto, producer: dict) -> onnx.NodeProto:
     gather = next((node for node in graph.node if node.op_type == "Gather" and LOGITS_INDICES.name in node.input), None)
     node = producer.get(gather.input[0]) if gather is not None else None
+    if node is not None and node.op_type == "AddRMSNorm" and gather.input[0] == node.output[0]:
+        # The last residual add is fused into the final norm; the draft norms layer n's residual stream alone, so the
+        # node becomes the plain trtopt.RMSNorm (same scale and epsilon; the caller sets its input).
+        x, _residual, scale = node.input
+        del node.input[:]
+        node.input.extend([x, scale])
+        del node.output[1:]
+        node.op_type = "RMSNorm"
+        return node
     if node is None or node.op_type not in _NORMS:
         raise BuildError("the plan's LM head is not fed by a final norm; --draft-layers needs a pre-norm transformer.")
     return node

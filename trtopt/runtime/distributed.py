@@ -103,14 +103,15 @@ def cpu_threads_per_rank(size: int) -> int:
 def _to_wire(command: _Command) -> tuple[str, Any]:
     """A step's tensors travel as numpy arrays (pickled in-band, ~10x cheaper than torch tensors' reduction)."""
     if command.op == "step":
-        return command.op, {f.name: getattr(command.arg, f.name).numpy() for f in dataclasses.fields(StepInputs)}
+        fields = {f.name: getattr(command.arg, f.name) for f in dataclasses.fields(StepInputs)}
+        return command.op, {name: None if value is None else value.numpy() for name, value in fields.items()}
     return command.op, command.arg
 
 
 def _from_wire(message: tuple[str, Any]) -> _Command:
     op, arg = message
     if op == "step":
-        arg = StepInputs(**{name: torch.from_numpy(array) for name, array in arg.items()})
+        arg = StepInputs(**{name: None if array is None else torch.from_numpy(array) for name, array in arg.items()})
     return _Command(op, arg)
 
 
