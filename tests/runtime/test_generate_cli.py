@@ -123,3 +123,28 @@ def test_kv_cache_memory_holds_a_draft_models_own_pool(built_plan):
     assert num_blocks({"method": "self_draft", "num_layers": 1, "num_speculative_tokens": 2}) == num_blocks(None)
     own = num_blocks({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
     assert own == int(gb * 2**30) // (target_bytes + draft_bytes) + 1 < num_blocks(None)
+
+
+def test_self_draft_plan_equals_hf_early_exit(built_plan, tmp_path):
+    """The N-layer self-draft is the target's first N layers + its final norm and LM head: on tiny-llama (whose plan
+    fuses the residual adds into AddRMSNorm, the final norm included) its greedy tokens equal HF's model cut to N
+    layers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trtopt.build.draft import build_draft_plan
+    from trtopt.export.models import ALIASES
+    from trtopt.runtime.llm import LLM
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    draft = build_draft_plan(built_plan("tiny-llama"), 1, tmp_path / "draft_1")
+    hf_dir = ALIASES["tiny-llama"]()
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    ids = tok("The capital of France", return_tensors="pt").input_ids
+    want = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, ids.shape[1]:].tolist()
+    got = LLM(draft).generate({"prompt_token_ids": ids[0].tolist()},
+                              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    assert got == want
