@@ -67,26 +67,39 @@ def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_s
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
     )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(hf_dir)
-    del model
-    gc.collect()
+    # Each stage is skipped when its output is complete (the marker file is written last), so an 8B build that
+    # does not fit one device call's time limit goes on in the next call on the same warm machine.
+    params_file = work / "params.json"
+    if not params_file.is_file():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(hf_dir)
+        del model
+        gc.collect()
+        params_file.write_text(json.dumps({"params": params}))
+    params = json.loads(params_file.read_text())["params"]
     log(f"HF model: {params / 1e9:.2f}B parameters")
-    export_model(hf_dir, onnx_dir, dtype="bf16", verify_outputs=False, force=True)
+    if not (work / "exported.ok").is_file():
+        t = time.perf_counter()
+        export_model(hf_dir, onnx_dir, dtype="bf16", verify_outputs=False, force=True)
+        (work / "exported.ok").write_text(f"{time.perf_counter() - t:.1f}\n")
+        log(f"exported ({time.perf_counter() - t:.1f} s)")
     limits = Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048)
     plans = {}
     for n in (1, 2):
-        t = time.perf_counter()
-        result = build_plan(onnx_dir, work / f"plan_tp{n}", force=True, progress=False, limits=limits,
-                            tensor_parallel=None if n == 1 else n)
-        plans[n] = {"dir": result.plan_dir, "build_s": time.perf_counter() - t,
-                    "layout": result.parallel.summary() if result.parallel else None}
+        plan_dir, done = work / f"plan_tp{n}", work / f"plan_tp{n}.json"
+        if not done.is_file():
+            t = time.perf_counter()
+            result = build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits,
+                                tensor_parallel=None if n == 1 else n)
+            done.write_text(json.dumps({"dir": str(result.plan_dir), "build_s": time.perf_counter() - t,
+                                        "layout": result.parallel.summary() if result.parallel else None}))
+        plans[n] = json.loads(done.read_text())
         log(f"built N={n} ({plans[n]['build_s']:.1f} s)")
-    shutil.rmtree(onnx_dir)
-    shutil.rmtree(hf_dir)
+    shutil.rmtree(onnx_dir, ignore_errors=True)
+    shutil.rmtree(hf_dir, ignore_errors=True)
     return {"params": params, "plans": plans}
 
 
@@ -248,7 +261,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-gb", type=float, default=30.0, help="KV pool per rank")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default docs/benchmarks/tp_e2e_<gpu>.json); shapes already in it and not run "
+                    "now are kept, each with its own date")
+    ap.add_argument("--build-only", action="store_true",
+                    help="make, export and build the plans in --work and stop (a later call measures them)")
     args = ap.parse_args()
     device = torch.device(args.device)
     shapes = {"tiny": gpu_e2e.TINY} if args.tiny else {s: SHAPES[s] for s in args.shapes}
@@ -265,6 +282,8 @@ def main() -> None:
         work = args.work / name
         work.mkdir(parents=True, exist_ok=True)
         made = make_plans(work, shape, device, args.max_num_seqs, tied=(name != "8b"))
+        if args.build_only:
+            continue
         requests = workload.make(shape.vocab)
         alone = all_reduce_alone(shape.hidden, shape.layers) if device.type == "cuda" else None
         if alone:
@@ -272,7 +291,7 @@ def main() -> None:
         runs = {str(n): run_size(made["plans"][n]["dir"], n, device, requests, shape.vocab, args) for n in (1, 2)}
         one, two = runs["1"], runs["2"]
         data["shapes"][name] = {
-            "shape": dataclasses.asdict(shape), "params": made["params"],
+            "date": data["date"], "shape": dataclasses.asdict(shape), "params": made["params"],
             "layout": made["plans"][2]["layout"], "runs": runs, "all_reduce_graphed": alone,
             "scaling_efficiency": {
                 "batch1_decode": two["batch1"]["decode_tok_s"] / one["batch1"]["decode_tok_s"] / 2,
@@ -281,8 +300,16 @@ def main() -> None:
         }
         log(f"{name}: scaling efficiency {data['shapes'][name]['scaling_efficiency']}")
         shutil.rmtree(work)
+    if args.build_only:
+        log(f"plans built in {args.work}")
+        return
     slug = "tiny_cpu" if args.tiny else gpu.lower().replace("nvidia ", "").split()[0]
     out = args.out or DOCS / f"tp_e2e_{slug}.json"
+    if out.is_file():  # keep the shapes of an earlier run that this one did not measure
+        earlier = json.loads(out.read_text())
+        for name, entry in earlier.get("shapes", {}).items():
+            entry.setdefault("date", earlier.get("date"))
+            data["shapes"].setdefault(name, entry)
     out.write_text(json.dumps(data, indent=2) + "\n")
     if not args.tiny:
         plot(data, out.with_suffix(".png"))
