@@ -109,10 +109,11 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 
 
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
-    """An ablation plan: the same export built with one plan-level fusion pass turned off (`--disable-pass`)."""
+    """An ablation plan: the same export built with a plan-level fusion pass turned off (`--disable-pass`); `rule`
+    may name several joined by "+" (e.g. "silu_mul+add_rms_norm+rope", compile_study.py's unfused plan)."""
     from trtopt.build.builder import build_plan
 
-    build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=(rule,))
+    build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=tuple(rule.split("+")))
 
 
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
@@ -331,11 +332,14 @@ def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4) -> 
     if device.type != "cuda" or graphs is None:
         return None
     engine.add_request("prof", {"prompt_token_ids": list(range(3, 67))},
-                       SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.0))
-    engine.step()  # prefill
-    engine.step()  # a first eager decode step outside the profile (Triton compiles its T=1 variants)
+                       SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0))
+    while not any(out.outputs[0].token_ids for out in engine.step()):
+        pass  # prefill, in one step or in chunks (max_num_batched_tokens < 64)
     enabled, graphs.enabled = graphs.enabled, False
     try:
+        # A first eager decode step outside the profile: Triton compiles its T=1 variants (and torch.compile, under
+        # TorchExecutor(compile_mode=...), this shape), so that no compile-time launch lands in the profile.
+        engine.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()

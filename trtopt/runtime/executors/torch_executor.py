@@ -17,11 +17,15 @@ from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
-from trtopt.signature import INPUT_IDS, LOGITS, STEP_INPUT_NAMES, kv_input, kv_output, output_names
+from trtopt.signature import BLOCK_TABLES, INPUT_IDS, LOGITS, STEP_INPUT_NAMES, kv_input, kv_output, output_names
 
 
 class TorchExecutor:
     """Runs a paged plan as a torch.fx GraphModule on CPU or CUDA.
+
+    compile_mode (opt-in; None = the GraphModule as converted): a torch.compile mode (torch_library.COMPILE_MODES);
+    the graph then runs through Inductor, specialised and compiled once per step shape (each CUDA-graph bucket),
+    with the trtopt ops as torch.library custom ops. `compiled.records` says what each compile cost.
 
     The module's KV inputs are this executor's pools; trtopt::PagedAttention writes them in place and returns the
     same tensor as kv_cache_out. If a layer's kv_cache_out is a new tensor instead (a plan whose attention runs as
@@ -34,7 +38,8 @@ class TorchExecutor:
     resolves_placeholders = True
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False):
+                 dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
+                 compile_mode: str | None = None):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -44,9 +49,18 @@ class TorchExecutor:
         started = time.perf_counter()
         self.graph: ConvertedGraph = onnx_to_torch(Path(plan_dir) / MODEL_FILE, device=self.device,
                                                    body_ops=body_ops)
-        # RoPE as one kernel on CUDA (bit-identical ops elsewhere): ~14 fewer launches per layer.
-        self.num_fused_rope = fuse_rope(self.graph.module)
+        # RoPE as one kernel on CUDA (bit-identical ops elsewhere): ~14 fewer launches per layer. Under torch.compile
+        # Inductor fuses the unfused ops itself (torch_library.py).
+        self.num_fused_rope = 0 if compile_mode else fuse_rope(self.graph.module)
         self.convert_seconds = time.perf_counter() - started
+        # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
+        self.compiled = None
+        if compile_mode is not None:
+            from trtopt.runtime.executors.torch_library import CompiledGraph
+
+            self.compiled = CompiledGraph(self.graph.module, self.graph.input_names, mode=compile_mode,
+                                          shape_inputs=STEP_INPUT_NAMES)
+        self._module = self.graph.module if self.compiled is None else self.compiled
         check_paged_plan(plan, plan_dir, self.graph.input_names, self.graph.output_names)
         layers = range(plan.model.num_layers)
         self._step_positions = {name: self.graph.input_names.index(name) for name in STEP_INPUT_NAMES}
@@ -107,6 +121,13 @@ class TorchExecutor:
             logits = self.graphs.try_run(step)
             if logits is not None:
                 return logits
+        if self.compiled is not None:
+            # Block tables at the plan's full width (zeros: the null block, never read past seq_lens), as the graph
+            # buckets have them: a compiled shape then does not change every block_size tokens of a sequence.
+            tables = feeds[BLOCK_TABLES.name]
+            extra = self.plan.max_blocks_per_seq - tables.shape[1]
+            assert extra >= 0, f"block tables {tuple(tables.shape)} wider than the plan's {self.plan.max_blocks_per_seq}"
+            feeds[BLOCK_TABLES.name] = torch.nn.functional.pad(tables, (0, extra))
         feeds = {name: t.to(self.device, non_blocking=True) for name, t in feeds.items()}
         if step.sampled_ids is not None:
             feeds[INPUT_IDS.name] = fill_placeholders(feeds[INPUT_IDS.name], step.sampled_ids.to(self.device))
@@ -121,7 +142,7 @@ class TorchExecutor:
         for layer, position in enumerate(self._kv_positions):
             args[position] = self.kv_caches[layer]
         with torch.inference_mode():
-            outputs = self.graph.module(*args)
+            outputs = self._module(*args)
             for layer, position in enumerate(self._kv_out_positions):
                 pool = self.kv_caches[layer]
                 if outputs[position] is not pool:
