@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from trtopt.fusion_passes.ir_helpers import is_constant
-from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_value
+from trtopt.fusion_passes.ir_helpers import is_constant, is_op
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_output
 from trtopt.fusion_passes.trace import NoMatch, Trace
 
 RULE = "add_rms_norm"
@@ -29,7 +29,7 @@ def _residual_add(norm: ir.Node) -> ir.Node | None:
     """The Add that computes the norm's input, or None when there is none; NoMatch when it is not a residual."""
     s = norm.inputs[0]
     add = s.producer() if s is not None else None
-    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+    if not is_op(add, "Add"):
         return None
     for operand in add.inputs:
         if operand is None or is_constant(operand):
@@ -58,11 +58,8 @@ def fuse_add_rms_norm(model: ir.Model, trace: Trace | None = None) -> int:
                         [ir.AttrFloat32("epsilon", norm.attributes["epsilon"].value)], num_outputs=2,
                         name=f"{norm.name or y.name}.add")
         graph.insert_before(add, fused)  # the sum's other readers may come before the norm
-        for old, new, suffix in ((y, fused.outputs[0], "y"), (s, fused.outputs[1], "sum")):
-            new.name = f"{old.name}.add_rms_norm_{suffix}"
-            new.type, new.shape = old.type, old.shape
-        replace_value(y, fused.outputs[0])
-        replace_value(s, fused.outputs[1])
+        replace_output(y, fused.outputs[0], "add_rms_norm_y")
+        replace_output(s, fused.outputs[1], "add_rms_norm_sum")
         graph.remove([norm, add], safe=True)
         count += 1
     if count:

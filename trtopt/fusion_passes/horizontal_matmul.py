@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from trtopt.fusion_passes.ir_helpers import is_op
 from trtopt.fusion_passes.ops import replace_value
 from trtopt.fusion_passes.trace import NoMatch, Trace
 
@@ -26,7 +27,7 @@ RULE = "horizontal_matmul"
 
 def _weight(node: ir.Node) -> ir.Value | None:
     """The constant [K, N] weight of `x @ W`, or None."""
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+    if not is_op(node, "MatMul") or len(node.inputs) != 2:
         return None
     w = node.inputs[1]
     if w is None or w.const_value is None or len(w.const_value.shape) != 2:
@@ -41,7 +42,7 @@ def _bias_add(node: ir.Node, width: int) -> tuple[ir.Node, ir.Value] | None:
     if len(uses) != 1 or out.is_graph_output():
         return None
     add = uses[0].node
-    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
+    if not is_op(add, "Add") or len(add.inputs) != 2:
         return None
     bias = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
     c = bias.const_value if bias is not None else None

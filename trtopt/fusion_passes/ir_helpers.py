@@ -9,6 +9,11 @@ import onnx_ir as ir
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 
 
+def is_op(node: ir.Node | None, op_type: str) -> bool:
+    """A node of the standard ONNX domain with this op_type (None is none): what every matcher asks first."""
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
 def _constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
     """The tensor behind an initializer or a Constant node's ``value``, else None."""
     if value is None:

@@ -32,6 +32,14 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
         new.name = name
 
 
+def replace_output(old: ir.Value, new: ir.Value, suffix: str) -> None:
+    """A fused node's output ``new`` takes ``old``'s place: named ``{old.name}.{suffix}``, with old's type and shape,
+    and every reader of old (see replace_value)."""
+    new.name = f"{old.name}.{suffix}"
+    new.type, new.shape = old.type, old.shape
+    replace_value(old, new)
+
+
 def cast_like_original(graph: ir.Graph, fused: ir.Value, original: ir.Value, after: ir.Node) -> ir.Value:
     """``fused`` (the op's output, in q's dtype) as a drop-in for ``original``: a Cast is added after ``after``
     when the exporter had computed attention in another dtype (fp16 models upcast to fp32 around Softmax)."""

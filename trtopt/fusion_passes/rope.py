@@ -18,8 +18,8 @@ import dataclasses
 
 import onnx_ir as ir
 
-from trtopt.fusion_passes.ir_helpers import int_list_constant, scalar_constant
-from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_value
+from trtopt.fusion_passes.ir_helpers import int_list_constant, is_op, scalar_constant
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_output
 from trtopt.fusion_passes.trace import NoMatch, Trace
 
 RULE = "rope"
@@ -35,12 +35,8 @@ class _Match:
     nodes: tuple[ir.Node, ...]  # the matched nodes, the Add first
 
 
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
 def _operand_pairs(node: ir.Node | None, op_type: str) -> list[tuple[ir.Value, ir.Value]]:
-    if not _is(node, op_type) or len(node.inputs) != 2:
+    if not is_op(node, op_type) or len(node.inputs) != 2:
         return []
     a, b = node.inputs
     return [(a, b), (b, a)]
@@ -49,7 +45,7 @@ def _operand_pairs(node: ir.Node | None, op_type: str) -> list[tuple[ir.Value, i
 def _slice(value: ir.Value) -> tuple[ir.Node, ir.Value, object, object, int]:
     """(node, data, start, end, axis) of a one-axis step-1 Slice; start/end are ints or the Value computing them."""
     node = value.producer()
-    if not _is(node, "Slice") or len(node.inputs) < 4:
+    if not is_op(node, "Slice") or len(node.inputs) < 4:
         raise NoMatch("an operand of the rotation is not a Slice with axes", getattr(node, "name", "") or "")
     axes = int_list_constant(node.inputs[3])
     steps = int_list_constant(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
@@ -67,9 +63,9 @@ def _rank(x: ir.Value) -> int | None:
     if x.shape is not None:
         return len(x.shape)
     node = x.producer()
-    if _is(node, "Transpose") and "perm" in node.attributes:
+    if is_op(node, "Transpose") and "perm" in node.attributes:
         return len(node.attributes["perm"].value)
-    if _is(node, "Reshape"):
+    if is_op(node, "Reshape"):
         target = int_list_constant(node.inputs[1])
         return len(target) if target is not None else None
     return None
@@ -82,11 +78,11 @@ def _last_axis(axis: int, x: ir.Value) -> bool:
 def _half_of_dim(value: ir.Value, x: ir.Value, axis: int) -> list[ir.Node]:
     """The nodes of ``Unsqueeze(Div(Gather(Shape(x), axis), 2), [0])``; NoMatch otherwise."""
     unsq = value.producer()
-    div = unsq.inputs[0].producer() if _is(unsq, "Unsqueeze") and int_list_constant(unsq.inputs[1]) == [0] else None
-    gather = div.inputs[0].producer() if _is(div, "Div") and scalar_constant(div.inputs[1]) == 2 else None
-    shape = gather.inputs[0].producer() if _is(gather, "Gather") and int_list_constant(gather.inputs[1]) == [axis] \
+    div = unsq.inputs[0].producer() if is_op(unsq, "Unsqueeze") and int_list_constant(unsq.inputs[1]) == [0] else None
+    gather = div.inputs[0].producer() if is_op(div, "Div") and scalar_constant(div.inputs[1]) == 2 else None
+    shape = gather.inputs[0].producer() if is_op(gather, "Gather") and int_list_constant(gather.inputs[1]) == [axis] \
         else None
-    if not (_is(shape, "Shape") and shape.inputs[0] is x and not shape.attributes):
+    if not (is_op(shape, "Shape") and shape.inputs[0] is x and not shape.attributes):
         raise NoMatch("the split point is neither a constant nor x.shape[axis] / 2", getattr(unsq, "name", "") or "")
     return [unsq, div, gather, shape]
 
@@ -94,7 +90,7 @@ def _half_of_dim(value: ir.Value, x: ir.Value, axis: int) -> list[ir.Node]:
 def _rotation(cat: ir.Node, x: ir.Value) -> tuple[int, list[ir.Node]]:
     """(half, nodes) of ``Concat(Neg(Slice(x, half:end)), Slice(x, 0:half), axis=last)``; NoMatch says why not."""
     neg = cat.inputs[0].producer()
-    if not _is(neg, "Neg"):
+    if not is_op(neg, "Neg"):
         raise NoMatch("the Concat's first operand is not a Neg", cat.name or "")
     hi, hi_x, hi_start, hi_end, hi_axis = _slice(neg.inputs[0])
     lo, lo_x, lo_start, lo_end, lo_axis = _slice(cat.inputs[1])
@@ -122,7 +118,7 @@ def _match(add: ir.Node) -> _Match | None:
         for x, cos in _operand_pairs(m1.producer() if m1 is not None else None, "Mul"):
             for rotated, sin in _operand_pairs(m2.producer() if m2 is not None else None, "Mul"):
                 cat = rotated.producer()
-                if not (_is(cat, "Concat") and len(cat.inputs) == 2 and _is(cat.inputs[0].producer(), "Neg")):
+                if not (is_op(cat, "Concat") and len(cat.inputs) == 2 and is_op(cat.inputs[0].producer(), "Neg")):
                     continue
                 if cat.inputs[1].producer() is None or cat.inputs[1].producer().inputs[0] is not x:
                     continue  # this x is the other operand (cos); the loop tries the swapped order
@@ -142,7 +138,7 @@ def fuse_rope(model: ir.Model, trace: Trace | None = None) -> int:
     """Fuse every exported RoPE subgraph into trtopt.Rope; returns the count (q and k: 2 per layer)."""
     graph = model.graph
     count = 0
-    for add in [n for n in graph if _is(n, "Add") and len(n.inputs) == 2]:
+    for add in [n for n in graph if is_op(n, "Add") and len(n.inputs) == 2]:
         try:
             found = _match(add)
         except NoMatch as e:
@@ -156,9 +152,7 @@ def fuse_rope(model: ir.Model, trace: Trace | None = None) -> int:
         node = ir.Node(DOMAIN, "Rope", [found.x, found.cos, found.sin], [ir.AttrInt64("half", found.half)],
                        num_outputs=1, name=f"{add.name or old.name}.rope")
         graph.insert_before(add, node)
-        node.outputs[0].name = f"{old.name}.rope"
-        node.outputs[0].type, node.outputs[0].shape = old.type, old.shape
-        replace_value(old, node.outputs[0])
+        replace_output(old, node.outputs[0], "rope")
         _remove_dead(graph, found.nodes)
         count += 1
     if count:

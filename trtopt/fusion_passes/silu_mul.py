@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from trtopt.fusion_passes.ir_helpers import FLOAT_TYPES, int_list_constant, same_dims
-from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_value
+from trtopt.fusion_passes.ir_helpers import FLOAT_TYPES, int_list_constant, is_op, same_dims
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_output
 from trtopt.fusion_passes.trace import NoMatch, Trace
 
 RULE = "silu_mul"
-
-
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
@@ -36,7 +32,7 @@ def _silu(sigmoid: ir.Node) -> ir.Node | None:
     """The ``Mul(g, Sigmoid(g))`` that reads this Sigmoid, or None when the Sigmoid is not a SiLU."""
     g = sigmoid.inputs[0]
     uses = list(sigmoid.outputs[0].uses())
-    if len(uses) != 1 or not _is(uses[0].node, "Mul") or _other(uses[0].node, sigmoid.outputs[0]) is not g:
+    if len(uses) != 1 or not is_op(uses[0].node, "Mul") or _other(uses[0].node, sigmoid.outputs[0]) is not g:
         return None
     return uses[0].node
 
@@ -49,7 +45,7 @@ def _gate_mul(silu: ir.Node, g: ir.Value) -> tuple[ir.Node, ir.Value]:
         raise NoMatch(f"the SiLU value has {len(uses)} readers{' and is a graph output' if out.is_graph_output() else ''}"
                       "; it would be computed twice")
     mul = uses[0].node
-    if not _is(mul, "Mul"):
+    if not is_op(mul, "Mul"):
         raise NoMatch(f"the SiLU is read by {mul.op_type}, not by a Mul with the up projection", mul.name or "")
     up = _other(mul, out)
     if up is None or up is g:
@@ -71,7 +67,7 @@ def _same_shape(a: ir.Value, b: ir.Value) -> bool:
     pa, pb = a.producer(), b.producer()
     if pa is None or pb is None:
         return False
-    if pa is pb and _is(pa, "Split"):
+    if pa is pb and is_op(pa, "Split"):
         sizes = int_list_constant(pa.inputs[1]) if len(pa.inputs) > 1 else None
         axis = pa.attributes["axis"].value if "axis" in pa.attributes else 0
         return axis == -1 and sizes is not None and sizes[a.index()] == sizes[b.index()]
@@ -81,7 +77,7 @@ def _same_shape(a: ir.Value, b: ir.Value) -> bool:
 
 def _projection_width(node: ir.Node) -> int | None:
     """N of ``x @ W`` (MatMul or trtopt.MatMulAdd) with a constant [K, N] weight, else None."""
-    if not (_is(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
+    if not (is_op(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
         return None
     w = node.inputs[1].const_value if node.inputs[1] is not None else None
     return int(w.shape[1]) if w is not None and len(w.shape) == 2 else None
@@ -91,7 +87,7 @@ def fuse_silu_mul(model: ir.Model, trace: Trace | None = None) -> int:
     """Fuse every SwiGLU SiLU·mul into trtopt.SiluMul; returns the count (one per layer on Llama-family models)."""
     graph = model.graph
     count = 0
-    for sigmoid in [n for n in graph if _is(n, "Sigmoid")]:
+    for sigmoid in [n for n in graph if is_op(n, "Sigmoid")]:
         silu = _silu(sigmoid)
         if silu is None:
             continue
@@ -106,10 +102,7 @@ def fuse_silu_mul(model: ir.Model, trace: Trace | None = None) -> int:
         # No plugin_namespace: SiluMul has no TensorRT plugin, so TensorRT must inline its body (trt_plugin.py).
         fused = ir.Node(DOMAIN, "SiluMul", [g, up], num_outputs=1, name=f"{name}.silu_mul")
         graph.insert_before(mul, fused)
-        old = mul.outputs[0]
-        fused.outputs[0].name = f"{old.name}.silu_mul"
-        fused.outputs[0].type, fused.outputs[0].shape = old.type, old.shape
-        replace_value(old, fused.outputs[0])
+        replace_output(mul.outputs[0], fused.outputs[0], "silu_mul")
         graph.remove([mul, silu, sigmoid], safe=True)
         count += 1
     if count:

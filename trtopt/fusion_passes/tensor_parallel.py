@@ -35,6 +35,7 @@ import onnx_ir as ir
 
 from trtopt import signature
 from trtopt.errors import FusionError
+from trtopt.fusion_passes.ir_helpers import is_op
 from trtopt.fusion_passes.ops import DOMAIN
 
 RULE = "tensor_parallel"
@@ -131,8 +132,7 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
 
 
 def _is_projection(node: ir.Node) -> bool:
-    if not ((node.domain in ("", "ai.onnx") and node.op_type == "MatMul")
-            or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
+    if not (is_op(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
         return False
     weight = node.inputs[1]
     return weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2
