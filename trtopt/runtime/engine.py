@@ -323,8 +323,7 @@ class LLMEngine:
         try:
             proposals = self.spec.propose(batch, requests, self.sampler) if self.spec is not None else {}
         except Exception as e:
-            self.num_consecutive_failed_steps += 1
-            return self._fail_batch(batch, e)
+            return self._fail_step(batch, e)
         inputs, batch, failed = self._build_inputs(batch)
         if batch.is_empty:
             return failed  # every sequence left belonged to a request that failed its inputs
@@ -335,15 +334,10 @@ class LLMEngine:
             if self.spec is not None:  # verification (and the plain sampler for the other rows)
                 output, sample_errors = self.spec.sample(logits, batch, requests, proposals, self.sampler)
         except WorkerDiedError as e:
-            # A tensor-parallel rank is gone for good: every request ends now, and the error escapes so the driver
-            # (LLM.generate, the serving loop) stops this engine instead of failing every later step.
-            self.num_consecutive_failed_steps += 1
-            self._fail_batch(batch, e)
-            self._fail_groups(dict.fromkeys(self._groups, f"the engine stopped: {e}"))
-            raise
+            self._worker_died(batch, e)
+            raise  # the driver (LLM.generate, the serving loop) stops this engine instead of failing every later step
         except Exception as e:
-            self.num_consecutive_failed_steps += 1
-            return failed + self._fail_batch(batch, e)
+            return failed + self._fail_step(batch, e)
         self.num_consecutive_failed_steps = 0
         if self.spec is None:
             ids = batch.sampling_ids
@@ -400,17 +394,14 @@ class LLMEngine:
                         raise inputs
                     logits = self.executor.execute(self._with_sampled_ids(inputs, prev))
                 except WorkerDiedError as e:
-                    self.num_consecutive_failed_steps += 1
-                    self._fail_batch(batch, e)
-                    self._fail_groups(dict.fromkeys(self._groups, f"the engine stopped: {e}"))
+                    self._worker_died(batch, e)
                     raise
                 except Exception as e:
                     error = e
         outs = failed + (self._process(prev) if prev is not None else [])
         # Outputs in the order things happened: step N's tokens before step N+1's failures.
         if error is not None:
-            self.num_consecutive_failed_steps += 1
-            outs += self._fail_batch(batch, error)
+            outs += self._fail_step(batch, error)
         elif logits is not None:
             self.num_consecutive_failed_steps = 0
             outs += self._sample_in_flight(batch, logits)
@@ -458,8 +449,7 @@ class LLMEngine:
         try:
             sampled = prev.tokens.resolve()
         except Exception as e:  # a device fault surfaces at the first wait on it
-            self.num_consecutive_failed_steps += 1
-            return self._fail_batch(prev.batch, e)
+            return self._fail_step(prev.batch, e)
         output = StepOutput(sampled={r.request_id: s for r, s in zip(prev.reqs, sampled) if not isinstance(s, Exception)})
         changed, errors = self.scheduler.update_sampled(prev.reqs, output)
         self._num_generated_tokens += sum(1 for r in changed)
@@ -509,6 +499,18 @@ class LLMEngine:
     def _parent_of(self, seq_id: str) -> str | None:
         # Only on the failure path: a linear search keeps the hot path free of a seq -> parent map.
         return next((parent for parent, g in self._groups.items() if any(r.request_id == seq_id for r in g.seqs)), None)
+
+    def _worker_died(self, batch: ScheduledBatch, error: WorkerDiedError) -> None:
+        """A tensor-parallel rank is gone for good: the step fails and every request ends now (the caller re-raises,
+        so the engine is not stepped again)."""
+        self._fail_step(batch, error)
+        self._fail_groups(dict.fromkeys(self._groups, f"the engine stopped: {error}"))
+
+    def _fail_step(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        """The step failed as a whole (proposer, executor or the device's sampled tokens): count it in
+        num_consecutive_failed_steps and end its batch's requests (_fail_batch)."""
+        self.num_consecutive_failed_steps += 1
+        return self._fail_batch(batch, error)
 
     def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         """The executor raised: end the batch's requests as errors so nothing leaks, and forget cached
