@@ -113,6 +113,16 @@ class Renderer(abc.ABC):
         return rows
 
 
+def _legacy_logprobs(tokens: list[str], token_logprobs: list[float | None],
+                     top_logprobs: list[dict[str, float] | None]) -> dict[str, Any]:
+    """The /v1/completions logprobs object; each text_offset is where its token's text starts in their concatenation."""
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
 class CompletionRenderer(Renderer):
     """The legacy /v1/completions format (logprobs as tokens / token_logprobs / top_logprobs / text_offset).
 
@@ -158,7 +168,7 @@ class CompletionRenderer(Renderer):
         choice["text"] = self._prompt_text(out) + choice["text"]
         if choice.get("logprobs") is not None or (self.want_logprobs and out.prompt_logprobs is not None):
             prompt = self._echo_logprobs(out)
-            gen = choice.get("logprobs") or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            gen = choice.get("logprobs") or _legacy_logprobs([], [], [])
             shift = sum(len(t) for t in prompt["tokens"])
             choice["logprobs"] = {
                 "tokens": prompt["tokens"] + gen["tokens"],
@@ -176,18 +186,12 @@ class CompletionRenderer(Renderer):
         """The prompt tokens in the logprobs format: the first has no logprob (nothing comes before it)."""
         ids = out.prompt_token_ids
         rows = out.prompt_logprobs or [None] * len(ids)
-        tokens = [self.token_text(t) for t in ids]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [None if row is None else row[t] for t, row in zip(ids, rows)],
-            "top_logprobs": [None if row is None else {self.token_text(a): v for a, v in sorted(row.items(), key=lambda kv: -kv[1])}
-                             for row in rows],
-            "text_offset": offsets,
-        }
+        return _legacy_logprobs(
+            [self.token_text(t) for t in ids],
+            [None if row is None else row[t] for t, row in zip(ids, rows)],
+            [None if row is None else {self.token_text(a): v for a, v in sorted(row.items(), key=lambda kv: -kv[1])}
+             for row in rows],
+        )
 
     def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
         if out.prompt_logprobs is None:
@@ -200,17 +204,11 @@ class CompletionRenderer(Renderer):
 
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         rows = self._token_logprobs(c, start, end)
-        tokens = [self.token_text(tid) for tid, _, _ in rows]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [{self.token_text(t): v for t, v in ranked} for _, _, ranked in rows],
-            "text_offset": offsets,
-        }
+        return _legacy_logprobs(
+            [self.token_text(tid) for tid, _, _ in rows],
+            [lp for _, lp, _ in rows],
+            [{self.token_text(t): v for t, v in ranked} for _, _, ranked in rows],
+        )
 
 
 class ChatRenderer(Renderer):
