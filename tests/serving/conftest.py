@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,20 @@ def server(tiny_plan, tmp_path_factory):
     srv = start_server(tiny_plan, log_path, "--api-key", API_KEY, "--num-blocks", str(NUM_BLOCKS),
                        "--max-body-bytes", "65536")
     yield srv
-    srv.process.terminate()
-    try:
-        srv.process.wait(15)
-    except subprocess.TimeoutExpired:
-        srv.process.kill()
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the session's tiny server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_plan):
+    """The tiny plan's tokenizer (SmolLM2's), as the server loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_plan)

@@ -28,6 +28,14 @@ class LiveServer:
     process: subprocess.Popen
     log_path: Path
 
+    def stop(self) -> None:
+        """SIGTERM (the server's graceful shutdown), then SIGKILL if it has not exited in 15 s."""
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

@@ -78,10 +78,3 @@ def test_bench_serve_reports_an_unreachable_server_in_one_line(tiny_plan):
     result = CliRunner().invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
                                       "--tokenizer", str(tiny_plan), "--num-prompts", "2"])
     assert result.exit_code == 1 and "ConfigError" in result.output and "test request" in result.output
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_plan):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_plan)

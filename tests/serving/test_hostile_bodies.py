@@ -9,7 +9,6 @@ lone surrogates (\\ud800), broken JSON, deep nesting.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import httpx
 import pytest
@@ -263,8 +262,4 @@ def test_hostile_bodies_on_smollm2(built_plan, tmp_path):
         assert_still_whole(srv)
         assert "unexpected error" not in srv.log() and "Traceback" not in srv.log()
     finally:
-        srv.process.terminate()
-        try:
-            srv.process.wait(15)
-        except subprocess.TimeoutExpired:
-            srv.process.kill()
+        srv.stop()

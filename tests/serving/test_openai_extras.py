@@ -7,24 +7,12 @@ with what the field guarantees whatever the weights (a forced token, a banned on
 
 from __future__ import annotations
 
-import openai
 import pytest
-from transformers import AutoTokenizer
 
-from live_server import API_KEY, MODEL
+from live_server import MODEL
 
 GREEDY = {"temperature": 0.0}
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_plan):
-    return AutoTokenizer.from_pretrained(tiny_plan)
 
 
 def test_logit_bias_forces_and_bans_tokens(client, tokenizer):

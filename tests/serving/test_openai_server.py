@@ -9,23 +9,11 @@ from __future__ import annotations
 
 import math
 
-import openai
 import pytest
-from transformers import AutoTokenizer
 
 from live_server import API_KEY, MODEL
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_plan):
-    return AutoTokenizer.from_pretrained(tiny_plan)
 
 
 def test_models_lists_the_served_model(client):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,11 +38,7 @@ def smol_server(built_plan, tmp_path_factory):
     srv = start_server(built_plan("smollm2-135m"), tmp_path_factory.mktemp("smol-log") / "serve.log", "--api-key", API_KEY,
                        "--max-model-len", "1024")
     yield srv
-    srv.process.terminate()
-    try:
-        srv.process.wait(15)
-    except subprocess.TimeoutExpired:
-        srv.process.kill()
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
