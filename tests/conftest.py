@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """tiny_hf_dir(arch) → Path of the HF dir of tests/export/tiny_archs.py's tiny random ``arch`` model (named
+    ``tiny-<arch>``), written once per session; pass ``str(path)`` to the export/plan fixtures to share its exports."""
+    here = str(Path(__file__).parent / "export")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from tiny_archs import save_tiny
+
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = save_tiny(arch, tmp_path_factory.mktemp(f"hf-{arch}") / f"tiny-{arch}")
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(model, exporter="dynamo") → directory of a verified export, shared by every test in the session."""
+    """exported(model, exporter="dynamo") → directory of a verified export, shared by every test in the session.
+    ``model`` is a built-in alias or an HF directory (as a string)."""
     from trtopt.export import export_model
 
     cache: dict[tuple[str, str], object] = {}
@@ -40,7 +61,7 @@ def exported(tmp_path_factory):
     def get(model: str, exporter: str = "dynamo"):
         key = (model, exporter)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"export-{model}-{exporter}")
+            out = tmp_path_factory.mktemp(f"export-{Path(model).name}-{exporter}")
             cache[key] = export_model(model, out, exporter=exporter, force=True)
         return cache[key]
 
@@ -66,7 +87,7 @@ def built_plan(export_dir, tmp_path_factory):
 
     def get(model: str) -> Path:
         if model not in cache:
-            out = tmp_path_factory.mktemp(f"plan-{model}")
+            out = tmp_path_factory.mktemp(f"plan-{Path(model).name}")
             cache[model] = build_plan(export_dir(model), out, force=True, progress=False).plan_dir
         return cache[model]
 
@@ -84,7 +105,7 @@ def plan_dir(export_dir, tmp_path_factory):
     def get(model: str, exporter: str = "dynamo") -> Path:
         key = (model, exporter)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"plan-{model}-{exporter}")
+            out = tmp_path_factory.mktemp(f"plan-{Path(model).name}-{exporter}")
             limits = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=256)
             cache[key] = build_plan(export_dir(model, exporter), out, limits=limits, force=True,
                                     progress=False).plan_dir

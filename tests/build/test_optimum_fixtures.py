@@ -64,8 +64,9 @@ def test_optimum_export_builds_and_equals_hf(tmp_path, arch):
     assert built.report.counts["paged_attention"] == model.num_layers > 0
     assert not [f for f in built.report.unfused if f.rule == "paged_attention"]
     assert not built.notes  # config.json (written by transformers 4.57) and the graph agree
-    if arch == "gemma3":  # local, global, local
+    if arch == "gemma3":  # local, global, local; the TorchScript export's GeGLU fused in every layer
         assert model.layer_sliding_windows == (8, 0, 8)
+        assert built.report.counts["gelu_mul"] == model.num_layers
     if arch == "falcon":
         assert model.num_kv_heads == 1
     if arch == "bloom":  # ALiBi recovered into every op: BLOOM's slopes for 4 heads

@@ -8,26 +8,26 @@ from __future__ import annotations
 import os
 
 import pytest
-from tiny_archs import ARCHS, save_tiny
+from tiny_archs import ARCHS
 
 PROMPTS = [[5, 17, 99, 3, 120, 7], list(range(10, 30)), [1]]
 NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def plan_for(tmp_path_factory):
+def plan_for(tmp_path_factory, tiny_hf_dir, exported):
+    """(HF dir, built plan) of the tiny ``arch``; the HF dir and the export are the session's (shared with the
+    fusion tests, e.g. tests/fusion_passes/test_gelu_mul.py on Gemma-3)."""
     from trtopt.build.builder import build_plan
     from trtopt.build.plan import Limits
-    from trtopt.export import export_model
 
     cache = {}
 
     def get(arch: str, exporter: str):
         if (arch, exporter) not in cache:
             root = tmp_path_factory.mktemp(f"{arch}-{exporter}")
-            hf_dir = save_tiny(arch, root / "hf")
-            exported = export_model(hf_dir, root / "onnx", exporter=exporter)
-            built = build_plan(exported.out_dir, root / "plan", progress=False,
+            hf_dir = tiny_hf_dir(arch)
+            built = build_plan(exported(str(hf_dir), exporter).out_dir, root / "plan", progress=False,
                                limits=Limits(block_size=8, max_num_tokens=128, max_num_seqs=4, max_model_len=64))
             cache[arch, exporter] = hf_dir, built
         return cache[arch, exporter]
@@ -96,8 +96,9 @@ def test_dynamo_export_build_generate_equals_hf(plan_for, arch, exporter):
     windows = built.config.model.layer_sliding_windows
     if arch == "mistral":
         assert windows == (8, 8)
-    elif arch == "gemma3":  # local, global, local: recorded per layer
+    elif arch == "gemma3":  # local, global, local: recorded per layer; GeGLU fused in every layer
         assert windows == (8, 0, 8) and built.config.model.sliding_window == 8
+        assert built.report.counts["gelu_mul"] == 3
     else:
         assert not any(windows)
     if arch.startswith("falcon"):  # multi_query: one KV head; new architecture: groups broadcast before the cache

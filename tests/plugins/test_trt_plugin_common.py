@@ -24,7 +24,8 @@ from trtopt.plugins.trt_common import (
 )
 
 PLUGIN_OPS = {"PagedAttention", "FlashAttention"}  # ops with a Triton kernel, hence an AOT plugin
-BODY_OPS = {"RMSNorm", "MatMulAdd", "AllReduce", "SiluMul", "AddRMSNorm", "Rope"}  # ops TensorRT should import through their ONNX function body
+# ops TensorRT should import through their ONNX function body
+BODY_OPS = {"RMSNorm", "MatMulAdd", "AllReduce", "SiluMul", "GeluMul", "AddRMSNorm", "Rope"}
 
 
 def test_every_op_is_classified() -> None:
@@ -118,7 +119,8 @@ def test_hidden_params_are_stripped_only_when_unread() -> None:
 
 
 @pytest.mark.parametrize("op,inputs,attrs", [("RMSNorm", ["x", "s"], {"epsilon": 1e-6}),
-                                             ("MatMulAdd", ["x", "w", "b"], {}), ("SiluMul", ["g", "u"], {})])
+                                             ("MatMulAdd", ["x", "w", "b"], {}), ("SiluMul", ["g", "u"], {}),
+                                             ("GeluMul", ["g", "u"], {"tanh": 1})])
 def test_ops_without_a_plugin_do_not_ask_tensorrt_for_one(op: str, inputs: list[str], attrs: dict) -> None:
     node = make_node(op, inputs, ["y"], **attrs)
     assert "plugin_namespace" not in {a.name for a in node.attribute}

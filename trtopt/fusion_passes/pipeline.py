@@ -15,7 +15,8 @@ from trtopt.fusion_passes.trace import MatchFailure, Trace
 
 # The passes a build may turn off (`trtopt build --disable-pass NAME`, for ablations): the performance fusions.
 # Attention, the logits gather and cleanup make the plan's signature and are never optional.
-OPTIONAL_PASSES = ("rope", "layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "matmul_add")
+OPTIONAL_PASSES = ("rope", "layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "gelu_mul",
+                   "matmul_add")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ def optimize(
     """
     from trtopt.fusion_passes.add_rms_norm import fuse_add_rms_norm
     from trtopt.fusion_passes.rope import fuse_rope
+    from trtopt.fusion_passes.gelu_mul import fuse_gelu_mul
     from trtopt.fusion_passes.silu_mul import fuse_silu_mul
     from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
     from trtopt.fusion_passes.layer_norm import fuse_layer_norm
@@ -80,6 +82,7 @@ def optimize(
     counts["horizontal_matmul"] = (fuse_horizontal_matmul(model, ctx.trace)
                                    if horizontal and "horizontal_matmul" in on else 0)
     counts["silu_mul"] = fuse_silu_mul(model, ctx.trace) if "silu_mul" in on else 0
+    counts["gelu_mul"] = fuse_gelu_mul(model, ctx.trace) if "gelu_mul" in on else 0
     counts["matmul_add"] = fuse_matmul_add(model) if "matmul_add" in on else 0
     counts["cleanup"] += cleanup(model)
     return FusionReport(counts=counts, kind="paged" if paged else "flash", unfused=tuple(ctx.trace.failures))

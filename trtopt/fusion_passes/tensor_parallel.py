@@ -50,11 +50,11 @@ _O_PATH_OPS = frozenset({"Transpose", "Reshape", "Cast", "Identity"})
 # Elementwise ops between an MLP's up projections and its down projection.
 _MLP_PATH_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Pow", "Neg",
                            "Cast", "Softplus", "Exp", "Identity", "HardSigmoid", "Where"})
-# Elementwise trtopt ops an MLP path may hold (SwiGLU fused by silu_mul.py): each output column reads the same
-# column of its inputs, so a column-split gate/up stays split through them.
+# Elementwise trtopt ops an MLP path may hold (SwiGLU / GeGLU, fused by silu_mul.py / gelu_mul.py): each output
+# column reads the same column of its inputs, so a column-split gate/up stays split through them.
 # Likewise trtopt.Rope on the q/k paths: it rotates within each head's last axis, with tables that broadcast over
 # heads (checked like a Mul's operands in _check_head_agnostic).
-_POINTWISE_TRTOPT_OPS = {_MLP_PATH_OPS: frozenset({"SiluMul"}), _QKV_PATH_OPS: frozenset({"Rope"})}
+_POINTWISE_TRTOPT_OPS = {_MLP_PATH_OPS: frozenset({"SiluMul", "GeluMul"}), _QKV_PATH_OPS: frozenset({"Rope"})}
 
 
 class _Skip(Exception):

@@ -19,6 +19,8 @@ from trtopt.plugins.all_reduce import function as all_reduce_function
 from trtopt.plugins.all_reduce import schema as all_reduce_schema
 from trtopt.plugins.flash_attention import function as flash_attention_function
 from trtopt.plugins.flash_attention import schema as flash_attention_schema
+from trtopt.plugins.gelu_mul import function as gelu_mul_function
+from trtopt.plugins.gelu_mul import schema as gelu_mul_schema
 from trtopt.plugins.matmul_add import function as matmul_add_function
 from trtopt.plugins.matmul_add import schema as matmul_add_schema
 from trtopt.plugins.paged_attention import function as paged_attention_function
@@ -40,6 +42,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     silu_mul_schema.OP_TYPE: silu_mul_schema.SCHEMA,  # SwiGLU (fusion_passes/silu_mul.py)
     add_rms_norm_schema.OP_TYPE: add_rms_norm_schema.SCHEMA,  # residual add + RMSNorm (fusion_passes/add_rms_norm.py)
     rope_schema.OP_TYPE: rope_schema.SCHEMA,  # rotary embedding (fusion_passes/rope.py)
+    gelu_mul_schema.OP_TYPE: gelu_mul_schema.SCHEMA,  # GeGLU (fusion_passes/gelu_mul.py)
 }
 
 # op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
@@ -52,6 +55,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     silu_mul_schema.OP_TYPE: silu_mul_function.make_function,  # SwiGLU (fusion_passes/silu_mul.py)
     add_rms_norm_schema.OP_TYPE: add_rms_norm_function.make_function,  # fusion_passes/add_rms_norm.py
     rope_schema.OP_TYPE: rope_function.make_function,  # fusion_passes/rope.py
+    gelu_mul_schema.OP_TYPE: gelu_mul_function.make_function,  # GeGLU (fusion_passes/gelu_mul.py)
 }
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",

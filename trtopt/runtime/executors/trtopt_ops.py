@@ -77,6 +77,11 @@ def silu_mul(gate, up):
     return _impl("silu_mul", gate.device.type)(gate, up)
 
 
+def gelu_mul(gate, up, *, tanh: int):
+    """trtopt::GeluMul: one Triton kernel on CUDA; elsewhere the unfused ops' arithmetic in one buffer."""
+    return _impl("gelu_mul", gate.device.type)(gate, up, tanh=tanh)
+
+
 def add_rms_norm(x, residual, scale, *, epsilon: float):
     """trtopt::AddRMSNorm → (y, sum): one Triton kernel on CUDA when x and residual have one shape and dtype (the
     residual stream always does); the reference (the unfused Add, then RMSNorm's reference) otherwise."""
@@ -115,6 +120,7 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "RMSNorm": OpSpec(rms_norm),
     "AllReduce": OpSpec(all_reduce),
     "SiluMul": OpSpec(silu_mul),
+    "GeluMul": OpSpec(gelu_mul),
     "AddRMSNorm": OpSpec(add_rms_norm),
     "Rope": OpSpec(rope),
 }

@@ -1,0 +1,73 @@
+"""GeluMul as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+
+The exported GeGLU is about a dozen pointwise kernels per layer (the decomposed GELU, then the Mul by up) that each
+read and write the [T, I] intermediate; here one program reads gate and up once and writes y once. gate and up may
+be strided views (the horizontal gate/up fusion hands them over as the two halves of one Split), as long as the last
+axis is dense.
+
+Rounding: the GELU is computed in fp32 and rounded once to the dtype, as torch's gelu (HF's module) and ONNX's Gelu
+do, then ·up in fp32 rounded once, as torch rounds a half/bf16 product. So in fp16/bf16 the kernel is HF's
+arithmetic, not the decomposed graph's nine roundings; in fp32 it differs from either by the last bits (exp and erf
+are not torch's). The tanh form is written as g·σ(2z), the same value as 0.5·g·(1 + tanh z) without the
+cancellation of 1 + tanh z for large negative z. fp32 launches with FMA contraction off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
+
+_KAPPA = tl.constexpr(KAPPA)
+_SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
+_INV_SQRT_2 = tl.constexpr(1.0 / SQRT_2)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _gelu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE: tl.constexpr, TANH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    if TANH:
+        z = _SQRT_2_OVER_PI * (g + _KAPPA * (g * g * g))
+        e = tl.exp(-2.0 * tl.abs(z))  # σ(2z) from exp(−2|z|) ≤ 1: no overflow on either side
+        a = g * (tl.where(z >= 0, 1.0, e) / (1.0 + e))
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * _INV_SQRT_2))
+    a = a.to(DTYPE).to(tl.float32)
+    tl.store(Y + row * N + offs, (a * u).to(DTYPE), mask=m)
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    rows = x.reshape(-1, n)  # a view for a Split half of a contiguous tensor
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch.Tensor:
+    """y = gelu(gate) · up (tanh=1: the tanh approximation) for gate, up [..., N] of one shape and float dtype → a new
+    contiguous y."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _TL_DTYPES:
+        raise ValueError(f"GeluMul needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
+                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    n = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g, u = _rows(gate, n), _rows(up, n)
+    block = min(triton.next_power_of_2(n), 4096)
+    _gelu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
+        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], TANH=bool(tanh),
+        num_warps=4 if block >= 1024 else 1, **({} if _interpreting() else {"enable_fp_fusion": False}),
+    )
+    return out
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
