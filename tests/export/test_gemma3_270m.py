@@ -36,6 +36,7 @@ def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan):
     assert gemma_plan.report.counts["paged_attention"] == facts.num_layers == 18
     # Every attention fused (the RoPE rule may leave Gemma-3's rotary form unrecognised: recorded, not asserted here).
     assert not [f for f in gemma_plan.report.unfused if f.rule == "paged_attention"]
+    assert gemma_plan.report.counts["gelu_mul"] == 18  # GeGLU (gelu_pytorch_tanh) fused in every layer
     assert gemma_plan.config.limits.max_model_len == facts.max_position_embeddings == 32768
     assert set(facts.layer_sliding_windows) == {0, 512} and facts.layer_sliding_windows.count(0) == 3
     # 2100 blocks of 16 hold one full 32K sequence (the default 1 GB of KV cache holds 1820).
