@@ -11,8 +11,10 @@ Two pieces, both imported only when a compile mode is asked for, so the default 
    the real one.
 
 2. **One compiled graph per step shape** (``CompiledGraph``). The converted graph computes shapes on the host
-   (``Shape`` → int64 CPU tensors → Python lists for Reshape, Slice...), which Dynamo could only trace with a
-   graph break per ``.tolist()``. A step shape fixes every one of those values, so for each new shape (a CUDA-graph
+   (``Shape`` → int64 CPU tensors → Python lists for Reshape, Slice...). Compiled as is, Dynamo (fullgraph, which
+   turns on capture_scalar_outputs) reads each ``.tolist()`` as unbacked SymInts, and the ``-1`` of an ONNX Reshape
+   shape then fails their ``u >= 0`` size assertion at run time (``RuntimeError: u2 >= 0`` on tiny-llama; without
+   fullgraph it would be a graph break per read). A step shape fixes every one of those values, so for each new shape (a CUDA-graph
    bucket on the GPU) the graph is specialised: the values that depend only on input shapes are computed once
    (one eager run) and baked into a copy of the graph as Python constants, and that copy is compiled with
    ``torch.compile(fullgraph=True, dynamic=False)``. ``fullgraph`` makes anything Dynamo cannot trace an error
