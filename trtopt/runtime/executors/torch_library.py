@@ -125,6 +125,18 @@ def _(gate, up):
     return silu_mul_ref(gate, up).contiguous()
 
 
+@torch.library.custom_op("trtopt::gelu_mul", mutates_args=())
+def gelu_mul(gate: Tensor, up: Tensor, *, tanh: int) -> Tensor:
+    return trtopt_ops.gelu_mul(gate, up, tanh=tanh).contiguous()
+
+
+@gelu_mul.register_fake
+def _(gate, up, *, tanh):
+    from trtopt.plugins.gelu_mul.reference import gelu_mul_ref
+
+    return gelu_mul_ref(gate, up, tanh=tanh).contiguous()
+
+
 @torch.library.custom_op("trtopt::rope", mutates_args=())
 def rope(x: Tensor, cos: Tensor, sin: Tensor, *, half: int = 0) -> Tensor:
     return trtopt_ops.rope(x, cos, sin, half=half).contiguous()
@@ -167,11 +179,15 @@ CUSTOM_OPS: dict[Callable[..., Any], Any] = {
     trtopt_ops.rms_norm: torch.ops.trtopt.rms_norm.default,
     trtopt_ops.add_rms_norm: torch.ops.trtopt.add_rms_norm.default,
     trtopt_ops.silu_mul: torch.ops.trtopt.silu_mul.default,
+    trtopt_ops.gelu_mul: torch.ops.trtopt.gelu_mul.default,
     trtopt_ops.rope: torch.ops.trtopt.rope.default,
     trtopt_ops.matmul_add: torch.ops.trtopt.matmul_add.default,
     trtopt_ops.all_reduce: torch.ops.trtopt.all_reduce.default,
 }
-assert set(CUSTOM_OPS) == {spec.fn for spec in trtopt_ops.TRTOPT_OPS.values()}, "a trtopt op has no custom op"
+# A trtopt op added to trtopt_ops needs its custom op here (test_torch_library checks this at import).
+assert set(CUSTOM_OPS) == {spec.fn for spec in trtopt_ops.TRTOPT_OPS.values()}, (
+    f"trtopt ops without a custom op in torch_library.py: "
+    f"{sorted(name for name, spec in trtopt_ops.TRTOPT_OPS.items() if spec.fn not in CUSTOM_OPS)}")
 
 
 def use_custom_ops(gm: torch.fx.GraphModule) -> int:
