@@ -17,8 +17,14 @@ Scaling efficiency = (throughput at N=2 / throughput at N=1) / 2, reported as me
 (nvidia-h200-x2); `--tiny --device cpu` runs the same code on the CPU with gloo in under a minute (a harness smoke
 run, its numbers mean nothing).
 
+The LM head (docs/architecture.md §7b): `--lm-head replicated` (default) measures N = 2 with the replicated head
+(run "2"); `--lm-head vocab-parallel` with the vocabulary-parallel one (run "2-vocab": each rank holds vocab/2
+columns, one all-gather of the sampled rows per step); `--lm-head both` builds and measures both in the same run.
+Every run records its plan's weight bytes per rank (initializers of each rank's model.onnx).
+
     python3 benchmarks/tp_e2e.py                          # docs/benchmarks/tp_e2e_<gpu>.json + .png
     python3 benchmarks/tp_e2e.py --shapes 1b              # only the 1.24B shape
+    python3 benchmarks/tp_e2e.py --lm-head both           # N=1, N=2 replicated head, N=2 vocab-parallel head
     python3 benchmarks/tp_e2e.py --tiny --device cpu      # smoke run
 """
 
@@ -54,7 +60,31 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_seqs: int, tied: bool) -> dict:
+# run key -> (tensor_parallel for build_plan, lm_head); "1" is the unsharded plan.
+RUNS = {"1": (None, "replicated"), "2": (2, "replicated"), "2-vocab": (2, "vocab-parallel")}
+LM_HEAD_RUNS = {"replicated": ("1", "2"), "vocab-parallel": ("1", "2-vocab"), "both": ("1", "2", "2-vocab")}
+
+
+def weight_bytes_per_rank(plan_dir: Path) -> list[int]:
+    """Initializer bytes of each rank's model.onnx (the unsharded plan: one entry), read from the protos' dims and
+    types without loading the weights."""
+    import numpy as np
+    import onnx
+
+    from trtopt.build.plan import rank_dir, read_plan
+
+    parallel = read_plan(plan_dir).parallel
+    dirs = [rank_dir(plan_dir, r) for r in range(parallel.size)] if parallel else [Path(plan_dir)]
+    sizes = []
+    for path in dirs:
+        proto = onnx.load(path / "model.onnx", load_external_data=False)
+        sizes.append(sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                         for t in proto.graph.initializer))
+    return sizes
+
+
+def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_seqs: int, tied: bool,
+               runs: tuple[str, ...] = ("1", "2")) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trtopt.build.builder import build_plan
@@ -88,16 +118,21 @@ def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_s
         log(f"exported ({time.perf_counter() - t:.1f} s)")
     limits = Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048)
     plans = {}
-    for n in (1, 2):
-        plan_dir, done = work / f"plan_tp{n}", work / f"plan_tp{n}.json"
+    for key in runs:
+        tensor_parallel, lm_head = RUNS[key]
+        plan_dir, done = work / f"plan_tp{key}", work / f"plan_tp{key}.json"
         if not done.is_file():
             t = time.perf_counter()
             result = build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits,
-                                tensor_parallel=None if n == 1 else n)
+                                tensor_parallel=tensor_parallel, lm_head=lm_head)
             done.write_text(json.dumps({"dir": str(result.plan_dir), "build_s": time.perf_counter() - t,
-                                        "layout": result.parallel.summary() if result.parallel else None}))
-        plans[n] = json.loads(done.read_text())
-        log(f"built N={n} ({plans[n]['build_s']:.1f} s)")
+                                        "layout": result.parallel.summary() if result.parallel else None,
+                                        "lm_head": lm_head, "weight_bytes_per_rank": weight_bytes_per_rank(plan_dir)}))
+        plans[key] = json.loads(done.read_text())
+        if "weight_bytes_per_rank" not in plans[key]:  # a marker written before the LM-head runs existed
+            plans[key].update(lm_head=lm_head, weight_bytes_per_rank=weight_bytes_per_rank(plan_dir))
+        log(f"built {key} ({plans[key]['build_s']:.1f} s, weights per rank "
+            f"{[round(b / 2**30, 3) for b in plans[key]['weight_bytes_per_rank']]} GiB)")
     shutil.rmtree(onnx_dir, ignore_errors=True)
     shutil.rmtree(hf_dir, ignore_errors=True)
     return {"params": params, "plans": plans}
@@ -238,12 +273,14 @@ def plot(data: dict, path: Path) -> None:
 
     shapes = list(data["shapes"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    runs = [k for k in RUNS if all(k in data["shapes"][s]["runs"] for s in shapes)]
+    labels = {"1": "N=1", "2": "N=2", "2-vocab": "N=2, vocab-parallel head"}
     for ax, (key, label) in zip(axes, (("batch1", "batch-1 decode tok/s"), ("workload", "256-request output tok/s"))):
-        width = 0.35
-        for i, n in enumerate((1, 2)):
-            values = [data["shapes"][s]["runs"][str(n)][key]["decode_tok_s" if key == "batch1" else "output_tok_s"]
+        width = 0.8 / len(runs)
+        for i, run in enumerate(runs):
+            values = [data["shapes"][s]["runs"][run][key]["decode_tok_s" if key == "batch1" else "output_tok_s"]
                       for s in shapes]
-            ax.bar([x + (i - 0.5) * width for x in range(len(shapes))], values, width, label=f"N={n}")
+            ax.bar([x + (i - (len(runs) - 1) / 2) * width for x in range(len(shapes))], values, width, label=labels[run])
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_title(label)
         ax.legend()
@@ -264,6 +301,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default docs/benchmarks/tp_e2e_<gpu>.json); shapes already in it and not run "
                     "now are kept, each with its own date")
+    ap.add_argument("--lm-head", choices=sorted(LM_HEAD_RUNS), default="replicated",
+                    help="the N=2 runs: replicated head (\"2\"), vocab-parallel head (\"2-vocab\"), or both")
     ap.add_argument("--build-only", action="store_true",
                     help="make, export and build the plans in --work and stop (a later call measures them)")
     args = ap.parse_args()
@@ -281,24 +320,31 @@ def main() -> None:
     for name, shape in shapes.items():
         work = args.work / name
         work.mkdir(parents=True, exist_ok=True)
-        made = make_plans(work, shape, device, args.max_num_seqs, tied=(name != "8b"))
+        keys = LM_HEAD_RUNS[args.lm_head]
+        made = make_plans(work, shape, device, args.max_num_seqs, tied=(name != "8b"), runs=keys)
         if args.build_only:
             continue
         requests = workload.make(shape.vocab)
         alone = all_reduce_alone(shape.hidden, shape.layers) if device.type == "cuda" else None
         if alone:
             log(f"{name}: graphed all-reduces of one step, per token count: {alone}")
-        runs = {str(n): run_size(made["plans"][n]["dir"], n, device, requests, shape.vocab, args) for n in (1, 2)}
-        one, two = runs["1"], runs["2"]
+        runs = {}
+        for key in keys:
+            runs[key] = run_size(made["plans"][key]["dir"], RUNS[key][0] or 1, device, requests, shape.vocab, args)
+            runs[key].update(lm_head=made["plans"][key]["lm_head"],
+                             weight_bytes_per_rank=made["plans"][key]["weight_bytes_per_rank"])
+        one = runs["1"]
+        efficiency = {key: {"batch1_decode": runs[key]["batch1"]["decode_tok_s"] / one["batch1"]["decode_tok_s"] / 2,
+                            "workload": runs[key]["workload"]["output_tok_s"] / one["workload"]["output_tok_s"] / 2}
+                      for key in keys if key != "1"}
         data["shapes"][name] = {
             "date": data["date"], "shape": dataclasses.asdict(shape), "params": made["params"],
-            "layout": made["plans"][2]["layout"], "runs": runs, "all_reduce_graphed": alone,
-            "scaling_efficiency": {
-                "batch1_decode": two["batch1"]["decode_tok_s"] / one["batch1"]["decode_tok_s"] / 2,
-                "workload": two["workload"]["output_tok_s"] / one["workload"]["output_tok_s"] / 2,
-            },
+            "layouts": {key: made["plans"][key]["layout"] for key in keys if key != "1"}, "runs": runs,
+            "all_reduce_graphed": alone,
+            # "2" alone keeps the key earlier JSONs had; every N=2 run is under "by_run"
+            "scaling_efficiency": {**efficiency.get("2", {}), "by_run": efficiency},
         }
-        log(f"{name}: scaling efficiency {data['shapes'][name]['scaling_efficiency']}")
+        log(f"{name}: scaling efficiency {efficiency}")
         shutil.rmtree(work)
     if args.build_only:
         log(f"plans built in {args.work}")

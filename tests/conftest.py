@@ -112,3 +112,40 @@ def plan_dir(export_dir, tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def odd_vocab_model(tmp_path_factory):
+    """odd_vocab_model() -> (HF dir, export dir) of a tiny tied-embedding Llama (GQA 4/2) whose vocabulary, GPT-2's
+    50257 tokens with GPT-2's real tokenizer, divides by no tensor-parallel size > 1: a vocab-parallel LM head pads
+    its last shard. Random weights scaled like trtopt's tiny aliases (peaked logits: greedy is decisive)."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get() -> tuple[Path, Path]:
+        if "model" not in cache:
+            import torch
+            from transformers import AutoModelForCausalLM, LlamaConfig
+
+            from trtopt.export import export_model
+            from trtopt.export.models import _gpt2_tokenizer
+
+            root = tmp_path_factory.mktemp("odd-vocab-llama")
+            tok = _gpt2_tokenizer()
+            config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 max_position_embeddings=512, bos_token_id=50256, eos_token_id=50256)
+            assert config.vocab_size == 50257
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0.0, 0.15)
+            model.generation_config.eos_token_id = config.eos_token_id
+            model.save_pretrained(root / "hf")
+            tok.save_pretrained(root / "hf")
+            export_model(root / "hf", root / "export", force=True)
+            cache["model"] = (root / "hf", root / "export")
+        return cache["model"]
+
+    return get

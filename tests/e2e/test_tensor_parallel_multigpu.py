@@ -8,6 +8,9 @@ replayed from CUDA graphs on every rank (the all-reduce captured inside them):
 - bf16: within the e2e tolerances of HF bf16 (tests/e2e/test_gpu_e2e.py: BF16_LOGPROB_ATOL, BF16_TIE_MARGIN);
 - a worker killed mid-generation ends the engine with WorkerDiedError in bounded time (the monitor aborts the NCCL
   group so rank 0's collective returns).
+
+Both with the replicated LM head and with the vocabulary-parallel one (`--lm-head vocab-parallel`: the NCCL
+all-gather of the sampled logits rows captured in the graphs too).
 """
 
 from __future__ import annotations
@@ -36,19 +39,24 @@ __all__ = ["hf_for"]  # the fixture, re-exported for pytest
 
 @pytest.fixture(scope="module")
 def tp_plan(tmp_path_factory):
-    """tp_plan(model, dtype) -> a plan sharded for 2 ranks, from a fresh export of the model in `dtype`."""
+    """tp_plan(model, dtype, lm_head) -> a plan sharded for 2 ranks, from a fresh export of the model in `dtype`
+    (one export per (model, dtype), one build per LM-head layout)."""
     from trtopt.build.builder import build_plan
     from trtopt.export import export_model
 
-    cache: dict[tuple[str, str], Path] = {}
+    exports: dict[tuple[str, str], Path] = {}
+    cache: dict[tuple[str, str, str], Path] = {}
 
-    def get(model: str, dtype: str) -> Path:
-        if (model, dtype) not in cache:
+    def get(model: str, dtype: str, lm_head: str = "replicated") -> Path:
+        if (model, dtype) not in exports:
             root = tmp_path_factory.mktemp(f"tp-{model}-{dtype}")
-            exported = export_model(model, root / "export", dtype=dtype, force=True, verify_outputs=dtype != "bf16")
-            cache[(model, dtype)] = build_plan(exported.out_dir, root / "plan", limits=LIMITS, force=True,
-                                               progress=False, tensor_parallel=2).plan_dir
-        return cache[(model, dtype)]
+            exports[(model, dtype)] = export_model(model, root / "export", dtype=dtype, force=True,
+                                                   verify_outputs=dtype != "bf16").out_dir
+        if (model, dtype, lm_head) not in cache:
+            plan = exports[(model, dtype)].parent / f"plan-{lm_head}"
+            cache[(model, dtype, lm_head)] = build_plan(exports[(model, dtype)], plan, limits=LIMITS, force=True,
+                                                        progress=False, tensor_parallel=2, lm_head=lm_head).plan_dir
+        return cache[(model, dtype, lm_head)]
 
     return get
 
@@ -59,9 +67,10 @@ def tp_llm(plan_dir: Path):
     return LLM(plan_dir, device="cuda", tensor_parallel_size=2)
 
 
+@pytest.mark.parametrize("lm_head", ["replicated", "vocab-parallel"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_fp32_two_gpus_equal_hf_with_cuda_graphs(model, tp_plan, hf_for):
-    with tp_llm(tp_plan(model, "fp32")) as llm:
+def test_fp32_two_gpus_equal_hf_with_cuda_graphs(model, lm_head, tp_plan, hf_for):
+    with tp_llm(tp_plan(model, "fp32", lm_head)) as llm:
         graphs = llm.engine.executor.graphs  # rank 0's; every rank captured the same buckets
         assert graphs is not None and graphs.enabled and graphs._captured  # NCCL all-reduces captured inside
         outs = llm.generate(PROMPTS, GREEDY)
@@ -71,9 +80,10 @@ def test_fp32_two_gpus_equal_hf_with_cuda_graphs(model, tp_plan, hf_for):
     assert_equal_to_hf(model, outs, hf_greedy(hf32, prompt_ids), hf32)
 
 
+@pytest.mark.parametrize("lm_head", ["replicated", "vocab-parallel"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_bf16_two_gpus_within_tolerance_of_hf(model, tp_plan, hf_for):
-    with tp_llm(tp_plan(model, "bf16")) as llm:
+def test_bf16_two_gpus_within_tolerance_of_hf(model, lm_head, tp_plan, hf_for):
+    with tp_llm(tp_plan(model, "bf16", lm_head)) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
     hf_half, hf32 = hf_for(model, "bf16"), hf_for(model, "fp32")
     prompt_ids, ours_all = outputs_by_prompt(outs)
@@ -91,12 +101,13 @@ def test_bf16_two_gpus_within_tolerance_of_hf(model, tp_plan, hf_for):
             margin = float(row[ref[j]] - row[ours[j]])
             ties.append((i, j, round(margin, 4)))
             assert margin <= BF16_TIE_MARGIN, f"{model} prompt {i}: departs from HF bf16 at {j} by {margin:.4g}"
-    print(f"\n[tp=2 bf16 {model}] max |logprob - HF bf16| = {worst_lp:.4g}; near-tie divergences {ties}")
+    print(f"\n[tp=2 bf16 {model} {lm_head}] max |logprob - HF bf16| = {worst_lp:.4g}; near-tie divergences {ties}")
     assert worst_lp <= BF16_LOGPROB_ATOL
 
 
-def test_killed_worker_ends_the_engine_over_nccl(tp_plan):
-    llm = tp_llm(tp_plan("tiny-llama", "fp32"))
+@pytest.mark.parametrize("lm_head", ["replicated", "vocab-parallel"])
+def test_killed_worker_ends_the_engine_over_nccl(lm_head, tp_plan):
+    llm = tp_llm(tp_plan("tiny-llama", "fp32", lm_head))
     worker = llm.engine.executor._workers[0]
     killed_at: list[float] = []
 

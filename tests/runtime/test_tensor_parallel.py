@@ -3,7 +3,9 @@
 Greedy tokens at N = 2 equal HF generate (and so N = 1) on tiny Llama (GQA 4/2: one KV head per rank) and tiny Qwen2
 (MQA 4/1 with QKV bias and tied embeddings: the KV head replicated on both ranks); a seeded n=2 request (KV blocks
 copied on write through the workers) equals the single-rank engine; a killed worker ends the engine with
-WorkerDiedError within seconds.
+WorkerDiedError within seconds. With the vocabulary-parallel LM head (each rank projects its vocabulary columns and
+trtopt.AllGather joins the sampled rows) greedy tokens equal HF too: tiny Llama (untied), tiny Qwen2 (tied) and a
+tied Llama with GPT-2's odd 50257-token vocabulary (the last shard padded).
 """
 
 from __future__ import annotations
@@ -28,20 +30,22 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tp_llm(export_dir, tmp_path_factory):
-    """tp_llm(model) -> an LLM over the model's plan sharded for 2 ranks. A process joins one torch.distributed
-    group at a time, so asking for another model shuts the current engine down (the tests are ordered by model)."""
-    current: dict[str, LLM] = {}
+def tp_llm(export_dir, odd_vocab_model, tmp_path_factory):
+    """tp_llm(model, lm_head) -> an LLM over the model's plan sharded for 2 ranks ("odd-vocab": odd_vocab_model's).
+    A process joins one torch.distributed group at a time, so asking for another plan shuts the current engine
+    down (the tests are ordered by plan)."""
+    current: dict[tuple[str, str], LLM] = {}
 
-    def get(model: str) -> LLM:
-        if model not in current:
+    def get(model: str, lm_head: str = "replicated") -> LLM:
+        if (model, lm_head) not in current:
             for llm in current.values():
                 llm.shutdown()
             current.clear()
-            out = tmp_path_factory.mktemp(f"tp2-{model}")
-            build_plan(export_dir(model), out, limits=LIMITS, force=True, progress=False, tensor_parallel=2)
-            current[model] = LLM(out, tensor_parallel_size=2)
-        return current[model]
+            out = tmp_path_factory.mktemp(f"tp2-{model}-{lm_head}")
+            source = odd_vocab_model()[1] if model == "odd-vocab" else export_dir(model)
+            build_plan(source, out, limits=LIMITS, force=True, progress=False, tensor_parallel=2, lm_head=lm_head)
+            current[(model, lm_head)] = LLM(out, tensor_parallel_size=2)
+        return current[(model, lm_head)]
 
     yield get
     for llm in current.values():
@@ -77,6 +81,17 @@ def test_seeded_n2_with_copy_on_write_equals_one_rank(tp_llm, engine_for):
             if out.finished:
                 expected = out
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "odd-vocab"])
+def test_vocab_parallel_head_greedy_at_two_ranks_equals_hf(model, tp_llm, hf_model, odd_vocab_model):
+    """Each rank projects half the vocabulary (odd-vocab: 25129 columns, rank 1's last one padding); the driver
+    samples from the gathered full rows."""
+    llm = tp_llm(model, "vocab-parallel")
+    assert llm.engine.executor.plan.parallel.lm_head == "vocab-parallel"
+    hf = str(odd_vocab_model()[0]) if model == "odd-vocab" else model
+    assert_greedy_equals_hf(llm, hf, hf_model)
 
 
 def test_qwen2_greedy_at_two_ranks_equals_hf(tp_llm, hf_model):

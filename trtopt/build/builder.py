@@ -33,7 +33,7 @@ from trtopt.build.signature import check_signature
 from trtopt.build.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
 from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
-from trtopt.fusion_passes.tensor_parallel import ParallelLayout
+from trtopt.fusion_passes.tensor_parallel import LM_HEAD_MODES, ParallelLayout
 from trtopt.fusion_passes.trace import Trace
 
 # Files copied from next to the source model so the plan dir is self-contained for the runtime and detokenizer.
@@ -227,6 +227,7 @@ def build_plan(
     explain: bool = False,
     progress: bool = True,
     tensor_parallel: int | None = None,
+    lm_head: str = "replicated",
     disable_passes: Sequence[str] = (),
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
@@ -239,7 +240,9 @@ def build_plan(
     fusion_report.json; the CLI prints them with --explain).
 
     ``tensor_parallel`` N: shard the fused graph for N ranks after every fusion (trtopt/build/sharding.py says what
-    the plan dir then holds); FusionError when an attention layer cannot be split N ways.
+    the plan dir then holds); FusionError when an attention layer cannot be split N ways. ``lm_head`` (with
+    ``tensor_parallel`` only): "replicated" (default) or "vocab-parallel" (the head's weight split by vocabulary
+    columns, its sampled rows all-gathered; docs/architecture.md §7b weighs the two).
 
     ``disable_passes`` names fusion passes to skip (``OPTIONAL_PASSES``: the performance fusions, for ablations);
     ConfigError for a name that is not one of them.
@@ -254,6 +257,10 @@ def build_plan(
     validate_limits(limits)
     if tensor_parallel is not None and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
         raise ConfigError(f"--tensor-parallel must be a positive integer, got {tensor_parallel!r}.")
+    if lm_head not in LM_HEAD_MODES:
+        raise ConfigError(f"--lm-head {lm_head!r}: choose one of {', '.join(LM_HEAD_MODES)}.")
+    if lm_head != "replicated" and tensor_parallel is None:
+        raise ConfigError(f"--lm-head {lm_head} splits the LM head over tensor-parallel ranks; add --tensor-parallel N.")
     unknown = sorted(set(disable_passes) - set(OPTIONAL_PASSES))
     if unknown:
         raise ConfigError(f"--disable-pass {', '.join(unknown)}: no such optional pass; choose from "
@@ -291,7 +298,7 @@ def build_plan(
             with steps.step(f"sharding for {tensor_parallel} tensor-parallel rank(s)"):
                 if report.kind != "paged":
                     raise ConfigError("--tensor-parallel shards paged (causal LM) plans only; build without it.")
-                shard = shard_structure(model, tensor_parallel)
+                shard = shard_structure(model, tensor_parallel, lm_head=lm_head)
                 rank_facts = model_facts(model, report.kind, config_json, generation_json)
                 check_signature(model, report.kind)
         with steps.step("attaching the trtopt op functions"):

@@ -36,13 +36,13 @@ def _print_report(result, explain: bool) -> None:
             f"[green]sharded[/] for {layout.size} rank(s): {layout.heads_per_rank}/{layout.kv_heads_per_rank} heads per "
             f"rank{' (KV heads replicated)' if layout.kv_heads_replicated else ''}, {len(layout.attention)} attention "
             f"+ {len(layout.mlp)} MLP blocks split, {layout.num_all_reduces} all-reduces per step, LM head "
-            f"{layout.lm_head}"
+            f"{layout.lm_head}" + (f" ({layout.num_all_gathers} all-gather per step)" if layout.num_all_gathers else "")
         )
-        from trtopt.fusion_passes.tensor_parallel import unsharded_reasons
+        from trtopt.fusion_passes.tensor_parallel import lm_head_reason, unsharded_reasons
 
         lines = unsharded_reasons(layout)
         if explain:
-            for line in lines:
+            for line in [*lines, *filter(None, [lm_head_reason(layout)])]:
                 console.print(line, markup=False, highlight=False, soft_wrap=True)
         elif lines:
             console.print(f"{len(lines)} projection(s) left whole on every rank; run with --explain to see why.")
@@ -67,6 +67,11 @@ def build(
         None, "--tensor-parallel", "--tp",
         help="Shard the plan for N ranks (Megatron-style; writes rank0..rank{N-1}/). Run it with "
         "`trtopt generate/serve --tensor-parallel-size N`.",
+    ),
+    lm_head: str = typer.Option(
+        "replicated", "--lm-head",
+        help="With --tensor-parallel: `replicated` (every rank holds the whole LM head; nothing is gathered) or "
+        "`vocab-parallel` (each rank holds vocab/N columns; the sampled logits rows are all-gathered every step).",
     ),
     disable_pass: list[str] = typer.Option(
         None, "--disable-pass",
@@ -93,7 +98,7 @@ def build(
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
     result = build_plan(
         model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
-        tensor_parallel=tensor_parallel, disable_passes=tuple(disable_pass or ()),
+        tensor_parallel=tensor_parallel, lm_head=lm_head, disable_passes=tuple(disable_pass or ()),
     )
     _print_report(result, explain)
     if draft_layers:

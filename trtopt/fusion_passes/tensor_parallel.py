@@ -10,10 +10,13 @@ For ``size`` ranks, every attention layer and every MLP that can be recognised i
                └─ up proj   (columns: I/N) ───────┴─ × ─ down proj (rows) ─ AllReduce ─ +h
 
 KV heads are split when num_kv_heads >= N and replicated otherwise (each rank then keeps the one KV head its query
-heads read, as vLLM does; N must be a multiple of num_kv_heads). Embedding, norms and the LM head stay replicated:
-the driver samples from full-vocabulary rows, so a vocabulary-parallel head would only add an all-gather of the
-sampled rows per step to save one [hidden, vocab] matrix per rank (see docs/architecture.md). Tied embeddings stay
-correct because neither user of the shared matrix is split.
+heads read, as vLLM does; N must be a multiple of num_kv_heads). Embedding and norms stay replicated. The LM head is
+either replicated (``lm_head="replicated"``, the default: rank 0 computes exactly the sampled rows, nothing is
+gathered) or vocabulary-parallel (``"vocab-parallel"``): its weight split by output columns, ceil(vocab/N) per rank
+(the last shard padded with zero columns), then a trtopt.AllGather of the sampled logits rows along the vocabulary
+axis and a Slice that drops the padding; an untied head saves hidden x vocab x (N-1)/N weights per rank for one
+all-gather per step (docs/architecture.md §7b). Tied embeddings stay correct either way: the embedding Gather keeps the whole
+table, and a vocab-parallel head tied to it gets its own per-rank initializer (the transposed table's columns).
 
 The pass works on the graph structure, not on names: a projection is a MatMul (or trtopt.MatMulAdd) with a constant
 2-D weight; a projection feeds a PagedAttention input when the path between them (followed only through values
@@ -39,6 +42,7 @@ from trtopt.fusion_passes.ir_helpers import is_op
 from trtopt.fusion_passes.ops import DOMAIN
 
 RULE = "tensor_parallel"
+LM_HEAD_MODES = ("replicated", "vocab-parallel")
 SHARD_SUFFIX = ".tp_shard"  # per-rank initializers: same name in every rank's plan, rank r's slice as data
 
 # Ops a Q/K/V projection's output may pass through on its way to attention (per-head, head-count-agnostic).
@@ -71,8 +75,10 @@ class WeightSplit:
 
     source: str  # the unsplit initializer's name
     target: str  # the per-rank initializer's name (source + SHARD_SUFFIX + a counter when needed)
-    axis: int
+    axis: int  # of the (transposed, when ``transpose``) source
     ranges: tuple[tuple[tuple[int, int], ...], ...]  # per rank: ((start, stop), ...)
+    transpose: bool = False  # split the source's transpose (a head tied to the [vocab, hidden] embedding)
+    width: int = 0  # > 0: every rank's slice is padded with zeros to this length along ``axis`` (the last shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +94,19 @@ class ParallelLayout:
     attention: tuple[dict, ...]  # per layer: {"attention", "q", "k", "v", "o"}: node names
     mlp: tuple[dict, ...]  # per sharded MLP: {"up": [...], "down"}
     replicated: tuple[dict, ...]  # {"node", "why"}: projections every rank computes whole (LM head, unsplit MLPs)
-    lm_head: str = "replicated"
+    lm_head: str = "replicated"  # one of LM_HEAD_MODES
     embedding: str = "replicated"
+    # vocab-parallel only: {"node", "weight", "tied", "hidden", "vocab", "vocab_per_rank", "padding", "dtype_bytes",
+    # "weight_bytes_saved_per_rank"}
+    lm_head_split: dict | None = None
 
     @property
     def num_all_reduces(self) -> int:
         return len(self.attention) + len(self.mlp)
+
+    @property
+    def num_all_gathers(self) -> int:
+        return 1 if self.lm_head_split is not None else 0
 
     def summary(self) -> dict:
         return {
@@ -106,12 +119,14 @@ class ParallelLayout:
             "all_reduces_per_step": self.num_all_reduces,
             "replicated_projections": len(self.replicated),
             "lm_head": self.lm_head,
+            "all_gathers_per_step": self.num_all_gathers,
+            "lm_head_vocab_per_rank": self.lm_head_split["vocab_per_rank"] if self.lm_head_split else None,
             "embedding": self.embedding,
         }
 
     def to_dict(self) -> dict:
         return {**self.summary(), "attention": list(self.attention), "mlp": list(self.mlp),
-                "replicated": list(self.replicated)}
+                "replicated": list(self.replicated), "lm_head_split": self.lm_head_split}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +289,7 @@ class _Plan:
     mlp: list
     replicated: list
     failures: list  # (anchor, reason, node)
+    head: ir.Node | None = None  # the LM head to split by vocabulary (lm_head="vocab-parallel")
 
 
 def _ranges(size: int, width: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -302,10 +318,17 @@ def _kv_ranges(size: int, kv_heads: int, head_dim: int) -> tuple[tuple[tuple[int
     return tuple((((r // per) * head_dim, (r // per + 1) * head_dim),) for r in range(size))
 
 
-def _analyze(model: ir.Model, size: int) -> _Plan:
+def _analyze(model: ir.Model, size: int, lm_head: str) -> _Plan:
     graph = model.graph
     tainted = _tainted(graph)
     plan = _Plan({}, {}, [], [], [], [])
+    if lm_head == "vocab-parallel":
+        try:
+            plan.head = _lm_head(graph)
+            _head_weight(plan.head)
+        except _Skip as e:
+            raise FusionError(f"--lm-head vocab-parallel: the LM head cannot be split by vocabulary: {e.reason}"
+                              + (f" (at {e.node})" if e.node else "") + ". Build with --lm-head replicated.") from None
     attention = [n for n in graph if n.domain == DOMAIN and n.op_type == "PagedAttention"]
     for layer, node in enumerate(attention):
         try:
@@ -364,14 +387,47 @@ def _analyze(model: ir.Model, size: int) -> _Plan:
         plan.mlp.append({"up": [u.name for u in ups], "down": node.name})
     for node in graph:  # a head tied to the embedding multiplies by Transpose(embedding): no constant weight
         if node.op_type == "MatMul" and not _is_projection(node) and node.inputs[0] in tainted \
-                and node.inputs[1] not in tainted and _feeds_logits(node):
+                and node.inputs[1] not in tainted and _feeds_logits(node) and node is not plan.head:
             plan.replicated.append({"node": node.name, "why": "LM head (tied to the embedding): replicated (the "
                                     "driver samples full-vocabulary rows)", "at": ""})
     for node, e in why_not.items():
-        if node not in claimed:
+        if node not in claimed and node is not plan.head:
             why = "LM head: replicated (the driver samples full-vocabulary rows)" if _feeds_logits(node) else e.reason
             plan.replicated.append({"node": node.name, "why": why, "at": e.node})
     return plan
+
+
+def _lm_head(graph: ir.Graph) -> ir.Node:
+    """The MatMul (or MatMulAdd) whose output becomes ``logits`` through Cast/Identity/Squeeze only (the shape
+    logits_gather.py leaves: head -> [Cast] -> Squeeze -> [Cast] -> logits)."""
+    logits = next((v for v in graph.outputs if v.name == signature.LOGITS.name), None)
+    node = logits.producer() if logits is not None else None
+    while node is not None and node.domain in ("", "ai.onnx") and node.op_type in ("Cast", "Identity", "Squeeze"):
+        node = node.inputs[0].producer()
+    if node is None or not ((node.domain in ("", "ai.onnx") and node.op_type == "MatMul")
+                            or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
+        found = f"{node.op_type} {node.name}" if node is not None else "a graph input"
+        raise _Skip(f"`logits` is computed by {found}, not by a MatMul through Cast/Squeeze")
+    if node.outputs[0].is_graph_output():
+        raise _Skip("the LM head's output is itself a graph output", node.name or "")
+    return node
+
+
+def _head_weight(head: ir.Node) -> tuple[ir.Value, bool]:
+    """(the constant holding the LM head's weight, whether it is stored transposed: [vocab, hidden], the tied
+    embedding that the head reads through a Transpose)."""
+    weight = head.inputs[1]
+    if weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2:
+        return weight, False
+    producer = weight.producer() if weight is not None else None
+    if producer is not None and producer.op_type == "Transpose" and producer.domain in ("", "ai.onnx"):
+        perm = producer.attributes["perm"].value if "perm" in producer.attributes else None
+        source = producer.inputs[0]
+        if (perm is None or list(perm) == [1, 0]) and source.const_value is not None \
+                and len(source.const_value.shape) == 2:
+            return source, True
+    raise _Skip("its weight is neither a constant [hidden, vocab] matrix nor Transpose([vocab, hidden] constant)",
+                head.name or "")
 
 
 def _feeds_logits(node: ir.Node) -> bool:
@@ -397,6 +453,18 @@ def _slice(array: np.ndarray, axis: int, ranges: tuple[tuple[int, int], ...]) ->
     return np.ascontiguousarray(np.concatenate(parts, axis=axis))
 
 
+def _shard_data(full: np.ndarray, split: WeightSplit, rank: int) -> np.ndarray:
+    """Rank ``rank``'s slice of ``full`` (the unsplit source) as ``split`` says: the one contract both the rewritten
+    graph (rank 0) and ``rank_weights`` (every rank) use."""
+    data = _slice(full.T if split.transpose else full, split.axis, split.ranges[rank])
+    missing = split.width - data.shape[split.axis] if split.width else 0
+    if missing > 0:  # the last vocabulary shard: zero columns, whose logits the Slice after the gather drops
+        pad = list(data.shape)
+        pad[split.axis] = missing
+        data = np.concatenate([data, np.zeros(pad, dtype=data.dtype)], axis=split.axis)
+    return np.ascontiguousarray(data)
+
+
 class _Rewriter:
     def __init__(self, model: ir.Model, size: int):
         self.graph = model.graph
@@ -405,9 +473,9 @@ class _Rewriter:
         self.values: dict[str, ir.Value] = {}
         self.full: dict[str, np.ndarray] = {}
 
-    def shard(self, value: ir.Value, axis: int, ranges) -> ir.Value:
+    def shard(self, value: ir.Value, axis: int, ranges, *, transpose: bool = False, width: int = 0) -> ir.Value:
         """The per-rank initializer for ``value`` split so (shared by every user with the same split)."""
-        key = (value.name, axis, ranges)
+        key = (value.name, axis, ranges, transpose, width)
         if key in self.splits:
             return self.values[self.splits[key].target]
         if value.name not in self.full:
@@ -416,14 +484,63 @@ class _Rewriter:
         n = 1
         while target in self.graph.initializers or target in self.values:
             target, n = f"{value.name}{SHARD_SUFFIX}{n}", n + 1
-        data = _slice(self.full[value.name], axis, ranges[0])
+        split = WeightSplit(value.name, target, axis, ranges, transpose, width)
+        data = _shard_data(self.full[value.name], split, 0)
         new = ir.Value(name=target, const_value=ir.tensor(data, dtype=value.const_value.dtype, name=target))
         new.type = ir.TensorType(value.const_value.dtype)
         new.shape = ir.Shape(data.shape)
         self.graph.register_initializer(new)
-        self.splits[key] = WeightSplit(value.name, target, axis, ranges)
+        self.splits[key] = split
         self.values[target] = new
         return new
+
+    def constant(self, name: str, values: list[int]) -> ir.Value:
+        array = np.array(values, dtype=np.int64)
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        value.shape, value.type = ir.Shape(array.shape), ir.TensorType(ir.DataType.INT64)
+        self.graph.register_initializer(value)
+        return value
+
+    def vocab_parallel_head(self, head: ir.Node) -> dict:
+        """Split the LM head's weight by output columns, ceil(vocab/size) per rank (the last shard zero-padded), and
+        put AllGather(axis=-1) [+ Slice off the padding] between the head and its users. Returns the record."""
+        weight, transposed = _head_weight(head)
+        hidden, vocab = (weight.const_value.shape[1], weight.const_value.shape[0]) if transposed else \
+            tuple(weight.const_value.shape)
+        hidden, vocab = int(hidden), int(vocab)
+        per_rank = -(-vocab // self.size)
+        ranges = tuple(((min(r * per_rank, vocab), min((r + 1) * per_rank, vocab)),) for r in range(self.size))
+        table = head.inputs[1].producer() if transposed else None
+        head.replace_input_with(1, self.shard(weight, 1, ranges, transpose=transposed, width=per_rank))
+        if head.op_type == "MatMulAdd":
+            head.replace_input_with(2, self.shard(head.inputs[2], 0, ranges, width=per_rank))
+        if table is not None and not table.outputs[0].uses():  # the embedding Gather keeps the table itself
+            self.graph.remove(table, safe=True)
+        out = head.outputs[0]
+        users = list(out.uses())
+        gather = ir.Node(DOMAIN, "AllGather", [out], [ir.AttrInt64("world_size", self.size), ir.AttrInt64("axis", -1)],
+                         name=f"{head.name}.all_gather")
+        new_nodes, result = [gather], gather.outputs[0]
+        padding = per_rank * self.size - vocab
+        if padding:
+            name = f"{head.name}.vocab"
+            drop = ir.node("Slice", [result, self.constant(f"{name}_starts", [0]), self.constant(f"{name}_ends", [vocab]),
+                                     self.constant(f"{name}_axes", [-1])], name=f"{head.name}.drop_padding")
+            new_nodes.append(drop)
+            result = drop.outputs[0]
+        for node in new_nodes:
+            node.outputs[0].dtype = out.dtype
+        self.graph.insert_after(head, new_nodes)
+        for use in users:
+            use.node.replace_input_with(use.idx, result)
+        itemsize = int(self.full[weight.name].itemsize)
+        # Against the replicated plan: an untied head drops all but its columns; a tied one had no weight of its own
+        # (it read the embedding table), so its shard is new bytes (negative saving).
+        shard_bytes = hidden * per_rank * itemsize
+        saved = -shard_bytes if transposed else hidden * vocab * itemsize - shard_bytes
+        return {"node": head.name, "weight": weight.name, "tied": transposed, "hidden": hidden, "vocab": vocab,
+                "vocab_per_rank": per_rank, "padding": padding, "dtype_bytes": itemsize,
+                "weight_bytes_saved_per_rank": saved}
 
     def column(self, node: ir.Node, ranges) -> None:
         node.replace_input_with(1, self.shard(node.inputs[1], 1, ranges))
@@ -452,11 +569,12 @@ class _Rewriter:
         self.graph.remove(node, safe=True)
 
 
-def shard_structure(model: ir.Model, size: int) -> ShardResult:
+def shard_structure(model: ir.Model, size: int, lm_head: str = "replicated") -> ShardResult:
     """Rewrite ``model`` in place into the tensor-parallel rank graph (rank 0's weights); FusionError when an
-    attention layer cannot be sharded (the reasons name the nodes)."""
-    assert size >= 1
-    plan = _analyze(model, size)
+    attention layer (or, with ``lm_head="vocab-parallel"``, the LM head) cannot be sharded (the reasons name the
+    nodes)."""
+    assert size >= 1 and lm_head in LM_HEAD_MODES, (size, lm_head)
+    plan = _analyze(model, size, lm_head)
     attention = [n for n in model.graph if n.domain == DOMAIN and n.op_type == "PagedAttention"]
     if not attention:
         raise FusionError("--tensor-parallel needs a paged plan (a causal LM with a KV cache); this graph has no "
@@ -473,6 +591,7 @@ def shard_structure(model: ir.Model, size: int) -> ShardResult:
         rewriter.column(node, ranges)
     for node, ranges in plan.row.items():
         rewriter.row(node, ranges)
+    head_split = rewriter.vocab_parallel_head(plan.head) if plan.head is not None else None
     for node in attention:
         node.attributes["num_heads"] = ir.AttrInt64("num_heads", heads_per_rank)
         node.attributes["num_kv_heads"] = ir.AttrInt64("num_kv_heads", kv_per_rank)
@@ -492,7 +611,7 @@ def shard_structure(model: ir.Model, size: int) -> ShardResult:
     layout = ParallelLayout(
         size=size, num_heads=heads, num_kv_heads=kv_heads, heads_per_rank=heads_per_rank,
         kv_heads_per_rank=kv_per_rank, kv_heads_replicated=replicated_kv, attention=tuple(plan.attention),
-        mlp=tuple(plan.mlp), replicated=tuple(plan.replicated),
+        mlp=tuple(plan.mlp), replicated=tuple(plan.replicated), lm_head=lm_head, lm_head_split=head_split,
     )
     return ShardResult(layout, tuple(rewriter.splits.values()), rewriter.full)
 
@@ -508,10 +627,25 @@ def _retype_kv_io(model: ir.Model, kv_per_rank: int) -> None:
 
 def rank_weights(result: ShardResult, rank: int) -> dict[str, np.ndarray]:
     """Per-rank initializer name -> rank ``rank``'s slice."""
-    return {s.target: _slice(result.full_weights[s.source], s.axis, s.ranges[rank]) for s in result.splits}
+    return {s.target: _shard_data(result.full_weights[s.source], s, rank) for s in result.splits}
 
 
 def unsharded_reasons(layout: ParallelLayout) -> list[str]:
     """``--explain`` lines: each projection left whole, and why."""
     return [f"{RULE} | {r['node']}: not sharded: {r['why']}" + (f" (at {r['at']})" if r.get("at") else "")
             for r in layout.replicated]
+
+
+def lm_head_reason(layout: ParallelLayout) -> str | None:
+    """The ``--explain`` line of a vocabulary-parallel LM head (what was split, and what it costs and saves)."""
+    split = layout.lm_head_split
+    if split is None:
+        return None
+    padding = f" (the last shard padded by {split['padding']} zero columns, sliced off after the gather)" \
+        if split["padding"] else ""
+    mib = abs(split["weight_bytes_saved_per_rank"]) / 2**20
+    memory = (f"adds {mib:.1f} MiB per rank (tied: the shard is its own initializer, the embedding Gather keeps the "
+              "whole table)") if split["tied"] else \
+        f"saves {mib:.1f} MiB of head weights per rank (hidden {split['hidden']} x vocab x {split['dtype_bytes']} B x (N-1)/N)"
+    return (f"{RULE} | {split['node']}: LM head vocab-parallel: {split['vocab_per_rank']} of {split['vocab']} vocabulary "
+            f"columns per rank{padding}; one all-gather of the sampled logits rows per step; {memory}")

@@ -17,6 +17,8 @@ from trtopt.plugins.add_rms_norm import schema as add_rms_norm_schema
 from trtopt.plugins.common import DOMAIN, OPSET_VERSION, OpSchema, attach_functions, make_node
 from trtopt.plugins.all_reduce import function as all_reduce_function
 from trtopt.plugins.all_reduce import schema as all_reduce_schema
+from trtopt.plugins.all_gather import function as all_gather_function
+from trtopt.plugins.all_gather import schema as all_gather_schema
 from trtopt.plugins.flash_attention import function as flash_attention_function
 from trtopt.plugins.flash_attention import schema as flash_attention_schema
 from trtopt.plugins.gelu_mul import function as gelu_mul_function
@@ -39,6 +41,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     rms_norm_schema.OP_TYPE: rms_norm_schema.SCHEMA,  # added by the fusion engineer
     matmul_add_schema.OP_TYPE: matmul_add_schema.SCHEMA,  # added by the fusion engineer
     all_reduce_schema.OP_TYPE: all_reduce_schema.SCHEMA,  # inserted by the tensor-parallel sharding pass
+    all_gather_schema.OP_TYPE: all_gather_schema.SCHEMA,  # after a vocabulary-parallel LM head (the same pass)
     silu_mul_schema.OP_TYPE: silu_mul_schema.SCHEMA,  # SwiGLU (fusion_passes/silu_mul.py)
     add_rms_norm_schema.OP_TYPE: add_rms_norm_schema.SCHEMA,  # residual add + RMSNorm (fusion_passes/add_rms_norm.py)
     rope_schema.OP_TYPE: rope_schema.SCHEMA,  # rotary embedding (fusion_passes/rope.py)
@@ -52,6 +55,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     rms_norm_schema.OP_TYPE: rms_norm_function.make_function,  # added by the fusion engineer
     matmul_add_schema.OP_TYPE: matmul_add_function.make_function,  # added by the fusion engineer
     all_reduce_schema.OP_TYPE: all_reduce_function.make_function,  # inserted by the tensor-parallel sharding pass
+    all_gather_schema.OP_TYPE: all_gather_function.make_function,  # after a vocabulary-parallel LM head (the same pass)
     silu_mul_schema.OP_TYPE: silu_mul_function.make_function,  # SwiGLU (fusion_passes/silu_mul.py)
     add_rms_norm_schema.OP_TYPE: add_rms_norm_function.make_function,  # fusion_passes/add_rms_norm.py
     rope_schema.OP_TYPE: rope_function.make_function,  # fusion_passes/rope.py

@@ -7,8 +7,10 @@ initialised the torchrun way (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_
 step's StepInputs, or a KV-pool command) through a shared-memory channel (runtime/shm_broadcast.py: one host, so
 no network hop and no pickled tensors; gloo's broadcast_object_list cost 2.5-3.7 ms a step); every rank runs its plan on it, the plan's
 trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into its own KV
-pool. The LM head is replicated and computes the sampled rows only (logits_indices), so rank 0 already holds
-every logits row the sampler needs: nothing is gathered.
+pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default build), it leaves every
+logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel (``--lm-head vocab-parallel``),
+each rank computes its vocabulary columns of those rows and the plan's trtopt.AllGather hands every rank the full
+rows. Either way rank 0's executor returns the full-vocabulary rows the driver samples from.
 
 A worker that dies (crash, OOM kill) ends the engine: a monitor thread watches the worker processes, and the
 driver's next (or current) collective fails, at the latest after ``timeout_s``; ``execute`` then raises
@@ -373,12 +375,20 @@ def _destroy_group(timeout_s: float) -> bool:
 
 
 def _abort_group() -> None:
-    """Leave a group whose peers are gone without the goodbye handshake destroy_process_group would wait for."""
+    """Leave a group whose peers are gone without the goodbye handshake destroy_process_group would wait for.
+
+    The one use of a private torch API (torch 2.13): ``distributed_c10d._abort_process_group``. Public torch has
+    ``ProcessGroup.abort()`` (on ``dist.group.WORLD``), but it only aborts the backends: torch.distributed's registry
+    still holds the group, and the ``destroy_process_group`` that must follow would call ``shutdown`` on NCCL
+    communicators that were just aborted (not tried on GPUs). ``_abort_process_group`` aborts every backend inside
+    one NCCL group call (pytorch#119797) and clears the registry, so this process can start another engine; it is
+    the path the 2xH200 dead-worker test passed with. Replace it here if torch makes it public or drops it.
+    """
     try:
         from torch.distributed.distributed_c10d import _abort_process_group
 
         _abort_process_group()
-    except Exception:
+    except Exception:  # a torch without it, or a group already gone: destroy below still leaves what is left
         pass
     try:
         dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """`trtopt build --tensor-parallel N`: the rank plans' layout and weights, and a plan sharded for one rank equal to
-the original graph on onnxruntime and torch (trtopt.AllReduce runs as its Identity body there)."""
+the original graph on onnxruntime and torch (trtopt.AllReduce and trtopt.AllGather run as their Identity bodies
+there); `--lm-head vocab-parallel`: the head's vocabulary columns per rank (padded when the vocabulary does not
+divide), tied embeddings kept whole."""
 
 from __future__ import annotations
 
@@ -24,12 +26,12 @@ LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len
 def tp_plan(export_dir, tmp_path_factory):
     cache = {}
 
-    def get(model: str, size: int):
-        if (model, size) not in cache:
-            out = tmp_path_factory.mktemp(f"tp{size}-{model}")
-            cache[(model, size)] = build_plan(export_dir(model), out, limits=LIMITS, force=True, progress=False,
-                                              tensor_parallel=size)
-        return cache[(model, size)]
+    def get(model: str, size: int, lm_head: str = "replicated"):
+        if (model, size, lm_head) not in cache:
+            out = tmp_path_factory.mktemp(f"tp{size}-{model}-{lm_head}")
+            cache[(model, size, lm_head)] = build_plan(export_dir(model), out, limits=LIMITS, force=True,
+                                                       progress=False, tensor_parallel=size, lm_head=lm_head)
+        return cache[(model, size, lm_head)]
 
     return get
 
@@ -51,6 +53,109 @@ def test_plan_sharded_for_one_rank_equals_the_original_graph(model, tp_plan, exp
     executors = {"onnxruntime": create_executor("onnxruntime", rank0, plan, num_blocks=NUM_BLOCKS)}
     worst = generate_and_compare(rank0, export_dir(model), executors)
     assert worst["onnxruntime"] <= 1e-4, worst
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_vocab_parallel_plan_for_one_rank_equals_the_original_graph(model, tp_plan, export_dir):
+    """The AllGather's Identity body (onnxruntime) and the torch face at N = 1 (torch) leave the logits exact."""
+    result = tp_plan(model, 1, "vocab-parallel")
+    rank0 = rank_dir(result.plan_dir, 0)
+    plan = read_plan(rank0)
+    assert plan.parallel.lm_head == "vocab-parallel"
+    gathers = [n for n in onnx.load(rank0 / "model.onnx").graph.node if n.op_type == "AllGather"]
+    assert len(gathers) == 1 and gathers[0].domain == "trtopt"
+    executors = {backend: create_executor(backend, rank0, plan, num_blocks=NUM_BLOCKS)
+                 for backend in ("onnxruntime", "torch")}
+    worst = generate_and_compare(rank0, export_dir(model), executors)
+    assert worst["onnxruntime"] <= 1e-4 and worst["torch"] <= 1e-4, worst
+
+
+def head_shards(plan_dir, size: int) -> tuple[str, list[np.ndarray]]:
+    """(the head's per-rank initializer, each rank's slice of it), found as the weight input of the MatMul that
+    feeds the AllGather."""
+    slices = []
+    for r in range(size):
+        proto = onnx.load(rank_dir(plan_dir, r) / "model.onnx")
+        gather = next(n for n in proto.graph.node if n.op_type == "AllGather")
+        head = next(n for n in proto.graph.node if gather.input[0] in n.output)
+        assert head.op_type == "MatMul"
+        slices.append(initializers(rank_dir(plan_dir, r))[head.input[1]])
+    return head.input[1], slices
+
+
+def test_vocab_parallel_llama_splits_the_untied_head_by_columns(tp_plan):
+    """tiny-llama: untied [64, 49152] head; N = 2 gives each rank 24576 columns, nothing padded, and the ranks'
+    columns side by side are the whole head of the one-rank plan."""
+    result = tp_plan("tiny-llama", 2, "vocab-parallel")
+    for path in (result.plan_dir, rank_dir(result.plan_dir, 0), rank_dir(result.plan_dir, 1)):
+        assert read_plan(path).parallel.lm_head == "vocab-parallel"
+    report = json.loads((result.plan_dir / "fusion_report.json").read_text())["parallel"]
+    assert report["lm_head"] == "vocab-parallel" and report["all_gathers_per_step"] == 1
+    assert report["replicated"] == []  # the head is no longer whole on every rank
+    split = report["lm_head_split"]
+    assert (split["vocab"], split["vocab_per_rank"], split["padding"], split["tied"]) == (49152, 24576, 0, False)
+    assert split["weight_bytes_saved_per_rank"] == 64 * 24576 * 4  # hidden x vocab x fp32 x (N-1)/N
+    name, (a, b) = head_shards(result.plan_dir, 2)
+    assert a.shape == b.shape == (64, 24576)
+    proto = onnx.load(rank_dir(result.plan_dir, 0) / "model.onnx")
+    assert not [n for n in proto.graph.node if n.op_type == "Slice" and n.name.endswith(".drop_padding")]
+    whole = next(v for k, v in initializers(rank_dir(tp_plan("tiny-llama", 1).plan_dir, 0)).items()
+                 if v.shape == (64, 49152))
+    np.testing.assert_array_equal(np.concatenate([a, b], axis=1), whole)
+
+
+def test_vocab_parallel_tied_head_gets_its_own_shard_and_the_embedding_stays_whole(tp_plan):
+    """tiny-qwen2 ties the head to the [49152, 64] embedding: each rank keeps the whole table for the embedding
+    Gather and holds its columns of the transposed table as the head's own initializer."""
+    result = tp_plan("tiny-qwen2", 2, "vocab-parallel")
+    assert result.parallel.lm_head_split["tied"]
+    name, (a, b) = head_shards(result.plan_dir, 2)
+    shards = [initializers(rank_dir(result.plan_dir, r)) for r in range(2)]
+    embedding = [k for k in shards[0] if shards[0][k].shape == (49152, 64)]
+    assert len(embedding) == 1 and np.array_equal(shards[0][embedding[0]], shards[1][embedding[0]])
+    table = shards[0][embedding[0]]
+    np.testing.assert_array_equal(a, table[:24576].T)
+    np.testing.assert_array_equal(b, table[24576:].T)
+    proto = onnx.load(rank_dir(result.plan_dir, 1) / "model.onnx")
+    assert not [n for n in proto.graph.node if n.op_type == "Transpose" and embedding[0] in n.input]
+
+
+def test_vocab_parallel_pads_the_last_shard_of_an_odd_vocabulary(odd_vocab_model, tmp_path):
+    """50257 = 2 x 25128 - 1: rank 1's last column is zero padding, sliced off after the gather (logits stay
+    [N, 50257])."""
+    _, export = odd_vocab_model()
+    result = build_plan(export, tmp_path / "p", limits=LIMITS, progress=False, tensor_parallel=2,
+                        lm_head="vocab-parallel")
+    split = result.parallel.lm_head_split
+    assert (split["vocab"], split["vocab_per_rank"], split["padding"], split["tied"]) == (50257, 25129, 1, True)
+    _, (a, b) = head_shards(result.plan_dir, 2)
+    table = next(v for v in initializers(rank_dir(result.plan_dir, 0)).values() if v.shape == (50257, 64))
+    np.testing.assert_array_equal(a, table[:25129].T)
+    np.testing.assert_array_equal(b[:, :25128], table[25129:].T)
+    assert not b[:, 25128:].any()
+    proto = onnx.load(rank_dir(result.plan_dir, 0) / "model.onnx")
+    drop = next(n for n in proto.graph.node if n.op_type == "Slice" and n.name.endswith(".drop_padding"))
+    consts = {t.name: numpy_helper.to_array(t).tolist() for t in proto.graph.initializer}
+    assert [consts[i] for i in drop.input[1:]] == [[0], [50257], [-1]]
+    logits = next(o for o in proto.graph.output if o.name == "logits")
+    assert logits.type.tensor_type.shape.dim[1].dim_value == 50257
+
+
+def test_lm_head_option_is_checked(export_dir, tmp_path):
+    with pytest.raises(ConfigError, match="--lm-head 'vocab': choose one of replicated, vocab-parallel"):
+        build_plan(export_dir("tiny-llama"), tmp_path / "a", limits=LIMITS, progress=False, tensor_parallel=2,
+                   lm_head="vocab")
+    with pytest.raises(ConfigError, match="add --tensor-parallel N"):
+        build_plan(export_dir("tiny-llama"), tmp_path / "b", limits=LIMITS, progress=False, lm_head="vocab-parallel")
+
+
+def test_all_gather_torch_face_checks_the_group_size_and_is_the_identity_for_one_rank():
+    from trtopt.plugins.all_gather.reference import all_gather_ref
+
+    x = torch.randn(1, 3, 4)
+    assert all_gather_ref(x, world_size=1) is x
+    with pytest.raises(RuntimeError, match="sharded for 2 ranks but runs in a group of 1"):
+        all_gather_ref(x, world_size=2)
 
 
 def test_llama_rank_plans_split_heads_and_mlp(tp_plan, export_dir):
@@ -159,6 +264,13 @@ def test_cli_build_prints_the_layout_and_explains_what_stayed_whole(export_dir, 
     out = " ".join(result.output.split())
     assert "sharded for 2 rank(s): 2/1 heads per rank" in out and "4 all-reduces per step" in out
     assert "tensor_parallel | " in out and "not sharded: LM head: replicated" in out
+    result = CliRunner().invoke(app, ["build", str(export_dir("tiny-llama")), "-o", str(tmp_path / "v"),
+                                      "--tensor-parallel", "2", "--lm-head", "vocab-parallel", "--explain"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "LM head vocab-parallel (1 all-gather per step)" in out and "not sharded" not in out
+    assert "LM head vocab-parallel: 24576 of 49152 vocabulary columns per rank" in out and "saves 6.0 MiB" in out
+    assert read_plan(tmp_path / "v").parallel.lm_head == "vocab-parallel"
     result = CliRunner().invoke(app, ["build", str(export_dir("tiny-llama")), "-o", str(tmp_path / "q"), "--tp", "3"])
     assert result.exit_code != 0 and "num_heads 4 is not a multiple of --tensor-parallel 3" in result.output
     assert "Traceback" not in result.output

@@ -112,6 +112,13 @@ def all_reduce(x, *, world_size: int):
     return all_reduce_ref(x, world_size=world_size)
 
 
+def all_gather(x, *, world_size: int, axis: int = -1):
+    """trtopt::AllGather: the ranks' x side by side along ``axis`` (torch.distributed; identity for one rank)."""
+    from trtopt.plugins.all_gather.reference import all_gather_ref
+
+    return all_gather_ref(x, world_size=world_size, axis=axis)
+
+
 # Ops with side effects on an input (the KV pool) are never constant-folded nor deduplicated by the converter.
 TRTOPT_OPS: dict[str, OpSpec] = {
     "PagedAttention": OpSpec(paged_attention),
@@ -119,10 +126,11 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "MatMulAdd": OpSpec(matmul_add),
     "RMSNorm": OpSpec(rms_norm),
     "AllReduce": OpSpec(all_reduce),
+    "AllGather": OpSpec(all_gather),
     "SiluMul": OpSpec(silu_mul),
     "GeluMul": OpSpec(gelu_mul),
     "AddRMSNorm": OpSpec(add_rms_norm),
     "Rope": OpSpec(rope),
 }
-# AllReduce is a collective: folding or deduplicating it would desynchronise the ranks' call sequences.
-IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce")})
+# AllReduce and AllGather are collectives: folding or deduplicating one would desynchronise the ranks' call sequences.
+IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce"), ("trtopt", "AllGather")})
