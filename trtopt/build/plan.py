@@ -60,7 +60,7 @@ class ParallelConfig:
     kv_heads_per_rank: int = 0
     kv_heads_replicated: bool = False  # num_kv_heads < size: a KV head lives on size/num_kv_heads ranks
     all_reduces_per_step: int = 0
-    lm_head: str = "replicated"
+    lm_head: str = "replicated"  # or "vocab-parallel": each rank holds vocab/N head columns (build --lm-head)
 
 
 def rank_dir(plan_dir: str | Path, rank: int) -> Path:

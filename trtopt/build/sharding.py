@@ -7,7 +7,8 @@
     plan/rank{r}/plan.json    rank r's ModelFacts (its head counts) + "parallel": {"rank": r, ...}
 
 Every rank graph is the one graph ``shard_structure`` rewrote; only the per-rank initializers (``*.tp_shard``)
-differ, so the proto is built once and its sharded tensors are swapped rank by rank.
+differ, so the proto is built once and its sharded tensors are swapped rank by rank (a vocab-parallel LM head's shard
+among them: every rank's is ceil(vocab/N) columns, the last one zero-padded, so all ranks' shapes agree).
 """
 
 from __future__ import annotations

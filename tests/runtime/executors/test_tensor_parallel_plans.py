@@ -149,6 +149,17 @@ def test_lm_head_option_is_checked(export_dir, tmp_path):
         build_plan(export_dir("tiny-llama"), tmp_path / "b", limits=LIMITS, progress=False, lm_head="vocab-parallel")
 
 
+def test_all_gather_schema_lengthens_the_gathered_axis():
+    from trtopt.errors import BuildError
+    from trtopt.plugins.all_gather.schema import SCHEMA
+
+    assert SCHEMA.infer_shapes([(1, "N", 24576)], {"world_size": 2, "axis": -1}) == [(1, "N", 49152)]
+    assert SCHEMA.infer_shapes([(1, "N", 7)], {"world_size": 1, "axis": 1}) == [(1, "N", 7)]
+    assert SCHEMA.infer_shapes([(1, "N", 7)], {"world_size": 2, "axis": 1}) == [(1, None, 7)]
+    with pytest.raises(BuildError, match="axis 3 is out of range"):
+        SCHEMA.infer_shapes([(1, "N", 7)], {"world_size": 2, "axis": 3})
+
+
 def test_all_gather_torch_face_checks_the_group_size_and_is_the_identity_for_one_rank():
     from trtopt.plugins.all_gather.reference import all_gather_ref
 
