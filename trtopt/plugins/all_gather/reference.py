@@ -1,8 +1,8 @@
 """AllGather, face 3 of DESIGN.md §4: the torch face, over torch.distributed's default process group (gloo for CPU
 tensors, NCCL for CUDA tensors; trtopt/runtime/distributed.py initialises it with the backend "cpu:gloo,cuda:nccl").
 
-``all_gather_into_tensor`` writes the ranks' blocks one after the other along dim 0, so the result is rearranged to
-put them side by side along ``axis``. On CUDA this is one NCCL kernel plus one copy on the current stream, with no
+``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) writes the ranks' blocks one after the other
+along dim 0, so the result is rearranged to put them side by side along ``axis``. On CUDA this is one NCCL kernel plus one copy on the current stream, with no
 host synchronisation, so it is captured in the step's CUDA graph like trtopt.AllReduce. Outside an initialised group
 (a single-device runtime) the op is the identity, which is only right for a plan sharded for one rank: a
 ``world_size`` that disagrees with the group is an error, never a silent partial vocabulary.
@@ -25,9 +25,16 @@ def all_gather_ref(x: torch.Tensor, *, world_size: int, axis: int = -1) -> torch
         return x
     axis = axis % x.dim()
     x = x.contiguous()
-    stacked = torch.empty((world_size, *x.shape), dtype=x.dtype, device=x.device)  # [W, *x.shape]: rank-major
-    dist.all_gather_into_tensor(stacked, x)
+    # The blocks concatenated along dim 0 ([W*d0, ...]): the one output layout both gloo and NCCL accept (gloo
+    # refuses the stacked [W, *x.shape] form that NCCL also takes).
+    out = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x)
     # [W, d0, .., d_axis, ..] -> [d0, .., W, d_axis, ..] -> merge (W, d_axis): rank r's block at [r*d, (r+1)*d).
     shape = list(x.shape)
     shape[axis] *= world_size
-    return stacked.movedim(0, axis).reshape(shape)
+    return out.view(world_size, *x.shape).movedim(0, axis).reshape(shape)
+
+
+# torch 2.13 renamed all_gather_into_tensor (now a deprecated alias) to all_gather_single; older torch has only the
+# former. Same collective either way.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
