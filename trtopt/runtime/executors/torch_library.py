@@ -172,6 +172,19 @@ def _(x, *, world_size):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("trtopt::all_gather", mutates_args=())
+def all_gather(x: Tensor, *, world_size: int, axis: int = -1) -> Tensor:
+    y = trtopt_ops.all_gather(x, world_size=world_size, axis=axis)
+    return y.clone() if y is x else y.contiguous()  # one rank: the identity, but an op may not return its input
+
+
+@all_gather.register_fake
+def _(x, *, world_size, axis=-1):
+    shape = list(x.shape)
+    shape[axis] *= world_size
+    return x.new_empty(shape)
+
+
 # trtopt_ops function (what the converter's graph calls) → its custom op.
 CUSTOM_OPS: dict[Callable[..., Any], Any] = {
     trtopt_ops.paged_attention: torch.ops.trtopt.paged_attention.default,
@@ -183,6 +196,7 @@ CUSTOM_OPS: dict[Callable[..., Any], Any] = {
     trtopt_ops.rope: torch.ops.trtopt.rope.default,
     trtopt_ops.matmul_add: torch.ops.trtopt.matmul_add.default,
     trtopt_ops.all_reduce: torch.ops.trtopt.all_reduce.default,
+    trtopt_ops.all_gather: torch.ops.trtopt.all_gather.default,
 }
 # A trtopt op added to trtopt_ops needs its custom op here (test_torch_library checks this at import).
 assert set(CUSTOM_OPS) == {spec.fn for spec in trtopt_ops.TRTOPT_OPS.values()}, (
