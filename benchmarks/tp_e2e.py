@@ -239,7 +239,8 @@ def all_reduce_alone(hidden: int, layers: int, tokens: tuple = (1, 64, 256)) -> 
     return result
 
 
-def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int, args) -> dict:
+def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int, args, label: str = "") -> dict:
+    label = label or f"N={n}"
     from trtopt.runtime.engine import LLMEngine
 
     t = time.perf_counter()
@@ -249,13 +250,13 @@ def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int,
     out: dict = {"start_s": time.perf_counter() - t, "num_blocks": engine.limits.num_blocks}
     try:
         out["batch1"] = gpu_e2e.batch1_decode(engine, vocab, device)
-        log(f"N={n} batch-1 decode: {out['batch1']['decode_tok_s']:.1f} tok/s")
+        log(f"{label} batch-1 decode: {out['batch1']['decode_tok_s']:.1f} tok/s")
         out["profile"] = all_reduce_profile(engine, vocab)
         if out["profile"]:
-            log(f"N={n} eager step {out['profile']['device_ms_per_step']:.2f} ms on rank 0, NCCL kernels "
+            log(f"{label} eager step {out['profile']['device_ms_per_step']:.2f} ms on rank 0, NCCL kernels "
                 f"{out['profile']['nccl_kernel_ms_per_step']:.3f} ms (incl. waiting for the peer)")
         out["workload"] = gpu_e2e.run_engine(engine, requests, wave=None, device=device)
-        log(f"N={n} workload: {out['workload']['output_tok_s']:.0f} output tok/s")
+        log(f"{label} workload: {out['workload']['output_tok_s']:.0f} output tok/s")
     finally:
         engine.shutdown()
         del engine
@@ -330,7 +331,8 @@ def main() -> None:
             log(f"{name}: graphed all-reduces of one step, per token count: {alone}")
         runs = {}
         for key in keys:
-            runs[key] = run_size(made["plans"][key]["dir"], RUNS[key][0] or 1, device, requests, shape.vocab, args)
+            runs[key] = run_size(made["plans"][key]["dir"], RUNS[key][0] or 1, device, requests, shape.vocab, args,
+                                 label=f"run {key}")
             runs[key].update(lm_head=made["plans"][key]["lm_head"],
                              weight_bytes_per_rank=made["plans"][key]["weight_bytes_per_rank"])
         one = runs["1"]
