@@ -240,8 +240,9 @@ def all_reduce_alone(hidden: int, layers: int, tokens: tuple = (1, 64, 256)) -> 
 
 
 def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int, args, label: str = "") -> dict:
-    label = label or f"N={n}"
     from trtopt.runtime.engine import LLMEngine
+
+    label = label or f"N={n}"
 
     t = time.perf_counter()
     engine = LLMEngine.from_plan(plan_dir, device=str(device), tensor_parallel_size=n if n > 1 else None,
