@@ -243,7 +243,6 @@ def run_size(plan_dir: Path, n: int, device: torch.device, requests, vocab: int,
     from trtopt.runtime.engine import LLMEngine
 
     label = label or f"N={n}"
-
     t = time.perf_counter()
     engine = LLMEngine.from_plan(plan_dir, device=str(device), tensor_parallel_size=n if n > 1 else None,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
