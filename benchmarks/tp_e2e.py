@@ -274,13 +274,13 @@ def plot(data: dict, path: Path) -> None:
 
     shapes = list(data["shapes"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    runs = [k for k in RUNS if all(k in data["shapes"][s]["runs"] for s in shapes)]
+    runs = [k for k in RUNS if any(k in data["shapes"][s]["runs"] for s in shapes)]  # a shape without a run: no bar
     labels = {"1": "N=1", "2": "N=2", "2-vocab": "N=2, vocab-parallel head"}
     for ax, (key, label) in zip(axes, (("batch1", "batch-1 decode tok/s"), ("workload", "256-request output tok/s"))):
         width = 0.8 / len(runs)
         for i, run in enumerate(runs):
             values = [data["shapes"][s]["runs"][run][key]["decode_tok_s" if key == "batch1" else "output_tok_s"]
-                      for s in shapes]
+                      if run in data["shapes"][s]["runs"] else 0.0 for s in shapes]
             ax.bar([x + (i - (len(runs) - 1) / 2) * width for x in range(len(shapes))], values, width, label=labels[run])
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_title(label)
