@@ -5,6 +5,10 @@ is exported once and built twice; `LLMEngine` on the torch executor (CPU) decode
 A, B, A, B, ... so that drift of a shared machine hits both alike. Reports median ms per decode step of each.
 
     python3 benchmarks/cpu_fusion_ab.py --rule horizontal_matmul --out ab.json
+    python3 benchmarks/cpu_fusion_ab.py --rule horizontal_matmul silu_mul add_rms_norm rope all --out ab.json
+
+Several --rule values are compared one after another against the same "with" plan (one export); `all` disables
+every plan-level fusion pass named in PLAN_PASSES at once (the plan before issue 11's fusions).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_e2e import Shape, build_without, make_hf_dir  # noqa: E402
+from gpu_e2e import Shape, make_hf_dir  # noqa: E402
 
+PLAN_PASSES = ("horizontal_matmul", "silu_mul", "add_rms_norm", "rope")
 SMOLLM2_SHAPE = Shape(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
 
 
@@ -50,7 +55,8 @@ def decode_ms(plan_dir: Path, batch: int, new_tokens: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rule", default="horizontal_matmul")
+    ap.add_argument("--rule", nargs="+", default=["horizontal_matmul"],
+                    help="pass(es) to compare, one comparison each; `all` = every pass in PLAN_PASSES at once")
     ap.add_argument("--work", type=Path, default=Path("/tmp/trtopt-cpu-ab"))
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -65,22 +71,31 @@ def main() -> None:
     make_hf_dir(args.work / "hf", SMOLLM2_SHAPE, torch.device("cpu"), dtype=torch.float32)
     export_model(args.work / "hf", args.work / "onnx", verify_outputs=False, force=True)
     limits = Limits(block_size=16, max_num_tokens=1024, max_num_seqs=16, max_model_len=1024)
-    plans = {"with": args.work / "plan", "without": args.work / f"plan-without-{args.rule}"}
-    build_plan(args.work / "onnx", plans["with"], force=True, progress=False, limits=limits)
-    build_without(args.work / "onnx", plans["without"], args.rule, limits)
-    result = {"rule": args.rule, "shape": "SmolLM2-135M (random fp32)", "threads": torch.get_num_threads(),
-              "new_tokens": args.new_tokens, "rounds": args.rounds}
-    for batch in args.batches:
-        steps = {"with": [], "without": []}
-        for _ in range(args.rounds):
-            for name in ("without", "with"):
-                steps[name] += decode_ms(plans[name], batch, args.new_tokens)
-        for name, ms in steps.items():
-            result[f"batch{batch}_{name}_ms_per_step"] = statistics.median(ms)
-        print(f"batch {batch}: with {args.rule} {result[f'batch{batch}_with_ms_per_step']:.2f} ms/step, without "
-              f"{result[f'batch{batch}_without_ms_per_step']:.2f} ms/step (medians of {len(steps['with'])} steps)")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    with_plan = args.work / "plan"
+    build_plan(args.work / "onnx", with_plan, force=True, progress=False, limits=limits)
+    results = []
+    for rule in args.rule:
+        disabled = PLAN_PASSES if rule == "all" else (rule,)
+        plans = {"with": with_plan, "without": args.work / f"plan-without-{rule}"}
+        build_plan(args.work / "onnx", plans["without"], force=True, progress=False, limits=limits,
+                   disable_passes=disabled)
+        result = {"rule": rule, "disabled_passes": list(disabled), "shape": "SmolLM2-135M (random fp32)",
+                  "threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "rounds": args.rounds}
+        for batch in args.batches:
+            steps = {"with": [], "without": []}
+            for _ in range(args.rounds):
+                for name in ("without", "with"):
+                    steps[name] += decode_ms(plans[name], batch, args.new_tokens)
+            for name, ms in steps.items():
+                result[f"batch{batch}_{name}_ms_per_step"] = statistics.median(ms)
+            result[f"batch{batch}_speedup"] = (result[f"batch{batch}_without_ms_per_step"]
+                                               / result[f"batch{batch}_with_ms_per_step"])
+            print(f"batch {batch}: with {rule} {result[f'batch{batch}_with_ms_per_step']:.2f} ms/step, without "
+                  f"{result[f'batch{batch}_without_ms_per_step']:.2f} ms/step (medians of {len(steps['with'])} steps)",
+                  flush=True)
+        results.append(result)
+        if args.out:  # after each comparison, so a run cut short keeps what it measured
+            args.out.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

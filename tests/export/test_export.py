@@ -110,11 +110,13 @@ def test_bad_options(tmp_path, kwargs, match):
 
 
 def test_bf16_verification_failure_is_explained(tmp_path):
-    """ORT CPU has no bf16 kernels: the export says so and points at --no-verify, which then succeeds."""
+    """ORT CPU has no bf16 kernels: by default a bf16 export is recorded as unverified (and says why); asking for
+    verification explicitly fails with the reason and points at --no-verify."""
     with pytest.raises(ExportError, match="bf16.*--no-verify"):
-        export_model("tiny-llama", tmp_path / "a", dtype="bf16")
-    result = export_model("tiny-llama", tmp_path / "b", dtype="bf16", verify_outputs=False)
+        export_model("tiny-llama", tmp_path / "a", dtype="bf16", verify_outputs=True)
+    result = export_model("tiny-llama", tmp_path / "b", dtype="bf16")
     assert result.max_abs_error == {}
+    assert "bf16" in result.unverified_because and "trtopt check" in result.unverified_because
     proto = onnx.load(result.onnx_path)
     assert proto.graph.input[3].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
 

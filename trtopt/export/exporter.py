@@ -43,6 +43,7 @@ class ExportResult:
     seconds: float  # wall time of the export itself (not the verification)
     max_abs_error: dict[str, float]  # verification case → max |ORT − PyTorch| over logits and presents
     max_rel_error: dict[str, float]  # the same, each output scaled by max(1, its largest |value|): what is checked
+    unverified_because: str | None = None  # why the default verification was skipped (bf16), else None
 
 
 class _OptimumStyle(torch.nn.Module):
@@ -186,9 +187,13 @@ def verify(onnx_path: Path, wrapper: _OptimumStyle, config, dtype: str) -> tuple
 
 
 def export_model(model: str | Path, out_dir: str | Path, *, exporter: str = "dynamo", dtype: str = "fp32",
-                 opset: int | None = None, verify_outputs: bool = True, force: bool = False,
+                 opset: int | None = None, verify_outputs: bool | None = None, force: bool = False,
                  log: Callable[[str], None] = lambda _: None) -> ExportResult:
-    """Export an HF causal LM (directory or built-in alias) to ``out_dir`` in the optimum layout."""
+    """Export an HF causal LM (directory or built-in alias) to ``out_dir`` in the optimum layout.
+
+    ``verify_outputs``: True compares ONNX Runtime (CPU) with PyTorch after the export, False skips it, None (the
+    default) verifies every dtype ORT's CPU kernels run, i.e. all but bf16, which is then recorded as unverified
+    (check a bf16 plan on a GPU with `trtopt check` instead)."""
     if exporter not in EXPORTERS:
         raise ExportError(f"unknown exporter {exporter!r}; choose one of: {', '.join(EXPORTERS)}.")
     if dtype not in DTYPES:
@@ -222,8 +227,11 @@ def export_model(model: str | Path, out_dir: str | Path, *, exporter: str = "dyn
             shutil.copy2(model_dir / name, out_dir / name)
     if not (out_dir / "generation_config.json").is_file() and hf.generation_config is not None:
         hf.generation_config.save_pretrained(out_dir)
-    errors, scaled = {}, {}
-    if verify_outputs:
+    errors, scaled, unverified = {}, {}, None
+    if verify_outputs is None and dtype == "bf16":
+        unverified = ("ONNX Runtime's CPU kernels do not cover bf16, so the export was not compared with PyTorch; "
+                      "check the built plan on a GPU with `trtopt check`")
+    elif verify_outputs is not False:
         log("verifying ONNX Runtime against PyTorch")
         errors, scaled = verify(onnx_path, wrapper, config, dtype)
-    return ExportResult(out_dir, onnx_path, exporter, opset, seconds, errors, scaled)
+    return ExportResult(out_dir, onnx_path, exporter, opset, seconds, errors, scaled, unverified)
