@@ -118,3 +118,29 @@ def test_killed_worker_ends_the_engine_with_a_clear_error(tp_llm):
     with pytest.raises(WorkerDiedError):  # and the engine stays stopped
         llm.generate("Hello", GREEDY)
     assert not dist.is_initialized()  # the driver left the group
+
+
+def _gather_on_rank(rank: int, store_path: str, out_dir: str) -> None:
+    from trtopt.plugins.all_gather.reference import all_gather_ref
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * rank  # rank r's block: values + 100 r
+        for axis in (0, 1, -1):
+            torch.save(all_gather_ref(x, world_size=2, axis=axis), f"{out_dir}/rank{rank}_axis{axis}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_gather_torch_face_puts_rank_blocks_side_by_side_along_the_axis(tmp_path):
+    """The torch face over gloo at N = 2: every rank gets torch.cat of the ranks' blocks along `axis`, in rank
+    order (the all-gather fills dim 0; the face rearranges), for the first, a middle and the last axis."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gather_on_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    blocks = [torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * r for r in range(2)]
+    for axis in (0, 1, -1):
+        want = torch.cat(blocks, dim=axis)
+        for rank in range(2):
+            assert torch.equal(torch.load(tmp_path / f"rank{rank}_axis{axis}.pt"), want), (rank, axis)
