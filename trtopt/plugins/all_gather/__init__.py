@@ -2,9 +2,10 @@
 inserted by the sharding pass (trtopt/fusion_passes/tensor_parallel.py) after a vocabulary-parallel LM head, so
 every rank (the driver's rank 0 among them) holds the full-vocabulary logits rows it samples from.
 
-Faces (DESIGN.md §4): schema; function (Identity: the concatenation over a group of one, so a rank plan built for
-one rank runs unchanged on every single-device runtime); reference (the torch face, over torch.distributed's
-``all_gather_into_tensor``: gloo on CPU, NCCL on CUDA, capturable in a CUDA graph like the all-reduce); no Triton
+Faces (DESIGN.md §4): schema; function (Tile world_size times along axis: the identity for a group of one, so a
+rank plan built for one rank runs unchanged on every single-device runtime); reference (the torch face, over
+torch.distributed's ``all_gather_single``: gloo on CPU, NCCL on CUDA, capturable in a CUDA graph like the
+all-reduce); a torch.library custom op for compile mode (runtime/executors/torch_library.py); no Triton
 kernel (NCCL is the kernel); trt_plugin (how TensorRT-LLM's NCCL AllGather plugin would take it, written to the API,
 not runnable here).
 """

@@ -38,7 +38,7 @@ SCHEMA = OpSchema(
     op_type=OP_TYPE,
     inputs=INPUTS,
     optional_inputs={},
-    # No plugin_namespace on the node: TensorRT inlines the Identity body, which is right for one rank only; the
+    # No plugin_namespace on the node: TensorRT inlines the Tile body, which is right for one rank only; the
     # TensorRT executor refuses plans sharded for more (see trt_plugin.py for the multi-rank route).
     tensorrt_plugin=False,
     outputs=OUTPUTS,

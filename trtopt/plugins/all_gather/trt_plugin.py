@@ -1,7 +1,7 @@
 """AllGather, face 5 of DESIGN.md §4: how TensorRT would take it. Importing this module registers nothing.
 
 Today a trtopt.AllGather node carries no ``plugin_namespace`` (SCHEMA.tensorrt_plugin is False), so the TensorRT
-ONNX parser inlines its Identity body: right for a plan sharded for one rank, and the TensorRT executor refuses
+ONNX parser inlines its Tile body (the identity for one rank): right for a plan sharded for one rank; the TensorRT executor refuses
 plans sharded for more (trtopt/runtime/executors/__init__.py). The multi-rank route, written to TensorRT-LLM's API
 and NOT run here (neither tensorrt nor tensorrt_llm can be installed on the project's machines), is NCCL through
 TensorRT-LLM's ``AllGather`` plugin (cpp/tensorrt_llm/plugins/ncclPlugin/allgatherPlugin.cpp, namespace

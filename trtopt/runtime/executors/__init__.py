@@ -35,7 +35,7 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
                           "compile_mode unset.")
     check_plan_model(Path(plan_dir) / MODEL_FILE)
     if plan.parallel is not None and plan.parallel.size > 1 and backend != "torch":
-        # Their trtopt.AllReduce / AllGather would be the Identity body: each rank's partial sum or vocabulary block,
+        # Their trtopt.AllReduce / AllGather would be the one-rank body: each rank's partial sum or its vocabulary block,
         # silently wrong.
         raise ConfigError(f"{plan_dir} is one rank of a plan sharded for {plan.parallel.size}; only the torch backend "
                           "runs it (in a tensor-parallel group: LLM(plan, tensor_parallel_size=N)).")
