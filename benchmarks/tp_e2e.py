@@ -74,6 +74,7 @@ def weight_bytes_per_rank(plan_dir: Path) -> list[int]:
     types without loading the weights."""
     import numpy as np
     import onnx
+    from onnx import helper
 
     from trtopt.build.plan import rank_dir, read_plan
 
@@ -82,7 +83,7 @@ def weight_bytes_per_rank(plan_dir: Path) -> list[int]:
     sizes = []
     for path in dirs:
         proto = onnx.load(path / "model.onnx", load_external_data=False)
-        sizes.append(sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        sizes.append(sum(int(np.prod(t.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                          for t in proto.graph.initializer))
     return sizes
 
@@ -285,7 +286,8 @@ def plot(data: dict, path: Path) -> None:
         for i, run in enumerate(runs):
             values = [data["shapes"][s]["runs"][run][key]["decode_tok_s" if key == "batch1" else "output_tok_s"]
                       if run in data["shapes"][s]["runs"] else 0.0 for s in shapes]
-            ax.bar([x + (i - (len(runs) - 1) / 2) * width for x in range(len(shapes))], values, width, label=labels[run])
+            offset = (i - (len(runs) - 1) / 2) * width
+            ax.bar([x + offset for x in range(len(shapes))], values, width, label=labels[run])
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_title(label)
         ax.legend()

@@ -524,8 +524,8 @@ class _Rewriter:
         padding = per_rank * self.size - vocab
         if padding:
             name = f"{head.name}.vocab"
-            drop = ir.node("Slice", [result, self.constant(f"{name}_starts", [0]), self.constant(f"{name}_ends", [vocab]),
-                                     self.constant(f"{name}_axes", [-1])], name=f"{head.name}.drop_padding")
+            bounds = [self.constant(f"{name}_{what}", [v]) for what, v in (("starts", 0), ("ends", vocab), ("axes", -1))]
+            drop = ir.node("Slice", [result, *bounds], name=f"{head.name}.drop_padding")
             new_nodes.append(drop)
             result = drop.outputs[0]
         for node in new_nodes:
@@ -644,8 +644,10 @@ def lm_head_reason(layout: ParallelLayout) -> str | None:
     padding = f" (the last shard padded by {split['padding']} zero columns, sliced off after the gather)" \
         if split["padding"] else ""
     mib = abs(split["weight_bytes_saved_per_rank"]) / 2**20
-    memory = (f"adds {mib:.1f} MiB per rank (tied: the shard is its own initializer, the embedding Gather keeps the "
-              "whole table)") if split["tied"] else \
-        f"saves {mib:.1f} MiB of head weights per rank (hidden {split['hidden']} x vocab x {split['dtype_bytes']} B x (N-1)/N)"
-    return (f"{RULE} | {split['node']}: LM head vocab-parallel: {split['vocab_per_rank']} of {split['vocab']} vocabulary "
-            f"columns per rank{padding}; one all-gather of the sampled logits rows per step; {memory}")
+    if split["tied"]:
+        memory = f"adds {mib:.1f} MiB per rank (tied: the shard is its own initializer, the embedding keeps the table)"
+    else:
+        memory = (f"saves {mib:.1f} MiB of head weights per rank (hidden {split['hidden']} x vocab x "
+                  f"{split['dtype_bytes']} B x (N-1)/N)")
+    return (f"{RULE} | {split['node']}: LM head vocab-parallel: {split['vocab_per_rank']} of {split['vocab']} "
+            f"vocabulary columns per rank{padding}; one all-gather of the sampled logits rows per step; {memory}")

@@ -1,11 +1,11 @@
 """AllGather, face 5 of DESIGN.md §4: how TensorRT would take it. Importing this module registers nothing.
 
 Today a trtopt.AllGather node carries no ``plugin_namespace`` (SCHEMA.tensorrt_plugin is False), so the TensorRT
-ONNX parser inlines its Tile body (the identity for one rank): right for a plan sharded for one rank; the TensorRT executor refuses
-plans sharded for more (trtopt/runtime/executors/__init__.py). The multi-rank route, written to TensorRT-LLM's API
-and NOT run here (neither tensorrt nor tensorrt_llm can be installed on the project's machines), is NCCL through
-TensorRT-LLM's ``AllGather`` plugin (cpp/tensorrt_llm/plugins/ncclPlugin/allgatherPlugin.cpp, namespace
-``tensorrt_llm``, version "1"), next to the AllReduce plugin that all_reduce/trt_plugin.py describes:
+ONNX parser inlines its Tile body (the identity for one rank): right for a plan sharded for one rank; the TensorRT
+executor refuses plans sharded for more (trtopt/runtime/executors/__init__.py). The multi-rank route, written to
+TensorRT-LLM's API and NOT run here (neither tensorrt nor tensorrt_llm can be installed on the project's machines),
+is NCCL through TensorRT-LLM's ``AllGather`` plugin (cpp/tensorrt_llm/plugins/ncclPlugin/allgatherPlugin.cpp,
+namespace ``tensorrt_llm``, version "1"), next to the AllReduce plugin that all_reduce/trt_plugin.py describes:
 
 - The same process setup as for AllReduce: ``import tensorrt_llm.plugin`` (dlopens libnvinfer_plugin_tensorrt_llm.so
   and registers its creators) and ranks started under MPI: the plugin's ``initialize()`` creates the NCCL

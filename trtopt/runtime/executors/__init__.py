@@ -35,8 +35,8 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig, *, dev
                           "compile_mode unset.")
     check_plan_model(Path(plan_dir) / MODEL_FILE)
     if plan.parallel is not None and plan.parallel.size > 1 and backend != "torch":
-        # Their trtopt.AllReduce / AllGather would be the one-rank body: each rank's partial sum or its vocabulary block,
-        # silently wrong.
+        # Their trtopt.AllReduce / AllGather would run the one-rank body: each rank's partial sum or its own block of
+        # the vocabulary, silently wrong.
         raise ConfigError(f"{plan_dir} is one rank of a plan sharded for {plan.parallel.size}; only the torch backend "
                           "runs it (in a tensor-parallel group: LLM(plan, tensor_parallel_size=N)).")
     if backend == "torch":
