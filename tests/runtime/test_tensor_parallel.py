@@ -83,7 +83,6 @@ def test_seeded_n2_with_copy_on_write_equals_one_rank(tp_llm, engine_for):
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "odd-vocab"])
 def test_vocab_parallel_head_greedy_at_two_ranks_equals_hf(model, tp_llm, hf_model, odd_vocab_model):
     """Each rank projects half the vocabulary (odd-vocab: 25129 columns, rank 1's last one padding); the driver
