@@ -40,6 +40,13 @@ def engine_for(built_plan, executor_for):
 
 
 @pytest.fixture(scope="session")
+def smollm2_engine(engine_for):
+    """smollm2_engine(backend="torch", **EngineConfig fields) -> a fresh LLMEngine on the real SmolLM2-135M plan,
+    with max_model_len=256 unless given (the tests' prompts are short: a smaller KV pool)."""
+    return lambda backend="torch", **cfg: engine_for("smollm2-135m", backend, **{"max_model_len": 256, **cfg})
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """hf_model(model) -> the HF PyTorch model behind an export alias (fp32, eval), cached."""
     import torch

@@ -9,6 +9,7 @@ same function on plain token lists: the engine must match it token for token.
 from __future__ import annotations
 
 import collections
+import random
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,12 @@ def next_logits(tokens: list[int]) -> torch.Tensor:
     """The model: logits [VOCAB] that depend on every token of the sequence."""
     g = torch.Generator().manual_seed(hash(tuple(tokens)) & 0xFFFFFFFF)
     return torch.randn(VOCAB, generator=g) * 4
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]]:
+    """n seeded random prompts of lo..hi tokens from the echo vocabulary (ids 0 and 1 left out: 1 is EOS)."""
+    rnd = random.Random(seed)
+    return [[rnd.randint(2, VOCAB - 1) for _ in range(rnd.randint(lo, hi))] for _ in range(n)]
 
 
 def reference_generate(prompt: list[int], max_tokens: int, *, eos: int | None = EOS) -> list[int]:

@@ -10,22 +10,9 @@ import torch
 from trtopt.errors import RequestError
 from trtopt.runtime.sampling_params import SamplingParams
 
+from stepping import assert_idle, run_all
+
 MODEL = "tiny-llama"
-
-
-def finish(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
-def assert_idle(engine):
-    st = engine.stats()
-    assert st.num_running == st.num_waiting == 0 and st.num_blocks_free == st.num_blocks_total
-    engine.pool.check_invariants()
 
 
 def test_greedy_matches_hf_generate(engine_for, hf_model):
@@ -33,7 +20,7 @@ def test_greedy_matches_hf_generate(engine_for, hf_model):
     prompts = ["Hello, my name is", "The capital of France", "1 2 3 4 5"]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    done = finish(engine)
+    done = run_all(engine)
     for i, p in enumerate(prompts):
         x = torch.tensor([done[str(i)].prompt_token_ids])
         ref = hf_model(MODEL).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, min_new_tokens=24, do_sample=False)
@@ -47,20 +34,20 @@ def test_n2_with_seeds_equals_two_independent_runs(engine_for, backend):
     params = SamplingParams(n=2, temperature=0.9, top_k=50, seed=7, max_tokens=20, ignore_eos=True)
     engine = engine_for(MODEL, backend, max_model_len=128, enable_prefix_caching=False)
     engine.add_request("pair", prompt, params)
-    pair = finish(engine)["pair"]
+    pair = run_all(engine)["pair"]
     assert engine.kv.num_cow_copies >= 1
     assert_idle(engine)
     for i in range(2):
         solo = engine_for(MODEL, backend, max_model_len=128, enable_prefix_caching=False)
         solo.add_request("solo", prompt, SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=20, ignore_eos=True))
-        assert finish(solo)["solo"].outputs[0].token_ids == pair.outputs[i].token_ids
+        assert run_all(solo)["solo"].outputs[0].token_ids == pair.outputs[i].token_ids
     assert pair.outputs[0].token_ids != pair.outputs[1].token_ids
 
 
 def test_stop_string_cuts_the_text_and_streams_nothing_past_it(engine_for):
     engine = engine_for(MODEL, "torch", max_model_len=128)
     engine.add_request("free", "The capital of France", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    text = finish(engine)["free"].outputs[0].text
+    text = run_all(engine)["free"].outputs[0].text
     stop = text[10:16]  # a piece of real output, most likely spanning a token boundary
     assert text.find(stop) == 10
     engine.add_request("stopped", "The capital of France", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))
@@ -92,7 +79,7 @@ def test_bad_input_raises_and_the_engine_stays_healthy(engine_for, prompt, param
     engine.step()
     with pytest.raises(RequestError, match=match):
         engine.add_request("bad", prompt, params)
-    assert set(finish(engine)) == {"busy"}
+    assert set(run_all(engine)) == {"busy"}
     assert_idle(engine)
 
 

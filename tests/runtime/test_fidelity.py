@@ -39,14 +39,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def smollm2(engine_for):
-    return lambda backend, **cfg: engine_for(MODEL, backend, **{"max_model_len": 256, **cfg})
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2, hf_model):
+def reference(smollm2_engine, hf_model):
     """Prompt token ids (as the engine tokenizes them) -> HF greedy continuation."""
-    engine = smollm2("torch")
+    engine = smollm2_engine("torch")
     ids = [engine.input_processor.tokenize(p)[1] for p in prompts()]
     model = hf_model(MODEL)
     refs = []
@@ -90,32 +85,32 @@ def assert_matches(done, reference, engine):
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_a_all_at_once(smollm2, reference, backend):
-    engine = smollm2(backend, enable_prefix_caching=False)
+def test_a_all_at_once(smollm2_engine, reference, backend):
+    engine = smollm2_engine(backend, enable_prefix_caching=False)
     done = run(engine, [(0, str(i), p) for i, p in enumerate(prompts())])
     assert_matches(done, reference, engine)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_b_staggered_with_chunked_prefill(smollm2, reference, backend):
-    engine = smollm2(backend, enable_prefix_caching=False, max_num_batched_tokens=48)
+def test_b_staggered_with_chunked_prefill(smollm2_engine, reference, backend):
+    engine = smollm2_engine(backend, enable_prefix_caching=False, max_num_batched_tokens=48)
     done = run(engine, [(5 * i, str(i), p) for i, p in enumerate(prompts())])
     assert_matches(done, reference, engine)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_c_tiny_pool_preempts(smollm2, reference, backend):
+def test_c_tiny_pool_preempts(smollm2_engine, reference, backend):
     # The chats alone need 5 x ~4 blocks of 16 for their prompts and grow to ~7 blocks each;
     # 12 usable blocks (enough for one sequence of max_model_len=128) force preemption.
-    engine = smollm2(backend, enable_prefix_caching=False, num_blocks=13, max_model_len=128)
+    engine = smollm2_engine(backend, enable_prefix_caching=False, num_blocks=13, max_model_len=128)
     done = run(engine, [(0, str(i), p) for i, p in enumerate(prompts())])
     assert engine.stats().num_preemptions > 0
     assert_matches(done, reference, engine)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_d_prefix_caching_shared_system_prompt(smollm2, reference, backend):
-    engine = smollm2(backend, enable_prefix_caching=True)
+def test_d_prefix_caching_shared_system_prompt(smollm2_engine, reference, backend):
+    engine = smollm2_engine(backend, enable_prefix_caching=True)
     ps = prompts()
     # The first chat runs alone so that its system-prompt blocks are cached before the others arrive.
     done = run(engine, [(0, "0", ps[0])] + [(3, str(i), p) for i, p in enumerate(ps) if i])
@@ -128,8 +123,8 @@ def test_d_prefix_caching_shared_system_prompt(smollm2, reference, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_logprobs_equal_hf_log_softmax(smollm2, hf_model, backend):
-    engine = smollm2(backend)
+def test_logprobs_equal_hf_log_softmax(smollm2_engine, hf_model, backend):
+    engine = smollm2_engine(backend)
     engine.add_request("lp", [{"role": "user", "content": "Name a planet."}], SamplingParams(temperature=0, max_tokens=12, logprobs=5))
     done = {}
     while engine.has_unfinished_requests():

@@ -12,37 +12,14 @@ from trtopt.errors import RequestError
 from trtopt.runtime.engine import EngineConfig, LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 
-from echo_model import VOCAB, EchoExecutor, make_plan, reference_generate
+from echo_model import VOCAB, EchoExecutor, make_plan, prompts, reference_generate
+from stepping import assert_idle, run_all
 
 
 def make_engine(*, block_size=4, num_blocks=64, max_num_tokens=64, max_num_seqs=8, max_model_len=64, **cfg):
     plan = make_plan(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     ex = EchoExecutor(block_size)
     return LLMEngine(ex, plan, None, EngineConfig(num_blocks=num_blocks, **cfg)), ex
-
-
-def prompts(n, seed=0, lo=3, hi=20):
-    rnd = random.Random(seed)
-    return [[rnd.randint(2, VOCAB - 1) for _ in range(rnd.randint(lo, hi))] for _ in range(n)]
-
-
-def run_all(engine, max_steps=10_000):
-    """Step until idle; return {request_id: final RequestOutput} and the batches' sizes."""
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        steps += 1
-        assert steps < max_steps, "the engine made no progress"
-    return done
-
-
-def assert_idle(engine):
-    st = engine.stats()
-    assert st.num_running == 0 and st.num_waiting == 0
-    assert st.num_blocks_free == st.num_blocks_total, "blocks leaked"
-    engine.pool.check_invariants()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -3,8 +3,6 @@ target's exact distribution), configuration errors, and greedy identity on the r
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,7 +16,8 @@ from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.runtime.spec_decode.ngram import ngram_lookup, ngram_lookup_batch
 from trtopt.runtime.spec_decode.proposer import Proposal
 
-from echo_model import VOCAB, EchoExecutor, make_plan, next_logits, reference_generate
+from echo_model import VOCAB, EchoExecutor, make_plan, next_logits, prompts, reference_generate
+from stepping import run_all
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -70,22 +69,6 @@ class UniformProposer(WrongProposer):
                 out[s.request_id] = Proposal(torch.randint(0, VOCAB, (s.num_lookahead,), generator=rng).tolist(),
                                              torch.full((s.num_lookahead, VOCAB), 1.0 / VOCAB))
         return out
-
-
-def prompts(n, seed=0, lo=3, hi=20):
-    rnd = random.Random(seed)
-    return [[rnd.randint(2, VOCAB - 1) for _ in range(rnd.randint(lo, hi))] for _ in range(n)]
-
-
-def run_all(engine, max_steps=20_000):
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        steps += 1
-        assert steps < max_steps, "the engine made no progress"
-    return done
 
 
 def check_blocks(engine):

@@ -13,23 +13,16 @@ import torch
 from trtopt.errors import RequestError
 from trtopt.runtime.sampling_params import SamplingParams
 
+from stepping import run_all
+
 TINY = "tiny-llama"
 SMOL = "smollm2-135m"
-
-
-def finish(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def run(engine, requests: dict):
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    return finish(engine)
+    return run_all(engine)
 
 
 def tokens(out, i=0):
@@ -39,18 +32,13 @@ def tokens(out, i=0):
 # ---- prompt_logprobs -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smol(engine_for):
-    return lambda **cfg: engine_for(SMOL, "torch", **{"max_model_len": 256, **cfg})
-
-
 @pytest.mark.slow
-def test_prompt_logprobs_equal_hf_log_softmax_through_chunks_and_a_warm_prefix_cache(smol, hf_model):
+def test_prompt_logprobs_equal_hf_log_softmax_through_chunks_and_a_warm_prefix_cache(smollm2_engine, hf_model):
     """Chunks of 16 tokens split the prompt across steps; the same prompt already sits in the prefix cache, which
     a prompt_logprobs request must not use (a cached prefix has no logits); n=2 reports them once."""
     prompt = ("The history of the city begins in the Roman era, when a small fort guarded the river crossing. "
               "Over the centuries it grew into a market town")
-    engine = smol(max_num_batched_tokens=16)
+    engine = smollm2_engine(max_num_batched_tokens=16)
     run(engine, {"warm": (prompt, SamplingParams(temperature=0, max_tokens=2))})  # fills the prefix cache
     done = run(engine, {
         "plp": (prompt, SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=3, prompt_logprobs=3)),
@@ -172,10 +160,10 @@ def test_ids_outside_the_vocabulary_are_request_errors(engine_for):
 
 
 @pytest.mark.slow
-def test_bad_words_are_never_produced(smol):
+def test_bad_words_are_never_produced(smollm2_engine):
     """Ban the first two words of the greedy answer as one phrase, and its third word alone: the greedy run must
     change where the phrase would complete, and no run (greedy or sampled) may contain either token sequence."""
-    engine = smol()
+    engine = smollm2_engine()
     prompt = "The capital of France is"
     free = run(engine, {"f": (prompt, SamplingParams(temperature=0, max_tokens=8))})["f"]
     words = free.outputs[0].text.split()
@@ -196,8 +184,8 @@ def test_bad_words_are_never_produced(smol):
 
 
 @pytest.mark.slow
-def test_truncate_prompt_tokens_equals_running_the_truncated_prompt(smol):
-    engine = smol()
+def test_truncate_prompt_tokens_equals_running_the_truncated_prompt(smollm2_engine):
+    engine = smollm2_engine()
     prompt = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen"
     ids = engine.input_processor.tokenize(prompt)[1]
     done = run(engine, {
