@@ -3,6 +3,9 @@ helpers that the rules share (attention matching, the norms, the paged rewrite's
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+
 import numpy as np
 import onnx_ir as ir
 
@@ -89,10 +92,14 @@ def infer_missing_shapes(model: ir.Model) -> int:
 
     proto = ir.to_proto(model)
     _constants_as_tensors(proto.graph)
-    try:
-        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
-    except Exception:  # it raises many types on graphs it cannot follow; then nothing is added
-        return 0
+    # When it cannot infer every shape, it saves its partial model as sym_shape_infer_temp.onnx (+ a .data file)
+    # into the working directory before raising: run it in a scratch directory so a build leaves nothing behind
+    # in the user's. (chdir is process-wide; the build runs its passes on one thread.)
+    with tempfile.TemporaryDirectory(prefix="trtopt-shape-infer-") as scratch, contextlib.chdir(scratch):
+        try:
+            inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
+        except Exception:  # it raises many types on graphs it cannot follow; then nothing is added
+            return 0
     values = {v.name: v for node in model.graph for v in node.outputs}
     count = 0
     for info in inferred.graph.value_info:
