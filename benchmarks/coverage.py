@@ -1,7 +1,7 @@
 """Architecture coverage: tiny random model of each family → `trtopt export` → `trtopt build` → greedy tokens vs HF.
 
     PYTHONPATH=. python benchmarks/coverage.py --out docs/benchmarks/coverage.jsonl [--archs llama,gemma3]
-        [--exporters dynamo,legacy,optimum] [--dtypes fp32]
+        [--exporters dynamo,legacy,optimum] [--dtypes fp32,fp16,bf16]
     python benchmarks/coverage.py --table docs/benchmarks/coverage.jsonl > docs/coverage.md
 
 The optimum exporter is not run here (optimum-onnx pins transformers 4.57): its rows build the committed exports of
@@ -11,12 +11,16 @@ reference is the fixture dir itself.
 Each (architecture, exporter, dtype) appends one JSON line (so an interrupted run keeps what it finished):
 the stage that failed and its error, or the fused attention count and whether the greedy tokens of three prompts
 (1-20 tokens, 10 new tokens, crossing the 8-token sliding windows) equal HF `generate` token for token. The tiny
-configs are tests/export/tiny_archs.py's. fp16/bf16 rows compare with HF run in the same dtype.
+configs are tests/export/tiny_archs.py's. fp16/bf16 rows compare with HF run in the same dtype; a prompt whose
+tokens differ records its first differing step with both sides' logit gaps between the two tokens, and counts as a
+near-tie (rounding, not a bug) when both are within the dtype's logit tolerance (see ``_divergence``). The
+markdown has one table per dtype, one column per exporter.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -32,6 +36,7 @@ OPTIMUM_ARCH = {"falcon-mq": "falcon"}
 
 PROMPTS = [[5, 17, 99, 3, 120, 7], list(range(10, 30)), [1]]
 NEW_TOKENS = 10
+LOGPROB_ALTERNATIVES = 5  # the plan's top-k at a divergence: enough to hold HF's token when it is a near-tie
 
 
 def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
@@ -42,7 +47,9 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
     from trtopt import LLM, SamplingParams
     from trtopt.build.builder import build_plan
     from trtopt.build.plan import Limits
+    from trtopt.check.compare import tolerance_for
     from trtopt.export import export_model
+    from trtopt.export.exporter import DTYPES
 
     row: dict = {"arch": arch, "exporter": exporter, "dtype": dtype}
     stage = "export"
@@ -55,6 +62,8 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
                 return row
         else:
             hf_dir, onnx_dir = save_tiny(arch, root / "hf"), root / "onnx"
+            # ORT's CPU provider has no bf16 kernels, so a bf16 export cannot be verified on ORT (the HF
+            # comparison below still checks the plan end to end).
             export_model(hf_dir, onnx_dir, exporter=exporter, dtype=dtype, verify_outputs=dtype != "bf16")
         stage = "build"
         built = build_plan(onnx_dir, root / "plan", progress=False,
@@ -62,19 +71,35 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
         row |= {"layers": built.config.model.num_layers, "fused": built.report.counts.get("paged_attention", 0),
                 "unfused": len(built.report.unfused), "notes": list(built.notes)}
         stage = "generate"
-        outs = LLM(built.plan_dir).generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
+        llm = LLM(built.plan_dir)
+        greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).eval()
         hf.generation_config.eos_token_id = None
-        same = 0
-        for prompt, out in zip(PROMPTS, outs):
-            x = torch.tensor([prompt])
-            with torch.no_grad():
-                ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
-            same += out.outputs[0].token_ids == ref
-        row |= {"status": "ok", "greedy_equal": f"{same}/{len(PROMPTS)}"}
+        tolerance = tolerance_for(built.config.model.dtype)
+        same, divergences = 0, []
+        for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+            got = out.outputs[0].token_ids
+            ref, hf_logits = _hf_greedy(hf, prompt)
+            if got == ref:
+                same += 1
+                continue
+            step = next(k for k, (a, b) in enumerate(zip(ref, got)) if a != b)
+            # The plan's logprobs at that step, from a second run asking for them (the first run's greedy path
+            # is the fast one that returns no logprobs; both paths take the argmax of the same logits).
+            again = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+                temperature=0, max_tokens=step + 1, ignore_eos=True, logprobs=LOGPROB_ALTERNATIVES))[0].outputs[0]
+            assert again.token_ids == got[:step + 1], "a logprobs run of the plan chose other greedy tokens"
+            divergence = _divergence(step, ref[step], got[step], hf_logits[step], again.logprobs[step], tolerance)
+            # The exact model's view of the same choice (HF in fp32, same context): information for the reader.
+            exact = _next_logits(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(),
+                                 prompt + ref[:step])
+            divergence["fp32_gap"] = round(float(exact[ref[step]] - exact[got[step]]), 5)
+            divergences.append({"prompt": i, **divergence})
+        ties = sum(d["near_tie"] for d in divergences)
+        row |= {"status": "ok", "greedy_equal": f"{same}/{len(PROMPTS)}", "near_ties": ties,
+                "diverged": len(divergences) - ties, "divergences": divergences,
+                "tolerance": dataclasses.asdict(tolerance)}
     except Exception as e:  # a coverage run records every failure and goes on
         row |= {"status": f"{stage} failed", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"}
         traceback.print_exc()
@@ -82,12 +107,64 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
     return row
 
 
-def _cell(row: dict | None) -> str:
+def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list]:
+    """HF `generate`'s greedy tokens for ``prompt`` and the float32 logits it chose each of them from."""
+    import torch
+
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+
+
+def _next_logits(hf, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].float()
+
+
+def _divergence(step: int, hf_token: int, plan_token: int, hf_logits, plan_logprobs: dict[int, float],
+                tolerance) -> dict:
+    """Where the plan's greedy tokens leave HF's: both choices are argmaxes over the same context (every token
+    before ``step`` agreed), so the divergence is a near-tie when each side's preference for its own token over
+    the other's is within the dtype's logit tolerance (trtopt check's: max(atol, rtol·|logit|)). Logprob gaps
+    equal logit gaps (one normaliser), so HF's logits and the plan's logprobs compare directly. A gap beyond the
+    tolerance on either side is a real disagreement: the two backends' logits differ by more than the tolerance."""
+    hf_gap = float(hf_logits[hf_token] - hf_logits[plan_token])
+    allowed = max(tolerance.atol, tolerance.rtol * abs(float(hf_logits[hf_token])))
+    # None: HF's token is not among the plan's top alternatives, i.e. the plan prefers its own by a wide margin
+    plan_gap = (plan_logprobs[plan_token] - plan_logprobs[hf_token]) if hf_token in plan_logprobs else None
+    return {"step": step, "hf_token": hf_token, "plan_token": plan_token, "hf_gap": round(hf_gap, 5),
+            "plan_gap": None if plan_gap is None else round(plan_gap, 5), "allowed": round(allowed, 5),
+            "near_tie": hf_gap <= allowed and plan_gap is not None and plan_gap <= allowed}
+
+
+EXPORTERS = ("dynamo", "legacy", "optimum")
+DTYPE_ORDER = ("fp32", "fp16", "bf16")
+
+
+def _cell(row: dict | None, notes: list[str]) -> str:
+    """One cell; a divergence or failure is told in full in ``notes`` (the footnotes under its table)."""
     if row is None or row["status"] == "not run":
         return "–"
     if row["status"] != "ok":
-        return f"**{row['status']}**: {row.get('error', '')[:300]}".replace("|", "/")
-    return f"{row['fused']}/{row['layers']} fused, {row['greedy_equal']} = HF ({row['seconds']:.0f} s)"
+        notes.append(f"{row['arch']}, {row['exporter']}: {row.get('error', '')}")
+        return f"**{row['status']}** [{len(notes)}]"
+    text = f"{row['fused']}/{row['layers']} fused, {row['greedy_equal']} = HF"
+    divergences = row.get("divergences", [])  # rows recorded before the near-tie criterion have none
+    if divergences:
+        for d in divergences:
+            plan_gap = "HF's token not in the plan's top 5" if d["plan_gap"] is None else f"plan gap {d['plan_gap']:g}"
+            notes.append(f"{row['arch']}, {row['exporter']}: prompt {d['prompt']} diverges at new token {d['step']} "
+                         f"(HF {d['hf_token']}, plan {d['plan_token']}): HF gap {d['hf_gap']:g}, {plan_gap}, "
+                         f"allowed {d['allowed']:g}; fp32 model's gap {d['fp32_gap']:g}: "
+                         + ("a near-tie" if d["near_tie"] else "**beyond the tolerance**"))
+        parts = [f"{n} {word}" for n, word in ((row["near_ties"], "near-tie"), (row["diverged"], "**diverged**")) if n]
+        text += f" + {', '.join(parts)} [{len(notes) - len(divergences) + 1}" + \
+            (f"–{len(notes)}]" if len(divergences) > 1 else "]")
+    return f"{text} ({row['seconds']:.0f} s)"
 
 
 def table(jsonl: Path) -> str:
@@ -96,22 +173,40 @@ def table(jsonl: Path) -> str:
         if line.strip():
             row = json.loads(line)
             latest[row["arch"], row["exporter"], row["dtype"]] = row
-    archs = list(dict.fromkeys(key[0] for key in latest))
-    columns = list(dict.fromkeys((key[1], key[2]) for key in latest))
+    from tiny_archs import ARCHS
+
+    order = {arch: i for i, arch in enumerate(ARCHS)}  # tiny_archs' order; any other name after them
+    archs = sorted(dict.fromkeys(key[0] for key in latest), key=lambda a: order.get(a, len(order)))
     lines = ["# Architecture coverage", "",
              f"Generated by `benchmarks/coverage.py --table {jsonl}` from the runs recorded there (CPU; export →",
              "`trtopt build` → `LLM.generate` greedy vs HF `generate`, 3 prompts of 1–20 tokens × 10 new tokens",
              "crossing the 8-token sliding windows; the latest run of each cell). trtopt's exporters run on the tiny",
              "random configs of tests/export/tiny_archs.py; the optimum column builds the committed optimum-onnx 0.1.0",
-             "exports of tests/fixtures/optimum/ (tools/optimum_fixtures.py, their own tiny configs). A cell reads",
-             "\"fused attention / layers, prompts whose greedy tokens equal HF's\"; – was not run; a failure is shown",
-             "as it happened. Seconds are wall time on a shared 2-core machine (export + build + both generations; the",
-             "optimum cells have no export step), so they compare nothing but orders of magnitude.", "",
-             "| architecture | " + " | ".join(f"{e} {d}" for e, d in columns) + " |",
-             "|---|" + "---|" * len(columns)]
-    for arch in archs:
-        lines.append(f"| {arch} | " + " | ".join(_cell(latest.get((arch, e, d))) for e, d in columns) + " |")
-    return "\n".join(lines) + "\n"
+             "exports of tests/fixtures/optimum/ (tools/optimum_fixtures.py, their own tiny configs; fp32 only). A cell",
+             "reads \"fused attention / layers, prompts whose greedy tokens equal HF's\"; – was not run; a failure is",
+             "shown as it happened (numbered notes under each table). Seconds are wall time on a shared 2-core machine",
+             "(export + build + both generations; the optimum cells have no export step), so they compare nothing but",
+             "orders of magnitude.", "",
+             "fp16 and bf16 plans are compared with HF run in the same dtype. Two implementations of one model in a",
+             "16-bit dtype round differently (fused kernels, summation order), so greedy tokens may leave each other",
+             "where the top two logits are nearly tied, and every token after that is a different continuation. A",
+             "prompt that does not equal HF is therefore judged at its first differing token, where both sides chose",
+             "an argmax over the same context: it is a *near-tie* when HF's logit gap between its token and the",
+             "plan's, and the plan's logprob gap the other way, are both within the dtype's logit tolerance (`trtopt",
+             "check`'s, trtopt/check/compare.py: max(atol, rtol·|logit|), fp16 5e-2/1e-2, bf16 2.5e-1/5e-2), and it",
+             "*diverged* (a bug to find) otherwise. The notes give both gaps.", ""]
+    for dtype in [d for d in DTYPE_ORDER if any(key[2] == d for key in latest)]:
+        exporters = [e for e in EXPORTERS if any(key[1:] == (e, dtype) for key in latest)]
+        notes: list[str] = []
+        lines += [f"## {dtype}", "", "| architecture | " + " | ".join(exporters) + " |", "|---|" + "---|" * len(exporters)]
+        for arch in archs:
+            cells = [_cell(latest.get((arch, e, dtype)), notes) for e in exporters]
+            lines.append(f"| {arch} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        lines.append("")
+        lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
+        if notes:
+            lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def main() -> None:
