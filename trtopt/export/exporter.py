@@ -86,12 +86,12 @@ def _example_inputs(config, batch: int, seq: int, past: int, dtype: torch.dtype,
     return (input_ids, attention_mask, position_ids, *pasts)
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+def _load_model(model_dir: Path, dtype: torch.dtype, attention: str = "sdpa") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
         except ValueError as e:
             if "scaled_dot_product_attention" not in str(e):
                 raise
@@ -121,9 +121,13 @@ def _export(wrapper: _OptimumStyle, args, onnx_path: Path, exporter: str, opset:
                                         optimize=True)
             program.save(str(onnx_path), external_data=_needs_external_data(wrapper))
         else:
+            # TorchScript's constant folding breaks on bf16 models (torch 2.13: "ScalarType ComplexDouble is an
+            # unexpected tensor scalar type" when the folded graph is serialised, an ONNX dtype number read as an
+            # ATen one); unfolded, the graph is correct, and `trtopt build` folds constants itself (cleanup.py).
+            bf16 = any(p.dtype == torch.bfloat16 for p in wrapper.parameters())
             torch.onnx.export(wrapper, args, str(onnx_path), dynamo=False, opset_version=opset,
                               input_names=input_names, output_names=output_names, dynamic_axes=axes,
-                              do_constant_folding=True)
+                              do_constant_folding=not bf16)
             if _needs_external_data(wrapper):
                 import onnx
 
@@ -208,7 +212,11 @@ def export_model(model: str | Path, out_dir: str | Path, *, exporter: str = "dyn
         shutil.rmtree(out_dir)
     model_dir = resolve_model(model)
     log(f"loading {model} from {model_dir}")
-    hf = _load_model(model_dir, DTYPES[dtype])
+    # TorchScript's SDPA symbolic types a 16-bit attention output float32 in some families (GPT-NeoX, OPT,
+    # StableLM), whose fp16 LayerNorm weights then meet a float32 input and ORT refuses the graph; HF's eager
+    # attention traces with consistent types (the fusion passes match both forms).
+    attention = "eager" if exporter == "legacy" and dtype != "fp32" else "sdpa"
+    hf = _load_model(model_dir, DTYPES[dtype], attention)
     config = hf.config
     wrapper = _OptimumStyle(hf).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
