@@ -99,6 +99,8 @@ def test_dynamo_export_build_generate_equals_hf(plan_for, arch, exporter):
     elif arch == "gemma3":  # local, global, local: recorded per layer; GeGLU fused in every layer
         assert windows == (8, 0, 8) and built.config.model.sliding_window == 8
         assert built.report.counts["gelu_mul"] == 3
+        # RoPE on the q/k norms' outputs (slices along axis 3): fused for q and k of every layer
+        assert built.report.counts["rope"] == 6 and not [f for f in built.report.unfused if f.rule == "rope"]
     else:
         assert not any(windows)
     if arch.startswith("falcon"):  # multi_query: one KV head; new architecture: groups broadcast before the cache

@@ -13,12 +13,21 @@ RNG = np.random.default_rng(11)
 END = 2**63 - 1
 
 
-def _rope_graph(*, swap: bool = False, hi_end: int = END, half_from_shape: bool = False):
+def _rope_graph(*, swap: bool = False, hi_end: int = END, half_from_shape: bool = False, qk_norm: bool = False):
     """HF's apply_rotary_pos_emb on q [1, H, T, 8] (a Transpose output, as the exporters hand it over):
-    q·cos + cat(−q[..., 4:], q[..., :4])·sin; ``swap`` flips every commutative operand order."""
+    q·cos + cat(−q[..., 4:], q[..., :4])·sin; ``swap`` flips every commutative operand order; ``qk_norm`` puts
+    Gemma-3's q RMSNorm, q·(1 + w)/sqrt(mean(q²) + eps), between the Transpose and the rotation."""
     c = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
     inits = [c("zero", [0]), c("four", [4]), c("end", [hi_end]), c("ax", [3]), c("one", [1])]
-    nodes = [helper.make_node("Transpose", ["q_bthd"], ["q"], perm=[0, 2, 1, 3])]
+    nodes = [helper.make_node("Transpose", ["q_bthd"], ["q" if not qk_norm else "q_raw"], perm=[0, 2, 1, 3])]
+    if qk_norm:
+        f = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+        inits += [f("two_f", 2.0), f("eps", 1e-6), f("w1", RNG.standard_normal(8) * 0.1 + 1.0), c("last", [-1])]
+        nodes += [helper.make_node("Pow", ["q_raw", "two_f"], ["sq"]),
+                  helper.make_node("ReduceMean", ["sq", "last"], ["ms"], keepdims=1),
+                  helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["rms"]),
+                  helper.make_node("Reciprocal", ["rms"], ["inv"]), helper.make_node("Mul", ["q_raw", "inv"], ["qn"]),
+                  helper.make_node("Mul", ["qn", "w1"], ["q"])]
     half = "four"
     if half_from_shape:  # TorchScript: half = Unsqueeze(Div(Gather(Shape(q), 3), 2), [0])
         inits += [numpy_helper.from_array(np.array(3, np.int64), "i3"), numpy_helper.from_array(np.array(2, np.int64), "two"),
@@ -56,6 +65,24 @@ def test_rope_becomes_one_op_and_runs_the_same(swap, half_from_shape):
         [0 if half_from_shape else 4]
     feeds = _feeds()
     np.testing.assert_array_equal(run(fused, feeds)[0], run(proto, feeds)[0])  # the same ops: bit for bit on ORT
+
+
+def test_rotation_of_a_normed_q_with_a_positive_slice_axis_is_fused():
+    """Gemma-3 rotates its q/k RMSNorm's output and both exporters slice along axis 3 (not -1): x's rank comes from
+    the Transpose before the norm (no value carries a shape after the paged rewrite). It used to be a near-miss,
+    "the slices (axes 3, 3) and the Concat (axis -1) are not all along x's last axis"."""
+    proto = _rope_graph(qk_norm=True)
+    m = ir.from_proto(proto)
+    for node in m.graph:
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.shape = None  # as after the paged rewrite
+    trace = Trace()
+    assert fuse_rope(m, trace) == 1 and not trace.failures
+    fused = ir.to_proto(m)
+    assert "Rope" in op_types(fused) and "Neg" not in op_types(fused)
+    feeds = _feeds()
+    np.testing.assert_array_equal(run(fused, feeds)[0], run(proto, feeds)[0])
 
 
 def test_a_slice_short_of_the_end_is_left_and_explained():

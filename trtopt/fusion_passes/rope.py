@@ -58,16 +58,48 @@ def _slice(value: ir.Value) -> tuple[ir.Node, ir.Value, object, object, int]:
     return node, node.inputs[0], bounds[0], bounds[1], axes[0]
 
 
-def _rank(x: ir.Value) -> int | None:
-    """x's rank: from its shape, or (the paged rewrite clears shapes) from the Transpose or Reshape producing it."""
+# Ops whose output has the rank of their first input (Reduce* only with keepdims, checked below), and the
+# broadcasting ops whose output has the largest rank of their inputs.
+_RANK_OF_INPUT = frozenset({"Cast", "CastLike", "Identity", "Neg", "Sqrt", "Reciprocal", "Abs", "Exp", "Log", "Tanh",
+                            "Erf", "Relu", "Sigmoid", "Softmax", "ReduceMean", "ReduceSum", "ReduceSumSquare",
+                            "ReduceMax", "ReduceL2"})
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where"})
+_RANK_WALK_DEPTH = 24  # a q/k norm between the head Transpose and the rotation is ~10 ops deep
+
+
+def _rank(x: ir.Value, depth: int = 0, memo: dict | None = None) -> int | None:
+    """x's rank: from its shape, or (the paged rewrite clears shapes) from the Transpose or Reshape producing it,
+    through rank-preserving and broadcasting ops between them (Gemma-3 rotates the output of its q/k RMSNorm).
+    ``memo`` holds the values already walked, so a DAG (x read twice by a norm) is walked once per value."""
+    memo = {} if memo is None else memo
+    if id(x) not in memo:
+        memo[id(x)] = _walk_rank(x, depth, memo)
+    return memo[id(x)]
+
+
+def _walk_rank(x: ir.Value, depth: int, memo: dict) -> int | None:
     if x.shape is not None:
         return len(x.shape)
+    if x.const_value is not None:
+        return len(x.const_value.shape)
     node = x.producer()
+    if node is None or depth > _RANK_WALK_DEPTH:
+        return None
     if is_op(node, "Transpose") and "perm" in node.attributes:
         return len(node.attributes["perm"].value)
     if is_op(node, "Reshape"):
         target = int_list_constant(node.inputs[1])
         return len(target) if target is not None else None
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in _RANK_OF_INPUT and node.inputs and node.inputs[0] is not None:
+        if node.op_type.startswith("Reduce") and ("keepdims" in node.attributes
+                                                  and node.attributes["keepdims"].value == 0):
+            return None
+        return _rank(node.inputs[0], depth + 1, memo)
+    if node.op_type in _BROADCASTING:
+        ranks = [_rank(v, depth + 1, memo) if v is not None else None for v in node.inputs]
+        return None if None in ranks else max(ranks)
     return None
 
 
