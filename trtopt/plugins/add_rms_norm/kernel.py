@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN, _TL_DTYPES
+from trtopt.plugins.kernel_common import TL_DTYPES, as_rows
+from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN
 
 
 @triton.jit
@@ -35,11 +36,6 @@ def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
     tl.store(Out + row * N + offs, (w * y).to(OUT_DTYPE), mask=mask)
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    rows = t.reshape(-1, n)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *,
                         epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, sum) for x and residual [..., N] of one shape and dtype, scale [N]; both outputs new and contiguous."""
@@ -49,7 +45,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
                          f"{x.dtype} and {tuple(residual.shape)} {residual.dtype}")
     if scale.dim() != 1 or scale.shape[0] != n:
         raise ValueError(f"AddRMSNorm scale must be [{n}] (x's last dim); got {tuple(scale.shape)}")
-    if x.dtype not in _TL_DTYPES or scale.dtype not in _TL_DTYPES:
+    if x.dtype not in TL_DTYPES or scale.dtype not in TL_DTYPES:
         raise ValueError(f"AddRMSNorm supports float32/float16/bfloat16; got x {x.dtype}, scale {scale.dtype}")
     if n > _MAX_HIDDEN:
         raise ValueError(f"AddRMSNorm over {n} > {_MAX_HIDDEN} elements is not supported by the one-row kernel")
@@ -58,11 +54,11 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out, total
-    xs, rs = _rows(x, n), _rows(residual, n)
+    xs, rs = as_rows(x, n), as_rows(residual, n)
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(xs.shape[0],)](
         xs, rs, scale.contiguous(), total, out, xs.stride(0), rs.stride(0), n, float(epsilon),
-        BLOCK=block, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
+        BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
         num_warps=4 if block <= 4096 else 8,
     )
     return out, total

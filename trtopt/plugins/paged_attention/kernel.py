@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins.kernel_common import TL_DTYPES
+
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -517,9 +519,6 @@ def _copy_blocks_kernel(PoolAddresses, Pairs, block_numel, DTYPE: tl.constexpr, 
     tl.store(pool + dst * block_numel + offs, values, mask=mask)
 
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
 def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
     """For every pool and every (src, dst) row of pairs (int64 [P, 2]): pool[dst] = pool[src], in place.
 
@@ -536,7 +535,7 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
     uniform = all(c.shape == first.shape and c.dtype == first.dtype and c.device == first.device
                   and c.is_contiguous() for c in kv_caches)
     overlapping = pairs.device.type == "cpu" and bool(torch.isin(pairs[:, 1], pairs[:, 0]).any())
-    if first.device.type != "cuda" or not uniform or overlapping or first.dtype not in _TL_DTYPES:
+    if first.device.type != "cuda" or not uniform or overlapping or first.dtype not in TL_DTYPES:
         for cache in kv_caches:
             idx = pairs.to(cache.device)
             # index_select copies the sources first, so a block that is also a destination is read before it is
@@ -549,7 +548,7 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
     chunk = min(4096, triton.next_power_of_2(block_numel))
     grid = (len(kv_caches), pairs.shape[0], triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](addresses, pairs.to(first.device).contiguous(), block_numel,
-                              DTYPE=_TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
+                              DTYPE=TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
 
 
 __all__ = ["PagedLaunch", "plan_paged_launch", "paged_attention_triton", "write_kv_triton", "copy_blocks_triton"]

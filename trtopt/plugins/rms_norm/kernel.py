@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins.kernel_common import TL_DTYPES, as_rows
+
 
 @triton.jit
 def _rms_norm_kernel(X, Scale, Out, stride_x, stride_o, N, eps,
@@ -28,7 +30,6 @@ def _rms_norm_kernel(X, Scale, Out, stride_x, stride_o, N, eps,
     tl.store(Out + row * stride_o + offs, (s * y).to(OUT_DTYPE), mask=mask)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _MAX_HIDDEN = 65536
 
 
@@ -37,16 +38,14 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
     n = x.shape[-1]
     if scale.dim() != 1 or scale.shape[0] != n:
         raise ValueError(f"RMSNorm scale must be [{n}] (x's last dim); got {tuple(scale.shape)}")
-    if x.dtype not in _TL_DTYPES or scale.dtype not in _TL_DTYPES:
+    if x.dtype not in TL_DTYPES or scale.dtype not in TL_DTYPES:
         raise ValueError(f"RMSNorm supports float32/float16/bfloat16; got x {x.dtype}, scale {scale.dtype}")
     if x.device != scale.device:
         raise ValueError(f"x is on {x.device} but scale on {scale.device}")
     if n > _MAX_HIDDEN:
         raise ValueError(f"RMSNorm over {n} > {_MAX_HIDDEN} elements is not supported by the one-row kernel")
     out_dtype = torch.promote_types(scale.dtype, x.dtype)
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(x, n)
     scale = scale.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] == 0:
@@ -54,7 +53,7 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, scale, out, rows.stride(0), n, n, float(epsilon),
-        BLOCK=block, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
+        BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
         num_warps=4 if block <= 4096 else 8,
     )
     return out

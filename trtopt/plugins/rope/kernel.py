@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """x [B, H, T, D] (any strides), cos/sin broadcastable to it, all one dtype → a new contiguous [B, H, T, D]."""
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"rope_triton needs x [B, H, T, D] with an even D; got {tuple(x.shape)}")
-    if not (x.dtype == cos.dtype == sin.dtype) or x.dtype not in _TL_DTYPES:
+    if not (x.dtype == cos.dtype == sin.dtype) or x.dtype not in TL_DTYPES:
         raise ValueError(f"rope_triton needs one float dtype; got x {x.dtype}, cos {cos.dtype}, sin {sin.dtype}")
     cos, sin = cos.expand(x.shape), sin.expand(x.shape)  # views: stride 0 where they broadcast
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -59,13 +59,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = D // 2
     _rope_kernel[(T, H, B)](
         x, cos, sin, out, *x.stride(), *cos.stride(), *sin.stride(), *out.stride()[:3],
-        HALF=half, BLOCK=triton.next_power_of_2(half), DTYPE=_TL_DTYPES[x.dtype], num_warps=1,
-        **({} if _interpreting() else {"enable_fp_fusion": False}),
+        HALF=half, BLOCK=triton.next_power_of_2(half), DTYPE=TL_DTYPES[x.dtype], num_warps=1,
+        **no_fp_fusion(),
     )
     return out
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
