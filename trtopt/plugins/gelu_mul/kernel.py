@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
+from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, no_fp_fusion
 
 _KAPPA = tl.constexpr(KAPPA)
 _SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
 _INV_SQRT_2 = tl.constexpr(1.0 / SQRT_2)
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -43,31 +43,20 @@ def _gelu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE:
     tl.store(Y + row * N + offs, (a * u).to(DTYPE), mask=m)
 
 
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    rows = x.reshape(-1, n)  # a view for a Split half of a contiguous tensor
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch.Tensor:
     """y = gelu(gate) · up (tanh=1: the tanh approximation) for gate, up [..., N] of one shape and float dtype → a new
     contiguous y."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _TL_DTYPES:
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
         raise ValueError(f"GeluMul needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
                          f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
     n = gate.shape[-1]
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    g, u = _rows(gate, n), _rows(up, n)
+    g, u = as_rows(gate, n), as_rows(up, n)
     block = min(triton.next_power_of_2(n), 4096)
     _gelu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
-        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], TANH=bool(tanh),
-        num_warps=4 if block >= 1024 else 1, **({} if _interpreting() else {"enable_fp_fusion": False}),
+        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], TANH=bool(tanh),
+        num_warps=4 if block >= 1024 else 1, **no_fp_fusion(),
     )
     return out
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
