@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
-from trtopt.cli.common import console, err_console
+from trtopt.cli.common import (
+    async_scheduling_option, console, eager_option, err_console, speculative_config_option, tensor_parallel_option,
+)
 
 
 def generate(
@@ -17,15 +19,9 @@ def generate(
     system: str = typer.Option(None, "--system", help="A system message (with --chat)."),
     backend: str = typer.Option("torch", help="torch or onnxruntime."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    tensor_parallel_size: int = typer.Option(
-        None, "--tensor-parallel-size", "--tp",
-        help="Ranks for a plan built with `trtopt build --tensor-parallel N` (default: the plan's N).",
-    ),
-    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
-                               "replay captured graphs by default)."),
-    async_scheduling: bool = typer.Option(None, "--async-scheduling/--no-async-scheduling",
-                                          help="Schedule and launch each step before the previous step's tokens reach "
-                                          "the host (default: on for cuda, off for cpu)."),
+    tensor_parallel_size: int = tensor_parallel_option(),
+    eager: bool = eager_option(),
+    async_scheduling: bool = async_scheduling_option(),
     max_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0),
@@ -35,10 +31,7 @@ def generate(
     seed: int = typer.Option(None, help="Makes sampling reproducible."),
     stop: list[str] = typer.Option(None, "--stop", help="A stop string; repeatable."),
     n: int = typer.Option(1, help="Completions per prompt."),
-    speculative_config: str = typer.Option(None, "--speculative-config",
-                                           help='Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
-                                           '"num_speculative_tokens": 4}\' or \'{"method": "self_draft", "num_layers": 8, '
-                                           '"num_speculative_tokens": 3}\'.'),
+    speculative_config: str = speculative_config_option(),
 ):
     """Generate text for one or more prompts. A single prompt with n=1 is streamed token by token; with
     several, each completion is printed as it finishes. Timings go to stderr.

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
-from trtopt.cli.common import console
+from trtopt.cli.common import (
+    async_scheduling_option, console, eager_option, speculative_config_option, tensor_parallel_option,
+)
 
 
 def serve(
@@ -19,15 +21,9 @@ def serve(
                                 help="Require `Authorization: Bearer KEY` on /v1/* (or set TRTOPT_API_KEY)."),
     backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    tensor_parallel_size: int = typer.Option(
-        None, "--tensor-parallel-size", "--tp",
-        help="Ranks for a plan built with `trtopt build --tensor-parallel N` (default: the plan's N).",
-    ),
-    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
-                               "replay captured graphs by default)."),
-    async_scheduling: bool = typer.Option(None, "--async-scheduling/--no-async-scheduling",
-                                          help="Schedule and launch each step before the previous step's tokens reach "
-                                          "the host (default: on for cuda, off for cpu)."),
+    tensor_parallel_size: int = tensor_parallel_option(),
+    eager: bool = eager_option(),
+    async_scheduling: bool = async_scheduling_option(),
     max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
@@ -40,10 +36,7 @@ def serve(
                                            help="Seconds SIGTERM/SIGINT may take: in-flight requests are aborted at "
                                            "once and the process exits within about this long."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
-    speculative_config: str = typer.Option(None, "--speculative-config",
-                                           help='Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
-                                           '"num_speculative_tokens": 4}\' or \'{"method": "self_draft", "num_layers": 8, '
-                                           '"num_speculative_tokens": 3}\'.'),
+    speculative_config: str = speculative_config_option(),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
     `stream: true`), /health and /metrics (Prometheus). Requests are batched continuously by one engine.
