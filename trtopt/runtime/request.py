@@ -78,7 +78,27 @@ class RequestMetrics:
         return (num_output_tokens - 1) / span if span > 0 else None
 
 
-class Request:
+class TokenCounts:
+    """The output views of ``token_ids`` (prompt + output): what the sampler's processing reads, shared by a Request
+    and its speculative DraftContexts. The subclass sets token_ids and num_prompt_tokens."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Request(TokenCounts):
     """One sequence. Mutated only by the Scheduler (and the Sampler, which advances `generator`)."""
 
     def __init__(
@@ -126,18 +146,6 @@ class Request:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def prompt_logprob_positions(self) -> range:

@@ -23,11 +23,11 @@ from typing import Sequence
 
 import torch
 
-from trtopt.runtime.request import Request
+from trtopt.runtime.request import Request, TokenCounts
 from trtopt.runtime.sampler import processed_probs
 
 
-class DraftContext:
+class DraftContext(TokenCounts):
     """A request seen `extra` draft tokens further on: what the sampler's processing reads of a Request."""
 
     def __init__(self, req: Request, extra: Sequence[int]) -> None:
@@ -36,18 +36,6 @@ class DraftContext:
         self.num_prompt_tokens = req.num_prompt_tokens
         self.token_ids = req.token_ids + list(extra) if extra else req.token_ids
         self.generator = req.generator
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 def contexts(req: Request, drafts: Sequence[int]) -> list[DraftContext]:
