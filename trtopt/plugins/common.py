@@ -76,6 +76,16 @@ def expect_dim(op: str, what: str, actual: Dim, expected: Dim) -> None:
         )
 
 
+def gated_shape(op: str, gate: Shape | None, up: Shape | None) -> list[Shape]:
+    """The one output shape of a gated pointwise op (SiluMul, GeluMul): gate's and up's, which must agree where
+    both are known."""
+    if gate is not None and up is not None:
+        if len(gate) != len(up) or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(gate, up)):
+            raise BuildError(f"{op}: gate {tuple(gate)} and up {tuple(up)} must have one shape; fix the rule.")
+    known = gate if gate is not None else up
+    return [tuple(known) if known is not None else ()]
+
+
 def expect_rank(op: str, name: str, shape: Shape | None, rank: int) -> Shape:
     if shape is None or len(shape) != rank:
         raise BuildError(f"{op}: input {name!r} must have rank {rank}, got shape {shape}.")

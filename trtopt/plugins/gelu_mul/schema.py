@@ -16,7 +16,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from trtopt.errors import BuildError
-from trtopt.plugins.common import AttrSpec, OpSchema, Shape
+from trtopt.plugins.common import AttrSpec, OpSchema, Shape, gated_shape
 
 OP_TYPE = "GeluMul"
 INPUTS = ("gate", "up")
@@ -32,12 +32,7 @@ def infer_shapes(shapes: Sequence[Shape | None], attrs: Mapping[str, Any]) -> li
     if attrs["tanh"] not in (0, 1):
         raise BuildError(f"{OP_TYPE}: attribute tanh is {attrs['tanh']}; it must be 1 (tanh approximation) or 0 "
                          "(exact erf GELU). Fix the rule or the hand-written node.")
-    gate, up = shapes[0], shapes[1]
-    if gate is not None and up is not None:
-        if len(gate) != len(up) or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(gate, up)):
-            raise BuildError(f"{OP_TYPE}: gate {tuple(gate)} and up {tuple(up)} must have one shape; fix the rule.")
-    known = gate if gate is not None else up
-    return [tuple(known) if known is not None else ()]
+    return gated_shape(OP_TYPE, shapes[0], shapes[1])
 
 
 SCHEMA = OpSchema(

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from trtopt.errors import BuildError
-from trtopt.plugins.common import OpSchema, Shape
+from trtopt.plugins.common import OpSchema, Shape, gated_shape
 
 OP_TYPE = "SiluMul"
 INPUTS = ("gate", "up")
@@ -18,12 +17,7 @@ OUTPUTS = ("y",)
 
 
 def infer_shapes(shapes: Sequence[Shape | None], attrs: Mapping[str, Any]) -> list[Shape]:
-    gate, up = shapes[0], shapes[1]
-    if gate is not None and up is not None:
-        if len(gate) != len(up) or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(gate, up)):
-            raise BuildError(f"{OP_TYPE}: gate {tuple(gate)} and up {tuple(up)} must have one shape; fix the rule.")
-    known = gate if gate is not None else up
-    return [tuple(known) if known is not None else ()]
+    return gated_shape(OP_TYPE, shapes[0], shapes[1])
 
 
 SCHEMA = OpSchema(
