@@ -1,5 +1,6 @@
 """What the ops' Triton kernels (face 4 of DESIGN.md §4, plugins/<op>/kernel.py) share: the float dtypes they take,
-the row view they read [..., N] tensors through, and the launch option that keeps their rounding exact."""
+the row view they read [..., N] tensors through, the launch option that keeps their rounding exact, and the
+launcher of the gated pointwise kernels (SiluMul, GeluMul)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from typing import Any
 
 import torch
+import triton
 import triton.language as tl
 
 # The float dtypes a kernel is launched for → the Triton dtype its DTYPE constexpr names.
@@ -25,3 +27,23 @@ def no_fp_fusion() -> dict[str, Any]:
     product before the sum, so a contracted multiply-add would round differently. The CPU interpreter
     (TRITON_INTERPRET=1) does not take the option."""
     return {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+
+
+def launch_gated(kernel: Any, op: str, gate: torch.Tensor, up: torch.Tensor, **constexprs: Any) -> torch.Tensor:
+    """y = act(gate) · up through a gated row kernel (SiluMul's, GeluMul's), whose parameters are
+    (G, U, Y, stride_g, stride_u, N, BLOCK, DTYPE, *constexprs): gate, up [..., N] of one shape and float dtype,
+    possibly strided views with a dense last axis → a new contiguous y. One program per row and block of N."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
+        raise ValueError(f"{op} needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
+                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    n = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    g, u = as_rows(gate, n), as_rows(up, n)
+    block = min(triton.next_power_of_2(n), 4096)
+    kernel[(g.shape[0], triton.cdiv(n, block))](
+        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], **constexprs,
+        num_warps=4 if block >= 1024 else 1, **no_fp_fusion(),
+    )
+    return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
-from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, no_fp_fusion
+from trtopt.plugins.kernel_common import launch_gated
 
 _KAPPA = tl.constexpr(KAPPA)
 _SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
@@ -46,17 +46,4 @@ def _gelu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE:
 def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch.Tensor:
     """y = gelu(gate) · up (tanh=1: the tanh approximation) for gate, up [..., N] of one shape and float dtype → a new
     contiguous y."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
-        raise ValueError(f"GeluMul needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    n = gate.shape[-1]
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel() == 0:
-        return out
-    g, u = as_rows(gate, n), as_rows(up, n)
-    block = min(triton.next_power_of_2(n), 4096)
-    _gelu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
-        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], TANH=bool(tanh),
-        num_warps=4 if block >= 1024 else 1, **no_fp_fusion(),
-    )
-    return out
+    return launch_gated(_gelu_mul_kernel, "GeluMul", gate, up, TANH=bool(tanh))

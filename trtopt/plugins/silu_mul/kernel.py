@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, no_fp_fusion
+from trtopt.plugins.kernel_common import launch_gated
 
 
 @triton.jit
@@ -31,17 +31,4 @@ def _silu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE:
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """y = gate · sigmoid(gate) · up for gate, up [..., N] of one shape and float dtype → a new contiguous y."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
-        raise ValueError(f"SiluMul needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    n = gate.shape[-1]
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel() == 0:
-        return out
-    g, u = as_rows(gate, n), as_rows(up, n)
-    block = min(triton.next_power_of_2(n), 4096)
-    _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
-        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=TL_DTYPES[gate.dtype],
-        num_warps=4 if block >= 1024 else 1, **no_fp_fusion(),
-    )
-    return out
+    return launch_gated(_silu_mul_kernel, "SiluMul", gate, up)
