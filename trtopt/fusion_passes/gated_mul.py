@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from trtopt.fusion_passes.ir_helpers import FLOAT_TYPES, int_list_constant, is_op, same_dims
+from trtopt.fusion_passes.ir_helpers import FLOAT_TYPES, int_list_constant, is_op, projection_weight, same_dims
 from trtopt.fusion_passes.ops import DOMAIN, replace_output
 from trtopt.fusion_passes.trace import NoMatch
 
@@ -61,16 +61,8 @@ def same_shape(a: ir.Value, b: ir.Value) -> bool:
         sizes = int_list_constant(pa.inputs[1]) if len(pa.inputs) > 1 else None
         axis = pa.attributes["axis"].value if "axis" in pa.attributes else 0
         return axis == -1 and sizes is not None and sizes[a.index()] == sizes[b.index()]
-    wa, wb = _projection_width(pa), _projection_width(pb)
-    return wa is not None and wa == wb and pa.inputs[0] is pb.inputs[0]
-
-
-def _projection_width(node: ir.Node) -> int | None:
-    """N of ``x @ W`` (MatMul or trtopt.MatMulAdd) with a constant [K, N] weight, else None."""
-    if not (is_op(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
-        return None
-    w = node.inputs[1].const_value if node.inputs[1] is not None else None
-    return int(w.shape[1]) if w is not None and len(w.shape) == 2 else None
+    wa, wb = projection_weight(pa), projection_weight(pb)  # x @ W: [K, N] weights, N the width
+    return wa is not None and wb is not None and int(wa.shape[1]) == int(wb.shape[1]) and pa.inputs[0] is pb.inputs[0]
 
 
 def replace_gated(graph: ir.Graph, mul: ir.Node, op_type: str, rule: str, g: ir.Value, up: ir.Value,

@@ -9,12 +9,22 @@ import tempfile
 import numpy as np
 import onnx_ir as ir
 
+from trtopt.plugins.common import DOMAIN
+
 FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 
 
 def is_op(node: ir.Node | None, op_type: str) -> bool:
     """A node of the standard ONNX domain with this op_type (None is none): what every matcher asks first."""
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def projection_weight(node: ir.Node | None) -> ir.TensorProtocol | None:
+    """The constant [K, N] weight of a projection ``x @ W`` (a standard MatMul or trtopt.MatMulAdd), else None."""
+    if not (is_op(node, "MatMul") or (node is not None and node.domain == DOMAIN and node.op_type == "MatMulAdd")):
+        return None
+    w = node.inputs[1].const_value if node.inputs[1] is not None else None
+    return w if w is not None and len(w.shape) == 2 else None
 
 
 def _constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:

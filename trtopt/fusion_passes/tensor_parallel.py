@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from trtopt import signature
 from trtopt.errors import FusionError
-from trtopt.fusion_passes.ir_helpers import is_op
+from trtopt.fusion_passes.ir_helpers import is_op, projection_weight
 from trtopt.fusion_passes.ops import DOMAIN
 
 RULE = "tensor_parallel"
@@ -147,10 +147,7 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
 
 
 def _is_projection(node: ir.Node) -> bool:
-    if not (is_op(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
-        return False
-    weight = node.inputs[1]
-    return weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2
+    return projection_weight(node) is not None
 
 
 def _weight_shape(node: ir.Node) -> tuple[int, int]:
@@ -404,8 +401,7 @@ def _lm_head(graph: ir.Graph) -> ir.Node:
     node = logits.producer() if logits is not None else None
     while node is not None and node.domain in ("", "ai.onnx") and node.op_type in ("Cast", "Identity", "Squeeze"):
         node = node.inputs[0].producer()
-    if node is None or not ((node.domain in ("", "ai.onnx") and node.op_type == "MatMul")
-                            or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
+    if node is None or not (is_op(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
         found = f"{node.op_type} {node.name}" if node is not None else "a graph input"
         raise _Skip(f"`logits` is computed by {found}, not by a MatMul through Cast/Squeeze")
     if node.outputs[0].is_graph_output():
