@@ -28,7 +28,11 @@ def check(shape, x_dtype, scale_dtype, device, seed=0, eps=1e-6, transpose=False
     ref = rms_norm_ref(x, scale, epsilon=eps)
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, ref, **TOL[ref.dtype])
+    # The normalised row is rounded to x's dtype before the scale (as the reference does), and the kernel's 1/sqrt
+    # and torch's rsqrt may differ by an fp32 ulp, which can move that rounding by one ulp of x's dtype (seen on an
+    # H200: fp16 x, fp32 scale, one element of 2016 off by 6e-4). So the tolerance is that of x's dtype when lower.
+    low = x_dtype if torch.finfo(x_dtype).eps > torch.finfo(ref.dtype).eps else ref.dtype
+    torch.testing.assert_close(out, ref, **TOL[low])
 
 
 @pytest.mark.parametrize("shape", [(1, 5, 64), (3, 7, 96), (1, 1, 48), (2, 1000)], ids=str)
