@@ -123,11 +123,10 @@ def odd_vocab_model(tmp_path_factory):
 
     def get() -> tuple[Path, Path]:
         if "model" not in cache:
-            import torch
-            from transformers import AutoModelForCausalLM, LlamaConfig
+            from transformers import LlamaConfig
 
             from trtopt.export import export_model
-            from trtopt.export.models import _gpt2_tokenizer
+            from trtopt.export.models import _gpt2_tokenizer, save_random_tiny
 
             root = tmp_path_factory.mktemp("odd-vocab-llama")
             tok = _gpt2_tokenizer()
@@ -135,15 +134,7 @@ def odd_vocab_model(tmp_path_factory):
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                  max_position_embeddings=512, bos_token_id=50256, eos_token_id=50256)
             assert config.vocab_size == 50257
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() >= 2:
-                        p.normal_(0.0, 0.15)
-            model.generation_config.eos_token_id = config.eos_token_id
-            model.save_pretrained(root / "hf")
-            tok.save_pretrained(root / "hf")
+            save_random_tiny(config, tok, root / "hf")
             export_model(root / "hf", root / "export", force=True)
             cache["model"] = (root / "hf", root / "export")
         return cache["model"]

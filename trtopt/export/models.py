@@ -115,8 +115,7 @@ def _gpt2_tokenizer():
 
 def _tiny(kind: str) -> Callable[[Path], None]:
     def create(out: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config, AutoModelForCausalLM
+        from transformers import AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
 
         if kind == "gpt2":
             tok = _gpt2_tokenizer()
@@ -130,19 +129,28 @@ def _tiny(kind: str) -> Callable[[Path], None]:
                 config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **common)
             else:  # qwen2: QKV bias, GQA 4/1 (MQA), tied embeddings
                 config = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **common)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        # Random init gives near-uniform logits; a larger scale gives peaked distributions, so greedy decoding is
-        # decisive (ties would make token-for-token comparisons meaningless).
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.15)
-        model.generation_config.eos_token_id = config.eos_token_id
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
+        save_random_tiny(config, tok, out)
 
     return create
+
+
+def save_random_tiny(config, tokenizer, out: Path) -> None:
+    """A random-weight fp32 causal LM of `config` (seed 0) and `tokenizer`, saved as an HF dir at `out`.
+
+    Random init gives near-uniform logits; a larger scale gives peaked distributions, so greedy decoding is decisive
+    (ties would make token-for-token comparisons meaningless)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 ALIASES: dict[str, Callable[[], Path]] = {
