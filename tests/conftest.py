@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,6 +30,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if missing:
         raise pytest.UsageError(f"{len(missing)} of {len(expected)} test files under tests/ were never collected: "
                                 f"{missing}; check [tool.pytest.ini_options] norecursedirs in pyproject.toml.")
+
+
+# ---- disk -----------------------------------------------------------------------------------------------------------
+# CI's disk is small, and one run writes ~9 GB of exports and plans. pyproject sets tmp_path_retention_policy =
+# "failed" (a passing test's tmp_path is removed when it ends); module-scoped fixtures write under module_tmp, removed
+# when the module ends. Only the session's shared exports and plans (tiny models, SmolLM2) live to the end.
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request) -> Path:
+    """A directory for one test module's shared files, removed when the module's last test ends."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def plan_for(tmp_path_factory, tiny_hf_dir, exported):
+def plan_for(module_tmp, tiny_hf_dir, exported):
     """(HF dir, built plan) of the tiny ``arch``; the HF dir and the export are the session's (shared with the
     fusion tests, e.g. tests/fusion_passes/test_gelu_mul.py on Gemma-3)."""
     from trtopt.build.builder import build_plan
@@ -25,7 +25,7 @@ def plan_for(tmp_path_factory, tiny_hf_dir, exported):
 
     def get(arch: str, exporter: str):
         if (arch, exporter) not in cache:
-            root = tmp_path_factory.mktemp(f"{arch}-{exporter}")
+            root = module_tmp / f"{arch}-{exporter}"
             hf_dir = tiny_hf_dir(arch)
             built = build_plan(exported(str(hf_dir), exporter).out_dir, root / "plan", progress=False,
                                limits=Limits(block_size=8, max_num_tokens=128, max_num_seqs=4, max_model_len=64))

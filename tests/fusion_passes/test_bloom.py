@@ -73,12 +73,12 @@ def _export_bloom(out, exporter: str):
 
 
 @pytest.fixture(scope="module")
-def bloom_dir(tmp_path_factory):
+def bloom_dir(module_tmp):
     cache = {}
 
     def get(exporter: str):
         if exporter not in cache:
-            cache[exporter] = _export_bloom(tmp_path_factory.mktemp(f"bloom-{exporter}"), exporter)
+            cache[exporter] = _export_bloom(module_tmp / f"bloom-{exporter}", exporter)
         return cache[exporter]
 
     return get

@@ -30,7 +30,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tp_llm(export_dir, odd_vocab_model, tmp_path_factory):
+def tp_llm(export_dir, odd_vocab_model, module_tmp):
     """tp_llm(model, lm_head) -> an LLM over the model's plan sharded for 2 ranks ("odd-vocab": odd_vocab_model's).
     A process joins one torch.distributed group at a time, so asking for another plan shuts the current engine
     down (the tests are ordered by plan)."""
@@ -41,7 +41,7 @@ def tp_llm(export_dir, odd_vocab_model, tmp_path_factory):
             for llm in current.values():
                 llm.shutdown()
             current.clear()
-            out = tmp_path_factory.mktemp(f"tp2-{model}-{lm_head}")
+            out = module_tmp / f"tp2-{model}-{lm_head}"
             source = odd_vocab_model()[1] if model == "odd-vocab" else export_dir(model)
             build_plan(source, out, limits=LIMITS, force=True, progress=False, tensor_parallel=2, lm_head=lm_head)
             current[(model, lm_head)] = LLM(out, tensor_parallel_size=2)

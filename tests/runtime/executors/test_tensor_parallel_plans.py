@@ -23,12 +23,12 @@ LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len
 
 
 @pytest.fixture(scope="module")
-def tp_plan(export_dir, tmp_path_factory):
+def tp_plan(export_dir, module_tmp):
     cache = {}
 
     def get(model: str, size: int, lm_head: str = "replicated"):
         if (model, size, lm_head) not in cache:
-            out = tmp_path_factory.mktemp(f"tp{size}-{model}-{lm_head}")
+            out = module_tmp / f"tp{size}-{model}-{lm_head}"
             cache[(model, size, lm_head)] = build_plan(export_dir(model), out, limits=LIMITS, force=True,
                                                        progress=False, tensor_parallel=size, lm_head=lm_head)
         return cache[(model, size, lm_head)]
