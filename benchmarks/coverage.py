@@ -69,7 +69,8 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
         built = build_plan(onnx_dir, root / "plan", progress=False,
                            limits=Limits(block_size=8, max_num_tokens=128, max_num_seqs=4, max_model_len=64))
         row |= {"layers": built.config.model.num_layers, "fused": built.report.counts.get("paged_attention", 0),
-                "unfused": len(built.report.unfused), "notes": list(built.notes)}
+                "unfused": len(built.report.unfused), "notes": list(built.notes),
+                "counts": {k: v for k, v in built.report.counts.items() if v}}
         stage = "generate"
         llm = LLM(built.plan_dir)
         greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -5,6 +5,10 @@
 as HF Llama/Qwen2 write it: Pow(x, 2) → ReduceMean(-1) → Add(eps) → Sqrt → Reciprocal|Div(1, ·) → Mul(x, ·),
 then Mul by the weight, with the optional Casts of HF's fp16/bf16 path (x → fp32 at the start, back at the end).
 Both Mul orders are matched (``commute``); ReduceMean's axes may be an input (opset ≥ 18) or an attribute.
+
+Gemma / Gemma-3 in fp16/bf16 scale *before* the downcast, by an fp32 weight (``(x.float() normed · (1 + w.float()))
+.type_as(x)``): the fp16 input and fp32 weight disagree, so the norm is fused in fp32 between the exported Casts
+(``Cast → RMSNorm → Cast``, the same math as the original), by the ``upcast=False`` rules that bind x after the Cast.
 """
 
 from __future__ import annotations
@@ -19,16 +23,19 @@ RULE = "rms_norm"
 
 
 class _RmsNorm(pattern.RewriteRuleClassBase):
-    def __init__(self, name: str, *, axes_as_input: bool, reciprocal: bool):
+    def __init__(self, name: str, *, axes_as_input: bool, reciprocal: bool, upcast: bool = True):
         super().__init__(name)
         self._axes_as_input = axes_as_input
         self._reciprocal = reciprocal
+        self._upcast = upcast
 
     def pattern(self, op, x, scale, epsilon, axes, one):
         # HF upcasts fp16/bf16 to fp32 first; x binds to the tensor before that Cast, so the fused op sees the
         # model's dtype (its body and RMSNormalization's stash_type do the fp32 math themselves).
         # (tag_var is given because onnxscript 0.7.2 cannot clone an untagged backtracking OrValue for commute.)
-        x = pattern.OrValue([op.Cast(x, _allow_other_attributes=True), x], tag_var="upcast", tag_values=[True, False])
+        if self._upcast:
+            x = pattern.OrValue([op.Cast(x, _allow_other_attributes=True), x], tag_var="upcast",
+                                tag_values=[True, False])
         x_square = op.Pow(x, 2.0)
         if self._axes_as_input:
             mean_square = op.ReduceMean(x_square, axes, keepdims=1, _allow_other_attributes=True)
@@ -68,7 +75,9 @@ class _RmsNormStandard(_RmsNorm):
 
 def _rules(standard: bool) -> pattern.RewriteRuleSet:
     cls = _RmsNormStandard if standard else _RmsNorm
-    rules = [cls.rule(f"RMSNorm_{a}_{r}", axes_as_input=a, reciprocal=r) for a in (True, False) for r in (True, False)]
+    # upcast=False comes second: it is reached only when the upcast form's check fails (Gemma's fp32 weight).
+    rules = [cls.rule(f"RMSNorm_{a}_{r}_{u}", axes_as_input=a, reciprocal=r, upcast=u)
+             for u in (True, False) for a in (True, False) for r in (True, False)]
     return pattern.RewriteRuleSet(rules, commute=True)
 
 
