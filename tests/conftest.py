@@ -33,9 +33,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 # ---- disk -----------------------------------------------------------------------------------------------------------
-# CI's disk is small, and one run writes ~9 GB of exports and plans. pyproject sets tmp_path_retention_policy =
-# "failed" (a passing test's tmp_path is removed when it ends); module-scoped fixtures write under module_tmp, removed
-# when the module ends. Only the session's shared exports and plans (tiny models, SmolLM2) live to the end.
+# One run used to leave ~7.5 GB of exports and plans under pytest's basetemp, and a CI run failed with a full disk's
+# symptoms (setup errors in tests that only create a tmp_path). pyproject sets tmp_path_retention_policy = "failed"
+# (a passing test's tmp_path is removed when it ends); module-scoped fixtures write under module_tmp, removed when
+# the module ends. Only the session's shared exports and plans (tiny models, SmolLM2) live to the end.
 
 
 @pytest.fixture(scope="module")
