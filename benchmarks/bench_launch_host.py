@@ -4,6 +4,11 @@ Each figure is host wall time per call over many back-to-back calls with no sync
 decode step is tiny (one token, 64 cached tokens), so the GPU keeps up and the loop measures the host. On a machine
 without CUDA only the pure-Python pieces (input checks, launch planning) are timed.
 
+On CUDA the call is also taken apart: each Triton launch it makes is timed through Triton's dispatcher and straight
+through the CompiledKernel the dispatcher returned (what a launcher that keeps its compiled kernels would pay), and
+`direct_output_equal` checks that the direct launches write the same output and pool. (Added in session 6 without
+device time: these rows have not run yet.)
+
     python3 benchmarks/bench_launch_host.py            # CUDA if present
     python3 benchmarks/bench_launch_host.py --out x.json
 """
@@ -11,12 +16,14 @@ without CUDA only the pure-Python pieces (input checks, launch planning) are tim
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +40,57 @@ def per_call_us(fn, n: int, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return host / n * 1e6
+
+
+def record_launches(call) -> list[tuple]:
+    """(JITFunction, grid, args, kwargs) of every Triton launch that ``call`` makes, in order (call runs once)."""
+    launches = []
+    original = triton.runtime.jit.JITFunction.run
+
+    def recording(self, *a, grid, warmup, **kw):
+        launches.append((self, grid, a, kw))
+        return original(self, *a, grid=grid, warmup=warmup, **kw)
+
+    triton.runtime.jit.JITFunction.run = recording
+    try:
+        call()
+    finally:
+        triton.runtime.jit.JITFunction.run = original
+    torch.cuda.synchronize()
+    return launches
+
+
+def direct_runner(fn, grid, call_args, kwargs):
+    """A launch of fn's CompiledKernel for exactly these arguments, bypassing the dispatcher: every kernel
+    parameter (constexprs included) in signature order, as JITFunction.run passes them to CompiledKernel.run."""
+    compiled = fn[grid](*call_args, **kwargs)  # the dispatcher returns the kernel it launched
+    bound = inspect.signature(fn.fn).bind(*call_args, **{k: v for k, v in kwargs.items() if k in fn.arg_names})
+    values = list(bound.arguments.values())
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    runner = compiled[grid3]
+    runner(*values)
+    torch.cuda.synchronize()
+    return lambda: runner(*values)
+
+
+def direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots, attrs) -> bool | None:
+    """The same call replayed through the compiled kernels writes the same attention output (and pool)."""
+    from trtopt.runtime.executors import trtopt_ops
+
+    try:
+        runners = [direct_runner(fn, g, a, kw) for fn, g, a, kw in launches]
+    except Exception:
+        return None
+    pool = cache.clone()
+    want, _ = trtopt_ops.paged_attention(q, k, v, pool, tables, seq_lens, qsl, slots, **attrs)
+    want, want_pool = want.clone(), pool.clone()
+    # The recorded launches write the buffers they were recorded with (cache and the call's own output).
+    out = next(a for fn, g, a, kw in launches if fn.fn.__name__ == "_paged_attn_kernel")[6]
+    out.zero_()
+    for run in runners:
+        run()
+    torch.cuda.synchronize()
+    return bool(torch.equal(out, want) and torch.equal(cache, want_pool))
 
 
 def main() -> None:
@@ -65,10 +123,26 @@ def main() -> None:
         rows["paged_attention_call"] = lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl,
                                                                           slots, **attrs)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "n": args.n}
+              "torch": torch.__version__, "triton": triton.__version__, "n": args.n}
+    if device.type == "cuda":
+        # Where the launcher's time goes: each Triton launch of one call, through Triton's dispatcher (binder,
+        # specialisation key, cache lookup) and straight through the CompiledKernel it returned (what a launcher
+        # that keeps its compiled kernels would pay), plus the partial buffers' allocation.
+        launches = record_launches(lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl, slots,
+                                                                      **attrs))
+        for i, (fn, grid, call_args, kwargs) in enumerate(launches):
+            name = f"launch{i}_{fn.fn.__name__.strip('_')}"
+            rows[f"{name}_dispatch"] = lambda fn=fn, g=grid, a=call_args, kw=kwargs: fn[g](*a, **kw)
+            try:
+                rows[f"{name}_compiled"] = direct_runner(fn, grid, call_args, kwargs)
+            except Exception as e:  # a Triton whose CompiledKernel runner differs: recorded, not fatal
+                result[f"{name}_compiled_error"] = f"{type(e).__name__}: {e}"
+        rows["empty_partials_x3"] = lambda: [torch.empty(4096, device=device) for _ in range(3)]
+        result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
+                                                            attrs)
     for name, fn in rows.items():
         result[f"{name}_us"] = per_call_us(fn, args.n, device)
-        print(f"{name:<24} {result[f'{name}_us']:8.2f} us/call")
+        print(f"{name:<32} {result[f'{name}_us']:8.2f} us/call")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
