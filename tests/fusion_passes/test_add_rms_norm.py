@@ -62,3 +62,34 @@ def test_fused_plan_has_two_add_rms_norms_per_layer(fused, name, exporter):
     assert f.report.counts["add_rms_norm"] == 2 * layers and types.count("AddRMSNorm") == 2 * layers
     assert types.count("RMSNorm") == 1
     assert not [u for u in f.report.unfused if u.rule == "add_rms_norm"]
+
+
+def _gemma_half_block(*, cast_read_elsewhere: bool = False):
+    """Gemma's fp16 residual step after rms_norm.py: h = x + a (fp16), an fp32 RMSNorm with an fp32 scale on
+    Cast(h), then the downcast; h stays an output (the next residual)."""
+    from onnx import TensorProto
+
+    half = TensorProto.FLOAT16
+    nodes = [helper.make_node("Add", ["x", "a"], ["h"]), helper.make_node("Cast", ["h"], ["h32"], to=FLOAT),
+             make_node("RMSNorm", ["h32", "s"], ["n32"], epsilon=1e-6),
+             helper.make_node("Cast", ["n32"], ["n"], to=half)]
+    outputs = [helper.make_tensor_value_info("n", half, ["T", 8]), helper.make_tensor_value_info("h", half, ["T", 8])]
+    if cast_read_elsewhere:
+        outputs.append(helper.make_tensor_value_info("h32", FLOAT, ["T", 8]))
+    proto = model(nodes, [helper.make_tensor_value_info(n, half, ["T", 8]) for n in ("x", "a")], outputs,
+                  [("s", (RNG.random(8) + 1).astype(np.float32))])
+    proto.opset_import.append(helper.make_opsetid("trtopt", 1))
+    return proto
+
+
+def test_gemma_half_precision_add_cast_and_fp32_norm_become_one_op():
+    """The Cast between the fp16 sum and the fp32 norm is absorbed; with its fp32 scale the op does the norm in fp32
+    (schema.py), so both outputs equal the unfused graph's on ORT bit for bit. A Cast read elsewhere is kept whole."""
+    proto = _gemma_half_block()
+    count, fused = apply(proto, fuse_add_rms_norm)
+    assert count == 1 and [t for t in op_types(fused)] == ["AddRMSNorm", "Cast"]
+    feeds = {n: (3 * RNG.standard_normal((5, 8))).astype(np.float16) for n in ("x", "a")}
+    for got, want in zip(run(fused, feeds), run(proto, feeds)):
+        assert got.dtype == want.dtype == np.float16
+        np.testing.assert_array_equal(got, want)
+    assert apply(_gemma_half_block(cast_read_elsewhere=True), fuse_add_rms_norm)[0] == 0

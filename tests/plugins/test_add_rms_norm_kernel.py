@@ -59,3 +59,30 @@ def test_kernel_is_bit_identical_to_add_then_rms_norm_kernel_on_gpu(shape, dtype
     y, s = add_rms_norm_triton(x, r, scale, epsilon=1e-6)
     assert torch.equal(s, x + r)
     assert torch.equal(y, rms_norm_triton(x + r, scale, epsilon=1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp32_scale_normalises_the_half_precision_sum_in_fp32(dtype, kernel_device):
+    """Gemma's fp16/bf16 form (schema.py): the sum is rounded to the inputs' dtype and is the second output; y is
+    fp32, the fp32 RMSNorm of the upcast sum, as the unfused Add → Cast → RMSNorm(fp32 scale) computes it."""
+    x, r, _ = inputs((3, 7, 96), dtype, kernel_device, seed=5)
+    scale = (torch.rand(96, generator=torch.Generator().manual_seed(6)) + 1).to(kernel_device)
+    y, s = add_rms_norm_triton(x, r, scale, epsilon=1e-6)
+    want_y, want_s = add_rms_norm_ref(x, r, scale, epsilon=1e-6)
+    assert y.dtype == torch.float32 and s.dtype == dtype
+    if kernel_device.type == "cpu":  # the reference is the unfused ops, bit for bit
+        assert torch.equal(want_y, rms_norm_ref((x + r).float(), scale, epsilon=1e-6)) and torch.equal(want_s, x + r)
+    torch.testing.assert_close(s, want_s, atol=2 * 2**-8 * float(want_s.abs().max()), rtol=2**-7)  # bf16 truncation
+    # y from the kernel's own sum (the interpreter truncates bf16; on the GPU s == x + r and y is bit-identical below)
+    torch.testing.assert_close(y, rms_norm_ref(s.float(), scale, epsilon=1e-6), **TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp32_scale_is_bit_identical_to_add_cast_then_rms_norm_kernel_on_gpu(dtype):
+    x, r, _ = inputs((1, 17, 640), dtype, "cuda", seed=9)
+    scale = torch.rand(640, device="cuda") + 1
+    y, s = add_rms_norm_triton(x, r, scale, epsilon=1e-6)
+    assert torch.equal(s, x + r)
+    assert torch.equal(y, rms_norm_triton((x + r).float(), scale, epsilon=1e-6))

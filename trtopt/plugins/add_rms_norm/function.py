@@ -20,7 +20,7 @@ def make_function(opset: int) -> onnx.FunctionProto:
     else:
         mean = b.op("ReduceMean", square, axes=[-1], keepdims=1)
     inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean, b.attr("epsilon", float))))
-    normalized = b.op("CastLike", b.op("Mul", s32, inv_rms), s)
+    normalized = b.op("CastLike", b.op("Mul", s32, inv_rms), "scale")  # scale's dtype: schema.py
     b.op("Mul", "scale", normalized, name="y")
     return b.function(
         OP_TYPE, INPUTS, OUTPUTS, [a.name for a in SCHEMA.attributes],

@@ -31,14 +31,15 @@ def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
     tl.store(Sum + row * N + offs, s, mask=mask)
     s = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
-    y = (s * rstd).to(X_DTYPE).to(tl.float32)  # rounded to the sum's dtype, as the reference's .to(x.dtype)
+    y = (s * rstd).to(OUT_DTYPE).to(tl.float32)  # rounded to y's dtype (the sum's, or fp32 with an fp32 scale)
     w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * N + offs, (w * y).to(OUT_DTYPE), mask=mask)
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *,
                         epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, sum) for x and residual [..., N] of one shape and dtype, scale [N]; both outputs new and contiguous."""
+    """(y, sum) for x and residual [..., N] of one shape and dtype, scale [N]; both outputs new and contiguous.
+    y has the wider of x's and scale's dtypes (schema.py)."""
     n = x.shape[-1]
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"AddRMSNorm's kernel needs x and residual of one shape and dtype; got {tuple(x.shape)} "

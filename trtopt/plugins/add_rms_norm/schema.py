@@ -3,7 +3,11 @@
 Inputs: x, residual (one float dtype; broadcast like ONNX Add, in practice both [..., H]), scale [H].
 Outputs: y = scale · s / sqrt(mean(s², -1) + epsilon) with s = x + residual (the RMSNorm of trtopt::RMSNorm, on s),
 and sum = s, the new residual stream. Attribute: epsilon (float). s is rounded to the inputs' dtype before the
-norm reads it, as in the exported Add → RMSNorm it replaces.
+norm reads it, as in the exported Add → RMSNorm it replaces. The normalised row is rounded to scale's dtype before
+the scale multiplies it, and y has scale's dtype (the rule pairs only a scale of the inputs' dtype or fp32):
+- scale in the inputs' dtype (Llama: ``w · normed.to(x.dtype)``): trtopt::RMSNorm on s;
+- fp32 scale, fp16/bf16 inputs (Gemma: ``normed(s.float()) · (1 + w)`` in fp32, then the exported downcast):
+  trtopt::RMSNorm on s upcast to fp32, the fp32 math of the original.
 """
 
 from __future__ import annotations
