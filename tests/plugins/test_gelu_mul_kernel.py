@@ -7,12 +7,14 @@ model-sized rows (Gemma-3-270m's MLP is 2048 wide, Gemma-3-1B's 6912) and the st
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gate_up import gate_up_inputs
 
 from trtopt.plugins.gelu_mul.kernel import gelu_mul_triton
 from trtopt.plugins.gelu_mul.reference import gelu_mul_ref
@@ -27,13 +29,7 @@ def hf(g, u, tanh):
     return F.gelu(g, approximate="tanh" if tanh else "none") * u
 
 
-def inputs(shape, dtype, device, seed=0, split=False):
-    gen = torch.Generator().manual_seed(seed)
-    if split:  # the two halves of the horizontal gate/up MatMul's Split: strided views
-        g, u = (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 3).split(shape[-1], dim=-1)
-    else:
-        g, u = torch.randn(*shape, generator=gen) * 3, torch.randn(*shape, generator=gen)
-    return g.to(device, dtype), u.to(device, dtype)
+inputs = functools.partial(gate_up_inputs, gate_scale=3)
 
 
 def _tol(dtype):

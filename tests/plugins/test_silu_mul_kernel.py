@@ -6,10 +6,12 @@ model-sized rows and the strided halves of a gate/up Split.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
+from gate_up import gate_up_inputs
 
 from trtopt.plugins.silu_mul.kernel import silu_mul_triton
 from trtopt.plugins.silu_mul.reference import silu_mul_ref
@@ -21,13 +23,7 @@ def unfused(g, u):
     return g * torch.sigmoid(g) * u
 
 
-def inputs(shape, dtype, device, seed=0, split=False):
-    gen = torch.Generator().manual_seed(seed)
-    if split:  # the two halves of the horizontal gate/up MatMul's Split: strided views
-        g, u = (torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 4).split(shape[-1], dim=-1)
-    else:
-        g, u = torch.randn(*shape, generator=gen) * 4, torch.randn(*shape, generator=gen)
-    return g.to(device, dtype), u.to(device, dtype)
+inputs = functools.partial(gate_up_inputs, gate_scale=4)
 
 
 def _tol(dtype):
