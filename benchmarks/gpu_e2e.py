@@ -108,6 +108,11 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
     return n
 
 
+# Fusions the torch executor makes on top of the plan (TorchExecutor keyword that turns each off), ablated like the
+# plan passes: same plan, executor built without it.
+EXECUTOR_FUSIONS = {"rope_kv": "fuse_rope_kv"}
+
+
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
     """An ablation plan: the same export built with a plan-level fusion pass turned off (`--disable-pass`); `rule`
     may name several joined by "+" (e.g. "silu_mul+add_rms_norm+rope", compile_study.py's unfused plan)."""
@@ -139,6 +144,8 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
     times["build_s"] = time.perf_counter() - t
     log(f"built: {result.report.counts} ({times['build_s']:.1f} s)")
     for rule in ablate:
+        if rule in EXECUTOR_FUSIONS:
+            continue  # the same plan, run with the executor's fusion off
         build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
         log(f"built the ablation plan without {rule}")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
@@ -468,8 +475,9 @@ def main() -> None:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128, 256],
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
-    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope"],
-                    help="plan-level fusion passes to measure at batch 1 with and without, same run")
+    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv"],
+                    help="plan-level fusion passes (and executor fusions: rope_kv) to measure at batch 1 with and "
+                    "without, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
@@ -548,9 +556,16 @@ def main() -> None:
             k: b1.get(k) for k in ("decode_tok_s", "ms_per_token", "graph_replay_ms")}}
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
         for rule in args.ablate:
-            plan_x = read_plan(args.work / f"plan-without-{rule}")
-            executor_x = create_executor("torch", args.work / f"plan-without-{rule}", plan_x, device=str(device),
-                                         cuda_graphs=device.type == "cuda")
+            if rule in EXECUTOR_FUSIONS:
+                from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+                plan_x = plan
+                executor_x = TorchExecutor(plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda",
+                                           **{EXECUTOR_FUSIONS[rule]: False})
+            else:
+                plan_x = read_plan(args.work / f"plan-without-{rule}")
+                executor_x = create_executor("torch", args.work / f"plan-without-{rule}", plan_x, device=str(device),
+                                             cuda_graphs=device.type == "cuda")
             engine = make_engine(executor_x, plan_x, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
             bx = batch1_decode(engine, shape.vocab, device)
             bx["graph_replay_ms"] = graph_replay_ms(engine, device)

@@ -9,6 +9,7 @@ below adds the large and half-precision shapes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -21,9 +22,12 @@ from trtopt.plugins.paged_attention.kernel import (
     copy_blocks_triton,
     paged_attention_triton,
     plan_paged_launch,
+    rope_write_kv_triton,
     write_kv_triton,
 )
 from trtopt.plugins.paged_attention.reference import copy_blocks_ref, paged_attention_ref, write_kv
+from trtopt.plugins.rope.kernel import rope_triton
+from trtopt.plugins.rope.reference import rope_ref
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -268,3 +272,85 @@ GPU_SWEEP = [
 @pytest.mark.parametrize("case", GPU_SWEEP, ids=[f"sweep{i}" for i in range(len(GPU_SWEEP))])
 def test_gpu_sweep_matches_reference(case: Case) -> None:
     run_both(case, torch.device("cuda"))
+
+
+# ---- RoPE fused into the KV write (the torch executor's fuse_rope_into_paged_attention) -----------------------------
+def rope_tables(case: Case, device: torch.device, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [1, 1, T, D] of each new token's absolute position (HF's rotary tables), in the case's dtype."""
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(case.context, case.new)]).float()
+    inv_freq = base ** (-torch.arange(0, case.head_dim, 2).float() / case.head_dim)
+    angles = torch.outer(positions, inv_freq)
+    emb = torch.cat((angles, angles), -1)[None, None]
+    return emb.cos().to(device, case.dtype), emb.sin().to(device, case.dtype)
+
+
+def run_rope_fused(case: Case, device: torch.device, launch: PagedLaunch | None = None) -> None:
+    """paged_attention_triton(rope_cos=, rope_sin=) against rope_triton on q and k and the plain op: the output and
+    the whole pool (NaN poison included) bit for bit; and the torch reference of the unfused ops within tolerance."""
+    step = make_step(case, device)
+    cos, sin = rope_tables(case, device)
+    args = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
+    unfused_cache = step.kv_cache.clone()
+    want, _ = paged_attention_triton(rope_triton(step.q, cos, sin), rope_triton(step.k, cos, sin), step.v,
+                                     unfused_cache, *args, alibi_slopes=step.alibi_slopes, launch=launch, **step.attrs)
+    got, got_cache = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, *args, rope_cos=cos, rope_sin=sin,
+                                            alibi_slopes=step.alibi_slopes, launch=launch, **step.attrs)
+    assert got_cache is step.kv_cache
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_cache, unfused_cache, equal_nan=True, atol=0, rtol=0)
+    ref_cache = make_step(case, torch.device("cpu")).kv_cache
+    c, s = cos.cpu(), sin.cpu()
+    slopes = None if step.alibi_slopes is None else step.alibi_slopes.cpu()
+    ref, _ = paged_attention_ref(rope_ref(step.q.cpu(), c, s), rope_ref(step.k.cpu(), c, s), step.v.cpu(), ref_cache,
+                                 *(a.cpu() for a in args), alibi_slopes=slopes, **step.attrs)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), **tolerance(case.dtype))
+
+
+ROPE_CASES = ["decode_gqa4_bs32", "mixed_step", "head_dim_80", "dropped_slots", "prefill_gqa2", "decode_mha"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # bf16 attention: the GPU sweep
+@pytest.mark.parametrize("name", ROPE_CASES)
+def test_rope_fused_into_the_kv_write_is_bit_identical(name: str, dtype: torch.dtype,
+                                                       kernel_device: torch.device) -> None:
+    run_rope_fused(dataclasses.replace(CASES[name], dtype=dtype), kernel_device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rope_write_kv_returns_rotated_q_and_skips_dropped_slots(dtype: torch.dtype,
+                                                                 kernel_device: torch.device) -> None:
+    """The rotation shares rope/kernel.py's code, so it is rope_triton's bit for bit in every dtype (the interpreter
+    truncates bf16 where the GPU rounds, but it does so in both kernels alike; the GPU sweep checks the GPU)."""
+    case = Case(context=(3, 0), new=(6, 2), dropped_slots=3, seed=15, num_heads=6, num_kv_heads=2, dtype=dtype)
+    step = make_step(case, kernel_device)
+    cos, sin = rope_tables(case, kernel_device)
+    expected = step.kv_cache.clone()
+    write_kv_triton(rope_triton(step.k, cos, sin), step.v, expected, step.slot_mapping)
+    q_rot = rope_write_kv_triton(step.q, step.k, step.v, cos, sin, step.kv_cache, step.slot_mapping)
+    assert q_rot.is_contiguous() and q_rot.shape == step.q.shape
+    torch.testing.assert_close(q_rot, rope_triton(step.q, cos, sin), atol=0, rtol=0)
+    torch.testing.assert_close(step.kv_cache, expected, equal_nan=True, atol=0, rtol=0)
+
+
+def test_rope_write_kv_refuses_tables_it_cannot_broadcast(kernel_device: torch.device) -> None:
+    step = make_step(CASES["mixed_step"], kernel_device)
+    cos, sin = rope_tables(CASES["mixed_step"], kernel_device)
+    args = (step.q, step.k, step.v)
+    with pytest.raises(ValueError, match="broadcast"):  # one table per head: not what the kernel reads
+        rope_write_kv_triton(*args, cos.expand(1, 4, -1, -1).contiguous() * 1, sin, step.kv_cache,
+                             step.slot_mapping)
+    with pytest.raises(ValueError, match="dtype"):
+        rope_write_kv_triton(*args, cos.double(), sin, step.kv_cache, step.slot_mapping)
+    with pytest.raises(ValueError, match="both or neither"):
+        paged_attention_triton(*args, step.kv_cache, step.block_tables, step.seq_lens, step.query_start_loc,
+                               step.slot_mapping, rope_cos=cos, **step.attrs)
+
+
+ROPE_GPU_SWEEP = [GPU_SWEEP[i] for i in (0, 1, 3, 4, 5, 8, 9)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", ROPE_GPU_SWEEP, ids=[f"sweep{i}" for i in range(len(ROPE_GPU_SWEEP))])
+def test_gpu_sweep_rope_fused_is_bit_identical(case: Case) -> None:
+    run_rope_fused(case, torch.device("cuda"))

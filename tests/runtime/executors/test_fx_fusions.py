@@ -101,13 +101,100 @@ def test_every_layer_fuses_and_the_step_is_bit_identical(model, exporter, export
         assert torch.equal(a, b)
 
 
+def _targets(ex: TorchExecutor) -> list[str]:
+    return [getattr(n.target, "__name__", "") for n in ex.graph.module.graph.nodes]
+
+
 def test_plans_carry_rope_and_the_fx_rewrite_finds_none(plan_dir):
-    """With the plan-level pass (the default), the torch executor runs trtopt.Rope and has nothing left to rewrite."""
+    """With the plan-level pass (the default), the torch executor runs trtopt.Rope and has nothing left to rewrite;
+    the Rope nodes then fold into PagedAttention's call (fuse_rope_into_paged_attention), unless that is turned off."""
     built = plan_dir("tiny-llama")
-    ex = TorchExecutor(built, read_plan(built))
-    assert ex.num_fused_rope == 0
-    names = [getattr(n.target, "__name__", "") for n in ex.graph.module.graph.nodes]
+    ex = TorchExecutor(built, read_plan(built), fuse_rope_kv=False)
+    assert ex.num_fused_rope == 0 and ex.num_fused_rope_kv == 0
+    names = _targets(ex)
     assert names.count("rope") == 2 * ex.plan.model.num_layers and "neg" not in names  # trtopt_ops.rope
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_rope_folds_into_paged_attention_and_cpu_steps_are_unchanged(model, plan_dir):
+    """Every layer's Rope(q), Rope(k) → PagedAttention becomes one paged_attention_rope call; on CPU that call runs
+    the same ops as before, so a chunked prefill and a decode step give bit-identical logits."""
+    built = plan_dir(model)
+    plan = read_plan(built)
+    outs = []
+    for fuse in (True, False):
+        ex = TorchExecutor(built, plan, fuse_rope_kv=fuse)
+        names = _targets(ex)
+        layers = plan.model.num_layers
+        if fuse:
+            assert ex.num_fused_rope_kv == layers
+            assert names.count("paged_attention_rope") == layers and "rope" not in names
+            assert "paged_attention" not in names
+        else:
+            assert names.count("paged_attention") == layers and names.count("rope") == 2 * layers
+        ex.allocate_kv_cache(16)
+        source = BlockSource(16)
+        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
+        steps = [ex.execute(make_step(seqs, [12, 7], plan.limits.block_size, source)),
+                 ex.execute(make_step(seqs, [8, 0], plan.limits.block_size, source))]
+        for seq in seqs:
+            seq.tokens.append(5)
+        steps.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
+        outs.append(steps)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_paged_attention_rope_off_the_kernel_path_is_the_two_ropes_then_the_op():
+    """On CPU, and on CUDA whenever the fused kernel's preconditions fail (here: cos in another dtype), the call is
+    exactly Rope(q), Rope(k) and PagedAttention (the reference ops, poisoned pool and all)."""
+    from trtopt.plugins.paged_attention.reference import paged_attention_ref
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 3, 16, generator=gen).to(DEVICE) for h in (4, 2, 2))
+    _, cos, sin = rope_inputs(1, 1, 3, 16, torch.float32, seed=3)
+    pool = torch.randn(4, 2, 2, 4, 16, generator=gen).to(DEVICE)
+    meta = (torch.tensor([[1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+            torch.tensor([0, 3], dtype=torch.int32), torch.tensor([4, 5, -1]))
+    meta = tuple(m.to(DEVICE) for m in meta)
+    attrs = dict(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    for c, s in ((cos, sin), (cos.double(), sin.double())):
+        c, s = c.to(DEVICE), s.to(DEVICE)
+        want_pool, got_pool = pool.clone(), pool.clone()
+        want, _ = trtopt_ops.paged_attention(trtopt_ops.rope(q, c, s), trtopt_ops.rope(k, c, s), v, want_pool, *meta,
+                                             **attrs)
+        got, _ = trtopt_ops.paged_attention_rope(q, k, v, got_pool, *meta, rope_cos=c, rope_sin=s, rope_half=8,
+                                                 **attrs)
+        assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+    if DEVICE.type == "cpu":  # and the CPU path is the reference's arithmetic
+        ref_pool = pool.clone()
+        ref, _ = paged_attention_ref(trtopt_ops.rope(q, cos, sin), trtopt_ops.rope(k, cos, sin), v, ref_pool, *meta,
+                                     **attrs)
+        torch.testing.assert_close(got.float(), ref.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_rope_folded_into_the_kv_write_is_bit_identical_on_gpu(model, plan_dir):
+    """On CUDA the folded call runs the fused RoPE + KV-write kernel: the steps' logits equal the unfused executor's
+    (Rope kernels, then the plain KV write) bit for bit."""
+    built = plan_dir(model)
+    plan = read_plan(built)
+    outs = []
+    for fuse in (True, False):
+        ex = TorchExecutor(built, plan, device="cuda", fuse_rope_kv=fuse)
+        assert ex.num_fused_rope_kv == (plan.model.num_layers if fuse else 0)
+        ex.allocate_kv_cache(16)
+        source = BlockSource(16)
+        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
+        steps = [ex.execute(make_step(seqs, [20, 7], plan.limits.block_size, source))]
+        for seq in seqs:
+            seq.tokens.append(5)
+        steps.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
+        outs.append(steps)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 def test_plan_op_falls_back_to_the_exported_arithmetic():

@@ -14,7 +14,9 @@ device), so it is sized from shapes alone:
   contexts at small batch. A second small kernel merges the segments' partial softmaxes.
 
 The KV write is a separate small kernel launched first. A variant that fused it into the attention launch (commit
-2680905) was exact but measured 25-40% slower on H200 and was removed; see docs/benchmarks/NOTES.md.
+2680905) was exact but measured 25-40% slower on H200 and was removed; see docs/benchmarks/NOTES.md. When the
+model rotates q and k (RoPE) right before attention, that small kernel also does the rotation of both
+(`_rope_write_kv_kernel`: the torch executor's fusion of the plan's two Rope nodes into this op, fx_fusions.py).
 Rows are expected to belong to sequences (query_start_loc[S] == T); rows past it are not written.
 
 Keys are walked in tiles of TILE_N positions; each key finds its physical block through block_tables, so the tile
@@ -31,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins.kernel_common import TL_DTYPES
+from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
+from trtopt.plugins.rope.kernel import rotate_half_rows
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,6 +66,57 @@ def _write_kv_kernel(
     dst = Cache + block * stride_cb + offset * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
     tl.store(dst, k.to(Cache.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(Cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    Q, K, V, Cos, Sin, QOut, Cache, SlotMapping,
+    stride_qh, stride_qt, stride_qd, stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
+    stride_cos_t, stride_cos_d, stride_sin_t, stride_sin_d, stride_oh, stride_ot,
+    stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """RoPE of q and k and the KV write in one launch (one program per token; cos/sin are one row per token,
+    shared by every head): q_out[h, t] = rope(q[h, t]) for every query head, and for a token with slot >= 0
+    pool[slot] = (rope(k[:, t]), v[:, t]). The rotation is rope/kernel.py's, so the result is bit for bit that of
+    two Rope launches and the plain KV write (three launches per layer, one here)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    d_ok = offs < HALF
+    c1 = tl.load(Cos + t * stride_cos_t + offs * stride_cos_d, mask=d_ok).to(tl.float32)[None, :]
+    c2 = tl.load(Cos + t * stride_cos_t + (offs + HALF) * stride_cos_d, mask=d_ok).to(tl.float32)[None, :]
+    s1 = tl.load(Sin + t * stride_sin_t + offs * stride_sin_d, mask=d_ok).to(tl.float32)[None, :]
+    s2 = tl.load(Sin + t * stride_sin_t + (offs + HALF) * stride_sin_d, mask=d_ok).to(tl.float32)[None, :]
+
+    # q: [BLOCK_HQ, BLOCK_HALF] per half, every query head of this token
+    hq = tl.arange(0, BLOCK_HQ)
+    mq = (hq < NUM_HEADS)[:, None] & d_ok[None, :]
+    src = Q + t * stride_qt + hq[:, None] * stride_qh
+    x1 = tl.load(src + offs[None, :] * stride_qd, mask=mq).to(tl.float32)
+    x2 = tl.load(src + (offs + HALF)[None, :] * stride_qd, mask=mq).to(tl.float32)
+    o1, o2 = rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE)
+    dst = QOut + t * stride_ot + hq[:, None] * stride_oh
+    tl.store(dst + offs[None, :], o1, mask=mq)
+    tl.store(dst + HALF + offs[None, :], o2, mask=mq)
+
+    # k (rotated) and v into the pool, unless the slot is −1
+    slot = tl.load(SlotMapping + t)
+    if slot >= 0:
+        hk = tl.arange(0, BLOCK_HKV)
+        mk = (hk < NUM_KV_HEADS)[:, None] & d_ok[None, :]
+        src = K + t * stride_kt + hk[:, None] * stride_kh
+        x1 = tl.load(src + offs[None, :] * stride_kd, mask=mk).to(tl.float32)
+        x2 = tl.load(src + (offs + HALF)[None, :] * stride_kd, mask=mk).to(tl.float32)
+        k1, k2 = rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE)
+        src = V + t * stride_vt + hk[:, None] * stride_vh
+        v1 = tl.load(src + offs[None, :] * stride_vd, mask=mk)
+        v2 = tl.load(src + (offs + HALF)[None, :] * stride_vd, mask=mk)
+        dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + hk[:, None] * stride_ch
+        tl.store(dst + offs[None, :] * stride_cd, k1, mask=mk)
+        tl.store(dst + (offs + HALF)[None, :] * stride_cd, k2, mask=mk)
+        tl.store(dst + stride_ckv + offs[None, :] * stride_cd, v1.to(DTYPE), mask=mk)
+        tl.store(dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(DTYPE), mask=mk)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -432,6 +486,36 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
     )
 
 
+def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k (RoPE, cos/sin broadcastable to [1, 1, T, D]: one row per token, shared by all heads) and
+    write the rotated k and v at slot_mapping, in one launch. Returns the rotated q, a new contiguous [1, Hq, T, D].
+    Bit for bit `rope_triton(q)`, `rope_triton(k)` then `write_kv_triton`; q/k/v/kv_cache are checked by the caller."""
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if D % 2 or cos.dtype != q.dtype or sin.dtype != q.dtype \
+            or any(torch.broadcast_shapes(x.shape, (1, 1, T, D)) != (1, 1, T, D) for x in (cos, sin)):
+        raise ValueError(f"rope_write_kv_triton needs an even head_dim and cos/sin of q's dtype {q.dtype} that "
+                         f"broadcast to [1, 1, T={T}, D={D}]; got cos {cos.dtype} {tuple(cos.shape)}, sin "
+                         f"{sin.dtype} {tuple(sin.shape)}")
+    q_out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    cos, sin = cos.expand(1, 1, T, D), sin.expand(1, 1, T, D)  # views: stride 0 where they broadcast
+    half = D // 2
+    block_hq, block_half = triton.next_power_of_2(Hq), triton.next_power_of_2(half)
+    _rope_write_kv_kernel[(T,)](
+        q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
+        q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
+        v.stride(1), v.stride(2), v.stride(3), cos.stride(2), cos.stride(3), sin.stride(2), sin.stride(3),
+        q_out.stride(1), q_out.stride(2), *kv_cache.stride(),
+        BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
+        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
+        num_warps=4 if block_hq * block_half >= 1024 else 1, **no_fp_fusion(),
+    )
+    return q_out
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [1, Hq, T, D], any strides (e.g. a transposed view)
     k: torch.Tensor,  # [1, Hkv, T, D]
@@ -451,19 +535,29 @@ def paged_attention_triton(
     alibi_slopes: torch.Tensor | None = None,  # float32 [Hq]
     launch: PagedLaunch | None = None,
     out: torch.Tensor | None = None,
+    rope_cos: torch.Tensor | None = None,  # [.., T, D] broadcastable to [1, 1, T, D], q's dtype
+    rope_sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the new K/V at slot_mapping, then attend each new token over its sequence's cache.
 
     Returns (out [1, Hq, T, D] in q's dtype, kv_cache) — the same kv_cache object, written in place. `launch`
     overrides the shape-derived tiling (benchmarks and tests use it to force split-KV or tile sizes); `out`, if
-    given, is a preallocated [1, Hq, T, D] buffer to write (CUDA graphs need fixed addresses).
+    given, is a preallocated [1, Hq, T, D] buffer to write (CUDA graphs need fixed addresses). With rope_cos and
+    rope_sin, q and k are the tensors *before* RoPE: one kernel rotates both and writes the pool
+    (rope_write_kv_triton), bit for bit what trtopt::Rope on each and then this op give, with two launches fewer;
+    the torch executor's `fuse_rope_into_paged_attention` (fx_fusions.py) routes the plan's Rope nodes here.
     """
     _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                         num_heads, num_kv_heads, head_dim, alibi_slopes)
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0 = none); got {sliding_window}")
     T, S = q.shape[2], seq_lens.shape[0]
-    write_kv_triton(k, v, kv_cache, slot_mapping)
+    if (rope_cos is None) != (rope_sin is None):
+        raise ValueError("rope_cos and rope_sin come together (both or neither)")
+    if rope_cos is not None:
+        q = rope_write_kv_triton(q, k, v, rope_cos, rope_sin, kv_cache, slot_mapping)
+    else:
+        write_kv_triton(k, v, kv_cache, slot_mapping)
     out = _output_buffer(out, (1, num_heads, T, head_dim), q)
     if T == 0 or S == 0:
         return out, kv_cache
@@ -551,4 +645,5 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
                               DTYPE=TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
 
 
-__all__ = ["PagedLaunch", "plan_paged_launch", "paged_attention_triton", "write_kv_triton", "copy_blocks_triton"]
+__all__ = ["PagedLaunch", "plan_paged_launch", "paged_attention_triton", "write_kv_triton", "rope_write_kv_triton",
+           "copy_blocks_triton"]

@@ -20,6 +20,17 @@ from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
 
 
 @triton.jit
+def rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
+    """(o1, o2), the two halves of x·cos + rotate_half(x)·sin, from fp32 halves of x, cos and sin, rounded as the
+    unfused graph rounds: each product to DTYPE, then the sum. PagedAttention's fused RoPE + KV write
+    (paged_attention/kernel.py) calls this too, so both kernels round alike by construction."""
+    # rotate_half(x) = concat(-x2, x1)
+    o1 = (x1 * c1).to(DTYPE).to(tl.float32) + (-x2 * s1).to(DTYPE).to(tl.float32)
+    o2 = (x2 * c2).to(DTYPE).to(tl.float32) + (x1 * s2).to(DTYPE).to(tl.float32)
+    return o1.to(DTYPE), o2.to(DTYPE)
+
+
+@triton.jit
 def _rope_kernel(X, Cos, Sin, Out,
                  sxb, sxh, sxt, sxd, scb, sch, sct, scd, ssb, ssh, sst, ssd, sob, soh, sot,
                  HALF: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
@@ -37,12 +48,10 @@ def _rope_kernel(X, Cos, Sin, Out,
     c2 = tl.load(c + (offs + HALF) * scd, mask=m).to(tl.float32)
     s1 = tl.load(s + offs * ssd, mask=m).to(tl.float32)
     s2 = tl.load(s + (offs + HALF) * ssd, mask=m).to(tl.float32)
-    # rotate_half(x) = concat(-x2, x1)
-    o1 = (x1 * c1).to(DTYPE).to(tl.float32) + (-x2 * s1).to(DTYPE).to(tl.float32)
-    o2 = (x2 * c2).to(DTYPE).to(tl.float32) + (x1 * s2).to(DTYPE).to(tl.float32)
+    o1, o2 = rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE)
     o = Out + b * sob + h * soh + t * sot
-    tl.store(o + offs, o1.to(DTYPE), mask=m)
-    tl.store(o + HALF + offs, o2.to(DTYPE), mask=m)
+    tl.store(o + offs, o1, mask=m)
+    tl.store(o + HALF + offs, o2, mask=m)
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

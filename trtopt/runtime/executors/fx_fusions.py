@@ -1,5 +1,8 @@
 """Fusions of the torch executor on the converted torch.fx graph (the plan's ONNX graph is not changed).
 
+Two rewrites: `fuse_rope_into_paged_attention` (plans built with the rope pass, the default) and `fuse_rope`
+(older plans, or plans built with `--disable-pass rope`).
+
 `fuse_rope` finds rotary position embeddings as exporters write them (HF `apply_rotary_pos_emb`):
 
     out = x * cos + concat(neg(slice(x, half:)), slice(x, :half), axis=last) * sin
@@ -19,7 +22,7 @@ import operator
 import torch
 import torch.fx
 
-from trtopt.runtime.executors import onnx_ops
+from trtopt.runtime.executors import onnx_ops, trtopt_ops
 
 _MUL, _ADD = operator.mul, operator.add
 
@@ -151,6 +154,41 @@ def fuse_rope(gm: torch.fx.GraphModule) -> int:
         for node in found["nodes"]:  # the matched intermediates, where nothing else reads them
             if not node.users:
                 gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
+    """PagedAttention(Rope(q, cos, sin), Rope(k, cos, sin), ...) → one `paged_attention_rope` call; returns how many.
+
+    The plan keeps RoPE and attention as separate ops (trtopt.Rope has no TensorRT plugin: TensorRT fuses its body
+    itself, and cannot fuse it into the PagedAttention plugin). On CUDA the fused call rotates q and k inside the
+    KV-write kernel, two launches fewer per layer; elsewhere it runs the same ops as before, so CPU results are
+    unchanged bit for bit. Matched only when both Rope nodes read the same cos and sin, have the same `half`, and
+    feed nothing but this attention call.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is trtopt_ops.paged_attention and len(node.args) >= 3):
+            continue
+        q_rope, k_rope = node.args[0], node.args[1]
+        if not all(isinstance(r, torch.fx.Node) and r.op == "call_function" and r.target is trtopt_ops.rope
+                   and len(r.args) == 3 and len(r.users) == 1 for r in (q_rope, k_rope)):
+            continue
+        if q_rope.args[1:] != k_rope.args[1:] or q_rope.kwargs.get("half", 0) != k_rope.kwargs.get("half", 0):
+            continue
+        kwargs = dict(node.kwargs, rope_cos=q_rope.args[1], rope_sin=q_rope.args[2],
+                      rope_half=q_rope.kwargs.get("half", 0))
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(trtopt_ops.paged_attention_rope,
+                                           (q_rope.args[0], k_rope.args[0], *node.args[2:]), kwargs)
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(q_rope)
+        gm.graph.erase_node(k_rope)
         count += 1
     if count:
         gm.graph.lint()

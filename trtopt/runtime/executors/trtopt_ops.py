@@ -52,6 +52,27 @@ def paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, 
               sliding_window=sliding_window, alibi_slopes=alibi_slopes)
 
 
+def paged_attention_rope(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                         alibi_slopes=None, *, rope_cos, rope_sin, rope_half: int, num_heads: int, num_kv_heads: int,
+                         head_dim: int, scale: float, causal: int = 1, sliding_window: int = 0):
+    """trtopt::PagedAttention(Rope(q), Rope(k), ...) as the torch executor fuses it (fx_fusions.py): on CUDA one
+    kernel rotates q and k and writes the pool (then the attention kernel), two launches fewer than the plan's ops;
+    everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op."""
+    T, D = q.shape[-2], q.shape[-1]
+    if (q.is_cuda and q.dim() == 4 and D % 2 == 0 and rope_half in (0, D // 2)
+            and q.dtype == rope_cos.dtype == rope_sin.dtype
+            and all(torch.broadcast_shapes(x.shape, (1, 1, T, D)) == (1, 1, T, D) for x in (rope_cos, rope_sin))):
+        fn = _impl("paged_attention", "cuda")
+        if fn is not _impl_reference("paged_attention"):
+            return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
+                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, rope_cos=rope_cos, rope_sin=rope_sin)
+    q, k = (rope(x, rope_cos, rope_sin, half=rope_half) for x in (q, k))
+    return paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+                           causal=causal, sliding_window=sliding_window)
+
+
 def flash_attention(q, k, v, attn_bias=None, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                     causal: int = 0):
     """trtopt::FlashAttention."""
