@@ -108,9 +108,11 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
     return n
 
 
-# Fusions the torch executor makes on top of the plan (TorchExecutor keyword that turns each off), ablated like the
-# plan passes: same plan, executor built without it.
-EXECUTOR_FUSIONS = {"rope_kv": "fuse_rope_kv"}
+# What the torch executor does on top of the plan, measured like the plan passes (same plan, another executor):
+# name -> (row name, TorchExecutor keywords of the variant). rope_kv is on by default (the row turns it off);
+# linear_weights is opt-in (the row turns it on).
+EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
+                     "linear_weights": ("with_linear_weights", {"linear_weights": True})}
 
 
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
@@ -144,8 +146,8 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
     times["build_s"] = time.perf_counter() - t
     log(f"built: {result.report.counts} ({times['build_s']:.1f} s)")
     for rule in ablate:
-        if rule in EXECUTOR_FUSIONS:
-            continue  # the same plan, run with the executor's fusion off
+        if rule in EXECUTOR_VARIANTS:
+            continue  # the same plan, run by another executor
         build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
         log(f"built the ablation plan without {rule}")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
@@ -475,9 +477,10 @@ def main() -> None:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128, 256],
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
-    ap.add_argument("--ablate", nargs="*", default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv"],
-                    help="plan-level fusion passes (and executor fusions: rope_kv) to measure at batch 1 with and "
-                    "without, same run")
+    ap.add_argument("--ablate", nargs="*",
+                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv", "linear_weights"],
+                    help="plan-level fusion passes, and the executor's variants (rope_kv: off; linear_weights: on), "
+                    "to measure at batch 1 against the default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
@@ -556,12 +559,14 @@ def main() -> None:
             k: b1.get(k) for k in ("decode_tok_s", "ms_per_token", "graph_replay_ms")}}
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
         for rule in args.ablate:
-            if rule in EXECUTOR_FUSIONS:
+            row = f"without_{rule}"
+            if rule in EXECUTOR_VARIANTS:
                 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
+                row, variant = EXECUTOR_VARIANTS[rule]
                 plan_x = plan
                 executor_x = TorchExecutor(plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda",
-                                           **{EXECUTOR_FUSIONS[rule]: False})
+                                           **variant)
             else:
                 plan_x = read_plan(args.work / f"plan-without-{rule}")
                 executor_x = create_executor("torch", args.work / f"plan-without-{rule}", plan_x, device=str(device),
@@ -569,9 +574,10 @@ def main() -> None:
             engine = make_engine(executor_x, plan_x, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
             bx = batch1_decode(engine, shape.vocab, device)
             bx["graph_replay_ms"] = graph_replay_ms(engine, device)
-            bx["kernels_per_step"] = ((profile_decode(engine, shape.vocab, device) or {}).get("kernels_per_step"))
-            ablations[f"without_{rule}"] = bx
-            log(f"batch 1 without {rule}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
+            bx["profile_eager"] = profile_decode(engine, shape.vocab, device)  # which kernels (cuBLAS's choice too)
+            bx["kernels_per_step"] = (bx["profile_eager"] or {}).get("kernels_per_step")
+            ablations[row] = bx
+            log(f"batch 1 {row}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
                 f"{bx['graph_replay_ms'] or 0:.3f} ms, {bx['kernels_per_step']} kernels/step")
             del engine, executor_x
             # The same run's plan again, right after, to see the spread between passes.
