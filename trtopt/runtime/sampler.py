@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import SampledToken
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampling_params import LogitsProcessor, _processor_arity
@@ -100,7 +101,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
-            return [SampledToken(token_id=t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampledToken(token_id=t) for t in greedy_argmax(logits).tolist()]
         u = self._uniforms(requests)
         if self._grammar_masker is None and any(r.grammar is not None for r in requests):
             self._grammar_masker = GrammarMasker()  # on the first constrained step (imports xgrammar)
@@ -122,7 +123,7 @@ class Sampler:
         sample_each does, which waits for this step's logits (the step still overlapped the previous outputs)."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         if all(_plain_greedy(r) for r in requests):
-            ids = logits.argmax(dim=-1)
+            ids = greedy_argmax(logits)
             if ids.device.type != "cuda":
                 return PendingTokens(ids)
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -171,7 +172,7 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
         if constrained:  # structured output: tokens the grammar forbids are -inf before any filtering or draw
             assert grammar_masker is not None, "a constrained row needs the sampler's GrammarMasker"
             grammar_masker(logits, requests)
-    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    tokens = greedy_argmax(logits)  # greedy rows keep this
     rows = torch.nonzero(t.temperature > 0).flatten()
     if rows.numel():
         x = logits[rows] / t.temperature[rows, None]

@@ -17,6 +17,7 @@ import torch
 
 from trtopt.build.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
+from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import SampledToken, ScheduledBatch, StepOutput
 from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
@@ -91,7 +92,7 @@ class SpecDecoder:
         # common case is greedy throughout, and each further read would wait for the device again.
         greedy_plain = [plain_greedy(r) for r in plain_reqs]
         any_greedy = any(greedy_plain) or any(plain_greedy(r) for r, _, _ in spans)
-        argmax = logits[:row].argmax(dim=-1).tolist() if any_greedy else None
+        argmax = greedy_argmax(logits[:row]).tolist() if any_greedy else None
         output, errors = StepOutput(sampled={}), {}
         rest = [(r, req) for r, req, g in zip(plain_rows, plain_reqs, greedy_plain) if not g]
         for r, req, g in zip(plain_rows, plain_reqs, greedy_plain):

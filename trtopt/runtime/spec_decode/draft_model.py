@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
 from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
@@ -91,7 +92,7 @@ class DraftModelProposer:
                 steps = [self._draft_step(s, drafts[s.request_id][-1], j) for s in active]
                 logits = self.executor.execute(self.input_builder.build(ScheduledBatch(steps, 0, [])))
             logits = logits[: len(active)]
-            argmax = logits.argmax(dim=-1).tolist()
+            argmax = greedy_argmax(logits).tolist()
             sampled = [row for row, s in enumerate(active) if not greedy[s.request_id]]
             if sampled:
                 reqs = [requests[active[row].request_id] for row in sampled]

@@ -1,0 +1,75 @@
+"""The greedy argmax kernel (runtime/argmax_kernel.py) against torch.argmax: the same index, bit for bit, for ties,
+±inf, NaN and signed zeros, over rows cut into many pieces. Without CUDA the kernel runs under the Triton
+interpreter (set here before the kernel module is imported) with small pieces; the `gpu` test uses the real sizes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from trtopt.runtime.argmax import greedy_argmax  # noqa: E402
+from trtopt.runtime.argmax_kernel import argmax_triton  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 3.4e38, -3.4e38, 1e-45]
+
+
+@st.composite
+def logits_rows(draw) -> torch.Tensor:
+    """Small rows where ties are the rule: values from a short list (specials included) or a few integers."""
+    n = draw(st.integers(1, 4))
+    v = draw(st.integers(1, 80))
+    pool = draw(st.sampled_from([SPECIALS, [0.0, 1.0, 2.0], [-0.0, 0.0], [float("-inf")], [5.0, float("nan")]]))
+    values = draw(st.lists(st.sampled_from(pool), min_size=n * v, max_size=n * v))
+    return torch.tensor(values, dtype=torch.float32).reshape(n, v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=logits_rows(), chunk=st.sampled_from([16, 32, 64]))
+def test_same_index_as_torch_argmax(x: torch.Tensor, chunk: int) -> None:
+    x = x.to(DEVICE)
+    assert torch.equal(argmax_triton(x, chunk=chunk), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,v,chunk", [(1, 1000, 64), (3, 129, 16), (5, 4096, 512), (2, 7, 16), (1, 4097, 4096)])
+def test_random_rows_in_every_dtype(n: int, v: int, chunk: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(n * v)
+    x = torch.randn(n, v, generator=gen).to(DEVICE, dtype)
+    x[:, v // 3] = x[:, v // 2] = x.max() if v > 2 else x[:, 0]  # a tie across pieces
+    assert torch.equal(argmax_triton(x, chunk=chunk), x.argmax(dim=-1))
+
+
+def test_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="unit last stride"):
+        argmax_triton(torch.zeros(4, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match="float"):
+        argmax_triton(torch.zeros(2, 8, dtype=torch.int64, device=DEVICE))
+    assert argmax_triton(torch.zeros(0, 8, device=DEVICE)).shape == (0,)
+
+
+def test_greedy_argmax_is_torch_argmax_off_cuda() -> None:
+    x = torch.randn(3, 5000)
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+@pytest.mark.parametrize("n", [1, 8, 256])
+@pytest.mark.parametrize("v", [49152, 128256, 151936, 262144])
+def test_gpu_real_vocabularies(n: int, v: int) -> None:
+    """The engine's path (greedy_argmax on CUDA) at real vocabulary sizes: SmolLM2, Llama-3, Qwen2, Gemma-3."""
+    gen = torch.Generator(device="cuda").manual_seed(v + n)
+    x = torch.randn(n, v, device="cuda", generator=gen)
+    x[0, v - 1] = x[0, 17] = x[0].max() + 1  # a tie between the first and the last piece
+    if n > 1:
+        x[1, 4096 * 3 + 5] = float("nan")
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(greedy_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
