@@ -478,9 +478,10 @@ def main() -> None:
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
-                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv", "linear_weights"],
-                    help="plan-level fusion passes, and the executor's variants (rope_kv: off; linear_weights: on), "
-                    "to measure at batch 1 against the default, same run")
+                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv", "linear_weights",
+                             "argmax"],
+                    help="plan-level fusion passes, the executor's variants (rope_kv: off; linear_weights: on) and the "
+                    "sampler's argmax kernel (off), to measure at batch 1 against the default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
@@ -560,7 +561,12 @@ def main() -> None:
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
         for rule in args.ablate:
             row = f"without_{rule}"
-            if rule in EXECUTOR_VARIANTS:
+            if rule == "argmax":  # the sampler's greedy argmax kernel off: torch.argmax, same plan and executor
+                from trtopt.runtime import argmax
+
+                argmax.use_kernel = False
+                plan_x, executor_x = plan, executor
+            elif rule in EXECUTOR_VARIANTS:
                 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
                 row, variant = EXECUTOR_VARIANTS[rule]
@@ -577,6 +583,8 @@ def main() -> None:
             bx["profile_eager"] = profile_decode(engine, shape.vocab, device)  # which kernels (cuBLAS's choice too)
             bx["kernels_per_step"] = (bx["profile_eager"] or {}).get("kernels_per_step")
             ablations[row] = bx
+            if rule == "argmax":
+                argmax.use_kernel = True
             log(f"batch 1 {row}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
                 f"{bx['graph_replay_ms'] or 0:.3f} ms, {bx['kernels_per_step']} kernels/step")
             del engine, executor_x

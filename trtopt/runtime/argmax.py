@@ -17,10 +17,15 @@ import functools
 import torch
 
 
+# The kernel's switch: benchmarks turn it off to time torch.argmax in the same run (gpu_e2e.py's argmax row).
+use_kernel = True
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] → [N] int64, torch.argmax's answer: the two-launch kernel on CUDA for rows long enough to split,
     torch.argmax otherwise (the CPU, short rows, or no Triton)."""
-    if logits.is_cuda and logits.dim() == 2 and logits.shape[-1] > _MIN_SPLIT and logits.stride(-1) == 1:
+    if use_kernel and logits.is_cuda and logits.dim() == 2 and logits.shape[-1] > _MIN_SPLIT \
+            and logits.stride(-1) == 1:
         kernel = _kernel()
         if kernel is not None:
             return kernel(logits)
