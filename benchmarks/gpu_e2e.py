@@ -146,8 +146,8 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
     times["build_s"] = time.perf_counter() - t
     log(f"built: {result.report.counts} ({times['build_s']:.1f} s)")
     for rule in ablate:
-        if rule in EXECUTOR_VARIANTS:
-            continue  # the same plan, run by another executor
+        if rule in EXECUTOR_VARIANTS or rule == "argmax":
+            continue  # the same plan, run by another executor (or sampler)
         build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
         log(f"built the ablation plan without {rule}")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
