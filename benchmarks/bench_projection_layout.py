@@ -1,5 +1,6 @@
 """Projection layout at small M on the GPU: x @ W (the plan's [K, N]) vs F.linear(x, Wᵀ) ([N, K], nn.Linear's
-layout) vs a plain Triton GEMV, for the 1.24B Llama-shaped plan's projections and SmolLM2-135M's (issue 11).
+layout) vs a plain Triton GEMV, for the 1.24B Llama-shaped plan's projections and SmolLM2-135M's (issue 11); and for
+gate/up, the projection + trtopt.SiluMul (two launches) vs a GEMV with SiLU·mul as its epilogue (one launch).
 
 Why: the batch-1 profile on the H200 (docs/benchmarks/GPU_E2E.md) has cuBLAS streaming the tied LM head, already
 [N, K], at 4.3 TB/s while the [K, N] Q/K/V and O projections reach ~1.9 TB/s at M = 1. `TorchExecutor(
@@ -35,7 +36,10 @@ SHAPES_1B = [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), (
              ("lm_head", 2048, 128256)]
 SHAPES_SMOLLM2 = [("smollm2_qkv", 576, 960), ("smollm2_o", 576, 576), ("smollm2_gate_up", 576, 3072),
                   ("smollm2_down", 1536, 576), ("smollm2_lm_head", 576, 49152)]
-TINY = [("tiny_qkv", 64, 96), ("tiny_down", 128, 64)]
+# Triton's autotuner: short timing windows (ms) per config, so that tuning every shape and M fits in one GPU call.
+TUNE = {"warmup": 5, "rep": 20}
+TRITON_MAX_M = 4  # the Triton GEMVs are timed for M <= this (the decode rows they are meant for)
+TINY = [("tiny_qkv", 64, 96), ("tiny_down", 128, 64), ("tiny_gate_up", 64, 160)]
 
 
 def gemv_kernel(autotune: bool = True):
@@ -45,9 +49,8 @@ def gemv_kernel(autotune: bool = True):
     import triton
     import triton.language as tl
 
-    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-               for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for w in (2, 4, 8) for s in (2, 4)
-               if bn * bk <= 8192]
+    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+               for bn in (4, 8, 16) for bk in (256, 512) for w in (4, 8)]
 
     @triton.jit
     def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -68,7 +71,7 @@ def gemv_kernel(autotune: bool = True):
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=(offs_m < M)[:, None] & n_ok[None, :])
 
-    kernel = triton.autotune(configs=configs, key=["M", "N", "K"])(_gemv) if autotune else _gemv
+    kernel = triton.autotune(configs=configs, key=["M", "N", "K"], **TUNE)(_gemv) if autotune else _gemv
     fixed = {} if autotune else {"BLOCK_N": 8, "BLOCK_K": 32}
 
     def gemv(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
@@ -81,6 +84,79 @@ def gemv_kernel(autotune: bool = True):
         return y
 
     return gemv
+
+
+def gemv_silu_mul_kernel(autotune: bool = True):
+    """gate/up GEMV with SiLU·mul as its epilogue, one launch: W_gu [2I, K] holds gate's rows then up's (the
+    horizontally fused weight, transposed); one program computes BLOCK_N gate and up outputs of every row of x and
+    writes silu(g)·u, rounded as trtopt.SiluMul rounds. The candidate that would take the SiLU·mul kernel (one per
+    layer) off the step, if it streams W_gu as fast as cuBLAS does."""
+    import triton
+    import triton.language as tl
+
+    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
+               for bn in (4, 8) for bk in (256, 512) for w in (4, 8)]
+
+    @triton.jit
+    def _gemv_silu_mul(X, W, Y, M, I, K, stride_xm, stride_wn, stride_ym,
+                       M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        n_ok = offs_n < I
+        m_ok = offs_m < M
+        g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            wmask = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0).to(tl.float32)
+            wu = tl.load(W + (offs_n + I)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0).to(tl.float32)
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            g += tl.sum(x[:, None, :] * wg[None, :, :], axis=2)
+            u += tl.sum(x[:, None, :] * wu[None, :, :], axis=2)
+        g = g.to(DTYPE).to(tl.float32)  # the GEMM's output rounding, then SiluMul's own
+        u = u.to(DTYPE).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+        t = (g * sig).to(DTYPE).to(tl.float32)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], (t * u).to(DTYPE),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    kernel = (triton.autotune(configs=configs, key=["M", "I", "K"], **TUNE)(_gemv_silu_mul) if autotune
+              else _gemv_silu_mul)
+    fixed = {} if autotune else {"BLOCK_N": 8, "BLOCK_K": 32}
+    tl_dtype = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+    def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor) -> torch.Tensor:
+        M, K = x.shape
+        I = w_gu.shape[0] // 2
+        y = torch.empty(M, I, dtype=x.dtype, device=x.device)
+        kernel[lambda meta: (triton.cdiv(I, meta["BLOCK_N"]),)](
+            x, w_gu, y, M, I, K, x.stride(0), w_gu.stride(0), y.stride(0),
+            M_PAD=max(1, triton.next_power_of_2(M)), DTYPE=tl_dtype[x.dtype], **fixed)
+        return y
+
+    return gemv_silu_mul
+
+
+def silu_mul_after(project):
+    """The unfused pair as the step runs it: the projection (cuBLAS), then trtopt.SiluMul on its two halves."""
+    from trtopt.plugins.silu_mul.reference import silu_mul_ref
+
+    try:
+        from trtopt.plugins.silu_mul.kernel import silu_mul_triton
+    except ImportError:
+        silu_mul_triton = None
+
+    def run(x, w):
+        gu = project(x, w)
+        gate, up = gu.split(gu.shape[-1] // 2, dim=-1)
+        fn = silu_mul_triton if (silu_mul_triton is not None and x.is_cuda) else silu_mul_ref
+        return fn(gate, up)
+
+    return run
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
@@ -146,6 +222,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 1 << 20
     gemv = None if args.no_triton else gemv_kernel(autotune=device.type == "cuda")  # CPU: TRITON_INTERPRET=1
+    fused_gemv = None if args.no_triton else gemv_silu_mul_kernel(autotune=device.type == "cuda")
     data = {"benchmark": "projection_layout", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "machine": {"gpu": gpu, "torch": torch.__version__, "l2_bytes": l2},
         "dtype": str(dtype), "copy_bandwidth_Bps": copy_bandwidth(device), "rows": []}
@@ -161,7 +238,7 @@ def main() -> None:
             want = xs[0].float() @ w0.float()
             variants = {"matmul_KN": (lambda x, w: torch.matmul(x, w), ws),
                         "linear_NK": (lambda x, w: F.linear(x, w), wts)}
-            if gemv is not None and M <= 16:
+            if gemv is not None and M <= TRITON_MAX_M:
                 variants["triton_gemv_NK"] = (gemv, wts)
             row = {"shape": name, "K": K, "N": N, "M": M, "weight_bytes": nbytes, "copies": copies}
             for vname, (fn, weights) in variants.items():
@@ -177,11 +254,44 @@ def main() -> None:
             print(f"{name:>16} M={M:<4} " + "  ".join(
                 f"{v} {row[v]['us']:8.2f} us {row[v]['weight_TBps']:5.2f} TB/s" for v in variants) + f"  → {fastest}",
                 flush=True)
+        if name.endswith("gate_up"):
+            fused_rows(data, name, K, N, ws, wts, args, device, dtype, gen, fused_gemv)
         del ws, wts, w0
     out = args.out or DOCS / f"projection_layout_{'tiny_' if args.tiny else ''}{gpu.split()[-1].lower()}.json"
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {out}")
     plot(data, out.with_suffix(".png"))
+
+
+def fused_rows(data, name, K, N, ws, wts, args, device, dtype, gen, fused_gemv) -> None:
+    """gate/up then SiLU·mul: cuBLAS in either layout + the SiluMul kernel (two launches) vs the fused GEMV (one)."""
+    from trtopt.plugins.silu_mul.reference import silu_mul_ref
+
+    for M in [m for m in args.ms if m <= TRITON_MAX_M]:
+        xs = [torch.randn(M, K, generator=gen).to(device, dtype) for _ in range(2)]
+        gu = (xs[0].float() @ ws[0].float()).to(dtype)
+        want = silu_mul_ref(*gu.split(N // 2, dim=-1)).float()
+        variants = {"matmul_KN+silu_mul": (silu_mul_after(lambda x, w: torch.matmul(x, w)), ws),
+                    "linear_NK+silu_mul": (silu_mul_after(lambda x, w: F.linear(x, w)), wts)}
+        if fused_gemv is not None:
+            variants["triton_gemv_silu_mul_NK"] = (fused_gemv, wts)
+        row = {"shape": f"{name}+silu_mul", "K": K, "N": N, "M": M, "weight_bytes": ws[0].numel() * ws[0].element_size(),
+               "copies": len(ws)}
+        for vname, (fn, weights) in variants.items():
+            got = fn(xs[0], weights[0]).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            if err > (5e-2 if dtype != torch.float32 else 1e-4):
+                raise SystemExit(f"{vname} on {name} M={M} is wrong: max relative error {err:.2e}")
+            seconds = time_variant(fn, xs, weights, device, args.iters)
+            row[vname] = {"us": seconds * 1e6, "weight_TBps": row["weight_bytes"] / seconds / 1e12, "max_rel_err": err}
+        row["fastest"] = min(variants, key=lambda v: row[v]["us"])
+        data["rows"].append(row)
+        print(f"{name + '+silu':>16} M={M:<4} " + "  ".join(
+            f"{v} {row[v]['us']:8.2f} us" for v in variants) + f"  → {row['fastest']}", flush=True)
+
+
+VARIANT_COLORS = {"matmul_KN": "tab:blue", "linear_NK": "tab:orange", "triton_gemv_NK": "tab:green",
+                  "matmul_KN+silu_mul": "tab:cyan", "linear_NK+silu_mul": "tab:red", "triton_gemv_silu_mul_NK": "tab:olive"}
 
 
 def plot(data: dict, path: Path) -> None:
@@ -197,19 +307,24 @@ def plot(data: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(3.2 * len(shapes), 3.2), sharey=True, squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         rows = [r for r in data["rows"] if r["shape"] == shape]
-        for v in ("matmul_KN", "linear_NK", "triton_gemv_NK"):
+        for v, color in VARIANT_COLORS.items():
             pts = [(r["M"], r[v]["weight_TBps"]) for r in rows if v in r]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=v)
+                ax.plot(*zip(*pts), marker="o", color=color, label=v)
         if data.get("copy_bandwidth_Bps"):
             ax.axhline(data["copy_bandwidth_Bps"] / 1e12, color="gray", ls="--", lw=1, label="copy bandwidth")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape} ({rows[0]['K']}×{rows[0]['N']})", fontsize=9)
         ax.set_xlabel("M (rows)")
     axes[0][0].set_ylabel("weight TB/s")
-    axes[0][-1].legend(fontsize=7)
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
+    fig.subplots_adjust(bottom=0.3)
     fig.suptitle(f"projection layout at small M, {data['machine']['gpu']}, {data['dtype']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
 
