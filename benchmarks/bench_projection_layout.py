@@ -43,102 +43,47 @@ TINY = [("tiny_qkv", 64, 96), ("tiny_down", 128, 64), ("tiny_gate_up", 64, 160)]
 
 
 def gemv_kernel(autotune: bool = True):
-    """A Triton GEMV over [N, K] weights (K contiguous): one program per BLOCK_N output columns, all M rows of x,
-    fp32 accumulation; autotuned per (M, N, K) at the first call (outside the timed graphs). autotune=False: one
-    fixed config (the interpreter check in the smoke run)."""
-    import triton
-    import triton.language as tl
-
-    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
-               for bn in (4, 8, 16) for bk in (256, 512) for w in (4, 8)]
-
-    @triton.jit
-    def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-              M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, M_PAD)
-        n_ok = offs_n < N
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [M_PAD, BLOCK_K]
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(offs_m < M)[:, None] & n_ok[None, :])
-
-    kernel = triton.autotune(configs=configs, key=["M", "N", "K"], **TUNE)(_gemv) if autotune else _gemv
-    fixed = {} if autotune else {"BLOCK_N": 8, "BLOCK_K": 32}
-
-    def gemv(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-        M, K = x.shape
-        N = wt.shape[0]
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-            x, wt, y, M, N, K, x.stride(0), wt.stride(0), y.stride(0), M_PAD=max(1, triton.next_power_of_2(M)),
-            **fixed)
-        return y
-
-    return gemv
+    """runtime/gemv_kernel.py's GEMV over [N, K] weights, autotuned per (M, N, K) at its first call (outside the
+    timed graphs) over a grid of tiles; autotune=False: one fixed small config (the interpreter smoke run). The
+    chosen config of each shape is recorded (`best_configs`) to set gemv_kernel.GEMV_CONFIG from."""
+    return _tuned("_gemv", ["M", "N", "K"], autotune, [(bn, bk, w) for bn in (4, 8, 16) for bk in (256, 512)
+                                                        for w in (4, 8)])
 
 
 def gemv_silu_mul_kernel(autotune: bool = True):
-    """gate/up GEMV with SiLU·mul as its epilogue, one launch: W_gu [2I, K] holds gate's rows then up's (the
-    horizontally fused weight, transposed); one program computes BLOCK_N gate and up outputs of every row of x and
-    writes silu(g)·u, rounded as trtopt.SiluMul rounds. The candidate that would take the SiLU·mul kernel (one per
-    layer) off the step, if it streams W_gu as fast as cuBLAS does."""
+    """runtime/gemv_kernel.py's gate/up GEMV with SiLU·mul as its epilogue (one launch), tuned the same way."""
+    return _tuned("_gemv_silu_mul", ["M", "I", "K"], autotune, [(bn, bk, w) for bn in (4, 8) for bk in (256, 512)
+                                                                 for w in (4, 8)])
+
+
+BEST_CONFIGS: dict[str, str] = {}  # "kernel M N K" -> the autotuner's choice
+
+
+def _tuned(name: str, key: list[str], autotune: bool, grid: list[tuple[int, int, int]]):
     import triton
-    import triton.language as tl
 
-    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3)
-               for bn in (4, 8) for bk in (256, 512) for w in (4, 8)]
+    from trtopt.plugins.kernel_common import TL_DTYPES
+    from trtopt.runtime import gemv_kernel
 
-    @triton.jit
-    def _gemv_silu_mul(X, W, Y, M, I, K, stride_xm, stride_wn, stride_ym,
-                       M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, M_PAD)
-        n_ok = offs_n < I
-        m_ok = offs_m < M
-        g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            wmask = n_ok[:, None] & k_ok[None, :]
-            wg = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0).to(tl.float32)
-            wu = tl.load(W + (offs_n + I)[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0.0).to(tl.float32)
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            g += tl.sum(x[:, None, :] * wg[None, :, :], axis=2)
-            u += tl.sum(x[:, None, :] * wu[None, :, :], axis=2)
-        g = g.to(DTYPE).to(tl.float32)  # the GEMM's output rounding, then SiluMul's own
-        u = u.to(DTYPE).to(tl.float32)
-        sig = (1.0 / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
-        t = (g * sig).to(DTYPE).to(tl.float32)
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], (t * u).to(DTYPE),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-    kernel = (triton.autotune(configs=configs, key=["M", "I", "K"], **TUNE)(_gemv_silu_mul) if autotune
-              else _gemv_silu_mul)
+    jit = getattr(gemv_kernel, name)
+    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=3) for bn, bk, w in grid]
+    kernel = triton.autotune(configs=configs, key=key, **TUNE)(jit) if autotune else jit
     fixed = {} if autotune else {"BLOCK_N": 8, "BLOCK_K": 32}
-    tl_dtype = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    fused = name == "_gemv_silu_mul"
 
-    def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
         M, K = x.shape
-        I = w_gu.shape[0] // 2
-        y = torch.empty(M, I, dtype=x.dtype, device=x.device)
-        kernel[lambda meta: (triton.cdiv(I, meta["BLOCK_N"]),)](
-            x, w_gu, y, M, I, K, x.stride(0), w_gu.stride(0), y.stride(0),
-            M_PAD=max(1, triton.next_power_of_2(M)), DTYPE=tl_dtype[x.dtype], **fixed)
+        N = wt.shape[0] // 2 if fused else wt.shape[0]
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        extra = {"DTYPE": TL_DTYPES[x.dtype]} if fused else {}
+        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x, wt, y, M, N, K, x.stride(0), wt.stride(0), y.stride(0), M_PAD=triton.next_power_of_2(M),
+            **extra, **fixed)
+        if autotune:
+            BEST_CONFIGS[f"{name} M={M} N={N} K={K}"] = str(kernel.best_config)
         return y
 
-    return gemv_silu_mul
+    return run
 
 
 def silu_mul_after(project):
@@ -257,6 +202,7 @@ def main() -> None:
         if name.endswith("gate_up"):
             fused_rows(data, name, K, N, ws, wts, args, device, dtype, gen, fused_gemv)
         del ws, wts, w0
+    data["triton_best_configs"] = BEST_CONFIGS
     out = args.out or DOCS / f"projection_layout_{'tiny_' if args.tiny else ''}{gpu.split()[-1].lower()}.json"
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {out}")

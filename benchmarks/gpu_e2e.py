@@ -110,9 +110,10 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 
 # What the torch executor does on top of the plan, measured like the plan passes (same plan, another executor):
 # name -> (row name, TorchExecutor keywords of the variant). rope_kv is on by default (the row turns it off);
-# linear_weights is opt-in (the row turns it on).
+# linear_weights and small_m_gemv are opt-in (their rows turn them on).
 EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
-                     "linear_weights": ("with_linear_weights", {"linear_weights": True})}
+                     "linear_weights": ("with_linear_weights", {"linear_weights": True}),
+                     "small_m_gemv": ("with_small_m_gemv", {"small_m_gemv": True})}
 
 
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
@@ -479,9 +480,10 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
                     default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv", "linear_weights",
-                             "argmax"],
-                    help="plan-level fusion passes, the executor's variants (rope_kv: off; linear_weights: on) and the "
-                    "sampler's argmax kernel (off), to measure at batch 1 against the default, same run")
+                             "small_m_gemv", "argmax"],
+                    help="plan-level fusion passes, the executor's variants (rope_kv: off; linear_weights, "
+                    "small_m_gemv: on) and the sampler's argmax kernel (off), to measure at batch 1 against the "
+                    "default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
