@@ -6,8 +6,9 @@ without CUDA only the pure-Python pieces (input checks, launch planning) are tim
 
 On CUDA the call is also taken apart: each Triton launch it makes is timed through Triton's dispatcher and straight
 through the CompiledKernel the dispatcher returned (what a launcher that keeps its compiled kernels would pay), and
-`direct_output_equal` checks that the direct launches write the same output and pool. (Added in session 6 without
-device time: these rows have not run yet.)
+`direct_output_equal` checks that the direct launches write the same output and pool. Also timed: the fused RoPE +
+KV-write launch and the call the engine makes with it, and the greedy argmax (torch's vs the two-launch kernel).
+(Added in sessions 6 and 7 without device time: these rows have not run yet.)
 
     python3 benchmarks/bench_launch_host.py            # CUDA if present
     python3 benchmarks/bench_launch_host.py --out x.json
@@ -118,10 +119,23 @@ def main() -> None:
         "plan_launch_uncached": lambda: pk.plan_paged_launch.__wrapped__(1, 1, hkv, hq // hkv, width * bs, 132),
         "plan_launch_cached": lambda: pk.plan_paged_launch(1, 1, hkv, hq // hkv, width * bs, 132),
     }
+    # The call the engine makes since session 7 (RoPE folded into the KV write): cos/sin of one position.
+    angles = torch.arange(d // 2, device=device, dtype=torch.float32) * 0.01
+    cos = torch.cat((angles.cos(), angles.cos()))[None, None, None].to(torch.bfloat16)
+    sin = torch.cat((angles.sin(), angles.sin()))[None, None, None].to(torch.bfloat16)
+    logits = torch.randn(1, 128256, device=device)
     if device.type == "cuda":
+        from trtopt.runtime.argmax import greedy_argmax
+
         rows["write_kv_launch"] = lambda: pk.write_kv_triton(k, v, cache, slots)
+        rows["rope_write_kv_launch"] = lambda: pk.rope_write_kv_triton(q, k, v, cos, sin, cache, slots)
         rows["paged_attention_call"] = lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl,
                                                                           slots, **attrs)
+        rows["paged_attention_rope_call"] = lambda: trtopt_ops.paged_attention_rope(
+            q, k, v, cache, tables, seq_lens, qsl, slots, rope_cos=cos, rope_sin=sin, rope_half=0, **attrs)
+        # The sampler's greedy argmax (one 128K-vocabulary row): torch's one kernel vs the two Triton launches.
+        rows["argmax_torch"] = lambda: logits.argmax(dim=-1)
+        rows["argmax_triton"] = lambda: greedy_argmax(logits)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": triton.__version__, "n": args.n}
     if device.type == "cuda":
