@@ -92,31 +92,32 @@ def _rope_write_kv_kernel(
     # q: [BLOCK_HQ, BLOCK_HALF] per half, every query head of this token
     hq = tl.arange(0, BLOCK_HQ)
     mq = (hq < NUM_HEADS)[:, None] & d_ok[None, :]
-    src = Q + t * stride_qt + hq[:, None] * stride_qh
-    x1 = tl.load(src + offs[None, :] * stride_qd, mask=mq).to(tl.float32)
-    x2 = tl.load(src + (offs + HALF)[None, :] * stride_qd, mask=mq).to(tl.float32)
-    o1, o2 = rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE)
-    dst = QOut + t * stride_ot + hq[:, None] * stride_oh
-    tl.store(dst + offs[None, :], o1, mask=mq)
-    tl.store(dst + HALF + offs[None, :], o2, mask=mq)
+    q_src = Q + t * stride_qt + hq[:, None] * stride_qh
+    q1 = tl.load(q_src + offs[None, :] * stride_qd, mask=mq).to(tl.float32)
+    q2 = tl.load(q_src + (offs + HALF)[None, :] * stride_qd, mask=mq).to(tl.float32)
+    o1, o2 = rotate_half_rows(q1, q2, c1, c2, s1, s2, DTYPE)
+    q_dst = QOut + t * stride_ot + hq[:, None] * stride_oh
+    tl.store(q_dst + offs[None, :], o1, mask=mq)
+    tl.store(q_dst + HALF + offs[None, :], o2, mask=mq)
 
-    # k (rotated) and v into the pool, unless the slot is −1
+    # k (rotated) and v into the pool, unless the slot is −1 (names differ from q's: the branch may not redefine a
+    # value with another shape, which the compiler refuses and the interpreter does not notice)
     slot = tl.load(SlotMapping + t)
     if slot >= 0:
         hk = tl.arange(0, BLOCK_HKV)
         mk = (hk < NUM_KV_HEADS)[:, None] & d_ok[None, :]
-        src = K + t * stride_kt + hk[:, None] * stride_kh
-        x1 = tl.load(src + offs[None, :] * stride_kd, mask=mk).to(tl.float32)
-        x2 = tl.load(src + (offs + HALF)[None, :] * stride_kd, mask=mk).to(tl.float32)
-        k1, k2 = rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE)
-        src = V + t * stride_vt + hk[:, None] * stride_vh
-        v1 = tl.load(src + offs[None, :] * stride_vd, mask=mk)
-        v2 = tl.load(src + (offs + HALF)[None, :] * stride_vd, mask=mk)
-        dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + hk[:, None] * stride_ch
-        tl.store(dst + offs[None, :] * stride_cd, k1, mask=mk)
-        tl.store(dst + (offs + HALF)[None, :] * stride_cd, k2, mask=mk)
-        tl.store(dst + stride_ckv + offs[None, :] * stride_cd, v1.to(DTYPE), mask=mk)
-        tl.store(dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(DTYPE), mask=mk)
+        k_src = K + t * stride_kt + hk[:, None] * stride_kh
+        k_lo = tl.load(k_src + offs[None, :] * stride_kd, mask=mk).to(tl.float32)
+        k_hi = tl.load(k_src + (offs + HALF)[None, :] * stride_kd, mask=mk).to(tl.float32)
+        k1, k2 = rotate_half_rows(k_lo, k_hi, c1, c2, s1, s2, DTYPE)
+        v_src = V + t * stride_vt + hk[:, None] * stride_vh
+        v1 = tl.load(v_src + offs[None, :] * stride_vd, mask=mk)
+        v2 = tl.load(v_src + (offs + HALF)[None, :] * stride_vd, mask=mk)
+        kv_dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + hk[:, None] * stride_ch
+        tl.store(kv_dst + offs[None, :] * stride_cd, k1, mask=mk)
+        tl.store(kv_dst + (offs + HALF)[None, :] * stride_cd, k2, mask=mk)
+        tl.store(kv_dst + stride_ckv + offs[None, :] * stride_cd, v1.to(DTYPE), mask=mk)
+        tl.store(kv_dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(DTYPE), mask=mk)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
