@@ -1,4 +1,5 @@
-"""The runtime's CUDA-only Triton kernels compile to PTX for sm_90 on this CPU-only machine (issue 11, session 7).
+"""Triton kernels that have not run on a GPU in their current form compile to PTX for sm_90 on this CPU-only
+machine: the runtime's CUDA-only kernels of issue 11 (session 7) and the plugin kernels issue 13 changed.
 
 The interpreter tests (test_argmax.py, test_gemv.py, tests/plugins/test_paged_attention_kernel.py) check what these
 kernels compute, but the interpreter never lowers them: a typing or layout error that only the compiler sees would
@@ -47,12 +48,28 @@ SCRIPT = textwrap.dedent("""
         ptx(_argmax_pieces, {"X": p, "Keys": "*i64", "Idx": "*i32", "V": "i32", "stride_x": "i32",
                              "num_pieces": "i32"}, dict(CHUNK=4096), warps=8)
     ptx(_argmax_rows, {"Keys": "*i64", "Idx": "*i32", "Out": "*i64", "num_pieces": "i32"}, dict(BLOCK=32), warps=1)
+
+    # Plugin kernels changed since their last GPU run (issue 13: the norms' scale-dtype output, GELU·mul).
+    from trtopt.plugins.add_rms_norm.kernel import _add_rms_norm_kernel
+    from trtopt.plugins.gelu_mul.kernel import _gelu_mul_kernel
+    from trtopt.plugins.rms_norm.kernel import _rms_norm_kernel
+    for x_dt, scale_dt in (("bf16", "fp32"), ("fp16", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")):
+        x, sc = "*" + x_dt, "*" + scale_dt
+        norm = dict(BLOCK=1024, X_DTYPE=TL[x_dt], OUT_DTYPE=TL[scale_dt])
+        ptx(_add_rms_norm_kernel, {"X": x, "R": x, "Scale": sc, "Sum": x, "Out": sc, "stride_x": "i32",
+                                   "stride_r": "i32", "N": "i32", "eps": "fp32"}, norm)
+        ptx(_rms_norm_kernel, {"X": x, "Scale": sc, "Out": sc, "stride_x": "i32", "stride_o": "i32", "N": "i32",
+                               "eps": "fp32"}, norm)
+    for dt in ("fp32", "fp16", "bf16"):
+        for tanh in (0, 1):
+            ptx(_gelu_mul_kernel, {"G": "*" + dt, "U": "*" + dt, "Y": "*" + dt, "stride_g": "i32", "stride_u": "i32",
+                                   "N": "i32"}, dict(BLOCK=1024, DTYPE=TL[dt], TANH=tanh))
     print(len(done))
 """)
 
 
-def test_runtime_kernels_compile_for_sm90_without_a_gpu() -> None:
+def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 3 * 5 + 1
+    assert int(done.stdout.split()[-1]) == 3 * 5 + 1 + 4 * 2 + 3 * 2
