@@ -1,7 +1,7 @@
 """Triton kernels that have not run on a GPU in their current form compile to PTX for sm_90 on this CPU-only
 machine: the runtime's CUDA-only kernels of issue 11 (session 7) and the plugin kernels issue 13 changed.
 
-The interpreter tests (test_argmax.py, test_gemv.py, tests/plugins/test_paged_attention_kernel.py) check what these
+The interpreter tests (test_argmax.py, executors/test_gemv.py, tests/plugins/test_paged_attention_kernel.py) check what these
 kernels compute, but the interpreter never lowers them: a typing or layout error that only the compiler sees would
 reach the GPU first. This compiles each one, in each dtype the engine launches it with, in a fresh process (the
 interpreter mode of this one makes kernels un-compilable), as the TensorRT AOT tests do for their kernels."""

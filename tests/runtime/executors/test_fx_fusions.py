@@ -16,12 +16,13 @@ if not torch.cuda.is_available():
 
 from trtopt.build.builder import build_plan
 from trtopt.build.plan import Limits, read_plan
-from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.plugins.rope.kernel import rope_triton
 from trtopt.runtime.executors import trtopt_ops
 from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, rope
 from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch
 from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+from packed_steps import prefill_then_decode
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -90,13 +91,7 @@ def test_every_layer_fuses_and_the_step_is_bit_identical(model, exporter, export
             assert names.count("rope") == 2 * plan.model.num_layers and "neg" not in names
         else:
             ex.graph = onnx_to_torch(built / "model.onnx", device="cpu")  # the unfused conversion
-        ex.allocate_kv_cache(16)
-        source = BlockSource(16)
-        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
-        first = ex.execute(make_step(seqs, [20, 7], plan.limits.block_size, source))
-        for s in seqs:
-            s.tokens.append(5)
-        outs.append((first, ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source))))
+        outs.append(prefill_then_decode(ex, plan.limits.block_size))
     for a, b in zip(outs[0], outs[1]):
         assert torch.equal(a, b)
 
@@ -132,15 +127,7 @@ def test_rope_folds_into_paged_attention_and_cpu_steps_are_unchanged(model, plan
             assert "paged_attention" not in names
         else:
             assert names.count("paged_attention") == layers and names.count("rope") == 2 * layers
-        ex.allocate_kv_cache(16)
-        source = BlockSource(16)
-        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
-        steps = [ex.execute(make_step(seqs, [12, 7], plan.limits.block_size, source)),
-                 ex.execute(make_step(seqs, [8, 0], plan.limits.block_size, source))]
-        for seq in seqs:
-            seq.tokens.append(5)
-        steps.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
-        outs.append(steps)
+        outs.append(prefill_then_decode(ex, plan.limits.block_size, chunks=((12, 7), (8, 0))))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
@@ -185,14 +172,7 @@ def test_rope_folded_into_the_kv_write_is_bit_identical_on_gpu(model, plan_dir):
     for fuse in (True, False):
         ex = TorchExecutor(built, plan, device="cuda", fuse_rope_kv=fuse)
         assert ex.num_fused_rope_kv == (plan.model.num_layers if fuse else 0)
-        ex.allocate_kv_cache(16)
-        source = BlockSource(16)
-        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
-        steps = [ex.execute(make_step(seqs, [20, 7], plan.limits.block_size, source))]
-        for seq in seqs:
-            seq.tokens.append(5)
-        steps.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
-        outs.append(steps)
+        outs.append(prefill_then_decode(ex, plan.limits.block_size))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
@@ -232,14 +212,7 @@ def test_linear_weights_moves_every_projection_and_keeps_the_logits(model, plan_
                     assert getattr(ex.graph.module, node.args[1].target).is_contiguous()
             names = _targets(ex)
             assert "matmul_add" not in names and names.count("linear") == ex.num_linear_weights
-        ex.allocate_kv_cache(16)
-        source = BlockSource(16)
-        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
-        steps = [ex.execute(make_step(seqs, [20, 7], plan.limits.block_size, source))]
-        for seq in seqs:
-            seq.tokens.append(5)
-        steps.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
-        outs.append(steps)
+        outs.append(prefill_then_decode(ex, plan.limits.block_size))
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))

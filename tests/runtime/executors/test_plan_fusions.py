@@ -13,22 +13,14 @@ import torch
 
 from trtopt.build.builder import build_plan
 from trtopt.build.plan import REPORT_FILE, Limits, read_plan
-from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+from packed_steps import prefill_then_decode
 
 
 def _steps(plan_dir) -> list[torch.Tensor]:
     plan = read_plan(plan_dir)
-    ex = TorchExecutor(plan_dir, plan)
-    ex.allocate_kv_cache(16)
-    source = BlockSource(16)
-    seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
-    outs = [ex.execute(make_step(seqs, [12, 7], plan.limits.block_size, source)),
-            ex.execute(make_step(seqs, [8, 0], plan.limits.block_size, source))]
-    for s in seqs:
-        s.tokens.append(5)
-    outs.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
-    return outs
+    return prefill_then_decode(TorchExecutor(plan_dir, plan), plan.limits.block_size, chunks=((12, 7), (8, 0)))
 
 
 @pytest.mark.parametrize("rule,model", [("silu_mul", "tiny-llama"), ("silu_mul", "tiny-qwen2"),

@@ -13,13 +13,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from trtopt.build.plan import read_plan  # noqa: E402
-from trtopt.check.driver import BlockSource, Seq, make_step  # noqa: E402
 from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
 from trtopt.runtime.executors import gemv  # noqa: E402
 from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
 from trtopt.runtime.gemv_kernel import (  # noqa: E402
     GEMV_CONFIG, GEMV_SILU_MUL_CONFIG, MAX_ROWS, gemv_silu_mul_triton, gemv_triton,
 )
+
+from packed_steps import prefill_then_decode  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = (8, 32, 4)  # tiles that make the interpreter walk several programs and K steps on small shapes
@@ -74,15 +75,8 @@ def test_off_cuda_the_rewritten_calls_are_the_linear_path_exactly() -> None:
 
 
 def _steps(ex: TorchExecutor, plan) -> list[torch.Tensor]:
-    """A chunked prefill (27 rows: the F.linear path) and a decode step of two rows (the GEMV path on CUDA)."""
-    ex.allocate_kv_cache(16)
-    source = BlockSource(16)
-    seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
-    outs = [ex.execute(make_step(seqs, [20, 7], plan.limits.block_size, source))]
-    for seq in seqs:
-        seq.tokens.append(5)
-    outs.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
-    return outs
+    """A packed prefill (27 rows: the F.linear path) and a decode step of two rows (the GEMV path on CUDA)."""
+    return prefill_then_decode(ex, plan.limits.block_size)
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
