@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
+from trtopt.plugins.paged_attention.reference import rope_tables_fit
 from trtopt.plugins.rope.kernel import rotate_half_rows
 
 _LOG2E = 1.4426950408889634
@@ -494,8 +495,7 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     Bit for bit `rope_triton(q)`, `rope_triton(k)` then `write_kv_triton`; q/k/v/kv_cache are checked by the caller."""
     _, Hq, T, D = q.shape
     Hkv = k.shape[1]
-    if D % 2 or cos.dtype != q.dtype or sin.dtype != q.dtype \
-            or any(torch.broadcast_shapes(x.shape, (1, 1, T, D)) != (1, 1, T, D) for x in (cos, sin)):
+    if not rope_tables_fit(q, cos, sin):
         raise ValueError(f"rope_write_kv_triton needs an even head_dim and cos/sin of q's dtype {q.dtype} that "
                          f"broadcast to [1, 1, T={T}, D={D}]; got cos {cos.dtype} {tuple(cos.shape)}, sin "
                          f"{sin.dtype} {tuple(sin.shape)}")

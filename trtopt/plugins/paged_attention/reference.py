@@ -118,6 +118,18 @@ def paged_attention_ref(
     return out, kv_cache
 
 
+def rope_tables_fit(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int = 0) -> bool:
+    """Whether the fused RoPE + KV-write kernel (kernel.rope_write_kv_triton) can rotate q [1, H, T, D] with these
+    tables: an even D rotated as a whole (half 0 or D // 2), cos and sin in q's dtype and one row per token shared
+    by every head (broadcastable to [1, 1, T, D]). The torch executor asks before folding RoPE into the call
+    (trtopt_ops.paged_attention_rope); the kernel refuses anything else."""
+    if q.dim() != 4:
+        return False
+    T, D = q.shape[2], q.shape[3]
+    return (D % 2 == 0 and half in (0, D // 2) and cos.dtype == sin.dtype == q.dtype
+            and all(torch.broadcast_shapes(x.shape, (1, 1, T, D)) == (1, 1, T, D) for x in (cos, sin)))
+
+
 def copy_blocks_ref(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
     """Copy whole blocks src → dst in every layer's pool, in place (copy-on-write).
 

@@ -58,10 +58,9 @@ def paged_attention_rope(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     """trtopt::PagedAttention(Rope(q), Rope(k), ...) as the torch executor fuses it (fx_fusions.py): on CUDA one
     kernel rotates q and k and writes the pool (then the attention kernel), two launches fewer than the plan's ops;
     everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op."""
-    T, D = q.shape[-2], q.shape[-1]
-    if (q.is_cuda and q.dim() == 4 and D % 2 == 0 and rope_half in (0, D // 2)
-            and q.dtype == rope_cos.dtype == rope_sin.dtype
-            and all(torch.broadcast_shapes(x.shape, (1, 1, T, D)) == (1, 1, T, D) for x in (rope_cos, rope_sin))):
+    from trtopt.plugins.paged_attention.reference import rope_tables_fit
+
+    if q.is_cuda and rope_tables_fit(q, rope_cos, rope_sin, rope_half):
         fn = _impl("paged_attention", "cuda")
         if fn is not _impl_reference("paged_attention"):
             return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
