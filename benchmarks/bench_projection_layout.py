@@ -150,6 +150,20 @@ def time_variant(fn, xs, ws, device: torch.device, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / (iters * reps)
 
 
+def measure(row: dict, variants: dict, xs, want: torch.Tensor, device: torch.device, iters: int,
+            max_err: float) -> None:
+    """Check each variant (fn, weight copies) against `want` (fp32), then time it: row[variant] = µs per call, the
+    weight's TB/s and the error; row["fastest"] names the quickest. A wrong variant ends the run."""
+    for vname, (fn, weights) in variants.items():
+        got = fn(xs[0], weights[0]).float()
+        err = float((got - want).abs().max() / want.abs().max())
+        if err > max_err:
+            raise SystemExit(f"{vname} on {row['shape']} M={row['M']} is wrong: max relative error {err:.2e}")
+        seconds = time_variant(fn, xs, weights, device, iters)
+        row[vname] = {"us": seconds * 1e6, "weight_TBps": row["weight_bytes"] / seconds / 1e12, "max_rel_err": err}
+    row["fastest"] = min(variants, key=lambda v: row[v]["us"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -186,15 +200,8 @@ def main() -> None:
             if gemv is not None and M <= TRITON_MAX_M:
                 variants["triton_gemv_NK"] = (gemv, wts)
             row = {"shape": name, "K": K, "N": N, "M": M, "weight_bytes": nbytes, "copies": copies}
-            for vname, (fn, weights) in variants.items():
-                got = fn(xs[0], weights[0]).float()
-                err = float((got - want).abs().max() / want.abs().max())
-                if err > (2e-2 if dtype != torch.float32 else 1e-4):
-                    raise SystemExit(f"{vname} on {name} M={M} is wrong: max relative error {err:.2e}")
-                seconds = time_variant(fn, xs, weights, device, args.iters)
-                row[vname] = {"us": seconds * 1e6, "weight_TBps": nbytes / seconds / 1e12, "max_rel_err": err}
-            fastest = min((v for v in variants), key=lambda v: row[v]["us"])
-            row["fastest"] = fastest
+            measure(row, variants, xs, want, device, args.iters, 2e-2 if dtype != torch.float32 else 1e-4)
+            fastest = row["fastest"]
             data["rows"].append(row)
             print(f"{name:>16} M={M:<4} " + "  ".join(
                 f"{v} {row[v]['us']:8.2f} us {row[v]['weight_TBps']:5.2f} TB/s" for v in variants) + f"  → {fastest}",
@@ -223,14 +230,7 @@ def fused_rows(data, name, K, N, ws, wts, args, device, dtype, gen, fused_gemv) 
             variants["triton_gemv_silu_mul_NK"] = (fused_gemv, wts)
         row = {"shape": f"{name}+silu_mul", "K": K, "N": N, "M": M, "weight_bytes": ws[0].numel() * ws[0].element_size(),
                "copies": len(ws)}
-        for vname, (fn, weights) in variants.items():
-            got = fn(xs[0], weights[0]).float()
-            err = float((got - want).abs().max() / want.abs().max())
-            if err > (5e-2 if dtype != torch.float32 else 1e-4):
-                raise SystemExit(f"{vname} on {name} M={M} is wrong: max relative error {err:.2e}")
-            seconds = time_variant(fn, xs, weights, device, args.iters)
-            row[vname] = {"us": seconds * 1e6, "weight_TBps": row["weight_bytes"] / seconds / 1e12, "max_rel_err": err}
-        row["fastest"] = min(variants, key=lambda v: row[v]["us"])
+        measure(row, variants, xs, want, device, args.iters, 5e-2 if dtype != torch.float32 else 1e-4)
         data["rows"].append(row)
         print(f"{name + '+silu':>16} M={M:<4} " + "  ".join(
             f"{v} {row[v]['us']:8.2f} us" for v in variants) + f"  → {row['fastest']}", flush=True)
