@@ -30,6 +30,28 @@ _MUL, _ADD = operator.mul, operator.add
 HALF_OF_DIM = -1  # `half` is x.shape[axis] // 2, read at run time
 
 
+def replace_node(gm: torch.fx.GraphModule, node: torch.fx.Node, target, args: tuple, kwargs: dict | None = None,
+                 dead: tuple[torch.fx.Node, ...] = ()) -> torch.fx.Node:
+    """Put a call of target(*args, **kwargs) where `node` was (its users read the new call), erase `node`, then
+    erase each of `dead` (consumers first) that nothing reads any more. Returns the new node."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args, kwargs or {})
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for old in dead:
+        if not old.users:
+            gm.graph.erase_node(old)
+    return new
+
+
+def recompiled(gm: torch.fx.GraphModule, count: int) -> int:
+    """After a rewrite pass: check and regenerate the module's code if anything changed; returns count."""
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def rope(x, cos, sin, *, half: int, axis: int, hi_end: int, concat_axis: int):
     """x * cos + concat(-x[half:hi_end], x[:half]) * sin along `axis` (the matched subgraph, fused)."""
     if half == HALF_OF_DIM:
@@ -146,19 +168,11 @@ def fuse_rope(gm: torch.fx.GraphModule) -> int:
         found = _match(add)
         if found is None or found["concat_axis"] is None:
             continue
-        with gm.graph.inserting_before(add):
-            fused = gm.graph.call_function(rope, (found["x"], found["cos"], found["sin"]),
-                                           {k: found[k] for k in ("half", "axis", "hi_end", "concat_axis")})
-        add.replace_all_uses_with(fused)
-        gm.graph.erase_node(add)
-        for node in found["nodes"]:  # the matched intermediates, where nothing else reads them
-            if not node.users:
-                gm.graph.erase_node(node)
+        # the matched intermediates are erased where nothing else reads them
+        replace_node(gm, add, rope, (found["x"], found["cos"], found["sin"]),
+                     {k: found[k] for k in ("half", "axis", "hi_end", "concat_axis")}, dead=tuple(found["nodes"]))
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return recompiled(gm, count)
 
 
 def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
@@ -182,18 +196,10 @@ def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
             continue
         kwargs = dict(node.kwargs, rope_cos=q_rope.args[1], rope_sin=q_rope.args[2],
                       rope_half=q_rope.kwargs.get("half", 0))
-        with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(trtopt_ops.paged_attention_rope,
-                                           (q_rope.args[0], k_rope.args[0], *node.args[2:]), kwargs)
-        node.replace_all_uses_with(fused)
-        gm.graph.erase_node(node)
-        gm.graph.erase_node(q_rope)
-        gm.graph.erase_node(k_rope)
+        replace_node(gm, node, trtopt_ops.paged_attention_rope, (q_rope.args[0], k_rope.args[0], *node.args[2:]),
+                     kwargs, dead=(q_rope, k_rope))
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return recompiled(gm, count)
 
 
 def linear_weights(gm: torch.fx.GraphModule) -> int:
@@ -223,12 +229,6 @@ def linear_weights(gm: torch.fx.GraphModule) -> int:
         del weight
         for user in users:
             args = (user.args[0], node) + ((user.args[2],) if user.target is trtopt_ops.matmul_add else ())
-            with gm.graph.inserting_before(user):
-                linear = gm.graph.call_function(torch.nn.functional.linear, args)
-            user.replace_all_uses_with(linear)
-            gm.graph.erase_node(user)
+            replace_node(gm, user, torch.nn.functional.linear, args)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return recompiled(gm, count)

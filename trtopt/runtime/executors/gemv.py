@@ -21,6 +21,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from trtopt.runtime.executors import onnx_ops, trtopt_ops
+from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
 
 MAX_ROWS = 8  # gemv_kernel.MAX_ROWS, kept here so that importing this module does not import triton
 
@@ -85,18 +86,12 @@ def use_small_m_gemv(gm: torch.fx.GraphModule) -> tuple[int, int]:
         if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes)):
             continue
         linear = split.args[0]
-        with gm.graph.inserting_before(silu):
-            node = gm.graph.call_function(small_m_linear_silu_mul, (linear.args[0], linear.args[1]),
-                                          {"sizes": list(sizes), "axis": split.kwargs.get("axis", 0)})
-        silu.replace_all_uses_with(node)
-        for dead in (silu, gate, up, split, linear):
-            gm.graph.erase_node(dead)
+        replace_node(gm, silu, small_m_linear_silu_mul, (linear.args[0], linear.args[1]),
+                     {"sizes": list(sizes), "axis": split.kwargs.get("axis", 0)}, dead=(gate, up, split, linear))
         fused += 1
     projections = 0
     for node in [n for n in gm.graph.nodes if _constant_linear(n)]:
         node.target = small_m_linear
         projections += 1
-    if fused or projections:
-        gm.graph.lint()
-        gm.recompile()
+    recompiled(gm, fused + projections)
     return projections, fused
