@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-
+from trtopt.plugins.paged_attention.reference import rope_tables_fit
 from trtopt.runtime.executors.onnx_ops import OpSpec
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,6 @@ def paged_attention_rope(q, k, v, kv_cache, block_tables, seq_lens, query_start_
     """trtopt::PagedAttention(Rope(q), Rope(k), ...) as the torch executor fuses it (fx_fusions.py): on CUDA one
     kernel rotates q and k and writes the pool (then the attention kernel), two launches fewer than the plan's ops;
     everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op."""
-    from trtopt.plugins.paged_attention.reference import rope_tables_fit
-
     if q.is_cuda and rope_tables_fit(q, rope_cos, rope_sin, rope_half):
         fn = _impl("paged_attention", "cuda")
         if fn is not _impl_reference("paged_attention"):
