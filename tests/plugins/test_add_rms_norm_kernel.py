@@ -80,9 +80,12 @@ def test_fp32_scale_normalises_the_half_precision_sum_in_fp32(dtype, kernel_devi
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_fp32_scale_is_bit_identical_to_add_cast_then_rms_norm_kernel_on_gpu(dtype):
+def test_fp32_scale_matches_add_cast_then_rms_norm_kernel_on_gpu(dtype):
+    """The sum is bit-identical; y only within fp32 rounding: the H200 run of session 8 found last-ulp differences
+    in both dtypes. Likely cause (kernel.py's docstring): the unfused kernel loads an fp32 row, laid out across
+    threads unlike a half row, so its fp32 sum of squares is added in another order."""
     x, r, _ = inputs((1, 17, 640), dtype, "cuda", seed=9)
     scale = torch.rand(640, device="cuda") + 1
     y, s = add_rms_norm_triton(x, r, scale, epsilon=1e-6)
     assert torch.equal(s, x + r)
-    assert torch.equal(y, rms_norm_triton((x + r).float(), scale, epsilon=1e-6))
+    torch.testing.assert_close(y, rms_norm_triton((x + r).float(), scale, epsilon=1e-6), **TOL[torch.float32])

@@ -6,7 +6,10 @@ written by the first and read back by the second. Here one program reads x and t
 
 The arithmetic is the unfused pair's, step for step: the sum rounded to the inputs' dtype (torch adds half/bf16 in
 fp32 and rounds), then exactly plugins/rms_norm/kernel.py's row (same block and warp count, so the same fp32
-reduction order): y equals rms_norm_triton(x + residual) bit for bit.
+reduction order): y equals rms_norm_triton(x + residual) bit for bit. With an fp32 scale (Gemma's half-precision
+form: Add → Cast(fp32) → RMSNorm) y equals rms_norm_triton((x + residual).float()) within fp32 rounding only (last-ulp
+differences on the H200, session 8). The likely cause, not verified in the PTX: that kernel loads an fp32 row,
+which Triton spreads over the threads differently from a half row, so the sum of squares is added in another order.
 """
 
 from __future__ import annotations
