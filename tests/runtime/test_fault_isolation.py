@@ -182,3 +182,25 @@ def test_an_input_fault_of_one_completion_ends_its_whole_request_and_the_step_ru
     assert engine.num_consecutive_failed_steps == 0, "one request's fault is not an executor failure"
     check_engine(engine)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failed_request_whose_prompt_blocks_another_hit_in_the_same_step_does_not_hurt_it(async_scheduling):
+    """Found by the engine fuzz (CI, session 8): blocks enter the prefix cache when scheduled, so a request admitted
+    in the same step as another with the same prefix shares the blocks the first one is about to compute. If the
+    first one's inputs fail, those blocks are never written, and the second must not read them as if they were."""
+    engine, ex = make_engine(async_scheduling=async_scheduling)
+    prefix = [9, 8, 7, 6, 5, 4, 3, 2]  # two full blocks of 4
+    engine.add_request("bad", prefix + [10], GREEDY)
+    engine.add_request("good", prefix + [11, 12], GREEDY)
+    build = engine.input_builder.build
+
+    def build_refusing_bad(batch):
+        assert all(s.request_id != "bad" for s in batch.seqs), "injected input-builder fault"
+        return build(batch)
+
+    engine.input_builder.build = build_refusing_bad
+    done = run_all(engine)
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert done["good"].outputs[0].token_ids == reference_generate(prefix + [11, 12], 8, eos=None)
+    assert done["good"].metrics.num_preemptions == 1, "it went back to the queue to compute the prefix itself"

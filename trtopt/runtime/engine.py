@@ -473,11 +473,21 @@ class LLMEngine:
                 culprits[seq.request_id] = e
         if not culprits or len(culprits) == len(batch.seqs):
             return error, batch, []
+        # Blocks the culprits were to write this step. Blocks enter the prefix cache when scheduled, so a request
+        # admitted in this same step may have taken some of them as its cached prefix: they will never be written
+        # now, and it must compute that prefix itself (it goes back to the queue, as after a preemption).
+        bs = self.pool.block_size
+        unwritten = {s.block_ids[p // bs] for s in batch.seqs if s.request_id in culprits
+                     for p in range(s.start_pos, s.start_pos + s.num_new_tokens)}
         failed = self._fail_requests(culprits, "preparing the inputs of")
-        # Their blocks were registered in the prefix cache when scheduled, but their K/V will never be written.
+        # The culprits' blocks were registered in the prefix cache when scheduled, but their K/V will never be written.
         self.pool.reset_prefix_cache()
         seqs = [s for s in batch.seqs if s.request_id in self.scheduler.requests]
-        rest = ScheduledBatch(seqs, sum(s.num_new_tokens for s in seqs), batch.preempted_ids)
+        stale = [s.request_id for s in seqs if any(b in unwritten for b in s.block_ids[: s.start_pos // bs])]
+        if stale:
+            self.scheduler.recompute(stale)
+            seqs = [s for s in seqs if s.request_id not in stale]
+        rest = ScheduledBatch(seqs, sum(s.num_new_tokens for s in seqs), [*batch.preempted_ids, *stale])
         if rest.is_empty:
             return error, rest, failed  # not run: step() returns the failed outputs only
         try:

@@ -137,6 +137,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)  # first in line again: preemption must not cost it its turn
 
+    def recompute(self, request_ids: Sequence[str]) -> None:
+        """Send running sequences, scheduled in a step that has not run, back to the front of the queue to be
+        computed again from their first token, as a preemption does (the engine's use: their cached prefix is a
+        block that a failed request was to write in that step, so it will never hold their K/V)."""
+        for request_id in reversed(request_ids):  # appendleft: the first id ends up first in line
+            req = self.requests[request_id]
+            assert req.status is RequestStatus.RUNNING and not req.has_placeholder, f"{req} cannot be recomputed"
+            self.running.remove(req)
+            self._preempt(req)
+
     def _schedule_waiting(self, budget: int, seqs: list[ScheduledSeq]) -> int:
         while self.waiting and budget > 0:
             req = self.waiting[0]
