@@ -193,26 +193,3 @@ def test_plan_op_falls_back_to_the_exported_arithmetic():
 def test_kernel_is_bit_identical_on_gpu(shape, dtype):
     x, cos, sin = rope_inputs(*shape, dtype, seed=sum(shape))
     torch.testing.assert_close(rope_triton(x, cos, sin), unfused(x, cos, sin), atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_linear_weights_moves_every_projection_and_keeps_the_logits(model, plan_dir):
-    """linear_weights=True stores each constant MatMul weight [N, K] and runs it as F.linear (MatMulAdd's bias
-    too, Qwen2): every projection moves (Q/K/V, O, gate/up, down per layer, and the LM head), and the logits of a
-    chunked prefill and a decode step agree with the [K, N] path to fp32 rounding (another accumulation order)."""
-    built = plan_dir(model)
-    plan = read_plan(built)
-    outs = []
-    for lw in (False, True):
-        ex = TorchExecutor(built, plan, linear_weights=lw)
-        if lw:
-            assert ex.num_linear_weights == 4 * plan.model.num_layers + 1
-            for node in ex.graph.module.graph.nodes:
-                if node.target is torch.nn.functional.linear:
-                    assert getattr(ex.graph.module, node.args[1].target).is_contiguous()
-            names = _targets(ex)
-            assert "matmul_add" not in names and names.count("linear") == ex.num_linear_weights
-        outs.append(prefill_then_decode(ex, plan.limits.block_size))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))

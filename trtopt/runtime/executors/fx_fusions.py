@@ -200,35 +200,3 @@ def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
                      kwargs, dead=(q_rope, k_rope))
         count += 1
     return recompiled(gm, count)
-
-
-def linear_weights(gm: torch.fx.GraphModule) -> int:
-    """Store every constant 2-D MatMul weight transposed, [N, K] with K contiguous (nn.Linear's layout), and run its
-    MatMuls (and MatMulAdds) as `F.linear`; returns how many weights moved. The plan's ONNX MatMul holds W as [K, N];
-    cuBLAS picks different kernels for the two layouts at small M (issue 11: on the H200 the LM head, which is
-    tied and so already [N, K], streamed at 4.3 TB/s while the [K, N] Q/K/V and O projections reached ~1.9 TB/s at
-    M = 1). Opt-in (`TorchExecutor(linear_weights=True)`) until a same-run GPU measurement decides: results are the
-    same math with another accumulation order, so they are not bit-identical to the [K, N] path.
-
-    A weight moves only when every reader is a MatMul/MatMulAdd taking it as the right operand; each weight is
-    transposed in place of the old buffer, so memory does not grow beyond one weight at a time.
-    """
-    readers = {torch.matmul: 1, trtopt_ops.matmul_add: 1}
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "get_attr":
-            continue
-        weight = getattr(gm, node.target, None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-            continue
-        users = list(node.users)
-        if not users or not all(u.op == "call_function" and u.target in readers and len(u.args) >= 2
-                                and u.args[readers[u.target]] is node and u.args[0] is not node for u in users):
-            continue
-        setattr(gm, node.target, weight.t().contiguous())
-        del weight
-        for user in users:
-            args = (user.args[0], node) + ((user.args[2],) if user.target is trtopt_ops.matmul_add else ())
-            replace_node(gm, user, torch.nn.functional.linear, args)
-        count += 1
-    return recompiled(gm, count)

@@ -13,8 +13,6 @@ from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs, fill_placeholders
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention
-from trtopt.runtime.executors.fx_fusions import linear_weights as fx_linear_weights
-from trtopt.runtime.executors.gemv import use_small_m_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
@@ -27,12 +25,6 @@ class TorchExecutor:
 
     fuse_rope_kv (default on): run the plan's Rope(q), Rope(k) → PagedAttention as one call whose CUDA path rotates
     q and k inside the KV-write kernel (fx_fusions.fuse_rope_into_paged_attention); off only for ablations.
-
-    linear_weights (opt-in): constant MatMul weights stored [N, K] and run as F.linear (fx_fusions.linear_weights),
-    the layout cuBLAS streams fastest at small M on the H200's LM head; not bit-identical to the default.
-
-    small_m_gemv (opt-in, implies linear_weights): on CUDA, steps of at most 8 rows run their projections through
-    Triton GEMVs, gate/up with SiLU·mul as the epilogue (runtime/executors/gemv.py); for the GPU A/B.
 
     compile_mode (opt-in; None = the GraphModule as converted): a torch.compile mode (torch_library.COMPILE_MODES);
     the graph then runs through Inductor, specialised and compiled once per step shape (each CUDA-graph bucket),
@@ -50,8 +42,7 @@ class TorchExecutor:
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
-                 compile_mode: str | None = None, fuse_rope_kv: bool = True, linear_weights: bool = False,
-                 small_m_gemv: bool = False):
+                 compile_mode: str | None = None, fuse_rope_kv: bool = True):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -67,10 +58,6 @@ class TorchExecutor:
         # The plan's Rope(q), Rope(k) and PagedAttention's KV write as one kernel on CUDA: two fewer launches per layer.
         self.num_fused_rope_kv = (fuse_rope_into_paged_attention(self.graph.module)
                                   if fuse_rope_kv and not compile_mode else 0)
-        # MatMul weights in nn.Linear's [N, K] layout (opt-in, for the GPU layout A/B; fx_fusions.linear_weights).
-        self.num_linear_weights = fx_linear_weights(self.graph.module) if linear_weights or small_m_gemv else 0
-        # Decode-sized projections through Triton GEMVs on CUDA (opt-in; runtime/executors/gemv.py).
-        self.num_gemv = use_small_m_gemv(self.graph.module) if small_m_gemv else (0, 0)
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
