@@ -111,7 +111,7 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 # What the torch executor does on top of the plan, measured like the plan passes (same plan, another executor):
 # name -> (row name, TorchExecutor keywords of the variant). rope_kv is on by default (the row turns it off).
 # (Session 8 removed two opt-in variants the H200 measured slower at batch 1: `linear_weights`, [N, K] weights via
-# F.linear, 1.141 vs 1.059 ms per step, and `small_m_gemv`, Triton GEMVs, 1.439 ms; GPU_E2E.md.)
+# F.linear, 1.141 vs 1.120 ms per step, and `small_m_gemv`, Triton GEMVs, 1.439 ms; GPU_E2E.md.)
 EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False})}
 
 
