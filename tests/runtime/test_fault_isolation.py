@@ -193,6 +193,8 @@ def test_a_failed_request_whose_prompt_blocks_another_hit_in_the_same_step_does_
     prefix = [9, 8, 7, 6, 5, 4, 3, 2]  # two full blocks of 4
     engine.add_request("bad", prefix + [10], GREEDY)
     engine.add_request("good", prefix + [11, 12], GREEDY)
+    # An n=2 request on the same prefix: its leader is sent back too, and both completions fork after its recompute.
+    engine.add_request("pair", prefix + [13], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
     build = engine.input_builder.build
 
     def build_refusing_bad(batch):
@@ -204,3 +206,5 @@ def test_a_failed_request_whose_prompt_blocks_another_hit_in_the_same_step_does_
     assert done["bad"].outputs[0].finish_reason == "error"
     assert done["good"].outputs[0].token_ids == reference_generate(prefix + [11, 12], 8, eos=None)
     assert done["good"].metrics.num_preemptions == 1, "it went back to the queue to compute the prefix itself"
+    want = reference_generate(prefix + [13], 8, eos=None)
+    assert [c.token_ids for c in done["pair"].outputs] == [want, want] and done["pair"].metrics.num_preemptions >= 1
