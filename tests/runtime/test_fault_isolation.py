@@ -37,6 +37,17 @@ def run_all(engine: LLMEngine, max_steps: int = 2000) -> dict[str, object]:
     raise AssertionError("the engine made no progress")
 
 
+def refuse_inputs_of(engine: LLMEngine, request_id: str) -> None:
+    """Make the engine's input builder raise for any batch that holds request_id (an injected input fault)."""
+    build = engine.input_builder.build
+
+    def build_refusing(batch):
+        assert all(s.request_id != request_id for s in batch.seqs), "injected input-builder fault"
+        return build(batch)
+
+    engine.input_builder.build = build_refusing
+
+
 # ---- finding 1: a request's own fault ends that request only ----------------------------------------------------
 
 
@@ -87,13 +98,7 @@ def test_an_input_fault_ends_only_its_request():
     engine, ex = make_engine()
     engine.add_request("a", [5, 6, 7], GREEDY)
     engine.add_request("bad", [5, 6, 8], GREEDY)
-    build = engine.input_builder.build
-
-    def build_refusing_bad(batch):
-        assert all(s.request_id != "bad" for s in batch.seqs), "injected input-builder fault"
-        return build(batch)
-
-    engine.input_builder.build = build_refusing_bad
+    refuse_inputs_of(engine, "bad")
     done = run_all(engine)
     assert done["bad"].outputs[0].finish_reason == "error" and "preparing the inputs" in done["bad"].error
     assert done["a"].outputs[0].token_ids == reference_generate([5, 6, 7], 8, eos=None)
@@ -195,13 +200,7 @@ def test_a_failed_request_whose_prompt_blocks_another_hit_in_the_same_step_does_
     engine.add_request("good", prefix + [11, 12], GREEDY)
     # An n=2 request on the same prefix: its leader is sent back too, and both completions fork after its recompute.
     engine.add_request("pair", prefix + [13], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
-    build = engine.input_builder.build
-
-    def build_refusing_bad(batch):
-        assert all(s.request_id != "bad" for s in batch.seqs), "injected input-builder fault"
-        return build(batch)
-
-    engine.input_builder.build = build_refusing_bad
+    refuse_inputs_of(engine, "bad")
     done = run_all(engine)
     assert done["bad"].outputs[0].finish_reason == "error"
     assert done["good"].outputs[0].token_ids == reference_generate(prefix + [11, 12], 8, eos=None)
