@@ -5,10 +5,14 @@ decode step is tiny (one token, 64 cached tokens), so the GPU keeps up and the l
 without CUDA only the pure-Python pieces (input checks, launch planning) are timed.
 
 On CUDA the call is also taken apart: each Triton launch it makes is timed through Triton's dispatcher and straight
-through the CompiledKernel the dispatcher returned (what a launcher that keeps its compiled kernels would pay), and
-`direct_output_equal` checks that the direct launches write the same output and pool. Also timed: the fused RoPE +
-KV-write launch and the call the engine makes with it, and the greedy argmax (torch's vs the two-launch kernel).
-(Added in sessions 6 and 7 without device time: these rows have not run yet.)
+through the CompiledKernel the dispatcher returned, and `direct_output_equal` checks that the direct launches write
+the same output and pool. Also timed: the fused RoPE + KV-write launch and the call the engine makes with it, the
+greedy argmax (torch's vs the two-launch kernel), and one Add+RMSNorm and one SiLU·mul launch.
+
+Every kernel call of trtopt goes through plugins/launcher.py (session 9), which launches the kept CompiledKernel
+itself after the first launch of a specialisation. Each call row is timed both ways in the same run: `<row>_us`
+through the launcher (what the engine pays), `<row>_dispatcher_us` with launcher.set_dispatcher_only(True) (every
+launch through Triton's dispatcher, what the engine paid before).
 
     python3 benchmarks/bench_launch_host.py            # CUDA if present
     python3 benchmarks/bench_launch_host.py --out x.json
@@ -136,14 +140,26 @@ def main() -> None:
         # The sampler's greedy argmax (one 128K-vocabulary row): torch's one kernel vs the two Triton launches.
         rows["argmax_torch"] = lambda: logits.argmax(dim=-1)
         rows["argmax_triton"] = lambda: greedy_argmax(logits)
+        from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_triton
+        from trtopt.plugins.silu_mul.kernel import silu_mul_triton
+
+        hidden = torch.randn(1, 1, 2048, device=device, dtype=torch.bfloat16)
+        norm_scale = torch.ones(2048, device=device, dtype=torch.bfloat16)
+        gate_up = torch.randn(1, 1, 16384, device=device, dtype=torch.bfloat16).split(8192, dim=-1)
+        rows["add_rms_norm_launch"] = lambda: add_rms_norm_triton(hidden, hidden, norm_scale, epsilon=1e-5)
+        rows["silu_mul_launch"] = lambda: silu_mul_triton(*gate_up)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": triton.__version__, "n": args.n}
     if device.type == "cuda":
         # Where the launcher's time goes: each Triton launch of one call, through Triton's dispatcher (binder,
         # specialisation key, cache lookup) and straight through the CompiledKernel it returned (what a launcher
         # that keeps its compiled kernels would pay), plus the partial buffers' allocation.
+        from trtopt.plugins import launcher
+
+        launcher.set_dispatcher_only(True)  # every launch through JITFunction.run, where record_launches sees it
         launches = record_launches(lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl, slots,
                                                                       **attrs))
+        launcher.set_dispatcher_only(False)
         for i, (fn, grid, call_args, kwargs) in enumerate(launches):
             name = f"launch{i}_{fn.fn.__name__.strip('_')}"
             rows[f"{name}_dispatch"] = lambda fn=fn, g=grid, a=call_args, kw=kwargs: fn[g](*a, **kw)
@@ -154,9 +170,18 @@ def main() -> None:
         rows["empty_partials_x3"] = lambda: [torch.empty(4096, device=device) for _ in range(3)]
         result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
                                                             attrs)
+    both_ways = {"write_kv_launch", "rope_write_kv_launch", "paged_attention_call", "paged_attention_rope_call",
+                 "argmax_triton", "add_rms_norm_launch", "silu_mul_launch"}
     for name, fn in rows.items():
         result[f"{name}_us"] = per_call_us(fn, args.n, device)
         print(f"{name:<32} {result[f'{name}_us']:8.2f} us/call")
+        if name in both_ways:
+            from trtopt.plugins import launcher
+
+            launcher.set_dispatcher_only(True)
+            result[f"{name}_dispatcher_us"] = per_call_us(fn, args.n, device)
+            launcher.set_dispatcher_only(False)
+            print(f"{name + ' (dispatcher)':<32} {result[f'{name}_dispatcher_us']:8.2f} us/call")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

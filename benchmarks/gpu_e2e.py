@@ -481,7 +481,7 @@ def main() -> None:
                     default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv", "argmax"],
                     help="plan-level fusion passes, the executor's RoPE fold (rope_kv, turned off) and the sampler's "
                     "argmax kernel (turned off), to measure at batch 1 against the default, same run")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "hf", "static", "continuous", "ablation"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
                     "(the plain keys are async, the *_sync keys synchronous)")
@@ -555,6 +555,21 @@ def main() -> None:
             data["batch1_sync"] = batch1_decode(engine, shape.vocab, device)
             del engine
             log(f"batch 1 sync: {data['batch1_sync']['decode_tok_s']:.0f} tok/s vs async {b1['decode_tok_s']:.0f}")
+        if "eager" not in args.skip and getattr(executor, "graphs", None) is not None:
+            # Graphs off: every step launches its ~200 kernels from Python. Triton's dispatcher against
+            # plugins/launcher.py (the compiled kernels launched directly), same plan, same run.
+            from trtopt.plugins import launcher
+
+            for row, dispatch in (("batch1_eager_dispatcher", True), ("batch1_eager", False)):
+                previous = launcher.set_dispatcher_only(dispatch)
+                engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0),
+                                     async_scheduling=use_async)
+                executor.graphs.enabled = False  # the engine captured a new set; none of them replays here
+                data[row] = batch1_decode(engine, shape.vocab, device, new_tokens=128)
+                launcher.set_dispatcher_only(previous)
+                del engine
+                log(f"{row}: {data[row]['decode_tok_s']:.0f} tok/s, host {data[row]['host_ms_per_token']:.3f} "
+                    f"ms/token exposed")
         ablations = data["fusion_ablation"] = {"with_all": {
             k: b1.get(k) for k in ("decode_tok_s", "ms_per_token", "graph_replay_ms")}}
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")

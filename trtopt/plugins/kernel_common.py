@@ -8,8 +8,9 @@ import os
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
+
+from trtopt.plugins import launcher
 
 # The float dtypes a kernel is launched for → the Triton dtype its DTYPE constexpr names.
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -41,8 +42,8 @@ def launch_gated(kernel: Any, op: str, gate: torch.Tensor, up: torch.Tensor, **c
     if out.numel() == 0:
         return out
     g, u = as_rows(gate, n), as_rows(up, n)
-    block = min(triton.next_power_of_2(n), 4096)
-    kernel[(g.shape[0], triton.cdiv(n, block))](
+    block = min(launcher.next_pow2(n), 4096)
+    launcher.launch(kernel, (g.shape[0], -(-n // block)),
         g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], **constexprs,
         num_warps=4 if block >= 1024 else 1, **no_fp_fusion(),
     )

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins import launcher
+
 CHUNK = 4096  # values per program of the first launch
 
 
@@ -52,10 +54,11 @@ def argmax_triton(logits: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
     out = torch.empty(N, dtype=torch.int64, device=logits.device)
     if N == 0 or V == 0:
         return logits.argmax(dim=-1) if V == 0 else out  # torch raises for V == 0: keep its error
-    num_pieces = triton.cdiv(V, chunk)
+    num_pieces = -(-V // chunk)
     keys = torch.empty(N, num_pieces, dtype=torch.int64, device=logits.device)
     idx = torch.empty(N, num_pieces, dtype=torch.int32, device=logits.device)
-    _argmax_pieces[(N, num_pieces)](logits, keys, idx, V, logits.stride(0), num_pieces, CHUNK=chunk,
-                                    num_warps=8 if chunk >= 4096 else 4)
-    _argmax_rows[(N,)](keys, idx, out, num_pieces, BLOCK=max(2, triton.next_power_of_2(num_pieces)), num_warps=1)
+    launcher.launch(_argmax_pieces, (N, num_pieces), logits, keys, idx, V, logits.stride(0), num_pieces,
+                    CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
+    launcher.launch(_argmax_rows, (N,), keys, idx, out, num_pieces,
+                    BLOCK=max(2, launcher.next_pow2(num_pieces)), num_warps=1)
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows
 from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN
 
@@ -59,8 +60,8 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
     if out.numel() == 0:
         return out, total
     xs, rs = as_rows(x, n), as_rows(residual, n)
-    block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(xs.shape[0],)](
+    block = launcher.next_pow2(n)
+    launcher.launch(_add_rms_norm_kernel, (xs.shape[0],),
         xs, rs, scale.contiguous(), total, out, xs.stride(0), rs.stride(0), n, float(epsilon),
         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
         num_warps=4 if block <= 4096 else 8,

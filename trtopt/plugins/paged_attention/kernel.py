@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
 from trtopt.plugins.paged_attention.reference import rope_tables_fit
 from trtopt.plugins.rope.kernel import rotate_half_rows
@@ -372,7 +373,7 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
     The thresholds come from the H200 sweep in docs/benchmarks/NOTES.md: decode reads fastest with 128-key tiles
     and 4 warps once a program walks >= 2K keys; short per-program ranges (heavy split-KV) prefer 32-key tiles.
     """
-    group_pad = triton.next_power_of_2(group)
+    group_pad = launcher.next_pow2(group)
     tokens_per_seq = num_tokens / max(num_seqs, 1)
     # tl.dot wants at least 16 rows; decode-like steps use the smallest tile, prefill-like ones 64/128 rows.
     rows = 16 if tokens_per_seq <= 4 else (64 if tokens_per_seq <= 64 else 128)
@@ -478,14 +479,20 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
     _, Hkv, T, D = k.shape
     if T == 0:
         return
-    _write_kv_kernel[(T,)](
+    launcher.launch(_write_kv_kernel, (T,),
         k, v, kv_cache, slot_mapping,
-        k.stride(1), k.stride(2), k.stride(3), v.stride(1), v.stride(2), v.stride(3),
-        *kv_cache.stride(),
+        *k.stride()[1:], *v.stride()[1:], *kv_cache.stride(),
         BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
-        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_H=launcher.next_pow2(Hkv), BLOCK_D=launcher.next_pow2(D),
         num_warps=4 if Hkv * D >= 1024 else 1,
     )
+
+
+def _row_strides(table: torch.Tensor) -> tuple[int, int]:
+    """(token, dim) strides of a cos/sin table broadcast to [1, 1, T, D]: 0 along a size-1 dim (what expand gives,
+    without a view per launch)."""
+    return (table.stride(-2) if table.dim() >= 2 and table.shape[-2] != 1 else 0,
+            table.stride(-1) if table.shape[-1] != 1 else 0)
 
 
 def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -502,16 +509,14 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     q_out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
-    cos, sin = cos.expand(1, 1, T, D), sin.expand(1, 1, T, D)  # views: stride 0 where they broadcast
     half = D // 2
-    block_hq, block_half = triton.next_power_of_2(Hq), triton.next_power_of_2(half)
-    _rope_write_kv_kernel[(T,)](
+    block_hq, block_half = launcher.next_pow2(Hq), launcher.next_pow2(half)
+    launcher.launch(_rope_write_kv_kernel, (T,),
         q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
-        q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(1), v.stride(2), v.stride(3), cos.stride(2), cos.stride(3), sin.stride(2), sin.stride(3),
-        q_out.stride(1), q_out.stride(2), *kv_cache.stride(),
+        *q.stride()[1:], *k.stride()[1:], *v.stride()[1:], *_row_strides(cos), *_row_strides(sin),
+        *q_out.stride()[1:3], *kv_cache.stride(),
         BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
-        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
+        BLOCK_HKV=launcher.next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
         num_warps=4 if block_hq * block_half >= 1024 else 1, **no_fp_fusion(),
     )
     return q_out
@@ -569,7 +574,7 @@ def paged_attention_triton(
     if launch is None:
         launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
                                    _device_sm_count(q.device), interpret=interpret)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, launcher.next_pow2(head_dim))
     if launch.num_segments > 1:
         parts = T * num_heads * launch.num_segments
         part_acc = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
@@ -578,23 +583,20 @@ def paged_attention_triton(
     else:
         part_acc = part_max = part_sum = out  # never touched when NUM_SEGMENTS == 1
     grid = (T // launch.block_q + S, num_kv_heads, launch.num_segments)
-    _paged_attn_kernel[grid](
+    launcher.launch(_paged_attn_kernel, grid,
         q, kv_cache, block_tables, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else q,
         out, part_acc, part_max, part_sum,
         scale * _LOG2E, S, sliding_window,
-        q.stride(1), q.stride(2), q.stride(3),
-        *kv_cache.stride(),
-        block_tables.stride(0),
-        out.stride(1), out.stride(2), out.stride(3),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=launch.block_q,
+        *q.stride()[1:], *kv_cache.stride(), block_tables.stride(0), *out.stride()[1:],
+        GROUP=group, GROUP_PAD=launcher.next_pow2(group), BLOCK_Q=launch.block_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if launch.num_segments > 1:
-        _merge_segments_kernel[(T, num_heads)](
+        launcher.launch(_merge_segments_kernel, (T, num_heads),
             part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), out.stride(3),
             NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
         )
@@ -640,10 +642,10 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
     addresses = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64).to(first.device,
                                                                                      non_blocking=True)
     block_numel = first[0].numel()
-    chunk = min(4096, triton.next_power_of_2(block_numel))
-    grid = (len(kv_caches), pairs.shape[0], triton.cdiv(block_numel, chunk))
-    _copy_blocks_kernel[grid](addresses, pairs.to(first.device).contiguous(), block_numel,
-                              DTYPE=TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
+    chunk = min(4096, launcher.next_pow2(block_numel))
+    grid = (len(kv_caches), pairs.shape[0], -(-block_numel // chunk))
+    launcher.launch(_copy_blocks_kernel, grid, addresses, pairs.to(first.device).contiguous(), block_numel,
+                    DTYPE=TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
 
 
 __all__ = ["PagedLaunch", "plan_paged_launch", "paged_attention_triton", "write_kv_triton", "rope_write_kv_triton",

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows
 
 
@@ -50,8 +51,8 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] == 0:
         return out
-    block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows.shape[0],)](
+    block = launcher.next_pow2(n)
+    launcher.launch(_rms_norm_kernel, (rows.shape[0],),
         rows, scale, out, rows.stride(0), n, n, float(epsilon),
         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
         num_warps=4 if block <= 4096 else 8,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
 
 
@@ -66,9 +67,9 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if out.numel() == 0:
         return out
     half = D // 2
-    _rope_kernel[(T, H, B)](
+    launcher.launch(_rope_kernel, (T, H, B),
         x, cos, sin, out, *x.stride(), *cos.stride(), *sin.stride(), *out.stride()[:3],
-        HALF=half, BLOCK=triton.next_power_of_2(half), DTYPE=TL_DTYPES[x.dtype], num_warps=1,
+        HALF=half, BLOCK=launcher.next_pow2(half), DTYPE=TL_DTYPES[x.dtype], num_warps=1,
         **no_fp_fusion(),
     )
     return out

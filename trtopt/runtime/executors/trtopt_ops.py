@@ -15,12 +15,13 @@ from typing import Callable
 
 import torch
 
-from trtopt.plugins.paged_attention.reference import rope_tables_fit
+from trtopt.plugins.paged_attention.reference import broadcasts_to, rope_tables_fit
 from trtopt.runtime.executors.onnx_ops import OpSpec
 
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def _impl_reference(op: str) -> Callable[..., object]:
     return getattr(importlib.import_module(f"trtopt.plugins.{op}.reference"), f"{op}_ref")
 
@@ -116,7 +117,7 @@ def rope(x, cos, sin, *, half: int = 0):
     dtype, cos/sin broadcast to x), else the reference: the exported ops' arithmetic, bit for bit."""
     h = half or x.shape[-1] // 2
     if (x.is_cuda and x.dim() == 4 and x.shape[-1] == 2 * h and x.dtype == cos.dtype == sin.dtype
-            and torch.broadcast_shapes(x.shape, cos.shape, sin.shape) == x.shape):
+            and broadcasts_to(cos.shape, x.shape) and broadcasts_to(sin.shape, x.shape)):
         return _impl("rope", "cuda")(x, cos, sin)
     from trtopt.plugins.rope.reference import rope_ref
 

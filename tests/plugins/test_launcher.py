@@ -1,0 +1,237 @@
+"""plugins/launcher.py: the ops' Triton kernels launched straight through the CompiledKernel Triton returned.
+
+On the CPU: the key separates every argument change Triton specialises on; interpreted kernels (TRITON_INTERPRET)
+always go through the dispatcher; and, in a fresh process where the kernels are real JITFunctions but no GPU exists,
+the cache logic itself (Triton's JITFunction.run replaced by a recorder, since nothing can launch here): a first
+launch goes to the dispatcher, a repeat with the same specialisation goes to the compiled kernel with every
+parameter in signature order, and a changed alignment, int or constexpr goes to the dispatcher again.
+
+On a GPU (`gpu`): every kernel the launcher serves gives bit for bit the dispatcher's output when launched directly,
+across alignment and int-equal-to-1 switches, and the direct path is the one taken.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from trtopt.plugins import launcher
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def on_device_zero(monkeypatch):
+    """specialization_key reads the current CUDA device; on a CPU-only machine, pretend it is 0."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def key(*args, **kwargs):
+    return launcher.specialization_key(args, kwargs)
+
+
+def test_key_separates_what_triton_specialises_on(on_device_zero):
+    base = torch.zeros(64, dtype=torch.float16)
+    # Tensors: dtype and 16-byte alignment matter, the address and the shape do not.
+    assert key(base, 3) == key(torch.ones(32, dtype=torch.float16), 3)
+    assert key(base, 3) != key(base[1:], 3), "a 2-byte offset view is not 16-byte aligned"
+    assert key(base, 3) == key(base[8:], 3), "a 16-byte offset view is"
+    assert key(base, 3) != key(base.float(), 3)
+    # Ints: 1 (a constexpr to Triton), multiples of 16, widths; bools and floats are other types than ints.
+    keys = [key(base, x) for x in (1, 2, 16, 32, 2 ** 31, True, 1.0)]
+    assert len(set(keys)) == len(keys)
+    # Constexprs and options by name and value.
+    assert key(base, BLOCK=16) != key(base, BLOCK=32)
+    assert key(base, A=1, B=2) != key(base, A=2, B=1)
+    assert key(base, num_warps=4) != key(base, num_warps=8)
+
+
+def test_key_refuses_what_it_cannot_key(on_device_zero):
+    class Sub(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match="Sub"):
+        key(torch.zeros(4).as_subclass(Sub))
+    with pytest.raises(TypeError, match="list"):
+        key([1, 2])
+    with pytest.raises(TypeError):  # an unhashable constexpr: the dict lookup refuses the key
+        hash(key(torch.zeros(4), BLOCK=[16]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter case (this machine has a GPU)")
+def test_interpreted_kernels_go_through_the_dispatcher():
+    from trtopt.plugins.silu_mul.kernel import _silu_mul_kernel, silu_mul_triton
+
+    g, u = torch.randn(3, 40), torch.randn(3, 40)
+    for _ in range(2):
+        torch.testing.assert_close(silu_mul_triton(g, u), g * torch.sigmoid(g) * u, atol=1e-5, rtol=1e-5)
+    assert launcher._info(_silu_mul_kernel) is None
+    assert launcher.launch_stats(_silu_mul_kernel) == (0, 0)
+
+
+CACHE_SCRIPT = textwrap.dedent("""
+    import torch, triton, triton.language as tl
+    from trtopt.plugins import launcher
+
+    torch.cuda.current_device = lambda: 0
+
+    @triton.jit
+    def k(X, Y, n, stride, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+        pass
+
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *values: calls.append(("direct", grid, values))
+
+    def run(self, *args, grid, warmup, **kwargs):
+        calls.append(("dispatcher", grid, args, kwargs))
+        return Compiled()
+
+    triton.runtime.jit.JITFunction.run = run
+    x, y = torch.zeros(64), torch.zeros(64)
+
+    def go(*args, grid=(4,), **kw):
+        calls.clear()
+        launcher.launch(k, grid, *args, **kw)
+        return calls[0]
+
+    first = go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)
+    assert first == ("dispatcher", (4,), (x, y, 5, 64), dict(BLOCK=16, FLAG=True, num_warps=4)), first
+    # Same specialisation, other tensors and grid: the compiled kernel, every parameter in signature order.
+    again = go(torch.ones(8), y, 5, 64, grid=(7, 2), BLOCK=16, FLAG=True, num_warps=4)
+    assert again[0] == "direct" and again[1] == (7, 2, 1), again
+    assert again[2][1:] == (y, 5, 64, 16, True) and again[2][0].shape == (8,), again
+    # Anything Triton specialises on differently goes back to the dispatcher once.
+    assert go(x[1:], y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
+    assert go(x, y, 1, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
+    assert go(x, y, 5, 64, BLOCK=32, FLAG=True, num_warps=4)[0] == "dispatcher"
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=8)[0] == "dispatcher"
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=8)[0] == "direct"
+    # A callable grid, or the switch: always the dispatcher.
+    assert go(x, y, 5, 64, grid=lambda meta: (1,), BLOCK=16, FLAG=True)[0] == "dispatcher"
+    previous = launcher.set_dispatcher_only(True)
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
+    launcher.set_dispatcher_only(previous)
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "direct"
+    print(launcher.launch_stats(k))
+""")
+
+
+def test_cache_logic_with_real_jit_functions(tmp_path):
+    """A fresh process without TRITON_INTERPRET (so `k` is a real JITFunction; @triton.jit wants a file);
+    JITFunction.run, the part that needs a GPU, records its calls instead of launching."""
+    script = tmp_path / "cache_logic.py"
+    script.write_text(CACHE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRTOPT_TRITON_DISPATCH")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "(3, 5)", done.stdout
+
+
+# ---- on the GPU: direct launches equal the dispatcher's, bit for bit --------------------------------------------
+def _paged_cases():
+    from test_paged_attention_kernel import Case
+
+    return {
+        "decode_gqa4": Case(context=(40, 3), new=(1, 1), num_heads=8, num_kv_heads=2, dtype=torch.bfloat16),
+        "decode_one_seq": Case(context=(77,), new=(1,), num_heads=8, num_kv_heads=2, dtype=torch.bfloat16),
+        "mixed_fp16": Case(context=(0, 21, 9, 33), new=(13, 5, 1, 1), num_heads=4, num_kv_heads=1,
+                           dtype=torch.float16, seed=1),
+        "long_split_kv": Case(context=(3000,), new=(1,), num_heads=8, num_kv_heads=2, dtype=torch.bfloat16),
+        "alibi_window_fp32": Case(context=(25, 4), new=(5, 1), num_heads=8, num_kv_heads=2, alibi=True,
+                                  sliding_window=7, seed=8),
+    }
+
+
+def _run_paged(case, rope: bool):
+    from test_paged_attention_kernel import make_step, rope_tables
+
+    from trtopt.plugins.paged_attention.kernel import paged_attention_triton
+
+    step = make_step(case, torch.device("cuda"))
+    extra = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, torch.device("cuda")))) if rope else {}
+    out, cache = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
+                                        step.query_start_loc, step.slot_mapping, alibi_slopes=step.alibi_slopes,
+                                        **extra, **step.attrs)
+    return out, cache
+
+
+def _same_both_ways(fn):
+    """fn() through the dispatcher, then twice through the launcher (the second launch is direct): all equal."""
+    previous = launcher.set_dispatcher_only(True)
+    try:
+        want = fn()
+    finally:
+        launcher.set_dispatcher_only(previous)
+    fn()
+    got = fn()
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope_fold"])
+@pytest.mark.parametrize("name", ["decode_gqa4", "decode_one_seq", "mixed_fp16", "long_split_kv",
+                                  "alibi_window_fp32"])
+def test_gpu_paged_attention_direct_equals_dispatcher(name, rope):
+    from trtopt.plugins.paged_attention import kernel as pk
+
+    case = _paged_cases()[name]
+    if rope and case.alibi:
+        pytest.skip("ALiBi models do not rotate")
+    hits = launcher.launch_stats(pk._paged_attn_kernel)[0]
+    _same_both_ways(lambda: _run_paged(case, rope))
+    assert launcher.launch_stats(pk._paged_attn_kernel)[0] > hits, "the second call did not launch directly"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_specialisation_switches_relaunch_the_right_kernel():
+    """num_seqs 1 → 2 → 1 (Triton makes an int equal to 1 a constexpr) and a q view 2 bytes off 16-byte alignment
+    between aligned ones: each output equals the dispatcher's."""
+    from test_paged_attention_kernel import Case
+
+    for case in (Case(context=(50,), new=(1,), dtype=torch.bfloat16), Case(context=(50, 9), new=(1, 1),
+                 dtype=torch.bfloat16), Case(context=(50,), new=(1,), dtype=torch.bfloat16)):
+        _same_both_ways(lambda: _run_paged(case, rope=False))
+
+    from trtopt.plugins.rms_norm.kernel import rms_norm_triton
+
+    storage = torch.randn(4 * 257 + 1, device="cuda", dtype=torch.bfloat16)
+    scale = torch.randn(257, device="cuda", dtype=torch.bfloat16)
+    for offset in (0, 1, 0, 1):
+        x = storage[offset:offset + 4 * 257].view(4, 257)
+        _same_both_ways(lambda: (rms_norm_triton(x, scale, epsilon=1e-6),))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_pointwise_norm_and_argmax_kernels_direct_equal_dispatcher(dtype):
+    from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_triton
+    from trtopt.plugins.gelu_mul.kernel import gelu_mul_triton
+    from trtopt.plugins.rope.kernel import rope_triton
+    from trtopt.plugins.silu_mul.kernel import silu_mul_triton
+    from trtopt.runtime.argmax_kernel import argmax_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(5, 2048, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    scale = torch.randn(2048, device="cuda", dtype=dtype, generator=gen)
+    gate_up = torch.randn(5, 2 * 1536, device="cuda", dtype=dtype, generator=gen)
+    g, u = gate_up.split(1536, dim=-1)
+    q = torch.randn(1, 3, 8, 64, device="cuda", dtype=dtype, generator=gen)
+    cos, sin = (torch.randn(1, 1, 8, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    logits = torch.randn(3, 50257, device="cuda", generator=gen)
+    _same_both_ways(lambda: add_rms_norm_triton(x, r, scale, epsilon=1e-5))
+    _same_both_ways(lambda: (silu_mul_triton(g, u), gelu_mul_triton(g, u, tanh=1)))
+    _same_both_ways(lambda: (rope_triton(q, cos, sin),))
+    _same_both_ways(lambda: (argmax_triton(logits),))

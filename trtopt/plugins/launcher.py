@@ -1,0 +1,130 @@
+"""Launch the ops' Triton kernels without Triton's per-call dispatcher (issue 11: the eager host cost per call).
+
+`kernel[grid](*args, **kw)` runs JITFunction.run on every call: bind the arguments to the signature, work out each
+one's specialisation, format a cache key, look the compiled kernel up, check the globals it used, then launch. On an
+H200 that is 13-22 µs per launch for our kernels, against 7-9 µs for launching the very CompiledKernel the
+dispatcher returned (docs/benchmarks/launch_host_h200.json); PagedAttention launches two or three kernels per layer.
+
+`launch(kernel, grid, *args, **kw)` keeps that CompiledKernel, keyed by everything that decides which one Triton
+would pick (specialization_key): the current device; the constexprs and launch options (num_warps, ...) by name and
+value; every runtime argument's type; a tensor's dtype and whether its address is 16-byte aligned; and the value of
+every other runtime argument (an int, float, bool, str or None). Triton specialises a tensor on its dtype and
+alignment and an int on its width, on being 1 and on 16 dividing it, so this key is at least as fine as Triton's
+own: a hit is the kernel the dispatcher would have launched. An int that changes every call (a token count) costs
+one dispatcher launch per new value. A miss launches through the dispatcher (compiling if needed) and remembers
+what it returned. Anything this module does not know goes through the dispatcher every time, which is always
+right: the CPU interpreter (TRITON_INTERPRET=1: its kernels are not JITFunctions), autotuned or heuristics-wrapped
+kernels, callable grids, arguments of other types, kernels with pre-run hooks, and every launch when
+TRTOPT_TRITON_DISPATCH=1 (or set_dispatcher_only(True): same-run A/B measurements, and ruling this module out when
+debugging).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+
+_MAX_ENTRIES = 4096  # per kernel; a cache that outgrows it (shapes without end) is dropped and refilled
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Runtime argument types the key knows; a tensor subclass or any other object goes to the dispatcher (keying it by
+# identity would also keep it alive in the cache).
+_KEYED_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
+_known_type_tuples: set[tuple] = set()
+
+# Read once: a per-launch environment lookup would cost more than the rest of the key.
+_dispatch_only = os.environ.get("TRTOPT_TRITON_DISPATCH") == "1"
+
+
+def set_dispatcher_only(flag: bool) -> bool:
+    """Send every launch through Triton's dispatcher (True) or not; returns the previous setting. For same-run
+    A/B measurements (benchmarks/bench_launch_host.py) and tests; TRTOPT_TRITON_DISPATCH=1 sets it at import."""
+    global _dispatch_only
+    previous, _dispatch_only = _dispatch_only, bool(flag)
+    return previous
+
+
+class _KernelInfo:
+    """Per-kernel facts read once: parameter names in order, and the compiled kernels launched so far."""
+
+    __slots__ = ("names", "cache", "hits", "misses")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = tuple(names)
+        self.cache: dict[tuple, tuple[Any, tuple]] = {}
+        self.hits = 0
+        self.misses = 0
+
+
+_INFO: dict[Any, _KernelInfo | None] = {}
+
+
+def _info(kernel: Any) -> _KernelInfo | None:
+    """The kernel's facts, or None when it is not a plain JITFunction this module can launch directly (the CPU
+    interpreter's InterpretedFunction, an Autotuner or Heuristics wrapper, a kernel with pre-run hooks)."""
+    info = _INFO.get(kernel, False)
+    if info is False:
+        plain = (type(kernel) is triton.runtime.jit.JITFunction and not getattr(kernel, "pre_run_hooks", None)
+                 and isinstance(getattr(kernel, "arg_names", None), list))
+        info = _INFO[kernel] = _KernelInfo(kernel.arg_names) if plain else None
+    return info
+
+
+def specialization_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """The cache key of one launch (the module docstring says what it holds and why it is fine enough). Raises
+    TypeError for an argument type it does not know or an unhashable constexpr; the launch then goes to the
+    dispatcher."""
+    types = tuple(map(type, args))
+    if types not in _known_type_tuples:
+        if not _KEYED_TYPES.issuperset(types):
+            unknown = sorted({t.__name__ for t in types if t not in _KEYED_TYPES})
+            raise TypeError(f"no launch key for arguments of type {unknown}")
+        _known_type_tuples.add(types)
+    return (types, tuple([(v.dtype, v.data_ptr() % 16 == 0) if v.__class__ in _TENSOR_TYPES else v for v in args]),
+            tuple(kwargs.items()), torch.cuda.current_device())
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)`, with the compiled kernel launched directly when this call site launched it
+    before with arguments of the same specialisation. Runtime arguments are positional, constexprs and options by
+    name: the way every kernel of trtopt is called (a constexpr passed positionally is keyed by value, which is
+    also right)."""
+    info = None if _dispatch_only else _info(kernel)
+    if info is None or grid.__class__ is not tuple:
+        kernel[grid](*args, **kwargs)
+        return
+    try:
+        key = specialization_key(args, kwargs)
+        entry = info.cache.get(key)
+    except TypeError:
+        kernel[grid](*args, **kwargs)
+        return
+    if entry is not None:
+        info.hits += 1
+        compiled, tail = entry
+        compiled[grid if len(grid) == 3 else grid + (1,) * (3 - len(grid))](*args, *tail)
+        return
+    info.misses += 1
+    compiled = kernel[grid](*args, **kwargs)
+    # The runner takes every parameter in signature order, constexprs included (the dispatcher passes them so).
+    # A kernel with a defaulted parameter left out, or a Triton whose dispatcher returns no CompiledKernel, is not
+    # cached and keeps going through the dispatcher.
+    names = info.names[len(args):]
+    if callable(getattr(compiled, "__getitem__", None)) and all(name in kwargs for name in names):
+        if len(info.cache) >= _MAX_ENTRIES:
+            info.cache.clear()
+        info.cache[key] = (compiled, tuple(kwargs[name] for name in names))
+
+
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 0 in plain int arithmetic: the Triton function is a constexpr function whose
+    call wrapper costs ~2-4 µs of host time, and the launch wrappers call it several times per launch."""
+    return (1 << (n - 1).bit_length()) if n > 0 else 0
+
+
+def launch_stats(kernel: Any) -> tuple[int, int]:
+    """(direct launches, dispatcher launches that filled the cache) of one kernel so far, for tests and benches."""
+    info = _INFO.get(kernel)
+    return (info.hits, info.misses) if info else (0, 0)
