@@ -684,7 +684,7 @@ def main() -> None:
         print(f"batch-1 decode      {b1['decode_tok_s']:8.0f} tok/s   {b1['ms_per_token']:.3f} ms/token"
               + (f"   roofline {b1['roofline_tok_s']:.0f} tok/s -> {100 * b1['fraction_of_roofline']:.1f}%"
                  if "roofline_tok_s" in b1 else ""))
-    for name in ("batch1", "batch1_sync"):
+    for name in ("batch1", "batch1_sync", "batch1_eager_dispatcher", "batch1_eager"):
         if name in data:
             b = data[name]
             print(f"{name:<12} async={b['async_scheduling']!s:<5} {b['decode_tok_s']:8.0f} tok/s   "
