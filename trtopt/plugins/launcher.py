@@ -53,7 +53,8 @@ class _KernelInfo:
 
     def __init__(self, names: list[str]) -> None:
         self.names = tuple(names)
-        self.cache: dict[tuple, tuple[Any, tuple]] = {}
+        # key → ({None: CompiledKernel, grid: its runner, ...}, the constexprs in signature order)
+        self.cache: dict[tuple, tuple[dict, tuple]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -103,8 +104,14 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         return
     if entry is not None:
         info.hits += 1
-        compiled, tail = entry
-        compiled[grid if len(grid) == 3 else grid + (1,) * (3 - len(grid))](*args, *tail)
+        runners, tail = entry
+        runner = runners.get(grid)
+        if runner is None:  # CompiledKernel[grid] binds the grid into a runner (and may load the module): once
+            if len(runners) > 64:
+                runners = {None: runners[None]}
+                info.cache[key] = (runners, tail)
+            runner = runners[grid] = runners[None][grid if len(grid) == 3 else grid + (1,) * (3 - len(grid))]
+        runner(*args, *tail)
         return
     info.misses += 1
     compiled = kernel[grid](*args, **kwargs)
@@ -115,7 +122,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     if callable(getattr(compiled, "__getitem__", None)) and all(name in kwargs for name in names):
         if len(info.cache) >= _MAX_ENTRIES:
             info.cache.clear()
-        info.cache[key] = (compiled, tuple(kwargs[name] for name in names))
+        info.cache[key] = ({None: compiled}, tuple(kwargs[name] for name in names))
 
 
 def next_pow2(n: int) -> int:

@@ -577,9 +577,13 @@ def paged_attention_triton(
     block_d = max(16, launcher.next_pow2(head_dim))
     if launch.num_segments > 1:
         parts = T * num_heads * launch.num_segments
-        part_acc = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
+        # One allocation for the three (an eager allocation is ~2 µs of host time), each view 16-byte aligned (block_d
+        # is a multiple of 16; the sums start at the next multiple of 4 floats).
+        sums_at = parts * (block_d + 1) + (-parts) % 4
+        scratch = torch.empty(sums_at + parts, dtype=torch.float32, device=q.device)
+        part_acc = scratch[:parts * block_d]
+        part_max = scratch[parts * block_d:parts * (block_d + 1)]
+        part_sum = scratch[sums_at:]
     else:
         part_acc = part_max = part_sum = out  # never touched when NUM_SEGMENTS == 1
     grid = (T // launch.block_q + S, num_kv_heads, launch.num_segments)
