@@ -121,6 +121,10 @@ CACHE_SCRIPT = textwrap.dedent("""
     assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
     launcher.set_dispatcher_only(previous)
     assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "direct"
+    # A Triton whose runner convention was not checked: the dispatcher, whatever the switch says.
+    triton.__version__ = "9.1.0"
+    launcher.set_dispatcher_only(False)
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
     print(launcher.launch_stats(k))
 """)
 
