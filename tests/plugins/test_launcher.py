@@ -50,6 +50,7 @@ def test_key_separates_what_triton_specialises_on(on_device_zero):
     assert key(base, BLOCK=16) != key(base, BLOCK=32)
     assert key(base, A=1, B=2) != key(base, A=2, B=1)
     assert key(base, num_warps=4) != key(base, num_warps=8)
+    assert key(base, FLAG=True) != key(base, FLAG=1) and key(base, BLOCK=16) != key(base, BLOCK=16.0)
 
 
 def test_key_refuses_what_it_cannot_key(on_device_zero):

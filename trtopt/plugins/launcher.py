@@ -6,9 +6,10 @@ H200 that is 13-22 µs per launch for our kernels, against 7-9 µs for launching
 dispatcher returned (docs/benchmarks/launch_host_h200.json); PagedAttention launches two or three kernels per layer.
 
 `launch(kernel, grid, *args, **kw)` keeps that CompiledKernel, keyed by everything that decides which one Triton
-would pick (specialization_key): the current device; the constexprs and launch options (num_warps, ...) by name and
-value; every runtime argument's type; a tensor's dtype and whether its address is 16-byte aligned; and the value of
-every other runtime argument (an int, float, bool, str or None). Triton specialises a tensor on its dtype and
+would pick (specialization_key): the current device; the constexprs and launch options (num_warps, ...) by name,
+type and value (True and 1 compare equal in Python, not in Triton); every runtime argument's type; a tensor's dtype
+and whether its address is 16-byte aligned; and the value of every other runtime argument (an int, float, bool, str
+or None). Triton specialises a tensor on its dtype and
 alignment and an int on its width, on being 1 and on 16 dividing it, so this key is at least as fine as Triton's
 own: a hit is the kernel the dispatcher would have launched. An int that changes every call (a token count) costs
 one dispatcher launch per new value. A miss launches through the dispatcher (compiling if needed) and remembers
@@ -106,7 +107,7 @@ def specialization_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
             raise TypeError(f"no launch key for arguments of type {unknown}")
         _known_type_tuples.add(types)
     return (types, tuple([(v.dtype, v.data_ptr() % 16 == 0) if v.__class__ in _TENSOR_TYPES else v for v in args]),
-            tuple(kwargs.items()), torch.cuda.current_device())
+            tuple(kwargs.items()), tuple(map(type, kwargs.values())), torch.cuda.current_device())
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
