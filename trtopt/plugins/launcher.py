@@ -20,8 +20,8 @@ TRTOPT_TRITON_DISPATCH=1 (or set_dispatcher_only(True): same-run A/B measurement
 debugging), or when the installed Triton is not one whose runner convention was checked (_CHECKED_TRITON).
 
 Measured on an H200 (session 9, same run, docs/benchmarks/launch_host_h200.json): host time per call −13% for
-PagedAttention (84 vs 96 µs), −15% with the RoPE fold (104 vs 122 µs), −19% to −22% for the KV-write launches, −5%
-to −9% for argmax, Add+RMSNorm and SiLU·mul. An eager batch-1 decode step of the 1.24B plan is unchanged (13.3 ms
+PagedAttention (85 vs 97 µs), −14% with the RoPE fold (107 vs 124 µs), −12% to −20% for the KV-write launches, −8%
+to −10% for argmax, Add+RMSNorm and SiLU·mul. An eager batch-1 decode step of the 1.24B plan is unchanged (13.3 ms
 either way): its host time is torch's own ops (GEMM launches, allocations, views), and CUDA graphs replay every
 served step anyway. What is left of a call is Triton's runner and C launcher (~7 µs per launch), this key (~3-4
 µs), and the wrapper's checks and allocations; docs/benchmarks/GPU_E2E.md has the breakdown.
