@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    from trtopt.plugins import launcher
     from trtopt.plugins.paged_attention import kernel as pk
     from trtopt.runtime.executors import trtopt_ops
 
@@ -154,8 +155,6 @@ def main() -> None:
         # Where the launcher's time goes: each Triton launch of one call, through Triton's dispatcher (binder,
         # specialisation key, cache lookup) and straight through the CompiledKernel it returned (what a launcher
         # that keeps its compiled kernels would pay), plus the partial buffers' allocation.
-        from trtopt.plugins import launcher
-
         launcher.set_dispatcher_only(True)  # every launch through JITFunction.run, where record_launches sees it
         launches = record_launches(lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl, slots,
                                                                       **attrs))
@@ -176,8 +175,6 @@ def main() -> None:
         result[f"{name}_us"] = per_call_us(fn, args.n, device)
         print(f"{name:<32} {result[f'{name}_us']:8.2f} us/call")
         if name in both_ways:
-            from trtopt.plugins import launcher
-
             launcher.set_dispatcher_only(True)
             result[f"{name}_dispatcher_us"] = per_call_us(fn, args.n, device)
             launcher.set_dispatcher_only(False)

@@ -1,6 +1,6 @@
 """What the ops' Triton kernels (face 4 of DESIGN.md §4, plugins/<op>/kernel.py) share: the float dtypes they take,
-the row view they read [..., N] tensors through, the launch option that keeps their rounding exact, and the
-launcher of the gated pointwise kernels (SiluMul, GeluMul)."""
+the row view they read [..., N] tensors through, block sizes rounded to powers of two, the launch option that keeps
+their rounding exact, and the launcher of the gated pointwise kernels (SiluMul, GeluMul)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return view if view.stride(-1) == 1 else view.contiguous()
 
 
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 0 in plain int arithmetic: the Triton function is a constexpr function whose
+    call wrapper costs ~2-4 µs of host time, and the launch wrappers call it several times per launch."""
+    return (1 << (n - 1).bit_length()) if n > 0 else 0
+
+
 def no_fp_fusion() -> dict[str, Any]:
     """Launch options that turn off FMA contraction (`enable_fp_fusion=False`): the unfused graph rounds every
     product before the sum, so a contracted multiply-add would round differently. The CPU interpreter
@@ -42,7 +48,7 @@ def launch_gated(kernel: Any, op: str, gate: torch.Tensor, up: torch.Tensor, **c
     if out.numel() == 0:
         return out
     g, u = as_rows(gate, n), as_rows(up, n)
-    block = min(launcher.next_pow2(n), 4096)
+    block = min(next_pow2(n), 4096)
     launcher.launch(kernel, (g.shape[0], -(-n // block)),
         g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], **constexprs,
         num_warps=4 if block >= 1024 else 1, **no_fp_fusion(),

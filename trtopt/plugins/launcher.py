@@ -9,9 +9,8 @@ dispatcher returned (docs/benchmarks/launch_host_h200.json); PagedAttention laun
 would pick (specialization_key): the current device; the constexprs and launch options (num_warps, ...) by name,
 type and value (True and 1 compare equal in Python, not in Triton); every runtime argument's type; a tensor's dtype
 and whether its address is 16-byte aligned; and the value of every other runtime argument (an int, float, bool, str
-or None). Triton specialises a tensor on its dtype and
-alignment and an int on its width, on being 1 and on 16 dividing it, so this key is at least as fine as Triton's
-own: a hit is the kernel the dispatcher would have launched. An int that changes every call (a token count) costs
+or None). Triton specialises a tensor on its dtype and alignment and an int on its width, on being 1 and on 16
+dividing it, so this key is at least as fine as Triton's own: a hit is the kernel the dispatcher would have launched. An int that changes every call (a token count) costs
 one dispatcher launch per new value. A miss launches through the dispatcher (compiling if needed) and remembers
 what it returned. Anything this module does not know goes through the dispatcher every time, which is always
 right: the CPU interpreter (TRITON_INTERPRET=1: its kernels are not JITFunctions), autotuned or heuristics-wrapped
@@ -146,12 +145,6 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         if len(info.cache) >= _MAX_ENTRIES:
             info.cache.clear()
         info.cache[key] = ({None: compiled}, tuple(kwargs[name] for name in names))
-
-
-def next_pow2(n: int) -> int:
-    """triton.next_power_of_2 for n >= 0 in plain int arithmetic: the Triton function is a constexpr function whose
-    call wrapper costs ~2-4 µs of host time, and the launch wrappers call it several times per launch."""
-    return (1 << (n - 1).bit_length()) if n > 0 else 0
 
 
 def launch_stats(kernel: Any) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins import launcher
+from trtopt.plugins.kernel_common import next_pow2
 
 CHUNK = 4096  # values per program of the first launch
 
@@ -60,5 +61,5 @@ def argmax_triton(logits: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
     launcher.launch(_argmax_pieces, (N, num_pieces), logits, keys, idx, V, logits.stride(0), num_pieces,
                     CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
     launcher.launch(_argmax_rows, (N,), keys, idx, out, num_pieces,
-                    BLOCK=max(2, launcher.next_pow2(num_pieces)), num_warps=1)
+                    BLOCK=max(2, next_pow2(num_pieces)), num_warps=1)
     return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins import launcher
-from trtopt.plugins.kernel_common import TL_DTYPES, as_rows
+from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
 from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN
 
 
@@ -60,7 +60,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
     if out.numel() == 0:
         return out, total
     xs, rs = as_rows(x, n), as_rows(residual, n)
-    block = launcher.next_pow2(n)
+    block = next_pow2(n)
     launcher.launch(_add_rms_norm_kernel, (xs.shape[0],),
         xs, rs, scale.contiguous(), total, out, xs.stride(0), rs.stride(0), n, float(epsilon),
         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins import launcher
-from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
+from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 from trtopt.plugins.paged_attention.reference import rope_tables_fit
 from trtopt.plugins.rope.kernel import rotate_half_rows
 
@@ -373,7 +373,7 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
     The thresholds come from the H200 sweep in docs/benchmarks/NOTES.md: decode reads fastest with 128-key tiles
     and 4 warps once a program walks >= 2K keys; short per-program ranges (heavy split-KV) prefer 32-key tiles.
     """
-    group_pad = launcher.next_pow2(group)
+    group_pad = next_pow2(group)
     tokens_per_seq = num_tokens / max(num_seqs, 1)
     # tl.dot wants at least 16 rows; decode-like steps use the smallest tile, prefill-like ones 64/128 rows.
     rows = 16 if tokens_per_seq <= 4 else (64 if tokens_per_seq <= 64 else 128)
@@ -483,7 +483,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
         k, v, kv_cache, slot_mapping,
         *k.stride()[1:], *v.stride()[1:], *kv_cache.stride(),
         BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
-        BLOCK_H=launcher.next_pow2(Hkv), BLOCK_D=launcher.next_pow2(D),
+        BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
         num_warps=4 if Hkv * D >= 1024 else 1,
     )
 
@@ -510,13 +510,13 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     if T == 0:
         return q_out
     half = D // 2
-    block_hq, block_half = launcher.next_pow2(Hq), launcher.next_pow2(half)
+    block_hq, block_half = next_pow2(Hq), next_pow2(half)
     launcher.launch(_rope_write_kv_kernel, (T,),
         q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
         *q.stride()[1:], *k.stride()[1:], *v.stride()[1:], *_row_strides(cos), *_row_strides(sin),
         *q_out.stride()[1:3], *kv_cache.stride(),
         BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
-        BLOCK_HKV=launcher.next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
+        BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
         num_warps=4 if block_hq * block_half >= 1024 else 1, **no_fp_fusion(),
     )
     return q_out
@@ -574,7 +574,7 @@ def paged_attention_triton(
     if launch is None:
         launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
                                    _device_sm_count(q.device), interpret=interpret)
-    block_d = max(16, launcher.next_pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     if launch.num_segments > 1:
         parts = T * num_heads * launch.num_segments
         # One allocation for the three (an eager allocation is ~2 µs of host time), each view 16-byte aligned (block_d
@@ -593,7 +593,7 @@ def paged_attention_triton(
         out, part_acc, part_max, part_sum,
         scale * _LOG2E, S, sliding_window,
         *q.stride()[1:], *kv_cache.stride(), block_tables.stride(0), *out.stride()[1:],
-        GROUP=group, GROUP_PAD=launcher.next_pow2(group), BLOCK_Q=launch.block_q,
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=launch.block_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -646,7 +646,7 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
     addresses = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64).to(first.device,
                                                                                      non_blocking=True)
     block_numel = first[0].numel()
-    chunk = min(4096, launcher.next_pow2(block_numel))
+    chunk = min(4096, next_pow2(block_numel))
     grid = (len(kv_caches), pairs.shape[0], -(-block_numel // chunk))
     launcher.launch(_copy_blocks_kernel, grid, addresses, pairs.to(first.device).contiguous(), block_numel,
                     DTYPE=TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)

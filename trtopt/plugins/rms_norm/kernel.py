@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins import launcher
-from trtopt.plugins.kernel_common import TL_DTYPES, as_rows
+from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] == 0:
         return out
-    block = launcher.next_pow2(n)
+    block = next_pow2(n)
     launcher.launch(_rms_norm_kernel, (rows.shape[0],),
         rows, scale, out, rows.stride(0), n, n, float(epsilon),
         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins import launcher
-from trtopt.plugins.kernel_common import TL_DTYPES, no_fp_fusion
+from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = D // 2
     launcher.launch(_rope_kernel, (T, H, B),
         x, cos, sin, out, *x.stride(), *cos.stride(), *sin.stride(), *out.stride()[:3],
-        HALF=half, BLOCK=launcher.next_pow2(half), DTYPE=TL_DTYPES[x.dtype], num_warps=1,
+        HALF=half, BLOCK=next_pow2(half), DTYPE=TL_DTYPES[x.dtype], num_warps=1,
         **no_fp_fusion(),
     )
     return out
