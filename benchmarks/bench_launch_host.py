@@ -10,9 +10,12 @@ the same output and pool. Also timed: the fused RoPE + KV-write launch and the c
 greedy argmax (torch's vs the two-launch kernel), and one Add+RMSNorm and one SiLU·mul launch.
 
 Every kernel call of trtopt goes through plugins/launcher.py (session 9), which launches the kept CompiledKernel
-itself after the first launch of a specialisation. Each call row is timed both ways in the same run: `<row>_us`
-through the launcher (what the engine pays), `<row>_dispatcher_us` with launcher.set_dispatcher_only(True) (every
-launch through Triton's dispatcher, what the engine paid before).
+itself after the first launch of a specialisation; PagedAttention is planned once per step shape and launched per
+layer through the CUDA driver (kernel.py `_PagedPlan`, launcher.DriverLaunch; session 10). Each call row is timed
+both ways in the same run: `<row>_us` as the engine runs it, `<row>_dispatcher_us` with
+launcher.set_dispatcher_only(True) (every launch through Triton's dispatcher and no plan: what the engine paid
+before session 9). The `*_layers_call` rows are an eager step's calls: 16 layers, each with its own q/k/v and pool,
+sharing the step's metadata, whose tensors are new each step (two sets alternate); per call.
 
     python3 benchmarks/bench_launch_host.py            # CUDA if present
     python3 benchmarks/bench_launch_host.py --out x.json
@@ -33,18 +36,27 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def per_call_us(fn, n: int, device: torch.device) -> float:
+LAYERS = 16  # the eager-step rows: layers per step
+
+
+def per_call_us(fn, n: int, device: torch.device, repeats: int = 5) -> float:
+    """Host µs per call: the fastest of `repeats` loops of n // repeats calls (timeit's rule: the other loops
+    measured the same code plus whatever else the machine did; on the lent GPU hosts that noise moved single-loop
+    rows by up to 1.5x between runs in session 10)."""
     for _ in range(50):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return host / n * 1e6
+    best = float("inf")
+    calls = max(1, n // repeats)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return best / calls * 1e6
 
 
 def record_launches(call) -> list[tuple]:
@@ -119,6 +131,7 @@ def main() -> None:
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     slots = torch.tensor([7 * bs + 15], dtype=torch.int64, device=device)
     attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5)
+    per_layer = {}  # rows whose callable makes LAYERS calls
     rows = {
         "check_inputs": lambda: pk._check_paged_inputs(q, k, v, cache, tables, seq_lens, qsl, slots, hq, hkv, d, None),
         "plan_launch_uncached": lambda: pk.plan_paged_launch.__wrapped__(1, 1, hkv, hq // hkv, width * bs, 132),
@@ -138,6 +151,22 @@ def main() -> None:
                                                                           slots, **attrs)
         rows["paged_attention_rope_call"] = lambda: trtopt_ops.paged_attention_rope(
             q, k, v, cache, tables, seq_lens, qsl, slots, rope_cos=cos, rope_sin=sin, rope_half=0, **attrs)
+        # What an eager step does: 16 layers, each with its own q/k/v and pool, sharing the step's metadata; two
+        # sets of metadata tensors alternate, as the engine makes new ones each step. Per call (per layer).
+        layers = [tuple(torch.randn_like(x) for x in (q, k, v, cache)) for _ in range(LAYERS)]
+        metadata = [tuple(x.clone() for x in (tables, seq_lens, qsl, slots)) for _ in range(2)]
+
+        def eager_step(rope: bool, steps=iter(range(10 ** 9))):
+            meta = metadata[next(steps) % 2]
+            for lq, lk, lv, lc in layers:
+                if rope:
+                    trtopt_ops.paged_attention_rope(lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0,
+                                                    **attrs)
+                else:
+                    trtopt_ops.paged_attention(lq, lk, lv, lc, *meta, **attrs)
+
+        per_layer["paged_attention_layers_call"] = lambda: eager_step(False)
+        per_layer["paged_attention_rope_layers_call"] = lambda: eager_step(True)
         # The sampler's greedy argmax (one 128K-vocabulary row): torch's one kernel vs the two Triton launches.
         rows["argmax_torch"] = lambda: logits.argmax(dim=-1)
         rows["argmax_triton"] = lambda: greedy_argmax(logits)
@@ -170,15 +199,17 @@ def main() -> None:
         result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
                                                             attrs)
     both_ways = {"write_kv_launch", "rope_write_kv_launch", "paged_attention_call", "paged_attention_rope_call",
-                 "argmax_triton", "add_rms_norm_launch", "silu_mul_launch"}
+                 "argmax_triton", "add_rms_norm_launch", "silu_mul_launch", *per_layer}
+    rows.update(per_layer)
     for name, fn in rows.items():
-        result[f"{name}_us"] = per_call_us(fn, args.n, device)
-        print(f"{name:<32} {result[f'{name}_us']:8.2f} us/call")
+        calls = LAYERS if name in per_layer else 1
+        result[f"{name}_us"] = per_call_us(fn, args.n // calls, device) / calls
+        print(f"{name:<36} {result[f'{name}_us']:8.2f} us/call")
         if name in both_ways:
             launcher.set_dispatcher_only(True)
-            result[f"{name}_dispatcher_us"] = per_call_us(fn, args.n, device)
+            result[f"{name}_dispatcher_us"] = per_call_us(fn, args.n // calls, device) / calls
             launcher.set_dispatcher_only(False)
-            print(f"{name + ' (dispatcher)':<32} {result[f'{name}_dispatcher_us']:8.2f} us/call")
+            print(f"{name + ' (dispatcher)':<36} {result[f'{name}_dispatcher_us']:8.2f} us/call")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -116,6 +116,15 @@ CACHE_SCRIPT = textwrap.dedent("""
     assert go(x, y, 5, 64, BLOCK=32, FLAG=True, num_warps=4)[0] == "dispatcher"
     assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=8)[0] == "dispatcher"
     assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=8)[0] == "direct"
+    # A prepared launch (launcher.prepare) of a kernel whose compiled form this module cannot drive through the CUDA
+    # driver (here: the recorder's, with no metadata) relaunches through `launch` with the call's tensors in place.
+    prepared = launcher.prepare(k, (4,), (x, y, 5, 64), dict(BLOCK=16, FLAG=True, num_warps=4))
+    assert isinstance(prepared, launcher.Relaunch), prepared
+    x2, y2 = torch.ones(16), torch.ones(16)
+    calls.clear()
+    assert prepared(0, x2, y2) is True
+    assert calls[0][0] == "direct" and calls[0][2][0] is x2 and calls[0][2][1] is y2, calls
+    assert calls[0][2][2:] == (5, 64, 16, True), calls
     # A callable grid, or the switch: always the dispatcher.
     assert go(x, y, 5, 64, grid=lambda meta: (1,), BLOCK=16, FLAG=True)[0] == "dispatcher"
     previous = launcher.set_dispatcher_only(True)
@@ -138,7 +147,7 @@ def test_cache_logic_with_real_jit_functions(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRTOPT_TRITON_DISPATCH")}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "(3, 5)", done.stdout
+    assert done.stdout.strip() == "(4, 5)", done.stdout
 
 
 # ---- on the GPU: direct launches equal the dispatcher's, bit for bit --------------------------------------------
@@ -156,13 +165,17 @@ def _paged_cases():
     }
 
 
-def _run_paged(case, rope: bool):
+def _run_paged(case, rope: bool, planned: bool = True):
+    """One call of the op; `planned=False` passes an output buffer, which keeps the call off the per-step plan
+    (kernel.py `_PagedPlan`, its own tests in test_paged_plan.py), so its launches go through `launch`."""
     from test_paged_attention_kernel import make_step, rope_tables
 
     from trtopt.plugins.paged_attention.kernel import paged_attention_triton
 
     step = make_step(case, torch.device("cuda"))
     extra = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, torch.device("cuda")))) if rope else {}
+    if not planned:
+        extra["out"] = torch.empty(step.q.shape, dtype=step.q.dtype, device="cuda")
     out, cache = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
                                         step.query_start_loc, step.slot_mapping, alibi_slopes=step.alibi_slopes,
                                         **extra, **step.attrs)
@@ -188,12 +201,18 @@ def _same_both_ways(fn):
                                                                   "long_split_kv") for rope in (False, True)]
                          + [("alibi_window_fp32", False)])  # ALiBi models do not rotate: no RoPE-fold case
 def test_gpu_paged_attention_direct_equals_dispatcher(name, rope):
+    """Through the kept CompiledKernel (a call with an output buffer), and through the per-step plan's driver
+    launches (a call without): both equal the dispatcher's output bit for bit."""
     from trtopt.plugins.paged_attention import kernel as pk
 
     case = _paged_cases()[name]
     hits = launcher.launch_stats(pk._paged_attn_kernel)[0]
-    _same_both_ways(lambda: _run_paged(case, rope))
+    _same_both_ways(lambda: _run_paged(case, rope, planned=False))
     assert launcher.launch_stats(pk._paged_attn_kernel)[0] > hits, "the second call did not launch directly"
+    pk._PLANS.clear()
+    _same_both_ways(lambda: _run_paged(case, rope))
+    (plan,) = pk._PLANS.values()
+    assert plan.calls == 1 and isinstance(plan.attention, launcher.DriverLaunch), "the plan did not serve the call"
 
 
 @pytest.mark.gpu

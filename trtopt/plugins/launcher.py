@@ -28,8 +28,11 @@ served step anyway. What is left of a call is Triton's runner and C launcher (~7
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import operator
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import triton
@@ -66,6 +69,12 @@ def set_dispatcher_only(flag: bool) -> bool:
     global _dispatch_only
     previous, _dispatch_only = _dispatch_only, bool(flag) or not _triton_checked()
     return previous
+
+
+def dispatcher_only() -> bool:
+    """Whether every launch goes through Triton's dispatcher (then callers prepare nothing either: the A/B
+    baseline is the path with no launcher at all)."""
+    return _dispatch_only
 
 
 class _KernelInfo:
@@ -151,3 +160,187 @@ def launch_stats(kernel: Any) -> tuple[int, int]:
     """(direct launches, dispatcher launches that filled the cache) of one kernel so far, for tests and benches."""
     info = _INFO.get(kernel)
     return (info.hits, info.misses) if info else (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prepared launches: everything but the tensors' addresses fixed once (STYLE.md §10: plan once per step, run per layer).
+# ---------------------------------------------------------------------------------------------------------------------
+# Scalar parameter types → the C type Triton's launcher packs them as (its ty_to_cpp and float storage types).
+_SCALAR_CTYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
+                  "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
+                  "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
+                  "fp64": ctypes.c_double}
+# Triton >= 3.3 appends hidden pointers (global scratch, profile scratch) after the kernel's own parameters; a
+# kernel that allocates neither gets null pointers there, as Triton's launcher passes.
+_MAX_HIDDEN_PARAMS = 2
+
+
+@functools.cache
+def _driver() -> tuple[Any, Any] | None:
+    """(cuda-python's cuLaunchKernel, CUDA_SUCCESS), or None without cuda-python (then nothing launches directly).
+
+    cuda-python (`cuda.bindings.driver`, the `gpu` extra) rather than ctypes: on an H200 host the same
+    cuLaunchKernel costs 4.5 µs per launch through it against 6.0 µs through ctypes, of which the driver itself is
+    4.4 µs (session 10 probe, docs/benchmarks/GPU_E2E.md)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    return driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS
+
+
+@functools.cache
+def _stream_getter() -> Any:
+    return triton.runtime.driver.active.get_current_stream
+
+
+def current_stream(device: int) -> int:
+    """The raw handle of torch's current stream on `device`: what Triton's own launcher launches on."""
+    return _stream_getter()(device)
+
+
+class DriverLaunch:
+    """One compiled kernel and grid, launched through the CUDA driver (cuLaunchKernel, cuda-python) with its
+    parameter buffer (a ctypes array of pointers to the values, what cuLaunchKernel's kernelParams is) built once: the scalars are fixed, and each call writes only the tensors' addresses, as TensorRT launches a
+    plugin's kernel. What `kernel[grid](*args)` would launch, for any tensors of the prepared dtypes and 16-byte
+    alignment (the call checks the alignment: it is part of the kernel's specialisation; the caller keeps the dtypes
+    and everything else the same)."""
+
+    __slots__ = ("name", "device", "num_tensors", "_function", "_dims", "_addresses", "_aligned", "_all_aligned",
+                 "_params", "_params_address", "_values")
+
+    def __init__(self, compiled: Any, grid: tuple[int, ...], device: int, kinds: list[tuple[str, Any]],
+                 aligned: list[bool], hidden: int) -> None:
+        self.name = compiled.metadata.name
+        self.device = device
+        from cuda.bindings import driver
+
+        self._function = driver.CUfunction(compiled.function)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        threads = compiled.metadata.num_warps * getattr(compiled.metadata, "warp_size", 32)
+        self._dims = (*grid3, threads, 1, 1, compiled.metadata.shared)
+        self.num_tensors = num_pointers = len(aligned)
+        self._addresses = (ctypes.c_uint64 * max(num_pointers, 1))()  # rewritten per call, one slice assignment
+        self._aligned = aligned
+        self._all_aligned = all(aligned)
+        slots, values, pointer = [], [], 0
+        for kind, value in kinds:
+            if kind == "*":
+                slots.append(ctypes.addressof(self._addresses) + 8 * pointer)
+                pointer += 1
+            else:
+                values.append(value)
+                slots.append(ctypes.addressof(value))
+        for _ in range(hidden):  # null global/profile scratch
+            values.append(ctypes.c_uint64(0))
+            slots.append(ctypes.addressof(values[-1]))
+        self._values = values  # keeps the scalars' storage alive
+        self._params = (ctypes.c_void_p * len(slots))(*slots)
+        self._params_address = ctypes.addressof(self._params)
+
+    def __call__(self, stream: int, *tensors: torch.Tensor) -> bool:
+        """Launch on `stream` with these tensors in the kernel's order of tensor parameters; False (nothing
+        launched) when an address's 16-byte alignment differs from the prepared one's."""
+        return self.launch(stream, [t.data_ptr() for t in tensors])
+
+    def launch(self, stream: int, addresses: list[int]) -> bool:
+        """`self(stream, *tensors)` with the tensors' addresses (data_ptr) already read: a caller that passes one
+        tensor to several launches, or views of one allocation, reads each address once."""
+        if len(addresses) != self.num_tensors:
+            raise TypeError(f"{self.name} takes {self.num_tensors} tensor addresses; got {len(addresses)}")
+        if (functools.reduce(operator.or_, addresses, 0) % 16 if self._all_aligned
+                else [a % 16 == 0 for a in addresses] != self._aligned):
+            return False
+        self._addresses[:len(addresses)] = addresses
+        launch_kernel, success = _DRIVER
+        (result,) = launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
+        if result != success:
+            raise RuntimeError(f"cuLaunchKernel failed for {self.name}: {result!r}")
+        return True
+
+
+class Relaunch:
+    """The fallback of `prepare`: the same launch through `launch` (the dispatcher or the kept CompiledKernel) with
+    the call's tensors put in place of the prepared ones. Taken on the CPU interpreter and wherever a direct driver
+    launch cannot be prepared."""
+
+    __slots__ = ("kernel", "grid", "args", "kwargs", "_tensor_at")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        self.kernel, self.grid, self.args, self.kwargs = kernel, grid, list(args), kwargs
+        self._tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def __call__(self, stream: int, *tensors: torch.Tensor) -> bool:
+        args = self.args.copy()
+        for i, t in zip(self._tensor_at, tensors):
+            args[i] = t
+        launch(self.kernel, self.grid, *args, **self.kwargs)
+        return True
+
+
+def prepare(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any], *,
+            direct: bool = True) -> DriverLaunch | Relaunch:
+    """A launch of `kernel[grid](*args, **kwargs)` to repeat with other tensors: call it as `run(stream, *tensors)`
+    with the tensor arguments in their order in `args`. Call it after `launch` made the same launch once (that
+    launch compiled the kernel and left it in this module's cache).
+
+    A DriverLaunch when this module knows the compiled kernel and its parameter layout is checked: the kernel's
+    non-constexpr parameters in signature order (pointers, then scalars packed as Triton packs them) plus Triton's
+    hidden scratch pointers must be exactly the parameters its PTX entry declares, and the kernel must need no
+    scratch memory, clusters, cooperative or programmatic-dependent launch. Anything else gets a Relaunch."""
+    prepared = _prepare_direct(kernel, grid, args, kwargs) if direct else None
+    return prepared if prepared is not None else Relaunch(kernel, grid, args, kwargs)
+
+
+def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> DriverLaunch | None:
+    global _DRIVER
+    info = None if _dispatch_only else _info(kernel)
+    if info is None or grid.__class__ is not tuple or not 1 <= len(grid) <= 3:
+        return None
+    try:
+        entry = info.cache.get(specialization_key(tuple(args), kwargs))
+    except TypeError:
+        return None
+    if entry is None or _driver() is None:
+        return None
+    _DRIVER = _driver()
+    compiled = entry[0][None]
+    metadata = getattr(compiled, "metadata", None)
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if (metadata is None or not isinstance(signature, dict) or tuple(signature) != info.names
+            or getattr(compiled, "function", None) is None or not isinstance(compiled.function, int)
+            or getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "launch_cooperative_grid", False)
+            or getattr(metadata, "launch_pdl", False) or getattr(metadata, "global_scratch_size", 0)
+            or getattr(metadata, "profile_scratch_size", 0)
+            or any(d != 1 for d in getattr(metadata, "cluster_dims", (1, 1, 1)))):
+        return None
+    kinds, aligned = [], []
+    for i, (name, kind) in enumerate(signature.items()):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if kind == "constexpr":
+            continue
+        if not isinstance(kind, str):
+            return None  # a tuple parameter
+        if kind.startswith("*"):
+            if not isinstance(value, torch.Tensor):
+                return None
+            kinds.append(("*", None))
+            aligned.append(value.data_ptr() % 16 == 0)
+        elif kind in _SCALAR_CTYPES and isinstance(value, (int, float)):
+            kinds.append((kind, _SCALAR_CTYPES[kind](value)))
+        else:
+            return None
+    if sum(isinstance(a, torch.Tensor) for a in args) != len(aligned):
+        return None  # a tensor passed where Triton saw no pointer: not a layout this module knows
+    from trtopt.plugins.trt_common import ptx_param_count
+
+    try:
+        hidden = ptx_param_count(compiled.asm["ptx"], metadata.name) - len(kinds)
+    except (KeyError, AssertionError):
+        return None
+    if not 0 <= hidden <= _MAX_HIDDEN_PARAMS:
+        return None
+    return DriverLaunch(compiled, grid, torch.cuda.current_device(), kinds, aligned, hidden)
+
+
+_DRIVER: Any = None  # _driver(), set when the first direct launch is prepared (a module global: one lookup)

@@ -208,8 +208,8 @@ def launch_ptx(kernel: PtxKernel, signature: Mapping[str, str], args: list[int],
     (e.g. any torch CUDA op first). It waits for the kernel (cuStreamSynchronize on ``stream``) and then unloads
     the module, so a test that launches many kernels does not pile up modules for the life of the process.
 
-    The driver is called through ctypes, not cuda-python's ``cuda.bindings``: these five calls are the only driver
-    use in trtopt (test-side, GPU only), and the runtime needs no CUDA bindings beyond torch and triton.
+    The driver is called through ctypes, not cuda-python's ``cuda.bindings``: a test-side helper (GPU only) that must
+    also run where cuda-python (the `gpu` extra, used by launcher.DriverLaunch's per-call launches) is not installed.
     """
     import ctypes
 

@@ -474,18 +474,25 @@ def _output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], like: torch
     return out
 
 
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """pool[slot // bs, 0, :, slot % bs, :] = k[0, :, t, :] (and V at index 1) for every t with slot >= 0."""
+def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """(kernel, grid, args, constexprs) of the KV write."""
     _, Hkv, T, D = k.shape
-    if T == 0:
-        return
-    launcher.launch(_write_kv_kernel, (T,),
+    return _write_kv_kernel, (T,), (
         k, v, kv_cache, slot_mapping,
         *k.stride()[1:], *v.stride()[1:], *kv_cache.stride(),
+    ), dict(
         BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
         BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
         num_warps=4 if Hkv * D >= 1024 else 1,
     )
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """pool[slot // bs, 0, :, slot % bs, :] = k[0, :, t, :] (and V at index 1) for every t with slot >= 0."""
+    if k.shape[2] == 0:
+        return
+    kernel, grid, args, constexprs = _write_kv_launch(k, v, kv_cache, slot_mapping)
+    launcher.launch(kernel, grid, *args, **constexprs)
 
 
 def _row_strides(table: torch.Tensor) -> tuple[int, int]:
@@ -495,30 +502,37 @@ def _row_strides(table: torch.Tensor) -> tuple[int, int]:
             table.stride(-1) if table.shape[-1] != 1 else 0)
 
 
+def _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping):
+    """(kernel, grid, args, constexprs) of the RoPE + KV write."""
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    half = D // 2
+    block_hq, block_half = next_pow2(Hq), next_pow2(half)
+    return _rope_write_kv_kernel, (T,), (
+        q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
+        *q.stride()[1:], *k.stride()[1:], *v.stride()[1:], *_row_strides(cos), *_row_strides(sin),
+        *q_out.stride()[1:3], *kv_cache.stride(),
+    ), dict(
+        BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
+        BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
+        num_warps=4 if block_hq * block_half >= 1024 else 1, **no_fp_fusion(),
+    )
+
+
 def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotate q and k (RoPE, cos/sin broadcastable to [1, 1, T, D]: one row per token, shared by all heads) and
     write the rotated k and v at slot_mapping, in one launch. Returns the rotated q, a new contiguous [1, Hq, T, D].
     Bit for bit `rope_triton(q)`, `rope_triton(k)` then `write_kv_triton`; q/k/v/kv_cache are checked by the caller."""
-    _, Hq, T, D = q.shape
-    Hkv = k.shape[1]
     if not rope_tables_fit(q, cos, sin):
         raise ValueError(f"rope_write_kv_triton needs an even head_dim and cos/sin of q's dtype {q.dtype} that "
-                         f"broadcast to [1, 1, T={T}, D={D}]; got cos {cos.dtype} {tuple(cos.shape)}, sin "
-                         f"{sin.dtype} {tuple(sin.shape)}")
-    q_out = torch.empty((1, Hq, T, D), dtype=q.dtype, device=q.device)
-    if T == 0:
+                         f"broadcast to [1, 1, T={q.shape[2]}, D={q.shape[3]}]; got cos {cos.dtype} "
+                         f"{tuple(cos.shape)}, sin {sin.dtype} {tuple(sin.shape)}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[2] == 0:
         return q_out
-    half = D // 2
-    block_hq, block_half = next_pow2(Hq), next_pow2(half)
-    launcher.launch(_rope_write_kv_kernel, (T,),
-        q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
-        *q.stride()[1:], *k.stride()[1:], *v.stride()[1:], *_row_strides(cos), *_row_strides(sin),
-        *q_out.stride()[1:3], *kv_cache.stride(),
-        BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
-        BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
-        num_warps=4 if block_hq * block_half >= 1024 else 1, **no_fp_fusion(),
-    )
+    kernel, grid, args, constexprs = _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping)
+    launcher.launch(kernel, grid, *args, **constexprs)
     return q_out
 
 
@@ -552,7 +566,23 @@ def paged_attention_triton(
     rope_sin, q and k are the tensors *before* RoPE: one kernel rotates both and writes the pool
     (rope_write_kv_triton), bit for bit what trtopt::Rope on each and then this op give, with two launches fewer;
     the torch executor's `fuse_rope_into_paged_attention` (fx_fusions.py) routes the plan's Rope nodes here.
+
+    Planned once per step shape, launched per layer (STYLE.md §10): the first call of a shape checks everything,
+    plans the tiling and prepares its launches (`_PagedPlan`); every later call whose inputs have the same shapes,
+    strides, dtypes and devices (every other layer of the step, and the steps after it) only allocates its outputs
+    and launches the prepared kernels with its own tensors.
     """
+    key = None
+    if launch is None and out is None and not launcher.dispatcher_only():
+        key = _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
+                        num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            result = plan(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
+                          rope_cos, rope_sin)
+            if result is not None:
+                return result, kv_cache
+
     _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                         num_heads, num_kv_heads, head_dim, alibi_slopes)
     if sliding_window < 0:
@@ -560,6 +590,7 @@ def paged_attention_triton(
     T, S = q.shape[2], seq_lens.shape[0]
     if (rope_cos is None) != (rope_sin is None):
         raise ValueError("rope_cos and rope_sin come together (both or neither)")
+    q_in = q
     if rope_cos is not None:
         q = rope_write_kv_triton(q, k, v, rope_cos, rope_sin, kv_cache, slot_mapping)
     else:
@@ -575,36 +606,215 @@ def paged_attention_triton(
         launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
                                    _device_sm_count(q.device), interpret=interpret)
     block_d = max(16, next_pow2(head_dim))
-    if launch.num_segments > 1:
-        parts = T * num_heads * launch.num_segments
-        # One allocation for the three (an eager allocation is ~2 µs of host time), each view 16-byte aligned (block_d
-        # is a multiple of 16; the sums start at the next multiple of 4 floats).
-        sums_at = parts * (block_d + 1) + (-parts) % 4
-        scratch = torch.empty(sums_at + parts, dtype=torch.float32, device=q.device)
-        part_acc = scratch[:parts * block_d]
-        part_max = scratch[parts * block_d:parts * (block_d + 1)]
-        part_sum = scratch[sums_at:]
-    else:
-        part_acc = part_max = part_sum = out  # never touched when NUM_SEGMENTS == 1
-    grid = (T // launch.block_q + S, num_kv_heads, launch.num_segments)
-    launcher.launch(_paged_attn_kernel, grid,
+    scratch = _Scratch(T * num_heads * launch.num_segments, block_d) if launch.num_segments > 1 else None
+    part_acc, part_max, part_sum = scratch.views(q.device) if scratch else (out, out, out)
+    attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
+                                  part_acc, part_max, part_sum, scale, S, sliding_window, launch, block_d,
+                                  group=group, head_dim=head_dim, causal=causal)
+    launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
+    merge = None
+    if scratch:
+        merge = _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d)
+        launcher.launch(merge[0], merge[1], *merge[2], **merge[3])
+    if key is not None:
+        if rope_cos is not None:
+            kv_write = _rope_write_kv_launch(q_in, k, v, rope_cos, rope_sin, q, kv_cache, slot_mapping)
+        else:
+            kv_write = _write_kv_launch(k, v, kv_cache, slot_mapping)
+        _remember_plan(key, _PagedPlan(kv_write, attention, merge, scratch, device=q.device))
+    return out, kv_cache
+
+
+def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out, part_acc, part_max,
+                      part_sum, scale, S, sliding_window, launch, block_d, *, group, head_dim, causal):
+    """(kernel, grid, args, constexprs) of the attention kernel."""
+    T = q.shape[2]
+    return _paged_attn_kernel, (T // launch.block_q + S, kv_cache.shape[2], launch.num_segments), (
         q, kv_cache, block_tables, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else q,
         out, part_acc, part_max, part_sum,
         scale * _LOG2E, S, sliding_window,
         *q.stride()[1:], *kv_cache.stride(), block_tables.stride(0), *out.stride()[1:],
+    ), dict(
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=launch.block_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=launch.tile_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=kv_cache.shape[3], TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    if launch.num_segments > 1:
-        launcher.launch(_merge_segments_kernel, (T, num_heads),
-            part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), out.stride(3),
-            NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
-        )
-    return out, kv_cache
+
+
+def _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d):
+    """(kernel, grid, args, constexprs) of the split-KV merge."""
+    T, num_heads = out.shape[2], out.shape[1]
+    return _merge_segments_kernel, (T, num_heads), (
+        part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), out.stride(3),
+    ), dict(NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
+
+
+class _Scratch:
+    """The split-KV partials (acc [parts, block_d], max [parts], sum [parts], float32) in one allocation (an eager
+    allocation is ~2 µs of host time), each view 16-byte aligned: block_d is a multiple of 16, and the sums start at
+    the next multiple of 4 floats."""
+
+    __slots__ = ("acc_end", "max_end", "sums_at", "numel")
+
+    def __init__(self, parts: int, block_d: int) -> None:
+        self.acc_end = parts * block_d
+        self.max_end = parts * (block_d + 1)
+        self.sums_at = self.max_end + (-parts) % 4
+        self.numel = self.sums_at + parts
+
+    def views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scratch = torch.empty(self.numel, dtype=torch.float32, device=device)
+        return scratch[:self.acc_end], scratch[self.acc_end:self.max_end], scratch[self.sums_at:]
+
+
+class _PagedPlan:
+    """One step shape's attention, prepared once and launched per layer with that layer's tensors (STYLE.md §10).
+
+    Holds the prepared launches (launcher.prepare: on a GPU, cuLaunchKernel with every scalar packed once; under the
+    interpreter, the same launch through launcher.launch) and what the call allocates. Valid for any call whose
+    inputs match the `_plan_key` it is stored under: the key holds everything the launches' scalars, grids and
+    constexprs were computed from, and each launch checks its tensors' 16-byte alignment (the kernels are
+    specialised on it); a call with another alignment returns None and takes the full path (a KV write it already
+    made is made again there, with the same values)."""
+
+    __slots__ = ("kv_write", "attention", "merge", "scratch", "out_shape", "dtype", "device", "cuda", "rope",
+                 "owned", "calls")
+
+    def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, *, device: torch.device) -> None:
+        launches = [kv_write, attention] + ([merge] if merge else [])
+        prepared = [launcher.prepare(*x) for x in launches]
+        direct = all(isinstance(x, launcher.DriverLaunch) for x in prepared)
+        if not direct:  # all through the driver, or none (a Relaunch needs no stream)
+            prepared = [launcher.prepare(*x, direct=False) for x in launches]
+        self.kv_write, self.attention, self.merge = (prepared + [None])[:3]
+        self.scratch = scratch
+        self.owned: tuple[int, torch.Tensor] | None = None  # (stream, partials) reused by direct calls
+        out = attention[2][6]
+        self.out_shape, self.dtype, self.device = tuple(out.shape), out.dtype, device
+        self.rope = kv_write[0] is _rope_write_kv_kernel
+        self.cuda = device.index if direct else None  # launch through the driver, on this device's current stream
+        self.calls = 0  # calls served (tests and benchmarks)
+
+    def __call__(self, q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
+                 cos, sin) -> torch.Tensor | None:
+        """The attention output of this layer's tensors, or None when a launch refused them (alignment)."""
+        self.calls += 1
+        if self.cuda is not None:
+            return self._run_direct(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                                    alibi_slopes, cos, sin)
+        stream = 0  # Relaunches launch on the current stream themselves
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.rope:
+            q_rot = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            if not self.kv_write(stream, q, k, v, cos, sin, q_rot, kv_cache, slot_mapping):
+                return None
+            q = q_rot
+        elif not self.kv_write(stream, k, v, kv_cache, slot_mapping):
+            return None
+        parts = (out, out, out) if self.scratch is None else self.scratch.views(self.device)
+        if not self.attention(stream, q, kv_cache, block_tables, seq_lens, query_start_loc,
+                              alibi_slopes if alibi_slopes is not None else q, out, *parts):
+            return None
+        if self.merge is not None and not self.merge(stream, *parts, out):
+            return None
+        return out
+
+    def _run_direct(self, q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
+                    cos, sin) -> torch.Tensor | None:
+        """__call__ through the driver: each address read once, the partials passed as offsets into their one
+        allocation (no views)."""
+        if torch.cuda.current_device() != self.cuda:
+            return None  # the kernels were loaded for another device's context
+        stream = launcher.current_stream(self.cuda)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        o, c, s = out.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()
+        if self.rope:
+            q_rot = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            qa = q_rot.data_ptr()
+            if not self.kv_write.launch(stream, [q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(),
+                                                 sin.data_ptr(), qa, c, s]):
+                return None
+        else:
+            qa = q.data_ptr()
+            if not self.kv_write.launch(stream, [k.data_ptr(), v.data_ptr(), c, s]):
+                return None
+        if self.scratch is None:
+            parts = [o, o, o]
+        else:
+            base = self._partials(stream).data_ptr()
+            parts = [base, base + 4 * self.scratch.acc_end, base + 4 * self.scratch.sums_at]
+        if not self.attention.launch(stream, [qa, c, block_tables.data_ptr(), seq_lens.data_ptr(),
+                                              query_start_loc.data_ptr(),
+                                              qa if alibi_slopes is None else alibi_slopes.data_ptr(), o, *parts]):
+            return None
+        if self.merge is not None and not self.merge.launch(stream, [*parts, o]):
+            return None
+        return out
+
+    def _partials(self, stream: int) -> torch.Tensor:
+        """The split-KV partials: the plan's own buffer, reused call after call on the stream it was first used on
+        (the calls are ordered there; the partials never outlive the call that wrote them), or, on another stream
+        or while a CUDA graph is being captured (the graph must own what it reads), a new allocation."""
+        if self.owned is not None and self.owned[0] == stream and not torch.cuda.is_current_stream_capturing():
+            return self.owned[1]
+        partials = torch.empty(self.scratch.numel, dtype=torch.float32, device=self.device)
+        if not torch.cuda.is_current_stream_capturing():
+            self.owned = (stream, partials)
+        return partials  # a new one is freed once its launches are queued: stream-ordered, as torch frees
+
+
+# The plans made so far, by _plan_key. Bounded: a workload whose step shapes never repeat drops them and refills.
+_PLANS: dict[tuple, _PagedPlan] = {}
+_MAX_PLANS = 256
+
+
+def _remember_plan(key: tuple, plan: _PagedPlan) -> None:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads, num_kv_heads,
+              head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin) -> tuple:
+    """Everything a plan's launches were computed from: the attributes, and every input's shape, strides, dtype and
+    device (tensor addresses are bound per call). The metadata tensors are the same four objects for every layer of
+    a step, so theirs is read once per step (_MetadataMemo)."""
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), kv_cache.shape, kv_cache.stride(),
+        q.dtype, k.dtype, v.dtype, kv_cache.dtype, q.get_device(), k.get_device(), v.get_device(),
+        kv_cache.get_device(), _METADATA.key(block_tables, seq_lens, query_start_loc, slot_mapping),
+        num_heads, num_kv_heads, head_dim, scale, causal, sliding_window,
+        None if alibi_slopes is None else _tensor_key(alibi_slopes),
+        None if rope_cos is None else _tensor_key(rope_cos),
+        None if rope_sin is None else _tensor_key(rope_sin),
+    )
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.is_contiguous()
+
+
+class _MetadataMemo:
+    """The step metadata's part of a plan key, for the four tensors last seen. Holding them keeps their ids from
+    being reused by other tensors, so an `is` match means the very tensors it was read from."""
+
+    __slots__ = ("tensors", "value")
+
+    def __init__(self) -> None:
+        self.tensors: tuple = ()
+        self.value: tuple = ()
+
+    def key(self, *tensors: torch.Tensor) -> tuple:
+        if len(self.tensors) == 4 and all(a is b for a, b in zip(tensors, self.tensors)):
+            return self.value
+        self.tensors, self.value = tensors, tuple(_tensor_key(t) for t in tensors)
+        return self.value
+
+
+_METADATA = _MetadataMemo()
 
 
 @triton.jit

@@ -1,0 +1,152 @@
+"""PagedAttention planned once per step shape and launched per layer (kernel.py `_PagedPlan`, issue 11).
+
+The first call of a shape checks its inputs, plans the tiling and prepares the launches; every later call with the
+same shapes, strides, dtypes and devices (the other layers of the step, and later steps) only allocates its outputs
+and launches those, with its own tensors. These tests hold the planned calls to the full path's output bit for bit
+(the full path is forced with an explicit `launch`, the very tiling the plan chose), across several layers of one
+step, a next step with new metadata tensors, the RoPE fold, split-KV, ALiBi and a sliding window; and check that
+what a plan cannot serve (another dtype, bad metadata, a misaligned view on a GPU) takes the full path, which
+checks it. On the CPU the plan's launches go through the Triton interpreter (launcher.Relaunch); on a GPU through
+the CUDA driver (launcher.DriverLaunch), which is also asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_paged_attention_kernel import Case, make_step, rope_tables
+
+from trtopt.plugins import launcher
+from trtopt.plugins.paged_attention import kernel as pk
+
+CASES = {
+    "decode_gqa4": Case(context=(40, 3), new=(1, 1), num_heads=8, num_kv_heads=2),
+    "mixed_mqa": Case(context=(0, 21, 9), new=(13, 5, 1), num_heads=4, num_kv_heads=1, seed=1),
+    # 600 cached keys: 2 key-range segments under the interpreter, 4 on a GPU (the merge kernel runs).
+    "split_kv": Case(context=(600,), new=(1,), num_heads=4, num_kv_heads=2, seed=2),
+    "alibi_window": Case(context=(25, 4), new=(5, 1), num_heads=8, num_kv_heads=2, alibi=True, sliding_window=7,
+                         seed=3),
+    "bf16_decode": Case(context=(70, 17), new=(1, 1), num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, seed=4),
+}
+
+
+def layer_tensors(step, layers: int):
+    """Each layer's q, k, v and pool: other values, the same shapes and strides (clone keeps the transposed views'
+    strides; the pool's NaN poison stays where it was)."""
+    out = []
+    for i in range(layers):
+        q, k, v, pool = (x.clone() for x in (step.q, step.k, step.v, step.kv_cache))
+        for x in (q, k, v, pool):
+            x.mul_(1 + i / 8)
+        out.append((q, k, v, pool))
+    return out
+
+
+def full_path_launch(step, device) -> pk.PagedLaunch:
+    """The tiling the plan picks for this step, passed explicitly: an explicit launch bypasses the plan."""
+    T, S = step.q.shape[2], step.seq_lens.shape[0]
+    Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
+    return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, step.block_tables.shape[1] * step.kv_cache.shape[3],
+                                pk._device_sm_count(device), interpret=device.type != "cuda")
+
+
+def call(step, q, k, v, pool, rope, **extra):
+    return pk.paged_attention_triton(q, k, v, pool, step.block_tables, step.seq_lens, step.query_start_loc,
+                                     step.slot_mapping, alibi_slopes=step.alibi_slopes, **rope, **step.attrs,
+                                     **extra)
+
+
+def plan_calls() -> int:
+    return sum(plan.calls for plan in pk._PLANS.values())
+
+
+def assert_layers_equal_full_path(step, rope, device, layers=3):
+    """Run `layers` layers through the planned path and through the full path; outputs and pools bit for bit."""
+    planned, full = layer_tensors(step, layers), layer_tensors(step, layers)
+    launch = full_path_launch(step, device)
+    before = plan_calls()
+    for (q, k, v, pool), (fq, fk, fv, fpool) in zip(planned, full):
+        got, _ = call(step, q, k, v, pool, rope)
+        want, _ = call(step, fq, fk, fv, fpool, rope, launch=launch)
+        torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(pool, fpool, atol=0, rtol=0, equal_nan=True)
+    return plan_calls() - before
+
+
+@pytest.mark.parametrize("name, rope", [(n, r) for n in CASES for r in (False, True) if not CASES[n].alibi])
+def test_planned_layers_equal_the_full_path(name, rope, kernel_device):
+    pk._PLANS.clear()
+    case = CASES[name]
+    step = make_step(case, kernel_device)
+    tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, kernel_device))) if rope else {}
+    # The first layer plans (full path), the other two are served by the plan.
+    assert assert_layers_equal_full_path(step, tables, kernel_device) == 2
+    assert len(pk._PLANS) == 1
+    if kernel_device.type == "cuda":
+        (plan,) = pk._PLANS.values()
+        assert isinstance(plan.attention, launcher.DriverLaunch) and plan.cuda == kernel_device.index
+    # The next step: new metadata tensors of the same shapes (other blocks, other slots): the same plan serves it.
+    nxt = make_step(dataclasses.replace(case, seed=case.seed + 10), kernel_device)
+    assert assert_layers_equal_full_path(nxt, tables, kernel_device) == 3
+    assert len(pk._PLANS) == 1
+
+
+def test_planned_alibi_and_window(kernel_device):
+    pk._PLANS.clear()
+    step = make_step(CASES["alibi_window"], kernel_device)
+    assert assert_layers_equal_full_path(step, {}, kernel_device) == 2
+
+
+def test_what_a_plan_cannot_serve_takes_the_checked_path(kernel_device):
+    pk._PLANS.clear()
+    case = CASES["decode_gqa4"]
+    step = make_step(case, kernel_device)
+    assert_layers_equal_full_path(step, {}, kernel_device, layers=2)
+    assert len(pk._PLANS) == 1
+    # Another dtype is another key: a second plan, not the first one misused.
+    half = make_step(dataclasses.replace(case, dtype=torch.float16), kernel_device)
+    assert_layers_equal_full_path(half, {}, kernel_device, layers=2)
+    assert len(pk._PLANS) == 2
+    # Bad inputs still meet the checks, with plans for their shapes' good twins in place.
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pk.paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
+                                  step.query_start_loc, step.slot_mapping.int(), **step.attrs)
+    with pytest.raises(ValueError, match="kv_cache"):
+        pk.paged_attention_triton(step.q, step.k, step.v, step.kv_cache[:, :, :1], step.block_tables,
+                                  step.seq_lens, step.query_start_loc, step.slot_mapping, **step.attrs)
+    cos, sin = rope_tables(case, kernel_device)
+    with pytest.raises(ValueError, match="together"):
+        pk.paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
+                                  step.query_start_loc, step.slot_mapping, rope_cos=cos, **step.attrs)
+    # With launches through the dispatcher only (the A/B baseline), no plan is used or made.
+    previous = launcher.set_dispatcher_only(True)
+    try:
+        before = plan_calls()
+        call(step, *layer_tensors(step, 1)[0], {})
+        assert plan_calls() == before and len(pk._PLANS) == 2
+    finally:
+        launcher.set_dispatcher_only(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_misaligned_view_falls_back_to_the_full_path():
+    """The kernels are specialised on 16-byte alignment; a q view 2 bytes off it, with a plan made for aligned
+    views of the same strides, must not be launched with the aligned kernel: the plan refuses it, the full path
+    launches the right one, and the output equals the full path's."""
+    device = torch.device("cuda")
+    pk._PLANS.clear()
+    case = CASES["bf16_decode"]
+    step = make_step(case, device)
+    Hq, T, D = step.q.shape[1:]
+    storage = torch.randn(T * Hq * D + 1, device=device, dtype=torch.bfloat16)
+    launch = full_path_launch(step, device)
+    for offset in (0, 1, 0, 1):
+        q = storage[offset:offset + T * Hq * D].view(1, T, Hq, D).transpose(1, 2)
+        pool, full_pool = step.kv_cache.clone(), step.kv_cache.clone()
+        got, _ = call(step, q, step.k, step.v, pool, {})
+        want, _ = call(step, q, step.k, step.v, full_pool, {}, launch=launch)
+        torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(pool, full_pool, atol=0, rtol=0, equal_nan=True)
