@@ -150,3 +150,43 @@ def test_gpu_misaligned_view_falls_back_to_the_full_path():
         want, _ = call(step, q, step.k, step.v, full_pool, {}, launch=launch)
         torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(pool, full_pool, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rope", [False, True])
+def test_gpu_plan_on_another_stream_and_in_a_captured_graph(rope):
+    """A plan keeps its workspace (rotated q, split-KV partials) for the stream it was first used on. On another
+    stream, and while a CUDA graph is captured, it must use a workspace of its own; the captured driver launches
+    must replay to the full path's output."""
+    device = torch.device("cuda")
+    pk._PLANS.clear()
+    case = CASES["split_kv"]
+    step = make_step(case, device)
+    tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, device))) if rope else {}
+    launch = full_path_launch(step, device)
+    assert assert_layers_equal_full_path(step, tables, device, layers=2) == 1
+    (plan,) = pk._PLANS.values()
+    assert plan.owned is not None and plan.scratch is not None
+    kept = plan.owned[1]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    (q, k, v, pool), (fq, fk, fv, fpool) = layer_tensors(step, 1)[0], layer_tensors(step, 1)[0]
+    with torch.cuda.stream(side):
+        got, _ = call(step, q, k, v, pool, tables)
+    torch.cuda.current_stream().wait_stream(side)
+    want, _ = call(step, fq, fk, fv, fpool, tables, launch=launch)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+    assert plan.owned[1] is kept, "a call on another stream replaced the kept workspace"
+    # Captured: the plan serves the call inside the graph, with a workspace the graph owns.
+    (q, k, v, pool), (fq, fk, fv, fpool) = layer_tensors(step, 1)[0], layer_tensors(step, 1)[0]
+    calls = plan.calls
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, _ = call(step, q, k, v, pool, tables)
+    assert plan.calls == calls + 1 and plan.owned[1] is kept
+    graph.replay()
+    torch.cuda.synchronize()
+    want, _ = call(step, fq, fk, fv, fpool, tables, launch=launch)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(pool, fpool, atol=0, rtol=0, equal_nan=True)

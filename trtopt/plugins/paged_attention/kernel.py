@@ -681,7 +681,7 @@ class _PagedPlan:
     made is made again there, with the same values)."""
 
     __slots__ = ("kv_write", "attention", "merge", "scratch", "out_shape", "dtype", "device", "cuda", "rope",
-                 "owned", "calls")
+                 "partials_at", "workspace_bytes", "owned", "calls")
 
     def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, *, device: torch.device) -> None:
         launches = [kv_write, attention] + ([merge] if merge else [])
@@ -691,10 +691,14 @@ class _PagedPlan:
             prepared = [launcher.prepare(*x, direct=False) for x in launches]
         self.kv_write, self.attention, self.merge = (prepared + [None])[:3]
         self.scratch = scratch
-        self.owned: tuple[int, torch.Tensor] | None = None  # (stream, partials) reused by direct calls
         out = attention[2][6]
         self.out_shape, self.dtype, self.device = tuple(out.shape), out.dtype, device
         self.rope = kv_write[0] is _rope_write_kv_kernel
+        # Direct calls' workspace: the rotated q (RoPE fold), then the partials at a 256-byte boundary.
+        q_rot_bytes = out.numel() * out.element_size() if self.rope else 0
+        self.partials_at = -(-q_rot_bytes // 256) * 256
+        self.workspace_bytes = self.partials_at + (4 * scratch.numel if scratch else 0)
+        self.owned: tuple[int, torch.Tensor] | None = None  # (stream, workspace) kept by direct calls
         self.cuda = device.index if direct else None  # launch through the driver, on this device's current stream
         self.calls = 0  # calls served (tests and benchmarks)
 
@@ -724,16 +728,16 @@ class _PagedPlan:
 
     def _run_direct(self, q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
                     cos, sin) -> torch.Tensor | None:
-        """__call__ through the driver: each address read once, the partials passed as offsets into their one
-        allocation (no views)."""
+        """__call__ through the driver: each address read once; the rotated q and the split-KV partials, which no
+        one reads after the call, live in one workspace (`_workspace`) and are passed as offsets into it."""
         if torch.cuda.current_device() != self.cuda:
             return None  # the kernels were loaded for another device's context
         stream = launcher.current_stream(self.cuda)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         o, c, s = out.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()
+        base = self._workspace(stream).data_ptr() if self.workspace_bytes else 0
         if self.rope:
-            q_rot = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-            qa = q_rot.data_ptr()
+            qa = base
             if not self.kv_write.launch(stream, [q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(),
                                                  sin.data_ptr(), qa, c, s]):
                 return None
@@ -744,8 +748,8 @@ class _PagedPlan:
         if self.scratch is None:
             parts = [o, o, o]
         else:
-            base = self._partials(stream).data_ptr()
-            parts = [base, base + 4 * self.scratch.acc_end, base + 4 * self.scratch.sums_at]
+            at = base + self.partials_at
+            parts = [at, at + 4 * self.scratch.acc_end, at + 4 * self.scratch.sums_at]
         if not self.attention.launch(stream, [qa, c, block_tables.data_ptr(), seq_lens.data_ptr(),
                                               query_start_loc.data_ptr(),
                                               qa if alibi_slopes is None else alibi_slopes.data_ptr(), o, *parts]):
@@ -754,16 +758,21 @@ class _PagedPlan:
             return None
         return out
 
-    def _partials(self, stream: int) -> torch.Tensor:
-        """The split-KV partials: the plan's own buffer, reused call after call on the stream it was first used on
-        (the calls are ordered there; the partials never outlive the call that wrote them), or, on another stream
-        or while a CUDA graph is being captured (the graph must own what it reads), a new allocation."""
-        if self.owned is not None and self.owned[0] == stream and not torch.cuda.is_current_stream_capturing():
+    def _workspace(self, stream: int) -> torch.Tensor:
+        """The rotated q and the split-KV partials, in one buffer: the plan's own, reused call after call on the
+        stream it was first used on (the calls are ordered there, and neither outlives the call that wrote it), or a
+        new one on another stream, while a CUDA graph is being captured (the graph must own what it reads), or when
+        it is too large to keep (a long prefill's rotated q)."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self.owned is not None and self.owned[0] == stream and not capturing:
             return self.owned[1]
-        partials = torch.empty(self.scratch.numel, dtype=torch.float32, device=self.device)
-        if not torch.cuda.is_current_stream_capturing():
-            self.owned = (stream, partials)
-        return partials  # a new one is freed once its launches are queued: stream-ordered, as torch frees
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        if not capturing and self.workspace_bytes <= _MAX_OWNED_WORKSPACE:
+            self.owned = (stream, workspace)
+        return workspace  # a new one is freed once its launches are queued: stream-ordered, as torch frees
+
+
+_MAX_OWNED_WORKSPACE = 8 << 20  # bytes a plan keeps between calls (256 plans at most: _MAX_PLANS)
 
 
 # The plans made so far, by _plan_key. Bounded: a workload whose step shapes never repeat drops them and refills.
