@@ -86,7 +86,7 @@ def test_planned_layers_equal_the_full_path(name, rope, kernel_device):
     assert len(pk._PLANS) == 1
     if kernel_device.type == "cuda":
         (plan,) = pk._PLANS.values()
-        assert isinstance(plan.attention, launcher.DriverLaunch) and plan.cuda == kernel_device.index
+        assert isinstance(plan.attention, launcher.DriverLaunch) and plan.cuda == step.q.device.index
     # The next step: new metadata tensors of the same shapes (other blocks, other slots): the same plan serves it.
     nxt = make_step(dataclasses.replace(case, seed=case.seed + 10), kernel_device)
     assert assert_layers_equal_full_path(nxt, tables, kernel_device) == 3
@@ -190,3 +190,22 @@ def test_gpu_plan_on_another_stream_and_in_a_captured_graph(rope):
     want, _ = call(step, fq, fk, fv, fpool, tables, launch=launch)
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(pool, fpool, atol=0, rtol=0, equal_nan=True)
+
+
+# The tests above run on the CPU (interpreter) in `make test`; on a GPU, `pytest -m gpu` runs them through the
+# driver launches (and asserts that path is the one taken).
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name, rope", [(n, r) for n in CASES for r in (False, True) if not CASES[n].alibi])
+def test_gpu_planned_layers_equal_the_full_path(name, rope):
+    test_planned_layers_equal_the_full_path(name, rope, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_planned_alibi_and_what_a_plan_cannot_serve():
+    test_planned_alibi_and_window(torch.device("cuda"))
+    test_what_a_plan_cannot_serve_takes_the_checked_path(torch.device("cuda"))

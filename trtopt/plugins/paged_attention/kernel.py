@@ -767,7 +767,7 @@ class _PagedPlan:
         if self.owned is not None and self.owned[0] == stream and not capturing:
             return self.owned[1]
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-        if not capturing and self.workspace_bytes <= _MAX_OWNED_WORKSPACE:
+        if self.owned is None and not capturing and self.workspace_bytes <= _MAX_OWNED_WORKSPACE:
             self.owned = (stream, workspace)
         return workspace  # a new one is freed once its launches are queued: stream-ordered, as torch frees
 
