@@ -3,7 +3,7 @@
 `kernel[grid](*args, **kw)` runs JITFunction.run on every call: bind the arguments to the signature, work out each
 one's specialisation, format a cache key, look the compiled kernel up, check the globals it used, then launch. On an
 H200 that is 13-22 µs per launch for our kernels, against 7-9 µs for launching the very CompiledKernel the
-dispatcher returned (docs/benchmarks/launch_host_h200.json); PagedAttention launches two or three kernels per layer.
+dispatcher returned (docs/benchmarks/launch_host_session9_f13a442_h200.json); PagedAttention launches two or three kernels per layer.
 
 `launch(kernel, grid, *args, **kw)` keeps that CompiledKernel, keyed by everything that decides which one Triton
 would pick (specialization_key): the current device; the constexprs and launch options (num_warps, ...) by name,
@@ -18,12 +18,16 @@ kernels, callable grids, arguments of other types, kernels with pre-run hooks, a
 TRTOPT_TRITON_DISPATCH=1 (or set_dispatcher_only(True): same-run A/B measurements, and ruling this module out when
 debugging), or when the installed Triton is not one whose runner convention was checked (_CHECKED_TRITON).
 
-Measured on an H200 (session 9, same run, docs/benchmarks/launch_host_h200.json): host time per call −13% for
-PagedAttention (85 vs 97 µs), −14% with the RoPE fold (107 vs 124 µs), −12% to −20% for the KV-write launches, −8%
-to −10% for argmax, Add+RMSNorm and SiLU·mul. An eager batch-1 decode step of the 1.24B plan is unchanged (13.3 ms
-either way): its host time is torch's own ops (GEMM launches, allocations, views), and CUDA graphs replay every
-served step anyway. What is left of a call is Triton's runner and C launcher (~7 µs per launch), this key (~3-4
-µs), and the wrapper's checks and allocations; docs/benchmarks/GPU_E2E.md has the breakdown.
+Measured on an H200 (session 9, same run, docs/benchmarks/launch_host_session9_f13a442_h200.json): host time per
+call −12% to −20% for the KV-write launches, −8% to −10% for argmax, Add+RMSNorm and SiLU·mul. What is left of such
+a call is Triton's runner and C launcher (~7 µs per launch), this key (~3-4 µs), and the wrapper's work.
+
+`prepare(kernel, grid, args, kwargs)` goes one step further for a call site that launches the same kernel many times
+per step with other tensors (PagedAttention, once per layer: kernel.py `_PagedPlan`, STYLE.md §10): a DriverLaunch
+packs the compiled kernel's parameter buffer once and each call writes only the tensors' addresses and calls
+cuLaunchKernel (cuda-python); where that cannot be prepared, a Relaunch repeats the launch through `launch`. With it
+an eager PagedAttention call costs 29-32 µs against 104-118 µs through the dispatcher (session 10, same run,
+docs/benchmarks/launch_host_h200.json), of which ~13 µs is the driver's own cuLaunchKernel for its three launches.
 """
 
 from __future__ import annotations
