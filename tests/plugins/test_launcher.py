@@ -209,7 +209,7 @@ def test_gpu_paged_attention_direct_equals_dispatcher(name, rope):
     hits = launcher.launch_stats(pk._paged_attn_kernel)[0]
     _same_both_ways(lambda: _run_paged(case, rope, planned=False))
     assert launcher.launch_stats(pk._paged_attn_kernel)[0] > hits, "the second call did not launch directly"
-    pk._PLANS.clear()
+    pk.clear_plans()
     _same_both_ways(lambda: _run_paged(case, rope))
     (plan,) = pk._PLANS.values()
     assert plan.calls == 1 and isinstance(plan.attention, launcher.DriverLaunch), "the plan did not serve the call"

@@ -77,7 +77,7 @@ def assert_layers_equal_full_path(step, rope, device, layers=3):
 
 @pytest.mark.parametrize("name, rope", [(n, r) for n in CASES for r in (False, True) if not CASES[n].alibi])
 def test_planned_layers_equal_the_full_path(name, rope, kernel_device):
-    pk._PLANS.clear()
+    pk.clear_plans()
     case = CASES[name]
     step = make_step(case, kernel_device)
     tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, kernel_device))) if rope else {}
@@ -94,13 +94,13 @@ def test_planned_layers_equal_the_full_path(name, rope, kernel_device):
 
 
 def test_planned_alibi_and_window(kernel_device):
-    pk._PLANS.clear()
+    pk.clear_plans()
     step = make_step(CASES["alibi_window"], kernel_device)
     assert assert_layers_equal_full_path(step, {}, kernel_device) == 2
 
 
 def test_what_a_plan_cannot_serve_takes_the_checked_path(kernel_device):
-    pk._PLANS.clear()
+    pk.clear_plans()
     case = CASES["decode_gqa4"]
     step = make_step(case, kernel_device)
     assert_layers_equal_full_path(step, {}, kernel_device, layers=2)
@@ -137,7 +137,7 @@ def test_gpu_misaligned_view_falls_back_to_the_full_path():
     views of the same strides, must not be launched with the aligned kernel: the plan refuses it, the full path
     launches the right one, and the output equals the full path's."""
     device = torch.device("cuda")
-    pk._PLANS.clear()
+    pk.clear_plans()
     case = CASES["bf16_decode"]
     step = make_step(case, device)
     Hq, T, D = step.q.shape[1:]
@@ -160,7 +160,7 @@ def test_gpu_plan_on_another_stream_and_in_a_captured_graph(rope):
     stream, and while a CUDA graph is captured, it must use a workspace of its own; the captured driver launches
     must replay to the full path's output."""
     device = torch.device("cuda")
-    pk._PLANS.clear()
+    pk.clear_plans()
     case = CASES["split_kv"]
     step = make_step(case, device)
     tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, device))) if rope else {}
@@ -209,3 +209,17 @@ def test_gpu_planned_layers_equal_the_full_path(name, rope):
 def test_gpu_planned_alibi_and_what_a_plan_cannot_serve():
     test_planned_alibi_and_window(torch.device("cuda"))
     test_what_a_plan_cannot_serve_takes_the_checked_path(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_plans_keep_no_workspace_past_their_budget(monkeypatch):
+    """Past _MAX_OWNED_BYTES a plan allocates its workspace per call instead of keeping it: same output."""
+    device = torch.device("cuda")
+    pk.clear_plans()
+    monkeypatch.setattr(pk, "_MAX_OWNED_BYTES", 0)
+    step = make_step(CASES["split_kv"], device)
+    tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(CASES["split_kv"], device)))
+    assert assert_layers_equal_full_path(step, tables, device) == 2
+    (plan,) = pk._PLANS.values()
+    assert plan.owned is None and plan.workspace_bytes > 0

@@ -205,8 +205,8 @@ def current_stream(device: int) -> int:
 
 class DriverLaunch:
     """One compiled kernel and grid, launched through the CUDA driver (cuLaunchKernel, cuda-python) with its
-    parameter buffer (a ctypes array of pointers to the values, what cuLaunchKernel's kernelParams is) built once: the scalars are fixed, and each call writes only the tensors' addresses, as TensorRT launches a
-    plugin's kernel. What `kernel[grid](*args)` would launch, for any tensors of the prepared dtypes and 16-byte
+    parameter buffer (a ctypes array of pointers to the values: cuLaunchKernel's kernelParams) built once: the
+    scalars are fixed, and each call writes only the tensors' addresses, as TensorRT launches a plugin's kernel. What `kernel[grid](*args)` would launch, for any tensors of the prepared dtypes and 16-byte
     alignment (the call checks the alignment: it is part of the kernel's specialisation; the caller keeps the dtypes
     and everything else the same)."""
 
@@ -271,8 +271,10 @@ class Relaunch:
     __slots__ = ("kernel", "grid", "args", "kwargs", "_tensor_at")
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        self.kernel, self.grid, self.args, self.kwargs = kernel, grid, list(args), kwargs
         self._tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # The tensors are the call's, put in per launch; holding the first call's (a KV pool) would keep it alive.
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+        self.args = [None if isinstance(a, torch.Tensor) else a for a in args]
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> bool:
         args = self.args.copy()
@@ -291,12 +293,14 @@ def prepare(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dic
     A DriverLaunch when this module knows the compiled kernel and its parameter layout is checked: the kernel's
     non-constexpr parameters in signature order (pointers, then scalars packed as Triton packs them) plus Triton's
     hidden scratch pointers must be exactly the parameters its PTX entry declares, and the kernel must need no
-    scratch memory, clusters, cooperative or programmatic-dependent launch. Anything else gets a Relaunch."""
+    scratch memory, clusters, cooperative or programmatic-dependent launch; and cuda-python must be installed.
+    Anything else, or `direct=False`, gets a Relaunch."""
     prepared = _prepare_direct(kernel, grid, args, kwargs) if direct else None
     return prepared if prepared is not None else Relaunch(kernel, grid, args, kwargs)
 
 
-def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> DriverLaunch | None:
+def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
+                    kwargs: dict[str, Any]) -> DriverLaunch | None:
     global _DRIVER
     info = None if _dispatch_only else _info(kernel)
     if info is None or grid.__class__ is not tuple or not 1 <= len(grid) <= 3:

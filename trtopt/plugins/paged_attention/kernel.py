@@ -761,18 +761,21 @@ class _PagedPlan:
     def _workspace(self, stream: int) -> torch.Tensor:
         """The rotated q and the split-KV partials, in one buffer: the plan's own, reused call after call on the
         stream it was first used on (the calls are ordered there, and neither outlives the call that wrote it), or a
-        new one on another stream, while a CUDA graph is being captured (the graph must own what it reads), or when
-        it is too large to keep (a long prefill's rotated q)."""
+        new one on another stream, while a CUDA graph is being captured (the graph must own what it reads), or once
+        the plans keep _MAX_OWNED_BYTES in all (a long prefill's rotated q is megabytes)."""
+        global _owned_bytes
         capturing = torch.cuda.is_current_stream_capturing()
         if self.owned is not None and self.owned[0] == stream and not capturing:
             return self.owned[1]
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
-        if self.owned is None and not capturing and self.workspace_bytes <= _MAX_OWNED_WORKSPACE:
+        if self.owned is None and not capturing and _owned_bytes + self.workspace_bytes <= _MAX_OWNED_BYTES:
             self.owned = (stream, workspace)
+            _owned_bytes += self.workspace_bytes
         return workspace  # a new one is freed once its launches are queued: stream-ordered, as torch frees
 
 
-_MAX_OWNED_WORKSPACE = 8 << 20  # bytes a plan keeps between calls (256 plans at most: _MAX_PLANS)
+_MAX_OWNED_BYTES = 64 << 20  # device memory all plans together keep between calls
+_owned_bytes = 0
 
 
 # The plans made so far, by _plan_key. Bounded: a workload whose step shapes never repeat drops them and refills.
@@ -782,8 +785,16 @@ _MAX_PLANS = 256
 
 def _remember_plan(key: tuple, plan: _PagedPlan) -> None:
     if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
+        clear_plans()
     _PLANS[key] = plan
+
+
+def clear_plans() -> None:
+    """Drop every plan (their workspaces go back to torch's allocator with them); the next call of each shape plans
+    again. For tests and benchmarks that need a first call."""
+    global _owned_bytes
+    _PLANS.clear()
+    _owned_bytes = 0
 
 
 def _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads, num_kv_heads,
