@@ -15,7 +15,8 @@ layer through the CUDA driver (kernel.py `_PagedPlan`, launcher.DriverLaunch; se
 both ways in the same run: `<row>_us` as the engine runs it, `<row>_dispatcher_us` with
 launcher.set_dispatcher_only(True) (every launch through Triton's dispatcher and no plan: what the engine paid
 before session 9). The `*_layers_call` rows are an eager step's calls: 16 layers, each with its own q/k/v and pool,
-sharing the step's metadata, whose tensors are new each step (two sets alternate); per call.
+sharing the step's metadata, whose tensors are new each step (two sets alternate); per call. The `*_nosplit_*` rows
+pass an 8-block table (what an eager step of a 64-token sequence passes): no split-KV merge, two launches a call.
 
     python3 benchmarks/bench_launch_host.py            # CUDA if present
     python3 benchmarks/bench_launch_host.py --out x.json
@@ -132,6 +133,7 @@ def main() -> None:
     slots = torch.tensor([7 * bs + 15], dtype=torch.int64, device=device)
     attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5)
     per_layer = {}  # rows whose callable makes LAYERS calls
+    result_extra = {}
     rows = {
         "check_inputs": lambda: pk._check_paged_inputs(q, k, v, cache, tables, seq_lens, qsl, slots, hq, hkv, d, None),
         "plan_launch_uncached": lambda: pk.plan_paged_launch.__wrapped__(1, 1, hkv, hq // hkv, width * bs, 132),
@@ -155,8 +157,12 @@ def main() -> None:
         # sets of metadata tensors alternate, as the engine makes new ones each step. Per call (per layer).
         layers = [tuple(torch.randn_like(x) for x in (q, k, v, cache)) for _ in range(LAYERS)]
         metadata = [tuple(x.clone() for x in (tables, seq_lens, qsl, slots)) for _ in range(2)]
+        # The same step with an 8-block (128-key) table, what an eager engine step passes for a 64-token sequence
+        # (its tables are as wide as its longest sequence): the tiling does not split the key range, so a call is
+        # two launches (no split-KV merge), as in the 1.24B plan's eager batch-1 step (gpu_e2e.py's profile).
+        narrow = [(tables[:, :8].clone(), *rest[1:]) for rest in metadata]
 
-        def eager_step(rope: bool, steps=iter(range(10 ** 9))):
+        def eager_step(rope: bool, metadata=metadata, steps=iter(range(10 ** 9))):
             meta = metadata[next(steps) % 2]
             for lq, lk, lv, lc in layers:
                 if rope:
@@ -167,6 +173,12 @@ def main() -> None:
 
         per_layer["paged_attention_layers_call"] = lambda: eager_step(False)
         per_layer["paged_attention_rope_layers_call"] = lambda: eager_step(True)
+        result_extra["split_segments"] = pk.plan_paged_launch(1, 1, hkv, hq // hkv, width * bs,
+                                                              pk._device_sm_count(device)).num_segments
+        result_extra["nosplit_segments"] = pk.plan_paged_launch(1, 1, hkv, hq // hkv, 8 * bs,
+                                                                pk._device_sm_count(device)).num_segments
+        per_layer["paged_attention_layers_nosplit_call"] = lambda: eager_step(False, narrow)
+        per_layer["paged_attention_rope_layers_nosplit_call"] = lambda: eager_step(True, narrow)
         # The sampler's greedy argmax (one 128K-vocabulary row): torch's one kernel vs the two Triton launches.
         rows["argmax_torch"] = lambda: logits.argmax(dim=-1)
         rows["argmax_triton"] = lambda: greedy_argmax(logits)
@@ -179,7 +191,7 @@ def main() -> None:
         rows["add_rms_norm_launch"] = lambda: add_rms_norm_triton(hidden, hidden, norm_scale, epsilon=1e-5)
         rows["silu_mul_launch"] = lambda: silu_mul_triton(*gate_up)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "triton": triton.__version__, "n": args.n}
+              "torch": torch.__version__, "triton": triton.__version__, "n": args.n, **result_extra}
     if device.type == "cuda":
         # Where the launcher's time goes: each Triton launch of one call, through Triton's dispatcher (binder,
         # specialisation key, cache lookup) and straight through the CompiledKernel it returned (what a launcher

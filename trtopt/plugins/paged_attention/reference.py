@@ -9,6 +9,8 @@ so it is correct on CUDA too, just not capturable in a CUDA graph; the kernel is
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -122,12 +124,18 @@ def rope_tables_fit(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half:
     """Whether the fused RoPE + KV-write kernel (kernel.rope_write_kv_triton) can rotate q [1, H, T, D] with these
     tables: an even D rotated as a whole (half 0 or D // 2), cos and sin in q's dtype and one row per token shared
     by every head (broadcastable to [1, 1, T, D]). The torch executor asks before folding RoPE into the call
-    (trtopt_ops.paged_attention_rope); the kernel refuses anything else."""
-    if q.dim() != 4:
+    (trtopt_ops.paged_attention_rope), once per layer; the kernel refuses anything else. A function of shapes and
+    dtypes, so the answer is cached by them (the checks themselves cost ~4 µs of host time a call)."""
+    return _tables_fit(q.shape, cos.shape, sin.shape, q.dtype, cos.dtype, sin.dtype, half)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tables_fit(q_shape, cos_shape, sin_shape, q_dtype, cos_dtype, sin_dtype, half: int) -> bool:
+    if len(q_shape) != 4:
         return False
-    T, D = q.shape[2], q.shape[3]
-    return (D % 2 == 0 and half in (0, D // 2) and cos.dtype == sin.dtype == q.dtype
-            and broadcasts_to(cos.shape, (1, 1, T, D)) and broadcasts_to(sin.shape, (1, 1, T, D)))
+    T, D = q_shape[2], q_shape[3]
+    return (D % 2 == 0 and half in (0, D // 2) and cos_dtype == sin_dtype == q_dtype
+            and broadcasts_to(cos_shape, (1, 1, T, D)) and broadcasts_to(sin_shape, (1, 1, T, D)))
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
