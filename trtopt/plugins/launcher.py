@@ -26,8 +26,8 @@ a call is Triton's runner and C launcher (~7 µs per launch), this key (~3-4 µs
 per step with other tensors (PagedAttention, once per layer: kernel.py `_PagedPlan`, STYLE.md §10): a DriverLaunch
 packs the compiled kernel's parameter buffer once and each call writes only the tensors' addresses and calls
 cuLaunchKernel (cuda-python); where that cannot be prepared, a Relaunch repeats the launch through `launch`. With it
-an eager PagedAttention call costs 28-31 µs against 104-120 µs through the dispatcher (session 10, same-run pairs
-over three runs, docs/benchmarks/launch_host_h200.json and GPU_E2E.md), of which ~13 µs is the driver's own cuLaunchKernel for its three launches.
+an eager PagedAttention call costs 68-77% less host time than through the dispatcher (26-44 µs against 83-185 µs,
+same-run pairs over four noisy runs in session 10: docs/benchmarks/GPU_E2E.md), of which ~13 µs is the driver's own cuLaunchKernel for its three launches.
 """
 
 from __future__ import annotations
