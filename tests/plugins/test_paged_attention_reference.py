@@ -220,3 +220,20 @@ def test_copy_blocks_copies_every_layer_reading_sources_first():
         assert torch.equal(cache[2], old[1]) and torch.equal(cache[3], old[2]) and torch.equal(cache[5], old[4])
         assert torch.equal(cache[[0, 1, 4]], old[[0, 1, 4]])
     copy_blocks_ref(caches, torch.zeros(0, 2, dtype=torch.int64))  # nothing to copy is fine
+
+
+def test_rope_tables_fit_answers_by_shape_and_dtype():
+    """The answer is cached by shapes and dtypes (plugins/paged_attention/reference.py): each of them must still
+    change it."""
+    from trtopt.plugins.paged_attention.reference import rope_tables_fit
+
+    q = torch.zeros(1, 4, 3, 8, dtype=torch.bfloat16)
+    row, per_token = torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.bfloat16)
+    assert rope_tables_fit(q, row, row) and rope_tables_fit(q, per_token, per_token)
+    assert rope_tables_fit(q, row, row, half=4) and not rope_tables_fit(q, row, row, half=3)
+    assert not rope_tables_fit(q, row.float(), row.float())  # not q's dtype
+    assert not rope_tables_fit(q, row, row.float())  # cos and sin differ
+    assert not rope_tables_fit(q, torch.zeros(2, 8, dtype=torch.bfloat16), row)  # 2 rows for 3 tokens
+    assert not rope_tables_fit(q, torch.zeros(1, 4, 3, 8, dtype=torch.bfloat16), row)  # one row per head
+    assert not rope_tables_fit(q[0], row, row)  # q is not [1, H, T, D]
+    assert not rope_tables_fit(torch.zeros(1, 4, 3, 7, dtype=torch.bfloat16), row[..., :7], row[..., :7])  # odd D
