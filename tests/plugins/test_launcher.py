@@ -150,6 +150,90 @@ def test_cache_logic_with_real_jit_functions(tmp_path):
     assert done.stdout.strip() == "(4, 5)", done.stdout
 
 
+PREPARE_SCRIPT = textwrap.dedent("""
+    import ctypes, types
+    import torch, triton, triton.language as tl
+    from trtopt.plugins import launcher
+
+    torch.cuda.current_device = lambda: 0
+
+    @triton.jit
+    def k(X, Y, n, scale, one, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+        pass
+
+    # What Triton's dispatcher returns, as far as prepare reads it: the signature (the int equal to 1 is a
+    # constexpr to Triton), the metadata, the loaded function handle and the PTX (two hidden scratch pointers).
+    PTX = ".entry k(\\n" + ",\\n".join(f".param .u64 k_param_{i}" for i in range(6)) + "\\n)\\n{ ret; }"
+
+    class Compiled:
+        src = types.SimpleNamespace(signature={"X": "*fp32", "Y": "*fp32", "n": "i32", "scale": "fp32",
+                                               "one": "constexpr", "BLOCK": "constexpr", "FLAG": "constexpr"})
+        metadata = types.SimpleNamespace(name="k", num_warps=4, warp_size=32, shared=1024, num_ctas=1,
+                                         launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
+                                         profile_scratch_size=0)
+        function = 0xF00D
+        asm = {"ptx": PTX}
+
+        def __getitem__(self, grid):
+            return lambda *values: None
+
+    triton.runtime.jit.JITFunction.run = lambda self, *a, grid, warmup, **kw: Compiled()
+    launches = []
+
+    def cu_launch_kernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        read = lambda i, ctype: ctype.from_address(slots[i]).value
+        launches.append(((f, gx, gy, gz, bx, by, bz, shared, stream), read(0, ctypes.c_uint64),
+                         read(1, ctypes.c_uint64), read(2, ctypes.c_int32), read(3, ctypes.c_float),
+                         read(4, ctypes.c_uint64), read(5, ctypes.c_uint64)))
+        return (0,)
+
+    launcher._driver = lambda: (cu_launch_kernel, 0, lambda handle: ("CUfunction", handle))
+    x, y = torch.zeros(64), torch.zeros(64)
+    args, kw = (x, y, 5, 0.5, 1), dict(BLOCK=16, FLAG=True, num_warps=4)
+    assert isinstance(launcher.prepare(k, (4, 2), args, kw), launcher.Relaunch)  # not launched yet: nothing kept
+    launcher.launch(k, (4, 2), *args, **kw)
+    run = launcher.prepare(k, (4, 2), args, kw)
+    assert isinstance(run, launcher.DriverLaunch) and run.num_tensors == 2, run
+    x2, y2 = torch.ones(16), torch.ones(16)
+    assert run(7, x2, y2) is True
+    (dims, px, py, n, scale, hidden0, hidden1), = launches
+    assert dims == (("CUfunction", 0xF00D), 4, 2, 1, 128, 1, 1, 1024, 7), dims
+    assert (px, py) == (x2.data_ptr(), y2.data_ptr()) and (n, scale) == (5, 0.5) and hidden0 == hidden1 == 0
+    # A tensor off the prepared 16-byte alignment launches nothing (the caller takes the full path).
+    assert run(7, x2[1:], y2) is False and len(launches) == 1
+    with __import__("pytest").raises(TypeError):
+        run(7, x2)
+    # What the driver path does not know is prepared as a Relaunch: scratch memory, a PTX whose parameters do not
+    # add up, a tuple parameter, no cuda-python.
+    for change in ({"global_scratch_size": 64}, {"num_ctas": 2}, {"launch_pdl": True}):
+        saved = dict(vars(Compiled.metadata))
+        vars(Compiled.metadata).update(change)
+        assert isinstance(launcher.prepare(k, (4, 2), args, kw), launcher.Relaunch), change
+        vars(Compiled.metadata).update(saved)
+    Compiled.asm = {"ptx": PTX.replace("k_param_5", "k_param_5,\\n.param .u64 k_param_6,\\n.param .u64 x,\\n.param .u64 z")}
+    assert isinstance(launcher.prepare(k, (4, 2), args, kw), launcher.Relaunch)
+    Compiled.asm = {"ptx": PTX}
+    assert isinstance(launcher.prepare(k, (4, 2), args, kw), launcher.DriverLaunch)
+    launcher._driver = lambda: None
+    assert isinstance(launcher.prepare(k, (4, 2), args, kw), launcher.Relaunch)
+    print("ok")
+""")
+
+
+def test_prepared_driver_launch_packs_what_triton_would(tmp_path):
+    """launcher.prepare on a real JITFunction whose compiled form is a stand-in (no GPU here) and with cuLaunchKernel
+    replaced by a recorder that reads the parameter buffer back: the pointers are the call's tensors, the scalars
+    the prepared values in Triton's C types, the constexprs (and the int equal to 1) absent, the hidden scratch
+    pointers null; an alignment change launches nothing; anything the driver path does not know gets a Relaunch."""
+    script = tmp_path / "prepare_logic.py"
+    script.write_text(PREPARE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRTOPT_TRITON_DISPATCH")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok", done.stdout
+
+
 # ---- on the GPU: direct launches equal the dispatcher's, bit for bit --------------------------------------------
 def _paged_cases():
     from test_paged_attention_kernel import Case

@@ -180,8 +180,9 @@ _MAX_HIDDEN_PARAMS = 2
 
 
 @functools.cache
-def _driver() -> tuple[Any, Any] | None:
-    """(cuda-python's cuLaunchKernel, CUDA_SUCCESS), or None without cuda-python (then nothing launches directly).
+def _driver() -> tuple[Any, Any, Any] | None:
+    """(cuda-python's cuLaunchKernel, CUDA_SUCCESS, CUfunction), or None without cuda-python (then nothing launches
+    directly).
 
     cuda-python (`cuda.bindings.driver`, the `gpu` extra) rather than ctypes: on an H200 host the same
     cuLaunchKernel costs 4.5 µs per launch through it against 6.0 µs through ctypes, of which the driver itself is
@@ -190,7 +191,7 @@ def _driver() -> tuple[Any, Any] | None:
         from cuda.bindings import driver
     except ImportError:
         return None
-    return driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS
+    return driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS, driver.CUfunction
 
 
 @functools.cache
@@ -217,9 +218,7 @@ class DriverLaunch:
                  aligned: list[bool], hidden: int) -> None:
         self.name = compiled.metadata.name
         self.device = device
-        from cuda.bindings import driver
-
-        self._function = driver.CUfunction(compiled.function)
+        self._function = _DRIVER[2](compiled.function)
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         threads = compiled.metadata.num_warps * getattr(compiled.metadata, "warp_size", 32)
         self._dims = (*grid3, threads, 1, 1, compiled.metadata.shared)
@@ -256,7 +255,7 @@ class DriverLaunch:
                 else [a % 16 == 0 for a in addresses] != self._aligned):
             return False
         self._addresses[:len(addresses)] = addresses
-        launch_kernel, success = _DRIVER
+        launch_kernel, success, _ = _DRIVER
         (result,) = launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
         if result != success:
             raise RuntimeError(f"cuLaunchKernel failed for {self.name}: {result!r}")
