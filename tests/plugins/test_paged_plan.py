@@ -223,3 +223,15 @@ def test_gpu_plans_keep_no_workspace_past_their_budget(monkeypatch):
     assert assert_layers_equal_full_path(step, tables, device) == 2
     (plan,) = pk._PLANS.values()
     assert plan.owned is None and plan.workspace_bytes > 0
+
+
+def test_metadata_resized_in_place_is_read_again():
+    """The metadata memo matches by identity and shape: a block table resized in place between calls gives a new
+    key, not the old plan's."""
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    rest = (torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
+    before = pk._METADATA.key(tables, *rest)
+    assert pk._METADATA.key(tables, *rest) is before
+    tables.resize_(2, 8)
+    after = pk._METADATA.key(tables, *rest)
+    assert after != before and after[0][0] == (2, 8)
