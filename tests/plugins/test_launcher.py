@@ -142,12 +142,17 @@ CACHE_SCRIPT = textwrap.dedent("""
 def test_cache_logic_with_real_jit_functions(tmp_path):
     """A fresh process without TRITON_INTERPRET (so `k` is a real JITFunction; @triton.jit wants a file);
     JITFunction.run, the part that needs a GPU, records its calls instead of launching."""
-    script = tmp_path / "cache_logic.py"
-    script.write_text(CACHE_SCRIPT)
+    assert run_without_interpreter(tmp_path / "cache_logic.py", CACHE_SCRIPT) == "(4, 5)"
+
+
+def run_without_interpreter(script, text: str) -> str:
+    """Run `text` as a script in a fresh process without TRITON_INTERPRET and TRTOPT_TRITON_DISPATCH (so its
+    kernels are real JITFunctions and the launcher is on); its stdout, stripped, once it exits cleanly."""
+    script.write_text(text)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRTOPT_TRITON_DISPATCH")}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "(4, 5)", done.stdout
+    return done.stdout.strip()
 
 
 PREPARE_SCRIPT = textwrap.dedent("""
@@ -226,12 +231,7 @@ def test_prepared_driver_launch_packs_what_triton_would(tmp_path):
     replaced by a recorder that reads the parameter buffer back: the pointers are the call's tensors, the scalars
     the prepared values in Triton's C types, the constexprs (and the int equal to 1) absent, the hidden scratch
     pointers null; an alignment change launches nothing; anything the driver path does not know gets a Relaunch."""
-    script = tmp_path / "prepare_logic.py"
-    script.write_text(PREPARE_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRTOPT_TRITON_DISPATCH")}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "ok", done.stdout
+    assert run_without_interpreter(tmp_path / "prepare_logic.py", PREPARE_SCRIPT) == "ok"
 
 
 # ---- on the GPU: direct launches equal the dispatcher's, bit for bit --------------------------------------------
