@@ -235,3 +235,16 @@ def test_metadata_resized_in_place_is_read_again():
     tables.resize_(2, 8)
     after = pk._METADATA.key(tables, *rest)
     assert after != before and after[0][0] == (2, 8)
+
+
+def test_metadata_check_is_forgotten_with_the_tensors():
+    """One memo serves the plan key and the full path's once-per-step metadata check: new tensors are checked
+    again, even where the tensors last seen passed for the same step shape."""
+    step = make_step(CASES["decode_gqa4"], torch.device("cpu"))
+    args = (step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens, step.query_start_loc)
+    attrs = (step.attrs["num_heads"], step.attrs["num_kv_heads"], step.attrs["head_dim"], None)
+    pk._check_paged_inputs(*args, step.slot_mapping, *attrs)
+    assert pk._METADATA.checked == (step.q.shape[2], step.q.device)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pk._check_paged_inputs(*args, step.slot_mapping.int(), *attrs)
+    assert pk._METADATA.checked is None

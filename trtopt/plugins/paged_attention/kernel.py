@@ -419,32 +419,11 @@ def _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_l
         raise ValueError(f"q/k/v/kv_cache must be on one device; got {q.device}, {k.device}, {v.device}, "
                          f"{kv_cache.device}")
     metadata = (block_tables, seq_lens, query_start_loc, slot_mapping)
-    if _STEP_CHECK.matches(metadata, T, q.device):
+    _METADATA.key(*metadata)  # re-reads (and forgets the check) when these are not the tensors last seen
+    if _METADATA.checked == (T, q.device):
         return  # the same step's metadata, checked for an earlier layer (plan once per step, STYLE.md §10)
     _check_step_metadata(T, q.device, *metadata)
-    _STEP_CHECK.remember(metadata, T, q.device)
-
-
-class _StepCheckMemo:
-    """The metadata tensors last checked: every layer of a step passes the same four objects. Holding them keeps
-    their ids from being reused by other tensors, so an `is` match means the very tensors that passed."""
-
-    __slots__ = ("metadata", "num_tokens", "device")
-
-    def __init__(self) -> None:
-        self.metadata: tuple = ()
-        self.num_tokens = -1
-        self.device = None
-
-    def matches(self, metadata: tuple, num_tokens: int, device: torch.device) -> bool:
-        return (len(self.metadata) == 4 and num_tokens == self.num_tokens and device == self.device
-                and all(a is b for a, b in zip(metadata, self.metadata)))
-
-    def remember(self, metadata: tuple, num_tokens: int, device: torch.device) -> None:
-        self.metadata, self.num_tokens, self.device = metadata, num_tokens, device
-
-
-_STEP_CHECK = _StepCheckMemo()
+    _METADATA.checked = (T, q.device)
 
 
 def _check_step_metadata(T, device, block_tables, seq_lens, query_start_loc, slot_mapping) -> None:
@@ -818,22 +797,26 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 
 class _MetadataMemo:
-    """The step metadata's part of a plan key, for the four tensors last seen. Holding them keeps their ids from
-    being reused by other tensors, so an `is` match means the very tensors it was read from; their shapes are
-    compared too (~1 µs), so a tensor resized in place since is read again."""
+    """The step metadata's four tensors last seen, read once per step (STYLE.md §10): their part of a plan key, and
+    the (num_tokens, device) the full path last checked them for. Every layer of a step passes the same four
+    objects; holding them keeps their ids from being reused by other tensors, so an `is` match means the very
+    tensors it was read from, and their shapes are compared too (~1 µs), so a tensor resized in place since is read
+    again (and checked again)."""
 
-    __slots__ = ("tensors", "shapes", "value")
+    __slots__ = ("tensors", "shapes", "value", "checked")
 
     def __init__(self) -> None:
         self.tensors: tuple = ()
         self.shapes: tuple = ()
         self.value: tuple = ()
+        self.checked: tuple | None = None
 
     def key(self, *tensors: torch.Tensor) -> tuple:
         shapes = tuple(t.shape for t in tensors)
         if shapes == self.shapes and all(a is b for a, b in zip(tensors, self.tensors)):
             return self.value
         self.tensors, self.shapes, self.value = tensors, shapes, tuple(_tensor_key(t) for t in tensors)
+        self.checked = None
         return self.value
 
 
