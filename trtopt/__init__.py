@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,7 +17,7 @@ def __getattr__(name: str):
         from trtopt.runtime.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "StructuredOutputsParams", "RequestOutputKind"):
         from trtopt.runtime import sampling_params
 
         return getattr(sampling_params, name)

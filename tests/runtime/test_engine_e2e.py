@@ -121,3 +121,22 @@ def test_llm_generate_use_tqdm_shows_progress_with_token_rates(built_plan, capsy
     assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in plain]
     out = capsys.readouterr().out
     assert "Processed prompts" in out and "2/2" in out and "output" in out and "tok/s" in out
+
+
+def test_llm_generate_without_a_callback_makes_only_final_outputs(built_plan):
+    """No on_output: LLM.generate runs its requests with output_kind=FINAL_ONLY (the engine builds one output per
+    request), and returns what the streamed run returns; the caller's params are not changed."""
+    from trtopt.runtime import LLM, RequestOutputKind, SamplingParams as SP
+
+    llm = LLM(built_plan(MODEL), max_model_len=128)
+    params = SP(temperature=0, max_tokens=6, ignore_eos=True)
+    streamed = []
+    with_callback = llm.generate(["Hello there", "Once upon a time"], params, on_output=streamed.append)
+    made = []
+    step = llm.engine.step
+    llm.engine.step = lambda: made.extend(outs := step()) or outs
+    plain = llm.generate(["Hello there", "Once upon a time"], params)
+    assert len(streamed) > 2 and len(made) == 2 and all(o.finished for o in made)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in plain] == \
+        [(o.outputs[0].token_ids, o.outputs[0].text) for o in with_callback]
+    assert params.output_kind is RequestOutputKind.CUMULATIVE

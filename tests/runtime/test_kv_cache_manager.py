@@ -129,6 +129,7 @@ def test_random_operations_keep_the_pool_consistent(ops, prefix):
     bs = 4
     pool, kv, cache = make(num_blocks=24, block_size=bs, prefix=prefix)
     seqs: dict[str, tuple[list[int], int]] = {}  # id -> (token ids, num computed)
+    handed_out: list[tuple[list[int], list[int]]] = []  # (a list block_ids returned, its contents then)
     next_id = 0
     for op, arg in ops:
         rnd = random.Random(arg)
@@ -148,8 +149,12 @@ def test_random_operations_keep_the_pool_consistent(ops, prefix):
             toks, n = seqs[rid]
             k = rnd.randint(1, 6)
             toks = toks + [rnd.randint(0, 2) for _ in range(k)]
-            if kv.allocate_slots(rid, toks, n, k) is not None:
+            lookahead = rnd.choice([0, 0, rnd.randint(1, 6)])  # draft slots, rolled back at once (truncate)
+            if kv.allocate_slots(rid, toks, n, k, num_lookahead_tokens=lookahead) is not None:
                 cache.write(kv.block_ids(rid), toks, n, n + k)
+                if lookahead:
+                    handed_out.append((kv.block_ids(rid), list(kv.block_ids(rid))))
+                    kv.truncate(rid, n + k)
                 seqs[rid] = (toks, n + k)
         elif op == "fork" and ids:
             parent = rnd.choice(ids)
@@ -162,6 +167,10 @@ def test_random_operations_keep_the_pool_consistent(ops, prefix):
             kv.free(rid)
             del seqs[rid]
         check_consistent(pool, kv, cache, seqs)
+        # A table handed out is never changed afterwards (InputBuilder caches what it derives from it by identity).
+        for table, was in handed_out:
+            assert table == was, "a block-id list handed out was mutated"
+        handed_out += [(t, list(t)) for t in (kv.block_ids(r) for r in seqs)]
     for rid in list(seqs):
         kv.free(rid)
     assert pool.num_free_blocks == pool.num_usable_blocks

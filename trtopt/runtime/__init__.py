@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trtopt.runtime.engine import EngineConfig, LLMEngine
     from trtopt.runtime.llm import LLM
-    from trtopt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+    from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "trtopt.runtime.llm",
@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineConfig": "trtopt.runtime.engine",
     "SamplingParams": "trtopt.runtime.sampling_params",
     "StructuredOutputsParams": "trtopt.runtime.sampling_params",
+    "RequestOutputKind": "trtopt.runtime.sampling_params",
     "RequestOutput": "trtopt.runtime.batch",
     "CompletionOutput": "trtopt.runtime.batch",
     "EngineStats": "trtopt.runtime.batch",

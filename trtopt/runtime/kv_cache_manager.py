@@ -28,7 +28,9 @@ class KVCacheManager:
     # ---- queries -------------------------------------------------------------------------------------
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (do not mutate)."""
+        """The request's block table. Do not mutate it; nor does the manager: every change to a table makes a new
+        list, so a list handed out stays what it was, and a caller may cache what it derives from it by identity
+        (InputBuilder does)."""
         return self._blocks.get(request_id, [])
 
     def holders(self) -> dict[str, list[int]]:
@@ -82,6 +84,12 @@ class KVCacheManager:
         bs = self.block_size
         end = num_computed_tokens + num_new_tokens
         num_required = -(-(end + num_lookahead_tokens) // bs)
+        ref_cnt = self.pool.ref_cnt
+        if num_required <= len(table) and all(ref_cnt[table[i]] == 1 for i in range(num_computed_tokens // bs, num_required)):
+            # Most decode steps: the tokens fit in blocks this sequence already holds alone (cached_blocks is
+            # then empty, by the assert above). Nothing is taken or copied and the table stays the same list.
+            self._cache_full_blocks(request_id, token_ids, end)
+            return []
         num_fresh = max(0, num_required - len(table) - len(cached_blocks))
         # Blocks that receive writes this step and that another sequence also holds.
         cow = [i for i in range(num_computed_tokens // bs, min(len(table), num_required)) if self.pool.ref_cnt[table[i]] > 1]
@@ -139,7 +147,7 @@ class KVCacheManager:
         assert len(self._hashes.get(request_id, ())) <= keep, f"{request_id}: a hashed block would be rolled back"
         if keep < len(table):
             self.pool.free_blocks(reversed(table[keep:]))
-            del table[keep:]
+            self._blocks[request_id] = table[:keep]  # a new list: the one handed out stays as it was
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give child_id the same blocks as parent_id (ref count + 1 each); the first write copies (COW)."""

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Callable, Sequence
 from trtopt.errors import RequestError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine, PromptType
-from trtopt.runtime.sampling_params import SamplingParams
+from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -57,9 +58,15 @@ class LLM:
         template), token ids, or {"prompt_token_ids": [...]}. `on_output` sees every intermediate
         RequestOutput (for streaming). A bad prompt raises RequestError before anything runs. `use_tqdm` shows a
         progress bar of finished prompts with the input and output tokens/s so far (vLLM's flag name; drawn with rich).
+
+        Without `on_output` nobody reads the intermediate outputs, so the requests run with
+        output_kind=FINAL_ONLY (as vLLM's LLM does): the engine makes one output per request, when it finishes.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        if on_output is None:
+            final = {}  # one replaced copy per distinct params object ([p] * n is the common case)
+            params = [final.get(id(p)) or final.setdefault(id(p), _final_only(p)) for p in params]
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         added = []
         try:
@@ -128,6 +135,12 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise RequestError("prompts must be a prompt or a non-empty list of prompts (text, chat messages or token ids).")
     return list(prompts)
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -30,9 +30,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # the executor failed on a step this request was in
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+    def __init__(self, value: str) -> None:
+        # Plain attributes, not properties: every step reads them for every running sequence.
+        self.finished = value in ("stop", "length", "abort", "error")
+        self.reason = value if self.finished else None  # the OpenAI finish_reason
 
 
 @dataclasses.dataclass
@@ -166,7 +167,7 @@ class Request(TokenCounts):
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        return self.status.reason
 
     def __repr__(self) -> str:
         return (

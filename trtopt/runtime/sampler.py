@@ -69,7 +69,7 @@ class PendingTokens:
         if self._copied is not None:
             self._copied.synchronize()
         host = self._host if self._host is not None else self.token_ids
-        return [SampledToken(token_id=t) for t in host.tolist()]
+        return list(map(SampledToken, host.tolist()))
 
 
 class Sampler:
@@ -101,7 +101,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
-            return [SampledToken(token_id=t) for t in greedy_argmax(logits).tolist()]
+            return list(map(SampledToken, greedy_argmax(logits).tolist()))
         u = self._uniforms(requests)
         if self._grammar_masker is None and any(r.grammar is not None for r in requests):
             self._grammar_masker = GrammarMasker()  # on the first constrained step (imports xgrammar)
@@ -226,9 +226,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[tu
 def _plain_greedy(r: Request) -> bool:
     """Greedy with nothing that changes the argmax or asks for more than the token."""
     p = r.params
-    return (r.grammar is None and p.greedy and p.logprobs is None and not p.has_token_controls
-            and p.repetition_penalty == 1 and p.presence_penalty == 0
-            and p.frequency_penalty == 0 and (p.min_tokens == 0 or r.num_output_tokens >= p.min_tokens))
+    return r.grammar is None and p.plain_greedy and (p.min_tokens == 0 or r.num_output_tokens >= p.min_tokens)
 
 
 def _draw(cand_logits: torch.Tensor, cand_ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ InputProcessor, which knows the plan.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import inspect
 import json as _json
 import math
@@ -86,6 +88,16 @@ class StructuredOutputsParams:
         raise AssertionError("validated in __post_init__")
 
 
+class RequestOutputKind(enum.Enum):
+    """Which RequestOutputs the engine makes for a request (vLLM's RequestOutputKind, without DELTA)."""
+
+    # One every step the request gets a token or finishes: everything so far plus that step's delta (streaming).
+    CUMULATIVE = "cumulative"
+    # One, when the request finishes (what LLM.generate returns). The engine then builds no per-step output, whose
+    # cumulative token list costs O(length) per running request per step.
+    FINAL_ONLY = "final_only"
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Decoding options of one request. Frozen: the engine never writes back into it."""
@@ -117,6 +129,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words never generated (as a whole token sequence; see InputProcessor)
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens; -1 = the last max_model_len - 1
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # or "final_only": one output, at the end
 
     def __post_init__(self) -> None:
         # Accept the usual loose spellings (a single stop string, lists) but store tuples.
@@ -136,6 +149,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, Mapping), "logit_bias", self.logit_bias, "a dict of token id -> bias, or None")
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # a private copy: the caller's may change
+        if isinstance(self.output_kind, str):
+            kinds = {k.value: k for k in RequestOutputKind}
+            _check(self.output_kind in kinds, "output_kind", self.output_kind, f"one of {sorted(kinds)}")
+            object.__setattr__(self, "output_kind", kinds[self.output_kind])
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+               "a RequestOutputKind or one of 'cumulative', 'final_only'")
         self._validate()
         self._validate_token_controls()
 
@@ -208,6 +227,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the argmax or asks for more than the token (min_tokens aside, which
+        depends on the sequence): the sampler's one-argmax path. Cached: the sampler asks it for every row of every
+        step, and the params are frozen."""
+        return (self.greedy and self.logprobs is None and not self.has_token_controls and self.repetition_penalty == 1
+                and self.presence_penalty == 0 and self.frequency_penalty == 0)
 
     @property
     def max_stop_len(self) -> int:

@@ -26,6 +26,9 @@ from trtopt.runtime.kv_cache_manager import KVCacheManager
 from trtopt.runtime.request import Request, RequestStatus
 
 
+_NO_POSITIONS = range(0)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -95,15 +98,19 @@ class Scheduler:
         return ScheduledBatch(seqs=seqs, num_batched_tokens=self.max_num_batched_tokens - budget, preempted_ids=preempted)
 
     def _schedule_running(self, budget: int, seqs: list[ScheduledSeq], preempted: list[str]) -> int:
+        # The host side of every step, once per running sequence: kept to plain attribute reads and one allocation
+        # call (at 256 running sequences each µs here is 0.25 ms of a step; benchmarks/bench_host_step.py).
+        running, speculative = self.running, self.num_speculative_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_output_tokens >= req.max_tokens:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.token_ids)
+            if num_tokens - req.num_prompt_tokens >= req.max_tokens:
                 i += 1  # async: its placeholder is its last token (max_tokens); it finishes when that is known
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(num_tokens - req.num_computed_tokens, budget)
             assert num_new >= 1, f"{req} is running with nothing to compute"
-            lookahead = self._num_lookahead(req, num_new, budget)
+            lookahead = self._num_lookahead(req, num_new, budget) if speculative else 0
             if not self._allocate_or_preempt(req, num_new, preempted, lookahead):
                 break  # req preempted itself: everything after it is already gone too
             seqs.append(self._scheduled_seq(req, num_new, lookahead))
@@ -183,16 +190,14 @@ class Scheduler:
 
     def _scheduled_seq(self, req: Request, num_new: int, lookahead: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
-        wanted = req.prompt_logprob_positions
-        return ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=req.token_ids[start : start + num_new],
-            start_pos=start,
-            block_ids=self.kv.block_ids(req.request_id),
-            samples=start + num_new == req.num_tokens,
-            num_lookahead=lookahead,
-            prompt_logprob_positions=range(max(start, wanted.start), min(start + num_new, wanted.stop)),
-        )
+        end = start + num_new
+        if req.params.prompt_logprobs is None:
+            positions = _NO_POSITIONS
+        else:
+            wanted = req.prompt_logprob_positions
+            positions = range(max(start, wanted.start), min(end, wanted.stop))
+        return ScheduledSeq(req.request_id, req.token_ids[start:end], start, self.kv.block_ids(req.request_id),
+                            end == len(req.token_ids), lookahead, prompt_logprob_positions=positions)
 
     # ---- update ------------------------------------------------------------------------------------------
 
