@@ -224,8 +224,9 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
     start = time.perf_counter()
     for w, chunk in enumerate(waves):
         for i, (prompt, n_out) in enumerate(chunk):
+            # FINAL_ONLY, as LLM.generate (and vLLM's offline benchmark) runs: one output per request, at the end.
             engine.add_request(f"w{w}-{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0))
+                               SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0, output_kind="final_only"))
         while engine.has_unfinished_requests():
             batch_sizes.append(len(engine.scheduler.running))
             for out in engine.step():
@@ -255,7 +256,7 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         # The wall time the GPU did not run the model, per step: all of the host work in the synchronous loop, only
         # the part left exposed (not overlapped with the previous step) with async scheduling.
         "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
-        "step_ms": wall / steps * 1e3, "async_scheduling": engine.async_scheduling,
+        "step_ms": wall / steps * 1e3, "async_scheduling": engine.async_scheduling, "output_kind": "final_only",
         "cuda_graphs": bool(getattr(engine.executor, "graphs", None) and engine.executor.graphs.enabled),
         **split,
     }

@@ -107,6 +107,8 @@ def poison(engine: LLMEngine, request_id: str, **fields) -> None:
     for seq in engine._groups[request_id].seqs:
         for k, v in fields.items():
             object.__setattr__(seq.params, k, v)
+        # As if the params had been made with these values: drop what was derived (and cached) from the old ones.
+        seq.params.__dict__.pop("plain_greedy", None)
 
 
 def check_engine(engine: LLMEngine) -> None:

@@ -239,6 +239,7 @@ def _poison_on_add(engine: LLMEngine, request_id: str, **fields) -> None:
             for seq in engine._groups[rid].seqs:
                 for k, v in fields.items():
                     object.__setattr__(seq.params, k, v)
+                seq.params.__dict__.pop("plain_greedy", None)  # derived from the old values (cached)
 
     engine.add_request = add_then_poison
 

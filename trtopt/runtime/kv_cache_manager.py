@@ -84,8 +84,9 @@ class KVCacheManager:
         bs = self.block_size
         end = num_computed_tokens + num_new_tokens
         num_required = -(-(end + num_lookahead_tokens) // bs)
-        ref_cnt = self.pool.ref_cnt
-        if num_required <= len(table) and all(ref_cnt[table[i]] == 1 for i in range(num_computed_tokens // bs, num_required)):
+        ref_cnt, first = self.pool.ref_cnt, num_computed_tokens // bs
+        if num_required <= len(table) and (ref_cnt[table[first]] == 1 if num_required == first + 1
+                                           else all(ref_cnt[table[i]] == 1 for i in range(first, num_required))):
             # Most decode steps: the tokens fit in blocks this sequence already holds alone (cached_blocks is
             # then empty, by the assert above). Nothing is taken or copied and the table stays the same list.
             self._cache_full_blocks(request_id, token_ids, end)

@@ -301,6 +301,9 @@ class Scheduler:
 
         With speculation every token but the last is an accepted draft token, whose K/V this step computed.
         """
+        if len(tokens) == 1:  # no speculation: the common case, without the loop
+            self._append_token(req, tokens[0])
+            return self._check_stop(req)
         for i, token in enumerate(tokens):
             if i:
                 req.num_computed_tokens += 1  # the previous token was a draft: it is in the cache now
