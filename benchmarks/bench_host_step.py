@@ -217,7 +217,8 @@ def main() -> None:
         print(json.dumps(measure(args.measure, plan, 1)))
         return
 
-    trees = {"current": (ROOT, "HEAD" if not _dirty() else "HEAD + working tree")}
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    trees = {"current": (ROOT, head + (" + uncommitted changes" if _dirty() else ""))}
     tmp = None
     if args.baseline:
         tmp, src = worktree(args.baseline)
