@@ -37,11 +37,15 @@ class InputBuilder:
         counts = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
         ends = starts + counts
-        short = np.flatnonzero(num_blocks * bs < ends)
-        assert not len(short), f"{seqs[short[0]].request_id}: {num_blocks[short[0]]} blocks for {ends[short[0]]} tokens"
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
-        total = int(qsl[-1])
+        if (num_blocks * bs < ends).any():
+            k = int(np.flatnonzero(num_blocks * bs < ends)[0])
+            raise AssertionError(f"{seqs[k].request_id}: {num_blocks[k]} blocks for {ends[k]} tokens")
+        total = int(counts.sum())
+        if total == num_seqs:  # one row per sequence (decode)
+            qsl = np.arange(num_seqs + 1, dtype=np.int64)
+        else:
+            qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(counts, out=qsl[1:])
         input_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
         if total == num_seqs:  # one row per sequence (decode): no per-token expansion needed
             row_seq, positions = np.arange(num_seqs), starts
@@ -98,6 +102,9 @@ class InputBuilder:
         lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         width = int(lens.max())
         assert width <= self.max_blocks_per_seq, f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}"
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        tables[np.arange(width) < lens[:, None]] = np.concatenate(rows)  # row-major: row s gets its own ids, in order
+        if int(lens.min()) == width:  # no padding (always so for one sequence)
+            tables = np.concatenate(rows).reshape(len(rows), width)
+        else:
+            tables = np.zeros((len(rows), width), dtype=np.int32)
+            tables[np.arange(width) < lens[:, None]] = np.concatenate(rows)  # row-major: row s gets its own ids, in order
         return torch.from_numpy(tables), lens
