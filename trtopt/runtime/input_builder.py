@@ -41,17 +41,15 @@ class InputBuilder:
             k = int(np.flatnonzero(num_blocks * bs < ends)[0])
             raise AssertionError(f"{seqs[k].request_id}: {num_blocks[k]} blocks for {ends[k]} tokens")
         total = int(counts.sum())
-        if total == num_seqs:  # one row per sequence (decode)
+        if total == num_seqs:  # one row per sequence (decode): no per-token expansion needed
             qsl = np.arange(num_seqs + 1, dtype=np.int64)
+            row_seq, positions = qsl[:-1], starts
         else:
             qsl = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(counts, out=qsl[1:])
-        input_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
-        if total == num_seqs:  # one row per sequence (decode): no per-token expansion needed
-            row_seq, positions = np.arange(num_seqs), starts
-        else:
             row_seq = np.repeat(np.arange(num_seqs), counts)  # the sequence of each token row
             positions = np.arange(total) + np.repeat(starts - qsl[:-1], counts)
+        input_ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
         slots = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs
         logits_indices = self._logits_rows(seqs, qsl)
         return StepInputs(

@@ -65,8 +65,11 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         if on_output is None:
-            final = {}  # one replaced copy per distinct params object ([p] * n is the common case)
-            params = [final.get(id(p)) or final.setdefault(id(p), _final_only(p)) for p in params]
+            copies: dict[int, SamplingParams] = {}  # one copy per distinct params object ([p] * n is the common case)
+            for p in params:
+                if id(p) not in copies:
+                    copies[id(p)] = _final_only(p)
+            params = [copies[id(p)] for p in params]
         ids = [f"llm-{next(self._ids)}" for _ in prompt_list]
         added = []
         try:
