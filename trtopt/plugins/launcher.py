@@ -211,14 +211,15 @@ class DriverLaunch:
     alignment (the call checks the alignment: it is part of the kernel's specialisation; the caller keeps the dtypes
     and everything else the same)."""
 
-    __slots__ = ("name", "device", "num_tensors", "_function", "_dims", "_addresses", "_aligned", "_all_aligned",
-                 "_params", "_params_address", "_values")
+    __slots__ = ("name", "device", "num_tensors", "_launch_kernel", "_success", "_function", "_dims", "_addresses",
+                 "_aligned", "_all_aligned", "_params", "_params_address", "_values")
 
     def __init__(self, compiled: Any, grid: tuple[int, ...], device: int, kinds: list[tuple[str, Any]],
                  aligned: list[bool], hidden: int) -> None:
         self.name = compiled.metadata.name
         self.device = device
-        self._function = _DRIVER[2](compiled.function)
+        self._launch_kernel, self._success, function_type = _driver()
+        self._function = function_type(compiled.function)
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         threads = compiled.metadata.num_warps * getattr(compiled.metadata, "warp_size", 32)
         self._dims = (*grid3, threads, 1, 1, compiled.metadata.shared)
@@ -255,9 +256,8 @@ class DriverLaunch:
                 else [a % 16 == 0 for a in addresses] != self._aligned):
             return False
         self._addresses[:len(addresses)] = addresses
-        launch_kernel, success, _ = _DRIVER
-        (result,) = launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
-        if result != success:
+        (result,) = self._launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
+        if result != self._success:
             raise RuntimeError(f"cuLaunchKernel failed for {self.name}: {result!r}")
         return True
 
@@ -300,7 +300,6 @@ def prepare(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dic
 
 def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
                     kwargs: dict[str, Any]) -> DriverLaunch | None:
-    global _DRIVER
     info = None if _dispatch_only else _info(kernel)
     if info is None or grid.__class__ is not tuple or not 1 <= len(grid) <= 3:
         return None
@@ -310,7 +309,6 @@ def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
         return None
     if entry is None or _driver() is None:
         return None
-    _DRIVER = _driver()
     compiled = entry[0][None]
     metadata = getattr(compiled, "metadata", None)
     signature = getattr(getattr(compiled, "src", None), "signature", None)
@@ -349,5 +347,3 @@ def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
         return None
     return DriverLaunch(compiled, grid, torch.cuda.current_device(), kinds, aligned, hidden)
 
-
-_DRIVER: Any = None  # _driver(), set when the first direct launch is prepared (a module global: one lookup)

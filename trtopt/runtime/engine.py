@@ -127,7 +127,6 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[Request]
     num_reported: list[int]  # output tokens of each sequence already sent in a RequestOutput
-    final_only: bool = False  # params.output_kind is FINAL_ONLY: no output until every sequence has finished
 
 
 class LLMEngine:
@@ -259,8 +258,7 @@ class LLMEngine:
             req.bad_words_token_ids = processed.bad_words_token_ids
             seqs.append(req)
         self.scheduler.add_request(seqs[0], seqs[1:])
-        self._groups[request_id] = _Group(processed.prompt, token_ids, seqs, [0] * params.n,
-                                          final_only=params.output_kind is RequestOutputKind.FINAL_ONLY)
+        self._groups[request_id] = _Group(processed.prompt, token_ids, seqs, [0] * params.n)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The request's compiled grammar (xgrammar), or None without structured_outputs; RequestError for a bad
@@ -554,7 +552,7 @@ class LLMEngine:
             group = self._groups.get(parent)
             if group is None:
                 continue  # it failed this step; its error output is already made
-            if group.final_only and not all(r.status.finished for r in group.seqs):
+            if group.seqs[0].params.output_kind is RequestOutputKind.FINAL_ONLY and not all(r.status.finished for r in group.seqs):
                 continue  # RequestOutputKind.FINAL_ONLY: one output, when every completion has finished
             out = self._group_output(parent, group)
             if out.finished:

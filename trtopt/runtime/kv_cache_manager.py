@@ -93,7 +93,7 @@ class KVCacheManager:
             return []
         num_fresh = max(0, num_required - len(table) - len(cached_blocks))
         # Blocks that receive writes this step and that another sequence also holds.
-        cow = [i for i in range(num_computed_tokens // bs, min(len(table), num_required)) if self.pool.ref_cnt[table[i]] > 1]
+        cow = [i for i in range(first, min(len(table), num_required)) if ref_cnt[table[i]] > 1]
         # Touching a free cached block takes it off the free queue, so it counts against the free blocks.
         num_revived = sum(self.pool.is_free(b) for b in cached_blocks)
         if num_fresh + len(cow) + num_revived > self.pool.num_free_blocks:
