@@ -67,3 +67,22 @@ def test_final_only_params_stay_plain_greedy_and_hashable():
     p = SamplingParams(temperature=0.0, output_kind="final_only")
     assert p.plain_greedy and hash(p) == hash(SamplingParams(temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY))
     assert not SamplingParams(temperature=0.0, logprobs=1).plain_greedy
+
+
+def test_a_final_only_request_that_fails_still_gets_its_error_output():
+    """Failure outputs are made before the FINAL_ONLY filter: the failing request is told, the others finish."""
+    from echo_model import poison
+
+    plan = make_plan(block_size=4, max_num_tokens=16, max_num_seqs=8, max_model_len=40)
+    engine = LLMEngine(EchoExecutor(4), plan, None, EngineConfig(num_blocks=24, seed=0))
+    for i, prompt in enumerate(prompts(3)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=5, output_kind="final_only"))
+    poison(engine, "r1", top_k=2**63, temperature=1.0)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        check_engine(engine)
+    assert sorted(o.request_id for o in outs) == ["r0", "r1", "r2"] and all(o.finished for o in outs)
+    by_id = {o.request_id: o for o in outs}
+    assert by_id["r1"].error and by_id["r1"].outputs[0].finish_reason == "error"
+    assert by_id["r0"].outputs[0].finish_reason == by_id["r2"].outputs[0].finish_reason == "length"
