@@ -331,9 +331,11 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
     }
 
 
-def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4) -> dict | None:
-    """The kernels of eager batch-1 decode steps (graphs off for the profile): how many per step, and where the
-    device time goes, by kernel name."""
+def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4, graphed: bool = False) -> dict | None:
+    """The kernels of batch-1 decode steps: how many per step, and where the device time goes, by kernel name.
+    graphed=False: graphs off for the profile (every kernel launched from Python, the issue's count); True: the
+    served step, its graph replay (CUPTI records each kernel of a replayed graph) plus what the engine launches
+    around it (the input copy, the placeholder fill, the logits copy, the sampler)."""
     from torch.profiler import ProfilerActivity, profile
 
     from trtopt.runtime.sampling_params import SamplingParams
@@ -345,7 +347,7 @@ def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4) -> 
                        SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0))
     while not any(out.outputs[0].token_ids for out in engine.step()):
         pass  # prefill, in one step or in chunks (max_num_batched_tokens < 64)
-    enabled, graphs.enabled = graphs.enabled, False
+    enabled, graphs.enabled = graphs.enabled, graphed
     try:
         # A first eager decode step outside the profile: Triton compiles its T=1 variants (and torch.compile, under
         # TorchExecutor(compile_mode=...), this shape), so that no compile-time launch lands in the profile.
@@ -540,6 +542,7 @@ def main() -> None:
         b1["copy_bandwidth_Bps"] = copy_bandwidth(device)
         b1["graph_replay_ms"] = graph_replay_ms(engine, device)
         b1["profile_eager"] = profile_decode(engine, shape.vocab, device)
+        b1["profile_graphed"] = profile_decode(engine, shape.vocab, device, graphed=True)
         if b1["copy_bandwidth_Bps"]:
             b1["roofline_tok_s"] = b1["copy_bandwidth_Bps"] / b1["bytes_per_step"]
             b1["fraction_of_roofline"] = b1["decode_tok_s"] / b1["roofline_tok_s"]
@@ -696,6 +699,10 @@ def main() -> None:
         print(f"eager batch-1 decode step: {prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of kernels")
         for k in prof["top"][:10]:
             print(f"   {k['us_per_step']:8.1f} us  {k['per_step']:6.1f}x  {k['name'][:70]}")
+    prof = data.get("batch1", {}).get("profile_graphed")
+    if prof:
+        print(f"served (graphed) batch-1 decode step: {prof['kernels_per_step']:.0f} kernels, "
+              f"{prof['kernel_us_per_step']:.0f} us of kernels")
     for name, r in data.get("fusion_ablation", {}).items():
         print(f"batch-1 {name:<40} {r.get('decode_tok_s') or 0:8.0f} tok/s   graph replay {r.get('graph_replay_ms') or 0:.3f} ms"
               f"   kernels/step {r.get('kernels_per_step')}")

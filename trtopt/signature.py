@@ -47,6 +47,10 @@ SLOT_MAPPING = TensorSpec("slot_mapping", "int64", ("T",))  # -1 = do not write
 LOGITS_INDICES = TensorSpec("logits_indices", "int64", ("N",))
 LOGITS = TensorSpec("logits", "float32", ("N", "vocab"))
 
+# Inputs whose every value is >= 0 in each step the runtime feeds (token ids once async scheduling's placeholders
+# are filled, positions, logits rows); an executor may index with them without ONNX's negative-index wrap.
+NONNEGATIVE_INPUTS = frozenset(spec.name for spec in (INPUT_IDS, POSITION_IDS, LOGITS_INDICES))
+
 # The per-step attention metadata every PagedAttention node reads, in the op's input order.
 ATTENTION_METADATA = (BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, SLOT_MAPPING)
 # Every per-step input, in graph order around the pools; runtime.batch.StepInputs has one field per name.

@@ -280,6 +280,7 @@ def build_plan(
                 probe_len=_probe_len(limits, config_json),
                 horizontal=tensor_parallel is None,
                 disable=tuple(disable_passes),
+                max_positions=limits.max_model_len,
             )
         with steps.step("validating the plan graph"):
             _refuse_non_transformer(model, report, onnx_path)

@@ -67,7 +67,7 @@ class _Probed:
     bias: np.ndarray  # float64 [heads or 1, new, keys], 0 where not allowed
 
 
-def _slice_nodes(graph: ir.Graph, targets: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value], list[ir.Value]]:
+def slice_nodes(graph: ir.Graph, targets: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value], list[ir.Value]]:
     """Nodes, graph inputs and initializers that ``targets`` depend on, nodes in graph order."""
     needed: set[int] = set()
     inputs: dict[str, ir.Value] = {}
@@ -146,7 +146,7 @@ def _output_info(target: ir.Value) -> onnx.ValueInfoProto:
 
 
 def _probe_model(model: ir.Model, targets: list[ir.Value]) -> tuple[onnx.ModelProto, list[ir.Value]]:
-    nodes, inputs, initializers = _slice_nodes(model.graph, targets)
+    nodes, inputs, initializers = slice_nodes(model.graph, targets)
     shape_only = _shape_only_tables(nodes, targets, initializers)
     for init in initializers:
         if id(init) not in shape_only and init.const_value.nbytes > _MAX_PROBE_INITIALIZER:
@@ -311,6 +311,24 @@ def _alibi_slopes(probes: list[_Probed]) -> tuple[float, ...] | None:
     if not slopes.any():
         return None
     return tuple(float(x) for x in slopes)
+
+
+def evaluate_feeds(
+    model: ir.Model, targets: list[ir.Value], feeds: list[dict[str, np.ndarray]]
+) -> list[list[np.ndarray]]:
+    """Run the subgraph computing ``targets`` on ORT once per feed dict (keyed by graph input name; inputs the
+    subgraph does not read are dropped). bf16 is computed in float32, as for the mask probes (``_bf16_to_float32``:
+    the caller decides whether that is exact for its values). NoMatch when it cannot be cut out or run."""
+    import onnxruntime as ort
+
+    proto, inputs = _probe_model(model, targets)
+    names = [v.name for v in inputs]
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        return [[np.asarray(v) for v in session.run([t.name for t in targets], {n: f[n] for n in names})]
+                for f in feeds]
+    except Exception as e:  # ORT raises its own exception types; any failure means "cannot prove"
+        raise NoMatch(f"the subgraph of {targets[0].name} does not run on its own ({type(e).__name__})") from e
 
 
 def evaluate_at(

@@ -15,7 +15,7 @@ from trtopt.fusion_passes.trace import MatchFailure, Trace
 
 # The passes a build may turn off (`trtopt build --disable-pass NAME`, for ablations): the performance fusions.
 # Attention, the logits gather and cleanup make the plan's signature and are never optional.
-OPTIONAL_PASSES = ("rope", "layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "gelu_mul",
+OPTIONAL_PASSES = ("rope", "rope_table", "layer_norm", "rms_norm", "add_rms_norm", "horizontal_matmul", "silu_mul", "gelu_mul",
                    "matmul_add")
 
 
@@ -44,15 +44,18 @@ def optimize(
     probe_len: int = 512,
     horizontal: bool = True,
     disable: frozenset[str] | tuple[str, ...] = (),
+    max_positions: int | None = None,
 ) -> FusionReport:
     """Rewrite ``model`` in place into the plan graph; return the report.
 
     A graph with KV-cache I/O becomes the paged signature of DESIGN.md §3 (or FusionError is raised); any other
     graph keeps its signature and gets FlashAttention. Passes named in ``disable`` (from OPTIONAL_PASSES; the
-    caller checks the names) are skipped and count 0.
+    caller checks the names) are skipped and count 0. ``max_positions`` (default ``probe_len``) sizes the rotary
+    tables of the rope_table pass: the plan's max_model_len, which every position the runtime feeds is below.
     """
     from trtopt.fusion_passes.add_rms_norm import fuse_add_rms_norm
     from trtopt.fusion_passes.rope import fuse_rope
+    from trtopt.fusion_passes.rope_table import tabulate_rope
     from trtopt.fusion_passes.gelu_mul import fuse_gelu_mul
     from trtopt.fusion_passes.silu_mul import fuse_silu_mul
     from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
@@ -73,6 +76,9 @@ def optimize(
         counts["flash_attention"] = fuse_flash_attention(model, ctx)
     # After attention: the paged rewrite's proofs walk the exported RoPE ops.
     counts["rope"] = fuse_rope(model, ctx.trace) if "rope" in on else 0
+    # After rope: the tables are the cos/sin the Rope ops read (paged plans only: they have position_ids).
+    counts["rope_table"] = (tabulate_rope(model, ctx.trace, max_positions=max_positions or probe_len)
+                            if paged and "rope_table" in on else 0)
     # Norms and MatMul+Add run after attention: the QKᵀ MatMul + mask Add must not be taken for a biased MatMul.
     counts["layer_norm"] = fuse_layer_norm(model) if "layer_norm" in on else 0
     counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0

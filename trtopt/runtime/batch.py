@@ -49,6 +49,17 @@ def fill_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> tor
     return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 
+def fill_placeholders_(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """fill_placeholders in place on input_ids (returned): one Triton launch for contiguous int64 CUDA tensors
+    (instead of the five kernels and a copy of the torch ops), the torch ops everywhere else."""
+    if (input_ids.is_cuda and sampled_ids.device == input_ids.device and input_ids.dtype == sampled_ids.dtype
+            == torch.int64 and input_ids.is_contiguous() and sampled_ids.is_contiguous()):
+        from trtopt.runtime.placeholder_kernel import fill_placeholders_triton
+
+        return fill_placeholders_triton(input_ids, sampled_ids)
+    return input_ids.copy_(fill_placeholders(input_ids, sampled_ids))
+
+
 @dataclasses.dataclass
 class ScheduledSeq:
     """One sequence's share of a step, as the scheduler decided it."""

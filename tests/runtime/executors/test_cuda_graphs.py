@@ -7,9 +7,11 @@ import torch
 
 from trtopt.build.plan import read_plan
 from trtopt.check.driver import BlockSource, Seq, make_step
+from trtopt.runtime.batch import fill_placeholders_
 from trtopt.runtime.executors.cuda_graphs import (
-    GraphBucket, StepGraphs, dummy_step, graph_buckets, pad_step, token_buckets,
+    GraphBucket, StepGraphs, dummy_step, field_views, graph_buckets, input_layout, pack_step, pad_step, token_buckets,
 )
+from trtopt.signature import STEP_INPUT_NAMES
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 
@@ -62,6 +64,39 @@ def test_dummy_step_is_all_padding():
     assert dummy.slot_mapping.eq(-1).all() and dummy.block_tables.eq(0).all() and dummy.query_start_loc.eq(0).all()
     assert real.slot_mapping[2:].eq(-1).all() and real.query_start_loc.tolist() == [0, 2, 2, 2, 2]
     assert real.input_ids.shape == (1, 8) and real.logits_indices.tolist() == [1, 0, 0, 0]
+
+
+def test_packed_inputs_are_the_padded_step_in_one_buffer():
+    """One copy per step: every bucket's inputs are 64-byte-aligned fields of one buffer, and packing a step into
+    it (over whatever the previous, larger step left there) gives exactly pad_step's tensors."""
+    source = BlockSource(64)
+    steps = [make_step([Seq(list(range(40)), cached=3), Seq([4, 5], cached=1), Seq(list(range(9)))], [37, 1, 9], 16,
+                       source),
+             make_step([Seq([1, 2, 3], cached=2), Seq([4, 5], cached=1)], [1, 1], 16, source),
+             make_step([Seq(list(range(8)), cached=4)], [4], 16, source)]
+    steps[2].logits_indices = torch.arange(4)
+    buckets = graph_buckets(4, 64)
+    size = max(input_layout(b, 6)[1] for b in buckets)
+    buffer = torch.full((size,), 0xAB, dtype=torch.uint8)  # garbage, as a reused buffer holds
+    for step in steps:
+        bucket = StepGraphs.bucket_of(buckets, step)
+        layout, nbytes = input_layout(bucket, 6)
+        assert list(layout) == list(STEP_INPUT_NAMES) and nbytes <= size
+        assert all(offset % 64 == 0 for offset, _, _ in layout.values())
+        ends = sorted((o, o + torch.tensor([], dtype=d).element_size() * torch.Size(sh).numel()) for o, d, sh in
+                      layout.values())
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))  # no field overlaps another
+        views = field_views(buffer, layout)
+        pack_step(step, {name: v.numpy() for name, v in views.items()})
+        want = pad_step(step, bucket, 6)
+        for name in STEP_INPUT_NAMES:
+            assert torch.equal(views[name], getattr(want, name)), name
+
+
+def test_placeholders_are_filled_in_place():
+    ids = torch.tensor([[7, -1, 9, -3, -2]])
+    out = fill_placeholders_(ids, torch.tensor([70, 80, 90]))
+    assert out is ids and ids.tolist() == [[7, 70, 9, 90, 80]]
 
 
 @pytest.mark.parametrize("counts", [[1, 1, 1], [5, 1, 3], [2, 2, 2]], ids=["decode", "mixed", "multi-row"])

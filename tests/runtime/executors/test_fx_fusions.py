@@ -6,6 +6,7 @@ module sets it itself before importing the kernel) and on the GPU with the `gpu`
 
 from __future__ import annotations
 
+import operator
 import os
 
 import pytest
@@ -17,10 +18,11 @@ if not torch.cuda.is_available():
 from trtopt.build.builder import build_plan
 from trtopt.build.plan import Limits, read_plan
 from trtopt.plugins.rope.kernel import rope_triton
-from trtopt.runtime.executors import trtopt_ops
-from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, rope
+from trtopt.runtime.executors import onnx_ops, trtopt_ops
+from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, gather_nonnegative, rope
 from trtopt.runtime.executors.onnx_to_torch import onnx_to_torch
 from trtopt.runtime.executors.torch_executor import TorchExecutor
+from trtopt.signature import NONNEGATIVE_INPUTS
 
 from packed_steps import prefill_then_decode
 
@@ -193,3 +195,41 @@ def test_plan_op_falls_back_to_the_exported_arithmetic():
 def test_kernel_is_bit_identical_on_gpu(shape, dtype):
     x, cos, sin = rope_inputs(*shape, dtype, seed=sum(shape))
     torch.testing.assert_close(rope_triton(x, cos, sin), unfused(x, cos, sin), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_gathers_by_token_ids_positions_and_logits_rows_skip_the_negative_index_wrap(model, plan_dir):
+    """The embedding (input_ids), the rotary tables (position_ids) and the logits rows (logits_indices) are read
+    with one index_select each; the plan's logits are bit for bit those of the ONNX Gather's negative-index path."""
+    built = plan_dir(model)
+    plan = read_plan(built)
+    ex = TorchExecutor(built, plan)
+    names = _targets(ex)
+    # embedding + logits rows, + cos and sin tables on plans built with rope_table (the default)
+    assert ex.num_nonnegative_gathers == names.count("gather_nonnegative") >= 4
+    assert "gather" not in names
+    slow = TorchExecutor(built, plan)
+    for node in slow.graph.module.graph.nodes:
+        if node.target is onnx_ops.gather_nonnegative:
+            node.target = onnx_ops.gather
+    slow.graph.module.recompile()
+    for a, b in zip(prefill_then_decode(ex, plan.limits.block_size), prefill_then_decode(slow, plan.limits.block_size)):
+        assert torch.equal(a, b)
+
+
+def test_a_gather_by_any_other_value_keeps_the_wrap():
+    """Only signature inputs the runtime keeps non-negative qualify; a computed index (it may be negative in ONNX)
+    or another input keeps onnx_ops.gather."""
+    graph = torch.fx.Graph()
+    table, ids, other = (graph.placeholder(n) for n in ("table", "input_ids", "other"))
+    flat = graph.call_function(onnx_ops.reshape, (ids, [-1]))
+    a = graph.call_function(onnx_ops.gather, (table, flat))
+    b = graph.call_function(onnx_ops.gather, (table, other))
+    c = graph.call_function(onnx_ops.gather, (table, graph.call_function(operator.neg, (ids,))))
+    graph.output((a, b, c))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert gather_nonnegative(gm, ["table", "input_ids", "other"], NONNEGATIVE_INPUTS) == 1
+    assert [n.target for n in (a, b, c)] == [onnx_ops.gather_nonnegative, onnx_ops.gather, onnx_ops.gather]
+    t = torch.arange(12.0).reshape(6, 2)
+    got = gm(t, torch.tensor([[0, 5]]), torch.tensor([-1]))
+    assert torch.equal(got[0], t[[0, 5]]) and torch.equal(got[1], t[[5]]) and torch.equal(got[2], t[[0, 1]][None])

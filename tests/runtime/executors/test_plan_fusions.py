@@ -38,3 +38,20 @@ def test_plan_fusion_is_bit_identical_on_the_cpu_executor(rule, model, plan_dir,
     assert json.loads((with_pass / REPORT_FILE).read_text())["counts"][rule] > 0  # else the comparison is vacuous
     for a, b in zip(_steps(with_pass), _steps(without.plan_dir)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_rope_tables_equal_the_per_step_computation_to_float32_rounding(model, plan_dir, export_dir, tmp_path):
+    """rope_table replaces the per-step cos/sin by rows of a table computed at build time on onnxruntime. ORT's and
+    torch's float32 cos/sin of the same angles may differ in the last bit, so this pass, unlike the others, is not
+    bit-identical on the torch executor: the logits agree to float32 rounding and the greedy tokens are the same.
+    (On ORT, which computed the table, the plan equals the unfused one: tests/fusion_passes/test_rope_table.py.)"""
+    with_pass = plan_dir(model)
+    limits = read_plan(with_pass).limits
+    without = build_plan(export_dir(model), tmp_path / "without", limits=limits, force=True, progress=False,
+                         disable_passes=("rope_table",))
+    assert without.report.counts["rope_table"] == 0
+    assert json.loads((with_pass / REPORT_FILE).read_text())["counts"]["rope_table"] == 2  # cos and sin
+    for a, b in zip(_steps(with_pass), _steps(without.plan_dir)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -17,9 +17,11 @@ Padding is chosen so that it changes nothing and needs no host sync:
 - padding logits rows gather row 0 and are dropped.
 
 The paged signature's no-host-sync rule (shapes alone decide every launch) is what makes a captured graph valid for
-any metadata values. All graphs share one memory pool, one set of device input buffers (views of the largest
-bucket's) and one logits buffer, and are captured largest first at start-up, so capture memory is about that of
-the largest step. A plan that does sync fails at capture, which turns graphs off for the executor with a warning
+any metadata values. All graphs share one memory pool, one device input buffer and one logits buffer, and are
+captured largest first at start-up, so capture memory is about that of the largest step. The step inputs are packed
+per bucket into that one buffer (`input_layout`: each field 64-byte aligned), so a step costs one host-to-device
+copy of its bucket's bytes from a pinned mirror, not one per input (and async scheduling's placeholders are filled
+on the device by one launch). A plan that does sync fails at capture, which turns graphs off for the executor with a warning
 instead of failing the step.
 
 The bucketing and padding are plain torch and tested on CPU; capture and replay need a GPU (`gpu` tests).
@@ -30,14 +32,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import math
 import time
 from typing import Callable
 
 import torch
 
-from trtopt.runtime.batch import StepInputs, fill_placeholders
+from trtopt.runtime.batch import StepInputs, fill_placeholders_
 from trtopt.signature import (
     BLOCK_TABLES, INPUT_IDS, LOGITS_INDICES, POSITION_IDS, QUERY_START_LOC, SEQ_LENS, SLOT_MAPPING, STEP_INPUT_NAMES,
+    STEP_INPUTS,
 )
 
 _IDS, _POS, _TABLES, _LENS, _QSL, _SLOTS, _ROWS = (spec.name for spec in (
@@ -123,6 +127,56 @@ def dummy_step(bucket: GraphBucket, max_blocks_per_seq: int) -> StepInputs:
     )
 
 
+_DTYPES = {spec.name: getattr(torch, spec.dtype) for spec in STEP_INPUTS}
+_ALIGN = 64  # bytes: every field of the packed inputs keeps the 16-byte alignment the kernels are specialised on
+
+
+def input_layout(bucket: GraphBucket, max_blocks_per_seq: int) -> tuple[dict[str, tuple[int, torch.dtype, tuple]], int]:
+    """Where each step input of `bucket` lives in the one packed buffer a step copies to the device: name →
+    (byte offset, dtype, shape), in STEP_INPUT_NAMES order, and the bytes the bucket uses."""
+    tb, sb, nb = bucket.num_tokens, bucket.num_seqs, bucket.num_logits
+    shapes = {_IDS: (1, tb), _POS: (1, tb), _TABLES: (sb, max_blocks_per_seq), _LENS: (sb,), _QSL: (sb + 1,),
+              _SLOTS: (tb,), _ROWS: (nb,)}
+    layout, offset = {}, 0
+    for name in STEP_INPUT_NAMES:
+        dtype = _DTYPES[name]
+        layout[name] = (offset, dtype, shapes[name])
+        offset += -(-math.prod(shapes[name]) * dtype.itemsize // _ALIGN) * _ALIGN
+    return layout, offset
+
+
+def field_views(buffer: torch.Tensor, layout: dict[str, tuple[int, torch.dtype, tuple]]) -> dict[str, torch.Tensor]:
+    """Typed views of a uint8 `buffer` (host or device) at `layout`'s offsets."""
+    views = {}
+    for name, (offset, dtype, shape) in layout.items():
+        size = math.prod(shape) * dtype.itemsize
+        views[name] = buffer[offset : offset + size].view(dtype).view(shape)
+    return views
+
+
+def pack_step(step: StepInputs, fields: dict) -> None:
+    """Write `step`, padded as pad_step pads it, into `fields` (numpy views of one bucket's packed inputs, as
+    field_views(...) of the pinned buffer gives them): one Python pass of slice writes, no torch op per field."""
+    t, s, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+    width = step.block_tables.shape[1]
+    ids, pos, tables = fields[_IDS], fields[_POS], fields[_TABLES]
+    ids[0, :t] = step.input_ids.numpy()[0]
+    ids[0, t:] = 0
+    pos[0, :t] = step.position_ids.numpy()[0]
+    pos[0, t:] = 0
+    fields[_SLOTS][:t] = step.slot_mapping.numpy()
+    fields[_SLOTS][t:] = -1
+    tables[:s, :width] = step.block_tables.numpy()
+    tables[:s, width:] = 0
+    tables[s:] = 0
+    fields[_LENS][:s] = step.seq_lens.numpy()
+    fields[_LENS][s:] = 1
+    fields[_QSL][: s + 1] = step.query_start_loc.numpy()
+    fields[_QSL][s + 1 :] = t
+    fields[_ROWS][:n] = step.logits_indices.numpy()
+    fields[_ROWS][n:] = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class CaptureReport:
     """What start-up capture cost (logged, and read by benchmarks)."""
@@ -148,10 +202,13 @@ class StepGraphs:
         self.capture_report: CaptureReport | None = None
         self._captured: dict[GraphBucket, torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool shared by every bucket's graph
-        self._inputs: dict[str, torch.Tensor] = {}  # device buffers of the largest bucket; graphs read views
+        # Every step input lives in one device buffer, packed per bucket (input_layout): a step is one host-to-device
+        # copy of its bucket's bytes from one pinned mirror. Graphs read their bucket's views of it.
+        self._device_bytes: torch.Tensor | None = None
+        self._host_bytes: torch.Tensor | None = None  # pinned, refilled every step
+        self._fields: dict[GraphBucket, tuple[dict[str, torch.Tensor], dict, int]] = {}  # device views, host
+        # numpy views (slice writes without torch dispatch), bytes used
         self._logits: torch.Tensor | None = None  # [largest N_b, vocab] fp32, written by every graph
-        self._staging: dict[str, torch.Tensor] = {}  # pinned host mirrors of _inputs, refilled every step
-        self._staging_np: dict = {}  # numpy views of _staging (slice writes without torch dispatch)
         self._copied = torch.cuda.Event()  # recorded after each step's host-to-device copies
 
     def set_buckets(self, buckets: tuple[GraphBucket, ...]) -> None:
@@ -163,9 +220,8 @@ class StepGraphs:
         """Forget every graph (the KV pools they captured by address were reallocated)."""
         self._captured.clear()
         self._pool = None  # the memory pool died with its graphs; capturing into it trips an allocator assert
-        self._inputs.clear()
-        self._staging.clear()
-        self._staging_np.clear()
+        self._device_bytes = self._host_bytes = None
+        self._fields.clear()
         self._logits = None
 
     def capture_all(self) -> CaptureReport:
@@ -216,53 +272,31 @@ class StepGraphs:
         return self._logits[: step.logits_indices.shape[0]].clone()
 
     def _fill(self, step: StepInputs, bucket: GraphBucket) -> None:
-        """Write the step, padded as pad_step does, into the pinned staging buffers (numpy views: no allocation, no
-        torch op per field) and copy the bucket's part to the device inputs asynchronously."""
-        self._copied.synchronize()  # the previous step's copies have read the staging buffers
-        t, s, n = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
-        tb, sb, nb = bucket.num_tokens, bucket.num_seqs, bucket.num_logits
-        width = step.block_tables.shape[1]
-        st = self._staging_np
-        st[_IDS][0, :t] = step.input_ids.numpy()[0]
-        st[_IDS][0, t:tb] = 0
-        st[_POS][0, :t] = step.position_ids.numpy()[0]
-        st[_POS][0, t:tb] = 0
-        st[_SLOTS][:t] = step.slot_mapping.numpy()
-        st[_SLOTS][t:tb] = -1
-        st[_TABLES][:s, :width] = step.block_tables.numpy()
-        st[_TABLES][:s, width:] = 0
-        st[_TABLES][s:sb] = 0
-        st[_LENS][:s] = step.seq_lens.numpy()
-        st[_LENS][s:sb] = 1
-        st[_QSL][: s + 1] = step.query_start_loc.numpy()
-        st[_QSL][s + 1 : sb + 1] = t
-        st[_ROWS][:n] = step.logits_indices.numpy()
-        st[_ROWS][n:nb] = 0
-        staged = self._views(bucket, self._staging)
-        inputs = self._views(bucket)
-        for name, view in inputs.items():
-            view.copy_(staged[name], non_blocking=True)
+        """Pack the step, padded to the bucket, into the pinned buffer and copy the bucket's bytes to the device in
+        one asynchronous copy; async scheduling's placeholders are then filled on the device (one launch)."""
+        self._copied.synchronize()  # the previous step's copy has read the pinned buffer
+        device, host, nbytes = self._bucket_fields(bucket)
+        pack_step(step, host)
+        self._device_bytes[:nbytes].copy_(self._host_bytes[:nbytes], non_blocking=True)
         self._copied.record()
         if step.sampled_ids is not None:  # async scheduling: placeholders read the previous step's tokens here
-            inputs[_IDS].copy_(fill_placeholders(inputs[_IDS], step.sampled_ids))
+            fill_placeholders_(device[_IDS], step.sampled_ids)
 
-    def _views(self, bucket: GraphBucket, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The input buffers (device ones by default) cut to `bucket` (contiguous views: each buffer's first axis is
-        the padded one)."""
-        tb, sb, nb = bucket.num_tokens, bucket.num_seqs, bucket.num_logits
-        b = self._inputs if buffers is None else buffers
-        return {_IDS: b[_IDS][:, :tb], _POS: b[_POS][:, :tb],
-                _TABLES: b[_TABLES][:sb], _LENS: b[_LENS][:sb],
-                _QSL: b[_QSL][: sb + 1], _SLOTS: b[_SLOTS][:tb],
-                _ROWS: b[_ROWS][:nb]}
+    def _bucket_fields(self, bucket: GraphBucket) -> tuple[dict[str, torch.Tensor], dict, int]:
+        """(device views, host numpy views, bytes) of the bucket's packed inputs; the buffers hold the largest."""
+        fields = self._fields.get(bucket)
+        if fields is None:
+            if self._device_bytes is None:
+                size = max(input_layout(b, self.max_blocks_per_seq)[1] for b in self.buckets)
+                self._device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
+                self._host_bytes = torch.zeros(size, dtype=torch.uint8).pin_memory()
+            layout, nbytes = input_layout(bucket, self.max_blocks_per_seq)
+            host = {name: view.numpy() for name, view in field_views(self._host_bytes, layout).items()}
+            fields = self._fields[bucket] = (field_views(self._device_bytes, layout), host, nbytes)
+        return fields
 
     def _capture(self, bucket: GraphBucket) -> torch.cuda.CUDAGraph | None:
-        if not self._inputs:
-            largest = dummy_step(self.buckets[-1], self.max_blocks_per_seq)
-            self._inputs = {name: getattr(largest, name).to(self.device) for name in STEP_INPUT_NAMES}
-            self._staging = {name: getattr(largest, name).pin_memory() for name in STEP_INPUT_NAMES}
-            self._staging_np = {name: t.numpy() for name, t in self._staging.items()}
-        inputs = self._views(bucket)
+        inputs = self._bucket_fields(bucket)[0]
         example = dummy_step(bucket, self.max_blocks_per_seq)  # every slot −1: warm-up runs must not touch the pools
         for name, view in inputs.items():
             view.copy_(getattr(example, name))

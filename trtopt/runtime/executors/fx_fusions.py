@@ -200,3 +200,35 @@ def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
                      kwargs, dead=(q_rope, k_rope))
         count += 1
     return recompiled(gm, count)
+
+
+# Ops that pass their first argument's values through unchanged (only the shape changes): a value read through
+# them is still the graph input it came from.
+_VIEWS = (onnx_ops.reshape, onnx_ops.unsqueeze, onnx_ops.squeeze, onnx_ops.flatten, onnx_ops.identity)
+
+
+def _source_input(node, names: dict[torch.fx.Node, str]) -> str | None:
+    """The graph input whose values `node` carries (through reshapes and the like), or None."""
+    while isinstance(node, torch.fx.Node):
+        if node.op == "placeholder":
+            return names.get(node)
+        if node.op != "call_function" or node.target not in _VIEWS or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def gather_nonnegative(gm: torch.fx.GraphModule, input_names: list[str], nonnegative: frozenset[str]) -> int:
+    """Gathers whose indices are a graph input named in `nonnegative` (signature.NONNEGATIVE_INPUTS: token ids,
+    positions, logits rows) → `onnx_ops.gather_nonnegative`, one index_select instead of ONNX's negative-index
+    wrap (a compare, an add and a where before it: three launches per Gather on CUDA). Returns how many."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = dict(zip(placeholders, input_names, strict=True))
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is onnx_ops.gather and len(node.args) == 2):
+            continue
+        if _source_input(node.args[1], names) in nonnegative:
+            node.target = onnx_ops.gather_nonnegative
+            count += 1
+    return recompiled(gm, count)

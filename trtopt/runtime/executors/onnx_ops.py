@@ -225,6 +225,14 @@ def gather(x, indices, *, axis: int = 0):
     return picked.reshape(x.shape[:axis] + indices.shape + x.shape[axis + 1 :])
 
 
+def gather_nonnegative(x, indices, *, axis: int = 0):
+    """gather for indices known to be >= 0 (the executor proves it from the signature: fx_fusions.gather_nonnegative):
+    the same result without the negative-index wrap, one index_select."""
+    axis = _axis(axis, x.dim())
+    picked = x.index_select(axis, indices.reshape(-1))
+    return picked.reshape(x.shape[:axis] + indices.shape + x.shape[axis + 1 :])
+
+
 def gather_elements(x, indices, *, axis: int = 0):
     axis = _axis(axis, x.dim())
     indices = torch.where(indices < 0, indices + x.shape[axis], indices)

@@ -10,14 +10,16 @@ import torch
 
 from trtopt.build.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
-from trtopt.runtime.batch import StepInputs, fill_placeholders
+from trtopt.runtime.batch import StepInputs, fill_placeholders, fill_placeholders_
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
-from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention
+from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
-from trtopt.signature import BLOCK_TABLES, INPUT_IDS, LOGITS, STEP_INPUT_NAMES, kv_input, kv_output, output_names
+from trtopt.signature import (
+    BLOCK_TABLES, INPUT_IDS, LOGITS, NONNEGATIVE_INPUTS, STEP_INPUT_NAMES, kv_input, kv_output, output_names,
+)
 
 
 class TorchExecutor:
@@ -58,6 +60,9 @@ class TorchExecutor:
         # The plan's Rope(q), Rope(k) and PagedAttention's KV write as one kernel on CUDA: two fewer launches per layer.
         self.num_fused_rope_kv = (fuse_rope_into_paged_attention(self.graph.module)
                                   if fuse_rope_kv and not compile_mode else 0)
+        # Gathers by token ids, positions and logits rows: one index_select each, not four launches.
+        self.num_nonnegative_gathers = gather_nonnegative(self.graph.module, self.graph.input_names,
+                                                          NONNEGATIVE_INPUTS)
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
@@ -136,7 +141,9 @@ class TorchExecutor:
             feeds[BLOCK_TABLES.name] = torch.nn.functional.pad(tables, (0, extra))
         feeds = {name: t.to(self.device, non_blocking=True) for name, t in feeds.items()}
         if step.sampled_ids is not None:
-            feeds[INPUT_IDS.name] = fill_placeholders(feeds[INPUT_IDS.name], step.sampled_ids.to(self.device))
+            ids, sampled = feeds[INPUT_IDS.name], step.sampled_ids.to(self.device)
+            # In place on the device copy (one launch); on the CPU `.to` returned the step's own tensor: keep it.
+            feeds[INPUT_IDS.name] = fill_placeholders_(ids, sampled) if ids.is_cuda else fill_placeholders(ids, sampled)
         return self._run(feeds)
 
     def _run(self, feeds: dict[str, torch.Tensor], logits_out: torch.Tensor | None = None) -> torch.Tensor:
