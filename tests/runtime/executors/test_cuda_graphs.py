@@ -158,7 +158,7 @@ def test_graph_replay_matches_eager_on_cuda(plan_dir):
         if graphs:  # the device inputs the graph read are the step padded as pad_step specifies
             bucket = ex.graphs.bucket_for(multi)
             want = pad_step(multi, bucket, plan.max_blocks_per_seq)
-            for name, got in ex.graphs._views(bucket).items():
+            for name, got in ex.graphs.device_inputs(bucket).items():
                 assert torch.equal(got.cpu(), getattr(want, name)), name
         for _ in range(4):  # decode steps
             for s in seqs:

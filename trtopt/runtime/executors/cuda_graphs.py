@@ -282,6 +282,10 @@ class StepGraphs:
         if step.sampled_ids is not None:  # async scheduling: placeholders read the previous step's tokens here
             fill_placeholders_(device[_IDS], step.sampled_ids)
 
+    def device_inputs(self, bucket: GraphBucket) -> dict[str, torch.Tensor]:
+        """The device inputs `bucket`'s graph reads (views of the packed buffer), by signature name."""
+        return self._bucket_fields(bucket)[0]
+
     def _bucket_fields(self, bucket: GraphBucket) -> tuple[dict[str, torch.Tensor], dict, int]:
         """(device views, host numpy views, bytes) of the bucket's packed inputs; the buffers hold the largest."""
         fields = self._fields.get(bucket)
