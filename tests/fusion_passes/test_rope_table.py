@@ -20,15 +20,18 @@ D, H = 8, 2
 INV_FREQ = (1.0 / (10000.0 ** (np.arange(0, D, 2) / D))).astype(np.float32)
 
 
-def _graph(form: str = "mul", *, bf16_tail: str | None = None, reads_ids: bool = False, cumulative: bool = False):
+def _graph(form: str = "mul", *, bf16_tail: str | None = None, reads_ids: bool = False, cumulative: bool = False,
+           batch_from_ids: bool = False):
     """q [1, H, T, D] rotated by trtopt.Rope with cos/sin computed from position_ids as the exporters write it:
     ``mul`` Unsqueeze → Cast → Mul(inv_freq) (legacy/optimum), ``matmul`` inv_freq[None, :, None] @ pos[:, None, :]
     then Transpose (dynamo, HF's own code). ``bf16_tail``: "cast" rounds the tables to bf16 then back (a bf16 plan
     feeding a float32 test graph), "arith" also scales the bf16 value (not exact in float32: must be refused).
-    ``reads_ids`` adds input_ids into the angle; ``cumulative`` takes a CumSum of the positions (not per token)."""
+    ``reads_ids`` adds input_ids into the angle; ``cumulative`` takes a CumSum of the positions (not per token);
+    ``batch_from_ids`` expands inv_freq to Shape(input_ids)[0] rows first (torch 2.11's dynamo export of HF)."""
     inits = [("inv", INV_FREQ), ("ax_last", np.array([-1], np.int64)), ("ax_01", np.array([0, 1], np.int64)),
              ("inv3", INV_FREQ[None, :, None]), ("ax1", np.array([1], np.int64)),
-             ("two_bf", np.array(2.0, np.float32))]
+             ("two_bf", np.array(2.0, np.float32)), ("i0", np.array(0, np.int64)),
+             ("rest", np.array([D // 2, 1], np.int64)), ("ax0", np.array([0], np.int64))]
     nodes = []
     pos = "position_ids"
     if cumulative:
@@ -42,9 +45,17 @@ def _graph(form: str = "mul", *, bf16_tail: str | None = None, reads_ids: bool =
                   helper.make_node("Cast", ["pu"], ["pf"], to=TensorProto.FLOAT),
                   helper.make_node("Mul", ["pf", "inv"], ["freqs"])]  # [1, T, D/2]
     else:
+        inv = "inv3"
+        if batch_from_ids:
+            nodes += [helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+                      helper.make_node("Gather", ["ids_shape", "i0"], ["b"], axis=0),
+                      helper.make_node("Unsqueeze", ["b", "ax0"], ["b1"]),
+                      helper.make_node("Concat", ["b1", "rest"], ["inv_shape"], axis=0),
+                      helper.make_node("Expand", ["inv3", "inv_shape"], ["inv_b"])]
+            inv = "inv_b"
         nodes += [helper.make_node("Unsqueeze", [pos, "ax1"], ["pu"]),  # [1, 1, T]
                   helper.make_node("Cast", ["pu"], ["pf"], to=TensorProto.FLOAT),
-                  helper.make_node("MatMul", ["inv3", "pf"], ["ft"]),  # [1, D/2, T]
+                  helper.make_node("MatMul", [inv, "pf"], ["ft"]),  # [1, D/2, T]
                   helper.make_node("Transpose", ["ft"], ["freqs"], perm=[0, 2, 1])]
     nodes.append(helper.make_node("Concat", ["freqs", "freqs"], ["emb"], axis=-1))  # [1, T, D]
     for f in ("cos", "sin"):
@@ -63,7 +74,7 @@ def _graph(form: str = "mul", *, bf16_tail: str | None = None, reads_ids: bool =
     nodes.append(helper.make_node("Rope", ["q", "cos_u", "sin_u"], ["y"], domain=DOMAIN, half=D // 2))
     inputs = [helper.make_tensor_value_info("q", FLOAT, [1, H, "T", D]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "T"])]
-    if reads_ids:
+    if reads_ids or batch_from_ids:
         inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"]))
     proto = model(nodes, inputs, [helper.make_tensor_value_info("y", FLOAT, [1, H, "T", D])], inits)
     proto.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
@@ -87,9 +98,10 @@ def _feeds(positions, reads_ids: bool = False):
     return feeds
 
 
-@pytest.mark.parametrize("form", ["mul", "matmul"])
+@pytest.mark.parametrize("form", ["mul", "matmul", "matmul-batch-from-ids"])
 def test_tables_replace_the_per_step_computation_bit_for_bit(form):
-    proto = _graph(form)
+    ids = form.endswith("from-ids")  # input_ids read for its shape only: allowed, and no longer read at all after
+    proto = _graph(form.split("-")[0], batch_from_ids=ids)
     count, fused, trace = _apply(proto)
     assert count == 2 and not trace.failures
     types = op_types(fused)
@@ -97,7 +109,9 @@ def test_tables_replace_the_per_step_computation_bit_for_bit(form):
     tables = {i.name: i for i in fused.graph.initializer if i.name.endswith(".table")}
     assert sorted(list(t.dims) for t in tables.values()) == [[1, 1, 64, D]] * 2  # what Rope reads
     for positions in ([0], [63], [5, 0, 63, 17, 17], list(range(64))):  # the table's ends, repeats, a whole prefill
-        np.testing.assert_array_equal(run(fused, _feeds(positions))[0], run(proto, _feeds(positions))[0])
+        feeds = _feeds(positions, reads_ids=ids)
+        fused_feeds = {k: v for k, v in feeds.items() if k in {i.name for i in fused.graph.input}}
+        np.testing.assert_array_equal(run(fused, fused_feeds)[0], run(proto, feeds)[0])
 
 
 def test_a_bf16_table_is_rounded_once_like_the_plans_cast():

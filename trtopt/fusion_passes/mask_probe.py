@@ -94,7 +94,7 @@ def slice_nodes(graph: ir.Graph, targets: list[ir.Value]) -> tuple[list[ir.Node]
     return nodes, list(inputs.values()), list(initializers.values())
 
 
-def _content_read(nodes: list[ir.Node], targets: list[ir.Value]) -> set[int]:
+def content_read(nodes: list[ir.Node], targets: list[ir.Value]) -> set[int]:
     """ids of the values in the slice whose *contents* the targets depend on; the others are read only for their
     shape (they reach the targets only through Shape, possibly via ops of _SHAPE_FROM_SHAPES)."""
     content = {id(t) for t in targets}
@@ -111,7 +111,7 @@ def _shape_only_tables(nodes: list[ir.Node], targets: list[ir.Value], initialize
     """Initializers that the probe reads only for their shape, and only as the data of Gather(axis=0): such a table
     can stand in as one zero row, [1, *rest], since Gather's output shape does not depend on the rows it has (the
     probe feeds token id 0; a Gather that indexes further fails the probe, which then proves nothing)."""
-    content = _content_read(nodes, targets)
+    content = content_read(nodes, targets)
     in_slice = {id(n) for n in nodes}
     tables = set()
     for init in initializers:

@@ -11,7 +11,8 @@ vLLM keeps it as ``cos_sin_cache``. This pass finds the values read as ``cos``/`
 of pattern-matching the exporters' forms (Llama-3 scaling, Gemma-3's two tables, dynamo's MatMul or Mul), that each
 is a function of each token's own position:
 
-- the value's subgraph reads no graph input but ``position_ids`` (and constants);
+- the value's subgraph reads no graph input but ``position_ids`` (and constants), except ``input_ids`` for its
+  shape only (torch 2.11's dynamo export expands ``inv_freq`` to the batch size, ``Shape(input_ids)[0]``);
 - evaluated on ORT for positions ``0..max_positions−1`` it gives the table, whose token axis is the one that has
   ``max_positions`` entries there and ``k`` for a k-token probe; and for probes of scattered positions (the last
   one, 0, a middle one; one token alone) every row equals the table's row of its position, bit for bit.
@@ -34,7 +35,7 @@ import onnx_ir as ir
 
 from trtopt import signature
 from trtopt.fusion_passes.ir_helpers import int64_initializer
-from trtopt.fusion_passes.mask_probe import evaluate_feeds, slice_nodes
+from trtopt.fusion_passes.mask_probe import content_read, evaluate_feeds, slice_nodes
 from trtopt.fusion_passes.ops import DOMAIN
 from trtopt.fusion_passes.trace import NoMatch, Trace
 
@@ -81,15 +82,20 @@ def _rounds_once_to_bf16(nodes: list[ir.Node], target: ir.Value) -> bool:
 def _table(model: ir.Model, value: ir.Value, positions: ir.Value, max_positions: int) -> tuple[np.ndarray, int]:
     """(table, token axis) of ``value``, proven as the module docstring says; NoMatch otherwise."""
     nodes, inputs, _ = slice_nodes(model.graph, [value])
-    others = sorted(v.name for v in inputs if v is not positions)
-    if others or not inputs:
+    content = content_read(nodes, [value])
+    # input_ids may be read for its shape (exports expand inv_freq to the batch size, Shape(input_ids)[0]); the
+    # runtime's is [1, T] like position_ids, so the probes feed zeros of that shape.
+    others = sorted(v.name for v in inputs if v is not positions
+                    and (v.name != signature.INPUT_IDS.name or id(v) in content))
+    if others or positions not in inputs:
         raise NoMatch(f"it reads {', '.join(others) or 'no position_ids'}, not only position_ids",
                       value.producer().name or "")
     is_bf16 = _rounds_once_to_bf16(nodes, value)
     probes = [np.arange(max_positions, dtype=np.int64)[None],
               np.array([[max_positions - 1, 0, max_positions // 2]], dtype=np.int64),
               np.array([[max_positions // 3]], dtype=np.int64)]
-    results = [r for (r,) in evaluate_feeds(model, [value], [{positions.name: p} for p in probes])]
+    feeds = [{positions.name: p, signature.INPUT_IDS.name: np.zeros_like(p)} for p in probes]
+    results = [r for (r,) in evaluate_feeds(model, [value], feeds)]
     full = results[0]
     axes = [a for a in range(full.ndim) if full.shape[a] == max_positions and results[1].ndim == full.ndim
             and results[1].shape[a] == 3 and results[2].shape[a] == 1]
