@@ -481,7 +481,7 @@ def main() -> None:
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
-                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_kv", "argmax"],
+                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv", "argmax"],
                     help="plan-level fusion passes, the executor's RoPE fold (rope_kv, turned off) and the sampler's "
                     "argmax kernel (turned off), to measure at batch 1 against the default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])
