@@ -75,8 +75,8 @@ def build(
     ),
     disable_pass: list[str] = typer.Option(
         None, "--disable-pass",
-        help="Skip one performance fusion (rope, layer_norm, rms_norm, add_rms_norm, horizontal_matmul, silu_mul, "
-        "gelu_mul, matmul_add), to measure what it is worth; repeatable.",
+        help="Skip one performance fusion (rope, rope_table, layer_norm, rms_norm, add_rms_norm, horizontal_matmul, "
+        "silu_mul, gelu_mul, matmul_add), to measure what it is worth; repeatable.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
