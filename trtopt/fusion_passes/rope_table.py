@@ -58,9 +58,9 @@ def _rope_tables(graph: ir.Graph) -> list[ir.Value]:
 
 
 def _rounds_once_to_bf16(nodes: list[ir.Node], target: ir.Value) -> bool:
-    """Whether every bf16 value of the subgraph comes from a Cast to bf16 (or a bf16 constant) and reaches the
-    target through layout ops only; True also when the subgraph has no bf16 at all. Returns whether the target
-    itself is bf16."""
+    """Whether the target is bf16, after checking that evaluating the subgraph in float32 and rounding the result
+    once gives the plan's values: every bf16 value must come from a Cast to bf16 (or a bf16 constant, exact in
+    float32) and reach the target through layout ops only; NoMatch otherwise."""
     bf16 = ir.DataType.BFLOAT16
     half: set[int] = set()
     for node in nodes:
