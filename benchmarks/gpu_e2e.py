@@ -265,11 +265,16 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
 def _fill_by_pad_step(graphs, step, bucket) -> None:
     """Ablation of StepGraphs._fill: the step padded into new CPU tensors (pad_step) and copied from pageable memory,
     as the first version of every-step graphs did."""
+    from trtopt.runtime.batch import fill_placeholders_
     from trtopt.runtime.executors.cuda_graphs import pad_step
+    from trtopt.signature import INPUT_IDS
 
     padded = pad_step(step, bucket, graphs.max_blocks_per_seq)
-    for name, view in graphs._views(bucket).items():
+    inputs = graphs.device_inputs(bucket)
+    for name, view in inputs.items():
         view.copy_(getattr(padded, name), non_blocking=True)
+    if step.sampled_ids is not None:  # async scheduling's placeholders, as StepGraphs._fill fills them
+        fill_placeholders_(inputs[INPUT_IDS.name], step.sampled_ids)
 
 
 def timed_workload(executor, plan, requests, *, max_batch: int, wave: int | None, kv_gb: float, device: torch.device,
