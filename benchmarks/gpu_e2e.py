@@ -112,7 +112,8 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 # name -> (row name, TorchExecutor keywords of the variant). rope_kv is on by default (the row turns it off).
 # (Session 8 removed two opt-in variants the H200 measured slower at batch 1: `linear_weights`, [N, K] weights via
 # F.linear, 1.141 vs 1.120 ms per step, and `small_m_gemv`, Triton GEMVs, 1.439 ms; GPU_E2E.md.)
-EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False})}
+EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
+                     "decode_gemv": ("without_decode_gemv", {"decode_gemv": False})}
 
 
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
@@ -519,9 +520,11 @@ def main() -> None:
                     help="HF static batch sizes to try (the best is the baseline); 256 was the best on the H200")
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
-                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv", "argmax"],
-                    help="plan-level fusion passes, the executor's RoPE fold (rope_kv, turned off) and the sampler's "
-                    "argmax kernel (turned off), to measure at batch 1 against the default, same run")
+                    default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv",
+                             "decode_gemv", "argmax"],
+                    help="plan-level fusion passes, the executor's RoPE fold and decode GEMVs (rope_kv, decode_gemv: "
+                    "turned off) and the sampler's argmax kernel (turned off), to measure at batch 1 against the "
+                    "default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "

@@ -13,6 +13,7 @@ from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs, fill_placeholders, fill_placeholders_
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
+from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
@@ -27,6 +28,10 @@ class TorchExecutor:
 
     fuse_rope_kv (default on): run the plan's Rope(q), Rope(k) → PagedAttention as one call whose CUDA path rotates
     q and k inside the KV-write kernel (fx_fusions.fuse_rope_into_paged_attention); off only for ablations.
+
+    decode_gemv (default: on for fp16/bf16 plans on CUDA without compile_mode): projection weights stored [N, K]; a
+    step of at most 4 rows runs them through Triton GEMVs, gate/up with SiLU·mul as the epilogue, larger steps
+    through cuBLAS (runtime/executors/gemv.py). Off: the plan's [K, N] weights through torch.matmul, as converted.
 
     compile_mode (opt-in; None = the GraphModule as converted): a torch.compile mode (torch_library.COMPILE_MODES);
     the graph then runs through Inductor, specialised and compiled once per step shape (each CUDA-graph bucket),
@@ -44,7 +49,7 @@ class TorchExecutor:
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
-                 compile_mode: str | None = None, fuse_rope_kv: bool = True):
+                 compile_mode: str | None = None, fuse_rope_kv: bool = True, decode_gemv: bool | None = None):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -63,6 +68,14 @@ class TorchExecutor:
         # Gathers by token ids, positions and logits rows: one index_select each, not four launches.
         self.num_nonnegative_gathers = gather_nonnegative(self.graph.module, self.graph.input_names,
                                                           NONNEGATIVE_INPUTS)
+        # Decode-sized projections as GEMVs (gate/up with SiLU·mul in one launch); the cuBLAS path for larger steps.
+        if decode_gemv is None:
+            decode_gemv = self.device.type == "cuda" and self.kv_dtype in GEMV_DTYPES and not compile_mode
+        elif decode_gemv and compile_mode:
+            raise ConfigError("decode_gemv=True and compile_mode cannot be combined: the GEMVs are launched outside "
+                              "Inductor's graph; leave decode_gemv unset with compile_mode.")
+        self.num_gemv_weights, self.num_gemv_silu_mul = (use_decode_gemv(self.graph.module) if decode_gemv
+                                                         else (0, 0))
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None

@@ -1,0 +1,168 @@
+"""The decode GEMV kernels (runtime/gemv_kernel.py) against torch, and the executor rewrite that uses them
+(runtime/executors/gemv.py). Without CUDA the kernels run under the Triton interpreter (set here before the kernel
+module is imported); the `gpu` tests run the executor's GEMV path on a real GPU against its cuBLAS path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from trtopt.build.plan import read_plan  # noqa: E402
+from trtopt.check.driver import BlockSource, Seq, make_step  # noqa: E402
+from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
+from trtopt.runtime.executors import gemv  # noqa: E402
+from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
+from trtopt.runtime.gemv_kernel import MAX_ROWS, default_config, gemv as gemv_triton, gemv_silu_mul  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# Small tiles (BLOCK_N, BLOCK_K, warps) that make the kernel walk several programs, a clamped last row block and
+# several K tiles (a ragged last one) on small shapes; None = default_config (one K tile on these shapes).
+CONFIGS = [(4, 32, 1), (2, 16, 1), None]
+
+
+def _inputs(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 40), (3, 100, 17), (4, 96, 64), (2, 33, 9), (1, 48, 1)])
+def test_gemv_matches_torch(m: int, k: int, n: int, dtype: torch.dtype, config) -> None:
+    x, w = _inputs(m, k, n, dtype, seed=m + k + n)
+    got = gemv_triton(x, w, config)
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().t()).to(dtype).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,k,inter", [(1, 64, 24), (4, 70, 33), (2, 32, 8)])
+def test_gemv_silu_mul_matches_the_unfused_pair(m: int, k: int, inter: int, dtype: torch.dtype, config) -> None:
+    """gate/up GEMM rounded to the dtype, then SiluMul's reference: what the unfused pair computes."""
+    x, w = _inputs(m, k, 2 * inter, dtype, seed=m * k)
+    got = gemv_silu_mul(x, w, config)
+    gu = (x.float() @ w.float().t()).to(dtype)
+    want = silu_mul_ref(gu[:, :inter], gu[:, inter:])
+    assert got.shape == (m, inter) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_default_config_keeps_the_grid_wide_and_the_tile_bounded() -> None:
+    for m, k, n in [(1, 2048, 3072), (1, 8192, 2048), (4, 2048, 128256), (2, 576, 960), (1, 64, 8)]:
+        block_n, block_k, warps = default_config(m, n, k)
+        assert block_k <= 2048 and block_k >= min(k, 2048) // 2 and warps in (2, 4, 8)
+        assert block_n * block_k * (1 << (m - 1).bit_length()) <= 8192
+
+
+def test_kernels_refuse_what_they_cannot_do() -> None:
+    x, w = _inputs(MAX_ROWS + 1, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="M <="):
+        gemv_triton(x, w)
+    with pytest.raises(ValueError, match="one float dtype"):
+        gemv_triton(x[:2], w.half())
+    with pytest.raises(ValueError, match="gate rows then as many up rows"):
+        gemv_silu_mul(x[:2], w[:7])
+
+
+def test_off_the_gemv_path_the_calls_are_the_linear_path_exactly() -> None:
+    """CPU, fp32 (not a GEMV dtype) or too many rows: F.linear and the unfused three ops, bit for bit."""
+    x, w = _inputs(MAX_ROWS + 2, 16, 12, torch.float32)
+    for rows in (x, x[:2].cpu(), x.half() if DEVICE.type == "cuda" else x[:1]):
+        ww = w.to(rows.device, rows.dtype)
+        assert torch.equal(gemv.projection(rows, ww), torch.nn.functional.linear(rows, ww))
+        gate, up = torch.nn.functional.linear(rows, ww).split(6, dim=-1)
+        assert torch.equal(gemv.projection_silu_mul(rows, ww, sizes=[6, 6], axis=-1), silu_mul_ref(gate, up))
+
+
+def _steps(ex: TorchExecutor, plan) -> list[torch.Tensor]:
+    """A chunked prefill (27 rows: the cuBLAS path) and a decode step of two rows (the GEMV path when on)."""
+    ex.allocate_kv_cache(16)
+    source = BlockSource(16)
+    seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
+    outs = [ex.execute(make_step(seqs, [20, 7], plan.limits.block_size, source))]
+    for seq in seqs:
+        seq.tokens.append(5)
+    outs.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
+    return outs
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, plan_dir, monkeypatch) -> None:
+    """decode_gemv on a CPU plan, with the GEMV path forced on (the interpreter runs the kernels, fp32 allowed):
+    every projection weight moves to [N, K], gate/up + SiLU·mul become one call, and the logits of a prefill step
+    (F.linear) and a two-row decode step (the GEMVs) equal the unrewritten executor's within fp32 rounding."""
+    built = plan_dir(model)
+    plan = read_plan(built)
+    layers = plan.model.num_layers
+    want = _steps(TorchExecutor(built, plan, decode_gemv=False), plan)
+    ex = TorchExecutor(built, plan, decode_gemv=True)
+    assert ex.num_gemv_weights == 4 * layers + 1  # fused Q/K/V, O, fused gate/up, down per layer; the LM head
+    targets = [n.target for n in ex.graph.module.graph.nodes if n.op == "call_function"]
+    biased = layers if model == "tiny-qwen2" else 0  # Qwen2's Q/K/V has a bias: F.linear(x, w, b)
+    assert targets.count(torch.nn.functional.linear) == biased
+    assert targets.count(gemv.projection) == 3 * layers + 1 - biased
+    assert ex.num_gemv_silu_mul == layers
+    assert torch.matmul not in targets and gemv.projection_silu_mul in targets
+    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
+    calls = []
+    real = gemv._kernels()
+    monkeypatch.setattr(gemv, "_kernels", lambda: _Counting(real, calls))
+    got = _steps(ex, plan)
+    # The decode step's projections and gate/ups (two rows), and both steps' LM heads (two logits rows each); the
+    # 27-row prefill's layers run F.linear.
+    assert calls.count("gemv_silu_mul") == layers and calls.count("gemv") == 3 * layers + 2 - biased
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+class _Counting:
+    """gemv_kernel with its two entry points counted."""
+
+    def __init__(self, kernels, calls: list[str]):
+        self._k, self._calls = kernels, calls
+
+    def gemv(self, *a):
+        self._calls.append("gemv")
+        return self._k.gemv(*a)
+
+    def gemv_silu_mul(self, *a):
+        self._calls.append("gemv_silu_mul")
+        return self._k.gemv_silu_mul(*a)
+
+
+def test_decode_gemv_defaults_off_on_cpu_and_refuses_compile(plan_dir) -> None:
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    assert TorchExecutor(built, plan).num_gemv_weights == 0  # CPU: the plan as converted
+    from trtopt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        TorchExecutor(built, plan, decode_gemv=True, compile_mode="default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_executor_gemv_path_on_gpu(model: str, plan_dir, monkeypatch) -> None:
+    """On CUDA the two-row decode step runs the GEMV kernels (fp32 allowed for the check): its logits agree with
+    the cuBLAS path."""
+    built = plan_dir(model)
+    plan = read_plan(built)
+    want = _steps(TorchExecutor(built, plan, device="cuda", decode_gemv=False), plan)
+    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
+    got = _steps(TorchExecutor(built, plan, device="cuda", decode_gemv=True), plan)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -1,0 +1,147 @@
+"""Decode-sized projections through Triton GEMVs (issue 11; `TorchExecutor(decode_gemv=...)`, on by default for
+fp16/bf16 plans on CUDA).
+
+`use_decode_gemv` rewrites the converted fx graph:
+1. every constant 2-D MatMul weight is stored transposed, [N, K] with K contiguous (nn.Linear's layout, which a
+   GEMV streams row by row), in place of the plan's [K, N] buffer, so memory does not grow;
+2. its MatMuls run `projection(x, wt)`: runtime/gemv_kernel.py's GEMV when the step has at most
+   `gemv_kernel.MAX_ROWS` rows on CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a
+   bias: Qwen2's Q/K/V) runs `F.linear(x, wt, bias)`;
+3. the gate/up projection feeding trtopt.SiluMul through a two-way Split runs `projection_silu_mul`: one GEMV with
+   SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before.
+
+Which path a call takes depends on its shapes, dtype and device only, so a CUDA-graph bucket captures one path.
+fp32 plans keep cuBLAS (`GEMV_DTYPES`): they are the fidelity configuration, and the GEMV's accumulation order is
+not cuBLAS's. Measured (benchmarks/bench_gemv.py, gpu_e2e's `without_decode_gemv` row): docs/benchmarks/GPU_E2E.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from trtopt.runtime.executors import onnx_ops, trtopt_ops
+from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
+
+MAX_ROWS = 4  # gemv_kernel.MAX_ROWS, kept here so that importing this module does not import triton
+GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _kernels():
+    try:
+        from trtopt.runtime import gemv_kernel
+    except ImportError:  # no Triton: F.linear is always correct
+        return None
+    assert gemv_kernel.MAX_ROWS == MAX_ROWS
+    return gemv_kernel
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _rows(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor | None:
+    """x as [M, K] when the GEMV can take it (CUDA, fp16/bf16 like the weight, M <= MAX_ROWS, K contiguous)."""
+    if not (_on_gpu(x) and x.dtype == wt.dtype and x.dtype in GEMV_DTYPES and x.shape[-1] == wt.shape[1]):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if not 0 < rows.shape[0] <= MAX_ROWS or rows.stride(-1) != 1 or _kernels() is None:
+        return None
+    return rows
+
+
+def projection(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x @ wtᵀ for a weight stored [N, K]: the GEMV for a few rows on CUDA, else F.linear."""
+    rows = _rows(x, wt)
+    if rows is None:
+        return F.linear(x, wt)
+    return _kernels().gemv(rows, wt).reshape(*x.shape[:-1], wt.shape[0])
+
+
+def projection_silu_mul(x: torch.Tensor, wt: torch.Tensor, *, sizes: list[int], axis: int) -> torch.Tensor:
+    """silu_mul(*split(x @ wtᵀ, sizes, axis)): one GEMV with the SiLU·mul epilogue for a few rows on CUDA when the
+    Split is gate and up as two halves of the last axis; otherwise exactly those three ops."""
+    last = axis in (-1, x.dim() - 1)
+    rows = _rows(x, wt) if last and sizes[0] == sizes[1] and 2 * sizes[0] == wt.shape[0] else None
+    if rows is None:
+        gate, up = onnx_ops.split(F.linear(x, wt), sizes, axis=axis, _n=2)
+        return trtopt_ops.silu_mul(gate, up)
+    return _kernels().gemv_silu_mul(rows, wt).reshape(*x.shape[:-1], sizes[0])
+
+
+def _transpose_weights(gm: torch.fx.GraphModule) -> int:
+    """Store every constant 2-D MatMul/MatMulAdd weight [N, K] (in place of the [K, N] buffer) and point its readers
+    at `projection` / F.linear; a weight is moved only when every reader takes it as the right operand."""
+    readers = {torch.matmul: 1, trtopt_ops.matmul_add: 1}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        weight = getattr(gm, node.target, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+            continue
+        users = list(node.users)
+        if not users or not all(u.op == "call_function" and u.target in readers and len(u.args) >= 2
+                                and u.args[1] is node and u.args[0] is not node for u in users):
+            continue
+        setattr(gm, node.target, weight.t().contiguous())
+        del weight
+        for user in users:
+            if user.target is trtopt_ops.matmul_add:
+                replace_node(gm, user, F.linear, (user.args[0], node, user.args[2]))
+            else:
+                replace_node(gm, user, projection, (user.args[0], node))
+        count += 1
+    return count
+
+
+def _split_sizes(gm: torch.fx.GraphModule, split: torch.fx.Node) -> list[int] | None:
+    """A Split node's two output sizes when they are constants (a list, or a constant tensor), else None."""
+    sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split")
+    if isinstance(sizes, torch.fx.Node) and sizes.op == "get_attr":
+        sizes = getattr(gm, sizes.target, None)
+        sizes = sizes.tolist() if isinstance(sizes, torch.Tensor) and sizes.dim() == 1 else None
+    if isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes):
+        return list(sizes)
+    return None
+
+
+def _fuse_silu_mul(gm: torch.fx.GraphModule) -> int:
+    """projection → Split (two outputs) → trtopt.SiluMul(gate, up) → projection_silu_mul."""
+    fused = 0
+    for silu in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is trtopt_ops.silu_mul]:
+        gate, up = silu.args[:2]
+        if not all(isinstance(g, torch.fx.Node) and g.target is operator.getitem and len(g.users) == 1
+                   for g in (gate, up)):
+            continue
+        split = gate.args[0]
+        if not (up.args[0] is split and (gate.args[1], up.args[1]) == (0, 1) and split.target is onnx_ops.split
+                and len(split.users) == 2):
+            continue
+        proj = split.args[0]
+        if not (isinstance(proj, torch.fx.Node) and proj.target is projection and len(proj.users) == 1):
+            continue
+        sizes = _split_sizes(gm, split)
+        if sizes is None:
+            continue
+        with gm.graph.inserting_before(silu):
+            node = gm.graph.call_function(projection_silu_mul, (proj.args[0], proj.args[1]),
+                                          {"sizes": list(sizes), "axis": split.kwargs.get("axis", 0)})
+        silu.replace_all_uses_with(node)
+        for dead in (silu, gate, up, split, proj):
+            gm.graph.erase_node(dead)
+        fused += 1
+    return fused
+
+
+def use_decode_gemv(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """Apply the rewrite above; returns (weights stored [N, K], gate/up + SiLU·mul pairs fused)."""
+    moved = _transpose_weights(gm)
+    fused = _fuse_silu_mul(gm)
+    recompiled(gm, moved + fused)
+    return moved, fused
