@@ -74,10 +74,16 @@ def test_kernels_refuse_what_they_cannot_do() -> None:
         gemv_silu_mul(x[:2], w[:7])
 
 
+def test_the_gemv_runs_where_it_was_measured_faster() -> None:
+    assert gemv.use_gemv(1, 3072, 2048) and gemv.use_gemv(1, 128256, 2048) and gemv.use_gemv(1, 960, 576)
+    assert not gemv.use_gemv(2, 3072, 2048) and not gemv.use_gemv(4, 2048, 8192)
+    assert not gemv.use_gemv(1, 49152, 576)  # SmolLM2's LM head: cuBLAS is faster
+
+
 def test_off_the_gemv_path_the_calls_are_the_linear_path_exactly() -> None:
-    """CPU, fp32 (not a GEMV dtype) or too many rows: F.linear and the unfused three ops, bit for bit."""
+    """CPU, fp32 (not a GEMV dtype) or more than one row: F.linear and the unfused three ops, bit for bit."""
     x, w = _inputs(MAX_ROWS + 2, 16, 12, torch.float32)
-    for rows in (x, x[:2].cpu(), x.half() if DEVICE.type == "cuda" else x[:1]):
+    for rows in (x, x[:1].cpu(), x[:2].half() if DEVICE.type == "cuda" else x[:1]):
         ww = w.to(rows.device, rows.dtype)
         assert torch.equal(gemv.projection(rows, ww), torch.nn.functional.linear(rows, ww))
         gate, up = torch.nn.functional.linear(rows, ww).split(6, dim=-1)
@@ -85,7 +91,7 @@ def test_off_the_gemv_path_the_calls_are_the_linear_path_exactly() -> None:
 
 
 def _steps(ex: TorchExecutor, plan) -> list[torch.Tensor]:
-    """A chunked prefill (27 rows: the cuBLAS path) and a decode step of two rows (the GEMV path when on)."""
+    """A chunked prefill (27 rows), a decode step of two rows (both cuBLAS) and one of one row (the GEMVs when on)."""
     ex.allocate_kv_cache(16)
     source = BlockSource(16)
     seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7)]
@@ -93,14 +99,16 @@ def _steps(ex: TorchExecutor, plan) -> list[torch.Tensor]:
     for seq in seqs:
         seq.tokens.append(5)
     outs.append(ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source)))
+    seqs[1].tokens.append(9)
+    outs.append(ex.execute(make_step(seqs[1:], [1], plan.limits.block_size, source)))
     return outs
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, plan_dir, monkeypatch) -> None:
     """decode_gemv on a CPU plan, with the GEMV path forced on (the interpreter runs the kernels, fp32 allowed):
-    every projection weight moves to [N, K], gate/up + SiLU·mul become one call, and the logits of a prefill step
-    (F.linear) and a two-row decode step (the GEMVs) equal the unrewritten executor's within fp32 rounding."""
+    every projection weight moves to [N, K], gate/up + SiLU·mul become one call, and the logits of a prefill step,
+    a two-row step (F.linear) and a one-row step (the GEMVs) equal the unrewritten executor's within fp32 rounding."""
     built = plan_dir(model)
     plan = read_plan(built)
     layers = plan.model.num_layers
@@ -119,9 +127,11 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     real = gemv._kernels()
     monkeypatch.setattr(gemv, "_kernels", lambda: _Counting(real, calls))
     got = _steps(ex, plan)
-    # The decode step's projections and gate/ups (two rows), and both steps' LM heads (two logits rows each); the
-    # 27-row prefill's layers run F.linear.
-    assert calls.count("gemv_silu_mul") == layers and calls.count("gemv") == 3 * layers + 2 - biased
+    # The one-row step's projections (an LM head only if not wide and short: use_gemv) and gate/ups.
+    gm = ex.graph.module
+    shapes = [getattr(gm, n.args[1].target).shape for n in gm.graph.nodes if n.target is gemv.projection]
+    assert calls.count("gemv") == sum(gemv.use_gemv(1, *shape) for shape in shapes) >= 3 * layers - biased
+    assert calls.count("gemv_silu_mul") == layers
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -156,7 +166,7 @@ def test_decode_gemv_defaults_off_on_cpu_and_refuses_compile(plan_dir) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
 def test_executor_gemv_path_on_gpu(model: str, plan_dir, monkeypatch) -> None:
-    """On CUDA the two-row decode step runs the GEMV kernels (fp32 allowed for the check): its logits agree with
+    """On CUDA the one-row decode step runs the GEMV kernels (fp32 allowed for the check): its logits agree with
     the cuBLAS path."""
     built = plan_dir(model)
     plan = read_plan(built)

@@ -4,9 +4,9 @@ fp16/bf16 plans on CUDA).
 `use_decode_gemv` rewrites the converted fx graph:
 1. every constant 2-D MatMul weight is stored transposed, [N, K] with K contiguous (nn.Linear's layout, which a
    GEMV streams row by row), in place of the plan's [K, N] buffer, so memory does not grow;
-2. its MatMuls run `projection(x, wt)`: runtime/gemv_kernel.py's GEMV when the step has at most
-   `gemv_kernel.MAX_ROWS` rows on CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a
-   bias: Qwen2's Q/K/V) runs `F.linear(x, wt, bias)`;
+2. its MatMuls run `projection(x, wt)`: runtime/gemv_kernel.py's GEMV when the call has one row (`use_gemv`) on
+   CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a bias: Qwen2's Q/K/V) runs
+   `F.linear(x, wt, bias)`;
 3. the gate/up projection feeding trtopt.SiluMul through a two-way Split runs `projection_silu_mul`: one GEMV with
    SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before.
 
@@ -27,8 +27,19 @@ import torch.nn.functional as F
 from trtopt.runtime.executors import onnx_ops, trtopt_ops
 from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
 
-MAX_ROWS = 4  # gemv_kernel.MAX_ROWS, kept here so that importing this module does not import triton
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
+# Where the GEMV runs, from benchmarks/bench_gemv.py on the H200 (docs/benchmarks/gemv_h200.json): at one row it beat
+# cuBLAS on every projection of the 1.24B plan and of SmolLM2-135M (O 5.90 -> 4.32 µs, down with cuBLAS's split-K
+# reduce 12.81 -> 11.21, gate/up + SiLU·mul 20.75 -> 18.74, LM head 124.1 -> 119.4) except SmolLM2's LM head
+# (49152 rows of K = 576: 27.0 against 16.0 µs, tens of thousands of programs of 2 KB each); at 2 rows it was mixed
+# (the down projection 15.6 against 12.8 µs), at 4 slower on every 1.24B shape.
+GEMV_ROWS = 1
+WIDE_N, SHORT_K = 16384, 1024  # more rows than WIDE_N of fewer than SHORT_K elements: cuBLAS
+
+
+def use_gemv(rows: int, n: int, k: int) -> bool:
+    """Whether a projection of `rows` rows against an [n, k] weight runs the GEMV (where measured faster)."""
+    return rows == GEMV_ROWS and not (n > WIDE_N and k < SHORT_K)
 
 
 @functools.cache
@@ -37,7 +48,7 @@ def _kernels():
         from trtopt.runtime import gemv_kernel
     except ImportError:  # no Triton: F.linear is always correct
         return None
-    assert gemv_kernel.MAX_ROWS == MAX_ROWS
+    assert gemv_kernel.MAX_ROWS >= GEMV_ROWS
     return gemv_kernel
 
 
@@ -46,17 +57,17 @@ def _on_gpu(x: torch.Tensor) -> bool:
 
 
 def _rows(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor | None:
-    """x as [M, K] when the GEMV can take it (CUDA, fp16/bf16 like the weight, M <= MAX_ROWS, K contiguous)."""
+    """x as [1, K] when the GEMV takes it (CUDA, fp16/bf16 like the weight, `use_gemv`, K contiguous), else None."""
     if not (_on_gpu(x) and x.dtype == wt.dtype and x.dtype in GEMV_DTYPES and x.shape[-1] == wt.shape[1]):
         return None
     rows = x.reshape(-1, x.shape[-1])
-    if not 0 < rows.shape[0] <= MAX_ROWS or rows.stride(-1) != 1 or _kernels() is None:
+    if not use_gemv(rows.shape[0], wt.shape[0], wt.shape[1]) or rows.stride(-1) != 1 or _kernels() is None:
         return None
     return rows
 
 
 def projection(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """x @ wtᵀ for a weight stored [N, K]: the GEMV for a few rows on CUDA, else F.linear."""
+    """x @ wtᵀ for a weight stored [N, K]: the GEMV for one row on CUDA, else F.linear."""
     rows = _rows(x, wt)
     if rows is None:
         return F.linear(x, wt)
@@ -64,7 +75,7 @@ def projection(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 
 def projection_silu_mul(x: torch.Tensor, wt: torch.Tensor, *, sizes: list[int], axis: int) -> torch.Tensor:
-    """silu_mul(*split(x @ wtᵀ, sizes, axis)): one GEMV with the SiLU·mul epilogue for a few rows on CUDA when the
+    """silu_mul(*split(x @ wtᵀ, sizes, axis)): one GEMV with the SiLU·mul epilogue for one row on CUDA when the
     Split is gate and up as two halves of the last axis; otherwise exactly those three ops."""
     last = axis in (-1, x.dim() - 1)
     rows = _rows(x, wt) if last and sizes[0] == sizes[1] and 2 * sizes[0] == wt.shape[0] else None
