@@ -3,8 +3,7 @@ without GEMVs; and F.linear on [N, K]) against runtime/gemv_kernel.py's Triton G
 Llama-shaped plan's projections and SmolLM2-135M's, at M = 1, 2, 4 rows (issue 11: batch-1 decode vs the roofline).
 For gate/up, the projection + trtopt.SiluMul (two launches) against the GEMV with SiLU·mul as its epilogue (one).
 
-Each GEMV row is timed without programmatic dependent launch (PDL) at its default config, with PDL (Hopper+; its
-own default config: the calls of the graph overlap, as consecutive projections of a step can), and swept over a grid of (BLOCK_N, BLOCK_K, num_warps) around gemv_kernel.default_config and reports both the
+Each GEMV row sweeps a grid of (BLOCK_N, BLOCK_K, num_warps) around gemv_kernel.default_config and reports both the
 default's time and the best config's, so the default is checked against the grid in the same run.
 
 Method (as session 8's projection-layout benchmark): each variant runs inside one CUDA graph of `copies` calls that
@@ -116,15 +115,8 @@ def gemv_rows(row: dict, name: str, kernel, xs, wts, want, device, iters, max_er
     from trtopt.runtime import gemv_kernel
 
     m, k = xs[0].shape
-    gemv_kernel.use_pdl = False
     timed(row, name, lambda x, w: kernel(x, w), xs, wts, want, device, iters, max_err)
     row[name]["config"] = list(gemv_kernel.default_config(m, row["N_out"], k))
-    if xs[0].is_cuda:
-        gemv_kernel.use_pdl = True
-        if gemv_kernel.pdl_for(xs[0]):  # back to back with programmatic dependent launch, its own config
-            timed(row, name + "_pdl", lambda x, w: kernel(x, w), xs, wts, want, device, iters, max_err)
-            row[name + "_pdl"]["config"] = list(gemv_kernel.default_config(m, row["N_out"], k, pdl=True))
-        gemv_kernel.use_pdl = False
     best = None
     sweep = {}
     for config in sweep_grid(m, k, tiny):
@@ -136,7 +128,6 @@ def gemv_rows(row: dict, name: str, kernel, xs, wts, want, device, iters, max_er
     if best is not None:
         row[name + "_best"] = {**best[2], "config": list(best[1])}
     row[name + "_sweep_us"] = sweep
-    gemv_kernel.use_pdl = True
 
 
 def main() -> None:
@@ -215,7 +206,6 @@ def report(row: dict) -> None:
 
 
 VARIANT_COLORS = {"cublas_KN": "tab:blue", "linear_NK": "tab:orange", "gemv_NK": "tab:green",
-                  "gemv_NK_pdl": "tab:purple", "gemv_silu_mul_NK_pdl": "tab:brown",
                   "gemv_NK_best": "tab:olive", "cublas_KN+silu_mul": "tab:cyan", "gemv_silu_mul_NK": "tab:red",
                   "gemv_silu_mul_NK_best": "tab:pink"}
 

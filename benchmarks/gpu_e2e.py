@@ -147,7 +147,7 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
     times["build_s"] = time.perf_counter() - t
     log(f"built: {result.report.counts} ({times['build_s']:.1f} s)")
     for rule in ablate:
-        if rule in EXECUTOR_VARIANTS or rule in ("argmax", "gemv_pdl"):
+        if rule in EXECUTOR_VARIANTS or rule == "argmax":
             continue  # the same plan, run by another executor (or sampler)
         build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
         log(f"built the ablation plan without {rule}")
@@ -521,7 +521,7 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
                     default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv",
-                             "decode_gemv", "gemv_pdl", "argmax"],
+                             "decode_gemv", "argmax"],
                     help="plan-level fusion passes, the executor's RoPE fold and decode GEMVs (rope_kv, decode_gemv: "
                     "turned off) and the sampler's argmax kernel (turned off), to measure at batch 1 against the "
                     "default, same run")
@@ -625,11 +625,6 @@ def main() -> None:
 
                 argmax.use_kernel = False
                 plan_x, executor_x = plan, executor
-            elif rule == "gemv_pdl":  # the decode GEMVs without programmatic dependent launch, same executor
-                from trtopt.runtime import gemv_kernel
-
-                gemv_kernel.use_pdl = False
-                plan_x, executor_x = plan, executor
             elif rule in EXECUTOR_VARIANTS:
                 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
@@ -649,8 +644,6 @@ def main() -> None:
             ablations[row] = bx
             if rule == "argmax":
                 argmax.use_kernel = True
-            if rule == "gemv_pdl":
-                gemv_kernel.use_pdl = True
             log(f"batch 1 {row}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
                 f"{bx['graph_replay_ms'] or 0:.3f} ms, {bx['kernels_per_step']} kernels/step")
             del engine, executor_x

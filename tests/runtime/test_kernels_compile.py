@@ -60,14 +60,13 @@ SCRIPT = textwrap.dedent("""
 
     # The decode GEMVs (issue 11, session 13), in the dtypes the executor runs them in, plain and SiLU·mul.
     from trtopt.runtime.gemv_kernel import _gemv
-    # With programmatic dependent launch (one K tile, the weights requested before the wait) and without.
     for dt in ("fp16", "bf16"):
-        for m_pad, pdl in ((1, True), (4, False)):
+        for m_pad in (1, 4):
             for silu in (False, True):
                 ptx(_gemv, {"X": "*" + dt, "W": "*" + dt, "Y": "*" + dt, "M": "i32", "N": "i32", "K": "i32",
                             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"},
                     dict(M_PAD=m_pad, BLOCK_N=2, BLOCK_K=2048 // m_pad, K_TILES=m_pad, EVEN_K=True, SILU_MUL=silu,
-                         DTYPE=TL[dt], PDL=pdl))
+                         DTYPE=TL[dt]))
     print(len(done))
 """)
 

@@ -21,9 +21,6 @@ Not bit-identical to cuBLAS: another accumulation order (fp32 either way).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -31,47 +28,26 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
 
-try:  # programmatic dependent launch (Hopper+): Triton's grid-dependency control
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older Triton: the kernels launch without it
-    gdc_launch_dependents = gdc_wait = None
-
 MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in registers beside the weight tile
 
 
 @triton.jit
-def _load_rows(W, rows, offs_k, k_ok, EVEN_K: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] of rows `rows` (element offsets) at columns offs_k."""
+def _gemv_tile(X, W, rows, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K: tl.constexpr):
+    """Σ_k x[m, k] · w[row, k] over one K tile → [M_PAD, BLOCK_N] in fp32."""
     if EVEN_K:
-        return tl.load(W + rows + offs_k[None, :])
-    return tl.load(W + rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _load_x(X, offs_m, m_ok, offs_k, k_ok, stride_xm):
-    return tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _dot_rows(x, w):
-    """Σ_k x[m, k] · w[n, k] → [M_PAD, BLOCK_N] in fp32."""
+        w = tl.load(W + rows + offs_k[None, :])
+    else:
+        w = tl.load(W + rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+    x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
 def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr, PDL: tl.constexpr):
+          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr):
     """Programs over N in blocks of BLOCK_N (N = I for SILU_MUL); the last program's rows past N are clamped to
-    row N-1 (read, never stored) so that the weight loads need no row mask.
-
-    PDL (launched with programmatic dependent launch): the kernel may start while the previous one in the stream
-    still runs. It lets the next kernel launch at once (gdc_launch_dependents), and with one K tile it issues its
-    weight loads (constants: nothing earlier writes them) before gdc_wait, the point past which the previous
-    kernel's writes are visible; x is read and y written only after it (y's memory may be a buffer the previous
-    kernel still reads)."""
-    if PDL:
-        gdc_launch_dependents()
+    row N-1 (read, never stored) so that the weight loads need no row mask."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -79,31 +55,16 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     offs_m = tl.arange(0, M_PAD)
     m_ok = offs_m < M
     rows = safe_n[:, None] * stride_wn
-    rows_u = (safe_n + N)[:, None] * stride_wn
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    if K_TILES == 1:
-        offs_k = tl.arange(0, BLOCK_K)
+    if SILU_MUL:
+        rows_u = (safe_n + N)[:, None] * stride_wn
+        acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = _load_rows(W, rows, offs_k, k_ok, EVEN_K)
+        acc += _gemv_tile(X, W, rows, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K)
         if SILU_MUL:
-            w_u = _load_rows(W, rows_u, offs_k, k_ok, EVEN_K)
-        if PDL:
-            gdc_wait()
-        x = _load_x(X, offs_m, m_ok, offs_k, k_ok, stride_xm)
-        acc += _dot_rows(x, w)
-        if SILU_MUL:
-            acc_u += _dot_rows(x, w_u)
-    else:
-        if PDL:
-            gdc_wait()
-        for t in tl.static_range(K_TILES):
-            offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = _load_x(X, offs_m, m_ok, offs_k, k_ok, stride_xm)
-            acc += _dot_rows(x, _load_rows(W, rows, offs_k, k_ok, EVEN_K))
-            if SILU_MUL:
-                acc_u += _dot_rows(x, _load_rows(W, rows_u, offs_k, k_ok, EVEN_K))
+            acc_u += _gemv_tile(X, W, rows_u, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SILU_MUL:
@@ -116,32 +77,13 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         tl.store(out, acc.to(DTYPE), mask=out_mask)
 
 
-# Programmatic dependent launch on Hopper and later (module-level switch for same-run A/B measurements, as
-# runtime.argmax.use_kernel): gpu_e2e's `without_gemv_pdl` row.
-use_pdl = True
-
-
-@functools.cache
-def _pdl_capable(device_index: int) -> bool:
-    return (gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device_index)[0] >= 9)
-
-
-def pdl_for(x: torch.Tensor) -> bool:
-    return use_pdl and x.is_cuda and _pdl_capable(x.device.index if x.device.index is not None else 0)
-
-
-def default_config(m: int, n: int, k: int, pdl: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for x [m, k] against n weight rows: two weight rows per program while the
-    product tile (M_PAD · BLOCK_N · BLOCK_K fp32 values) stays within 8K elements (64 registers a thread at 4 warps),
-    else one; K in tiles of at most 2048 elements, or with `pdl` and one row in one tile of up to 8192 (so that the
-    whole weight block is requested before the wait; 8 warps past 4096 elements). bench_gemv.py times it against a
-    sweep of the grid around it (docs/benchmarks/gemv_<gpu>.json)."""
+def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for x [m, k] against n weight rows: K in tiles of at most 2048 elements, two
+    weight rows per program while the product tile (M_PAD · BLOCK_N · BLOCK_K fp32 values) stays within 8K elements
+    (64 registers a thread at 4 warps), else one. bench_gemv.py times it against a sweep of the grid around it
+    (docs/benchmarks/gemv_<gpu>.json: on the H100 probe it was within 2% of the sweep's best on every 1.24B and
+    SmolLM2 projection at M = 1 and 2)."""
     m_pad = next_pow2(m)
-    if pdl and m_pad == 1 and k <= 8192:
-        block_k = next_pow2(k)
-        block_n = 2 if block_k <= 4096 else 1
-        return block_n, block_k, 4 if block_n * block_k <= 4096 else 8
     block_k = min(next_pow2(k), 2048)
     block_n = 2 if m_pad * 2 * block_k <= 8192 else 1
     return block_n, block_k, 4
@@ -164,13 +106,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    pdl = pdl_for(x)
-    block_n, block_k, warps = config or default_config(m, n, k, pdl)
+    block_n, block_k, warps = config or default_config(m, n, k)
     tiles = -(-k // block_k)
     launcher.launch(_gemv, (-(-n // block_n),), x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                     M_PAD=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=tiles,
-                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype], PDL=pdl,
-                    num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype], num_warps=warps)
     return y
 
 
