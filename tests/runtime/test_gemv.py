@@ -17,9 +17,7 @@ from trtopt.check.driver import BlockSource, Seq, make_step  # noqa: E402
 from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
 from trtopt.runtime.executors import gemv  # noqa: E402
 from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
-from trtopt.runtime.gemv_kernel import (  # noqa: E402
-    MAX_ROWS, default_config, gemv as gemv_triton, gemv_add_rms_norm, gemv_silu_mul,
-)
+from trtopt.runtime.gemv_kernel import MAX_ROWS, default_config, gemv as gemv_triton, gemv_silu_mul  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -120,9 +118,8 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     targets = [n.target for n in ex.graph.module.graph.nodes if n.op == "call_function"]
     biased = layers if model == "tiny-qwen2" else 0  # Qwen2's Q/K/V has a bias: F.linear(x, w, b)
     assert targets.count(torch.nn.functional.linear) == biased
-    assert targets.count(gemv.projection) == layers + 1 - biased  # Q/K/V and the LM head; O and down take the norms
+    assert targets.count(gemv.projection) == 3 * layers + 1 - biased
     assert ex.num_gemv_silu_mul == layers
-    assert ex.num_gemv_add_rms_norm == 2 * layers  # O → post-attention norm, down → the next norm (or the final)
     assert torch.matmul not in targets and gemv.projection_silu_mul in targets
     monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
     monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
@@ -133,9 +130,8 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     # The one-row step's projections (an LM head only if not wide and short: use_gemv) and gate/ups.
     gm = ex.graph.module
     shapes = [getattr(gm, n.args[1].target).shape for n in gm.graph.nodes if n.target is gemv.projection]
-    assert calls.count("gemv") == sum(gemv.use_gemv(1, *shape) for shape in shapes) >= layers - biased
-    assert calls.count("gemv_silu_mul") == layers and calls.count("gemv_add_rms_norm") == 2 * layers
-    assert not gm._gemv_counters.any()
+    assert calls.count("gemv") == sum(gemv.use_gemv(1, *shape) for shape in shapes) >= 3 * layers - biased
+    assert calls.count("gemv_silu_mul") == layers
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -154,14 +150,6 @@ class _Counting:
     def gemv_silu_mul(self, *a):
         self._calls.append("gemv_silu_mul")
         return self._k.gemv_silu_mul(*a)
-
-    def gemv_add_rms_norm(self, *a, **kw):
-        self._calls.append("gemv_add_rms_norm")
-        return self._k.gemv_add_rms_norm(*a, **kw)
-
-    @property
-    def NORM_MAX(self):
-        return self._k.NORM_MAX
 
 
 def test_decode_gemv_defaults_off_on_cpu_and_refuses_compile(plan_dir) -> None:
@@ -188,40 +176,3 @@ def test_executor_gemv_path_on_gpu(model: str, plan_dir, monkeypatch) -> None:
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-
-
-@pytest.mark.parametrize("config", [(4, 32, 4), (2, 16, 4), None], ids=str)
-@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float16, torch.float32)], ids=str)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 40), (1, 100, 96), (2, 48, 17)])
-def test_gemv_add_rms_norm_is_the_projection_then_the_add_norm(m, k, n, dtype, scale_dtype, config) -> None:
-    """The last-program epilogue: (y, sum) as AddRMSNorm computes them on the rounded projection, and the counter
-    back at 0 for the next launch (a CUDA graph replays the same one)."""
-    from trtopt.plugins.add_rms_norm.reference import add_rms_norm_ref
-
-    x, w = _inputs(m, k, n, dtype, seed=7 * m + k)
-    gen = torch.Generator().manual_seed(n)
-    residual = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
-    scale = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE, scale_dtype)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        y, total = gemv_add_rms_norm(x, w, residual, scale, epsilon=1e-6, counter=counter, config=config)
-        want_y, want_total = add_rms_norm_ref(gemv_triton(x, w, config), residual, scale, epsilon=1e-6)
-        assert y.dtype == want_y.dtype and total.dtype == dtype and int(counter.item()) == 0
-        # Bit for bit on the GPU; the interpreter's fp32 -> half conversion may round the other way (one ulp).
-        exact = DEVICE.type == "cuda" or dtype == torch.float32
-        torch.testing.assert_close(total.float(), want_total.float(), **(dict(atol=0, rtol=0) if exact else TOL[dtype]))
-        torch.testing.assert_close(y.float(), want_y.float(), **TOL[dtype])
-
-
-def test_gemv_add_rms_norm_refuses_what_it_cannot_do() -> None:
-    x, w = _inputs(1, 16, 8, torch.float32)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    scale = torch.ones(8, device=DEVICE)
-    with pytest.raises(ValueError, match="residual"):
-        gemv_add_rms_norm(x, w, torch.zeros(1, 9, device=DEVICE), scale, epsilon=1e-6, counter=counter)
-    with pytest.raises(ValueError, match="int32 counter"):
-        gemv_add_rms_norm(x, w, torch.zeros(1, 8, device=DEVICE), scale, epsilon=1e-6, counter=counter.long())
-    with pytest.raises(ValueError, match="4 warps"):
-        gemv_add_rms_norm(x, w, torch.zeros(1, 8, device=DEVICE), scale, epsilon=1e-6, counter=counter,
-                          config=(2, 16, 2))

@@ -43,18 +43,11 @@ def _gemv_tile(X, W, rows, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K: tl.con
 
 
 @triton.jit
-def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, R, Scale, Sum, Out, Counter, stride_r, eps,
+def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr, ADD_NORM: tl.constexpr,
-          NORM_BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr):
     """Programs over N in blocks of BLOCK_N (N = I for SILU_MUL); the last program's rows past N are clamped to
-    row N-1 (read, never stored) so that the weight loads need no row mask.
-
-    ADD_NORM (the residual add + RMSNorm after the projection, trtopt.AddRMSNorm): every program writes its outputs
-    of y = x·Wᵀ, then counts itself done on Counter (an int32 that is 0 between launches); the program that counts
-    last reads the whole y row back from L2 and runs plugins/add_rms_norm/kernel.py's row arithmetic on it (Sum =
-    y + R rounded, Out = Scale · RMSNorm(Sum)), then puts Counter back to 0. One launch instead of two, no
-    spinning: no program waits for another."""
+    row N-1 (read, never stored) so that the weight loads need no row mask."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -82,23 +75,6 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, R, Scale, Sum, Out,
         tl.store(out, (h * u).to(DTYPE), mask=out_mask)
     else:
         tl.store(out, acc.to(DTYPE), mask=out_mask)
-    if ADD_NORM:
-        tl.debug_barrier()  # every thread's stores of this program before its count (released at GPU scope)
-        done = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            offs = tl.arange(0, NORM_BLOCK)
-            mask = offs < N
-            w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-            for m in range(M):
-                y = tl.load(Y + m * stride_ym + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                r = tl.load(R + m * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-                total = (y + r).to(DTYPE)
-                tl.store(Sum + m * N + offs, total, mask=mask)
-                total = total.to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(total * total, axis=0) / N + eps)
-                normed = (total * rstd).to(OUT_DTYPE).to(tl.float32)
-                tl.store(Out + m * N + offs, (w * normed).to(OUT_DTYPE), mask=mask)
-            tl.atomic_xchg(Counter, 0)
 
 
 def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
@@ -124,26 +100,17 @@ def check(x: torch.Tensor, w: torch.Tensor, what: str, rows_per_output: int = 1)
         raise ValueError(f"{what} needs a weight of gate rows then as many up rows; got {w.shape[0]} rows")
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool, config: tuple[int, int, int] | None,
-            norm: tuple | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool,
+            config: tuple[int, int, int] | None) -> torch.Tensor:
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
     block_n, block_k, warps = config or default_config(m, n, k)
     tiles = -(-k // block_k)
-    if norm is None:  # the norm's pointers are never read: y stands in for them
-        r = scale = total = out = counter = y
-        stride_r, eps, out_dtype = 0, 0.0, x.dtype
-    else:
-        r, scale, total, out, counter, eps = norm
-        stride_r, out_dtype = r.stride(0), out.dtype
     launcher.launch(_gemv, (-(-n // block_n),), x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                    r, scale, total, out, counter, stride_r, float(eps),
                     M_PAD=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=tiles,
-                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype],
-                    ADD_NORM=norm is not None, NORM_BLOCK=next_pow2(n) if norm is not None else 1,
-                    OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=warps)
+                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype], num_warps=warps)
     return y
 
 
@@ -157,30 +124,3 @@ def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor, config: tuple[int, int, i
     """x [M, K] (M <= MAX_ROWS), w_gu [2I, K] (gate rows, then up rows) → silu(x·gᵀ)·(x·uᵀ), a new [M, I]."""
     check(x, w_gu, "gemv_silu_mul", rows_per_output=2)
     return _launch(x, w_gu, w_gu.shape[0] // 2, True, config)
-
-
-NORM_MAX = 4096  # the widest row the add-norm epilogue takes: plugins/add_rms_norm's 4-warp block
-
-
-def gemv_add_rms_norm(x: torch.Tensor, wt: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *,
-                      epsilon: float, counter: torch.Tensor,
-                      config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """AddRMSNorm(x · wtᵀ, residual, scale) → (y, sum) in one launch, as plugins/add_rms_norm's kernel computes it
-    on the rounded projection; counter: one int32 element that is 0 and that no other launch uses meanwhile."""
-    check(x, wt, "gemv_add_rms_norm")
-    m, n = x.shape[0], wt.shape[0]
-    if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"gemv_add_rms_norm needs a residual [{m}, {n}] in {x.dtype}, K contiguous; got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
-    if scale.shape != (n,) or scale.dtype not in TL_DTYPES or next_pow2(n) > NORM_MAX:
-        raise ValueError(f"gemv_add_rms_norm needs a float scale [{n}] with {n} <= {NORM_MAX}; got "
-                         f"{tuple(scale.shape)} {scale.dtype}")
-    if counter.dtype != torch.int32 or counter.numel() != 1:
-        raise ValueError(f"gemv_add_rms_norm needs one int32 counter; got {counter.dtype} {tuple(counter.shape)}")
-    total = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    out = torch.empty(m, n, dtype=torch.promote_types(scale.dtype, x.dtype), device=x.device)
-    block_n, block_k, warps = config or default_config(m, n, x.shape[1])
-    if warps != 4:  # the epilogue's row reduction is the add-norm kernel's only at its warp count
-        raise ValueError(f"gemv_add_rms_norm runs with 4 warps; got a config of {warps}")
-    _launch(x, wt, n, False, (block_n, block_k, warps), (residual, scale.contiguous(), total, out, counter, epsilon))
-    return out, total

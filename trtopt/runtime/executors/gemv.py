@@ -8,11 +8,7 @@ fp16/bf16 plans on CUDA).
    CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a bias: Qwen2's Q/K/V) runs
    `F.linear(x, wt, bias)`;
 3. the gate/up projection feeding trtopt.SiluMul through a two-way Split runs `projection_silu_mul`: one GEMV with
-   SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before;
-4. a projection read only by a trtopt.AddRMSNorm (the O and down projections: the residual add and the next norm)
-   runs `projection_add_rms_norm`: one GEMV whose last program to finish runs the add-norm on the whole row
-   (gemv_kernel.gemv_add_rms_norm; each such call site owns one int32 counter of the module's `_gemv_counters`), or
-   the projection then the AddRMSNorm as before.
+   SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before.
 
 Which path a call takes depends on its shapes, dtype and device only, so a CUDA-graph bucket captures one path.
 fp32 plans keep cuBLAS (`GEMV_DTYPES`): they are the fidelity configuration, and the GEMV's accumulation order is
@@ -89,24 +85,6 @@ def projection_silu_mul(x: torch.Tensor, wt: torch.Tensor, *, sizes: list[int], 
     return _kernels().gemv_silu_mul(rows, wt).reshape(*x.shape[:-1], sizes[0])
 
 
-def projection_add_rms_norm(x: torch.Tensor, wt: torch.Tensor, other: torch.Tensor, scale: torch.Tensor, *,
-                            epsilon: float, projection_first: bool, counters: torch.Tensor,
-                            slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """AddRMSNorm(x @ wtᵀ, other, scale) (operands in the plan's order: projection_first) → (y, sum): one GEMV with
-    the add-norm epilogue for one row on CUDA where its preconditions hold, otherwise exactly those two ops."""
-    rows = _rows(x, wt)
-    n = wt.shape[0]
-    if (rows is not None and other.shape == (*x.shape[:-1], n) and other.dtype == x.dtype
-            and other.is_contiguous() and scale.shape == (n,) and scale.dtype in GEMV_DTYPES + (torch.float32,)
-            and n <= _kernels().NORM_MAX and counters.device == x.device):
-        y, total = _kernels().gemv_add_rms_norm(rows, wt, other.reshape(rows.shape[0], n), scale, epsilon=epsilon,
-                                                counter=counters[slot:slot + 1])
-        return y.reshape(other.shape), total.reshape(other.shape)
-    projected = projection(x, wt)
-    pair = (projected, other) if projection_first else (other, projected)
-    return trtopt_ops.add_rms_norm(*pair, scale, epsilon=epsilon)
-
-
 def _transpose_weights(gm: torch.fx.GraphModule) -> int:
     """Store every constant 2-D MatMul/MatMulAdd weight [N, K] (in place of the [K, N] buffer) and point its readers
     at `projection` / F.linear; a weight is moved only when every reader takes it as the right operand."""
@@ -172,40 +150,9 @@ def _fuse_silu_mul(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
-COUNTERS = "_gemv_counters"
-
-
-def _fuse_add_rms_norm(gm: torch.fx.GraphModule) -> int:
-    """projection → trtopt.AddRMSNorm (its only reader, as either operand) → projection_add_rms_norm, each with its
-    own slot of one zeroed int32 buffer registered on the module (on the weights' device)."""
-    sites = []
-    for norm in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is trtopt_ops.add_rms_norm]:
-        if len(norm.args) != 3 or set(norm.kwargs) != {"epsilon"}:
-            continue
-        a, b, scale = norm.args
-        for proj, other, first in ((a, b, True), (b, a, False)):
-            if (isinstance(proj, torch.fx.Node) and proj.target is projection and len(proj.users) == 1
-                    and proj is not other):
-                sites.append((norm, proj, other, scale, first))
-                break
-    if not sites:
-        return 0
-    device = getattr(gm, sites[0][1].args[1].target).device
-    gm.register_buffer(COUNTERS, torch.zeros(len(sites), dtype=torch.int32, device=device))
-    with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
-        counters = gm.graph.get_attr(COUNTERS)  # after the inputs, before any reader
-    for slot, (norm, proj, other, scale, first) in enumerate(sites):
-        replace_node(gm, norm, projection_add_rms_norm, (proj.args[0], proj.args[1], other, scale),
-                     {"epsilon": norm.kwargs["epsilon"], "projection_first": first, "counters": counters,
-                      "slot": slot}, dead=(proj,))
-    return len(sites)
-
-
-def use_decode_gemv(gm: torch.fx.GraphModule) -> tuple[int, int, int]:
-    """Apply the rewrite above; returns (weights stored [N, K], gate/up + SiLU·mul pairs fused, projection +
-    AddRMSNorm pairs fused)."""
+def use_decode_gemv(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """Apply the rewrite above; returns (weights stored [N, K], gate/up + SiLU·mul pairs fused)."""
     moved = _transpose_weights(gm)
     fused = _fuse_silu_mul(gm)
-    normed = _fuse_add_rms_norm(gm)
-    recompiled(gm, moved + fused + normed)
-    return moved, fused, normed
+    recompiled(gm, moved + fused)
+    return moved, fused

@@ -30,8 +30,7 @@ class TorchExecutor:
     q and k inside the KV-write kernel (fx_fusions.fuse_rope_into_paged_attention); off only for ablations.
 
     decode_gemv (default: on for fp16/bf16 plans on CUDA without compile_mode): projection weights stored [N, K]; a
-    one-row step (batch-1 decode) runs them through Triton GEMVs, gate/up with SiLU·mul as the epilogue, O and down
-    with the residual add + RMSNorm after them as theirs, larger
+    one-row step (batch-1 decode) runs them through Triton GEMVs, gate/up with SiLU·mul as the epilogue, larger
     steps through cuBLAS (runtime/executors/gemv.py, where the rule and its measurements are). Off: the plan's [K, N] weights through torch.matmul, as converted.
 
     compile_mode (opt-in; None = the GraphModule as converted): a torch.compile mode (torch_library.COMPILE_MODES);
@@ -75,8 +74,8 @@ class TorchExecutor:
         elif decode_gemv and compile_mode:
             raise ConfigError("decode_gemv=True and compile_mode cannot be combined: the GEMVs are launched outside "
                               "Inductor's graph; leave decode_gemv unset with compile_mode.")
-        self.num_gemv_weights, self.num_gemv_silu_mul, self.num_gemv_add_rms_norm = (
-            use_decode_gemv(self.graph.module) if decode_gemv else (0, 0, 0))
+        self.num_gemv_weights, self.num_gemv_silu_mul = (use_decode_gemv(self.graph.module) if decode_gemv
+                                                         else (0, 0))
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
