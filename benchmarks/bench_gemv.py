@@ -116,7 +116,7 @@ def gemv_rows(row: dict, name: str, kernel, xs, wts, want, device, iters, max_er
 
     m, k = xs[0].shape
     timed(row, name, lambda x, w: kernel(x, w), xs, wts, want, device, iters, max_err)
-    row[name]["config"] = list(gemv_kernel.default_config(m, row["N_out"], k))
+    row[name]["config"] = list(gemv_kernel.default_config(m, row["N_out"], k, silu_mul="silu" in name))
     best = None
     sweep = {}
     for config in sweep_grid(m, k, tiny):

@@ -62,6 +62,8 @@ def test_default_config_keeps_the_grid_wide_and_the_tile_bounded() -> None:
         block_n, block_k, warps = default_config(m, n, k)
         assert block_k <= 2048 and block_k >= min(k, 2048) // 2 and warps in (2, 4, 8)
         assert block_n * block_k * (1 << (m - 1).bit_length()) <= 8192
+    assert default_config(1, 8192, 2048, silu_mul=True) == (2, 1024, 2)  # the sweep's best at one row
+    assert default_config(1, 128256, 2048) == (2, 2048, 2) and default_config(2, 128256, 2048)[2] == 4
 
 
 def test_kernels_refuse_what_they_cannot_do() -> None:

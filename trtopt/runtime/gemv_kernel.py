@@ -77,16 +77,20 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         tl.store(out, acc.to(DTYPE), mask=out_mask)
 
 
-def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for x [m, k] against n weight rows: K in tiles of at most 2048 elements, two
-    weight rows per program while the product tile (M_PAD · BLOCK_N · BLOCK_K fp32 values) stays within 8K elements
-    (64 registers a thread at 4 warps), else one. bench_gemv.py times it against a sweep of the grid around it
-    (docs/benchmarks/gemv_<gpu>.json: on the H100 probe it was within 2% of the sweep's best on every 1.24B and
-    SmolLM2 projection at M = 1 and 2)."""
+def default_config(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for x [m, k] against n output rows (n = I for the SiLU·mul GEMV, which reads 2I
+    weight rows): K in tiles of at most 2048 elements, two weight rows per program while the product tile
+    (M_PAD · BLOCK_N · BLOCK_K fp32 values) stays within 8K elements (64 registers a thread at 4 warps), else one.
+    At one row, two cases take other tiles, each the best of bench_gemv.py's sweep in two H200 runs
+    (docs/benchmarks/gemv_h200.json, gemv_pdl_probe_h200.json): the SiLU·mul GEMV reads 1024-wide tiles with 2 warps
+    (18.19/18.24 µs on the 1.24B gate/up against 18.75/18.78), and an output wider than 65536 rows (an LM head) runs
+    2 warps (118.3/118.1 µs against 119.5/119.4)."""
     m_pad = next_pow2(m)
+    if m_pad == 1 and silu_mul:
+        return 2, min(next_pow2(k), 1024), 2
     block_k = min(next_pow2(k), 2048)
     block_n = 2 if m_pad * 2 * block_k <= 8192 else 1
-    return block_n, block_k, 4
+    return block_n, block_k, 2 if m_pad == 1 and n > 65536 else 4
 
 
 def check(x: torch.Tensor, w: torch.Tensor, what: str, rows_per_output: int = 1) -> None:
@@ -106,7 +110,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    block_n, block_k, warps = config or default_config(m, n, k)
+    block_n, block_k, warps = config or default_config(m, n, k, silu_mul)
     tiles = -(-k // block_k)
     launcher.launch(_gemv, (-(-n // block_n),), x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                     M_PAD=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=tiles,
