@@ -111,7 +111,8 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 # What the torch executor does on top of the plan, measured like the plan passes (same plan, another executor):
 # name -> (row name, TorchExecutor keywords of the variant). rope_kv is on by default (the row turns it off).
 # (Session 8 removed two opt-in variants the H200 measured slower at batch 1: `linear_weights`, [N, K] weights via
-# F.linear, 1.141 vs 1.120 ms per step, and `small_m_gemv`, Triton GEMVs, 1.439 ms; GPU_E2E.md.)
+# F.linear, 1.141 vs 1.120 ms per step, and `small_m_gemv`, Triton GEMVs, 1.439 ms; GPU_E2E.md. Session 13's
+# decode GEMVs, another kernel design for one-row steps, measured faster and are on by default: decode_gemv.)
 EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
                      "decode_gemv": ("without_decode_gemv", {"decode_gemv": False})}
 

@@ -115,8 +115,8 @@ def _split_sizes(gm: torch.fx.GraphModule, split: torch.fx.Node) -> list[int] | 
     """A Split node's two output sizes when they are constants (a list, or a constant tensor), else None."""
     sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split")
     if isinstance(sizes, torch.fx.Node) and sizes.op == "get_attr":
-        sizes = getattr(gm, sizes.target, None)
-        sizes = sizes.tolist() if isinstance(sizes, torch.Tensor) and sizes.dim() == 1 else None
+        const = getattr(gm, sizes.target, None)
+        sizes = onnx_ops.as_ints(const) if isinstance(const, torch.Tensor) and const.dim() == 1 else None
     if isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes):
         return list(sizes)
     return None
