@@ -162,8 +162,23 @@ def main() -> None:
         # two launches (no split-KV merge), as in the 1.24B plan's eager batch-1 step (gpu_e2e.py's profile).
         narrow = [(tables[:, :8].clone(), *rest[1:]) for rest in metadata]
 
-        def eager_step(rope: bool, metadata=metadata, steps=iter(range(10 ** 9))):
+        # The call a batch-1 decode step makes since session 14: the Q/K/V GEMV rotated q and k and wrote the pool
+        # (runtime/gemv_kernel.py gemv_rope_kv), so q, k and v are views of its output row and the op launches the
+        # attention kernels only (kv_written).
+        def qkv_views():
+            y = torch.randn(1, (hq + 2 * hkv) * d, device=device, dtype=torch.bfloat16)
+            return [part.reshape(1, 1, h, d).transpose(1, 2)
+                    for part, h in zip(y.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv))]
+
+        written = [(*qkv_views(), lc) for *_, lc in layers]
+
+        def eager_step(rope: bool | str, metadata=metadata, steps=iter(range(10 ** 9))):
             meta = metadata[next(steps) % 2]
+            if rope == "written":
+                for lq, lk, lv, lc in written:
+                    trtopt_ops.paged_attention_rope(lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0,
+                                                    kv_written=True, **attrs)
+                return
             for lq, lk, lv, lc in layers:
                 if rope:
                     trtopt_ops.paged_attention_rope(lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0,
@@ -179,6 +194,16 @@ def main() -> None:
                                                                 pk._device_sm_count(device)).num_segments
         per_layer["paged_attention_layers_nosplit_call"] = lambda: eager_step(False, narrow)
         per_layer["paged_attention_rope_layers_nosplit_call"] = lambda: eager_step(True, narrow)
+        per_layer["paged_attention_written_layers_call"] = lambda: eager_step("written")
+        per_layer["paged_attention_written_layers_nosplit_call"] = lambda: eager_step("written", narrow)
+        # The Q/K/V GEMV of the 1.24B plan without and with RoPE + the KV write as its epilogue (one launch each).
+        from trtopt.runtime import gemv_kernel
+
+        x_row = torch.randn(1, 2048, device=device, dtype=torch.bfloat16)
+        w_qkv = torch.randn((hq + 2 * hkv) * d, 2048, device=device, dtype=torch.bfloat16)
+        rows["gemv_qkv_launch"] = lambda: gemv_kernel.gemv(x_row, w_qkv)
+        rows["gemv_rope_kv_launch"] = lambda: gemv_kernel.gemv_rope_kv(
+            x_row, w_qkv, cos, sin, cache, slots, num_heads=hq, num_kv_heads=hkv, head_dim=d)
         # The sampler's greedy argmax (one 128K-vocabulary row): torch's one kernel vs the two Triton launches.
         rows["argmax_torch"] = lambda: logits.argmax(dim=-1)
         rows["argmax_triton"] = lambda: greedy_argmax(logits)
@@ -211,7 +236,7 @@ def main() -> None:
         result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
                                                             attrs)
     both_ways = {"write_kv_launch", "rope_write_kv_launch", "paged_attention_call", "paged_attention_rope_call",
-                 "argmax_triton", "add_rms_norm_launch", "silu_mul_launch", *per_layer}
+                 "argmax_triton", "gemv_qkv_launch", "gemv_rope_kv_launch", "add_rms_norm_launch", "silu_mul_launch", *per_layer}
     rows.update(per_layer)
     for name, fn in rows.items():
         calls = LAYERS if name in per_layer else 1

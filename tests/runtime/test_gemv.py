@@ -17,7 +17,12 @@ from trtopt.check.driver import BlockSource, Seq, make_step  # noqa: E402
 from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
 from trtopt.runtime.executors import gemv, trtopt_ops  # noqa: E402
 from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
-from trtopt.runtime.gemv_kernel import MAX_ROWS, default_config, gemv as gemv_triton, gemv_silu_mul  # noqa: E402
+from trtopt.plugins.paged_attention.kernel import (  # noqa: E402
+    clear_plans, paged_attention_triton, rope_write_kv_triton,
+)
+from trtopt.runtime.gemv_kernel import (  # noqa: E402
+    MAX_ROWS, default_config, gemv as gemv_triton, gemv_rope_kv, gemv_silu_mul,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -55,6 +60,91 @@ def test_gemv_silu_mul_matches_the_unfused_pair(m: int, k: int, inter: int, dtyp
     want = silu_mul_ref(gu[:, :inter], gu[:, inter:])
     assert got.shape == (m, inter) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def _qkv_case(hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, seed: int):
+    """x [1, K], a fused Q/K/V weight, one token's cos/sin rows ([1, 1, D], as the plan's gathers give them) and an
+    empty pool of 4-slot blocks."""
+    x, w = _inputs(1, k, (hq + 2 * hkv) * d, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    cos, sin = (torch.randn(1, 1, d, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    pool = torch.zeros(6, 2, hkv, 4, d, dtype=dtype, device=DEVICE)
+    return x, w, cos, sin, pool
+
+
+def _views(y: torch.Tensor, hq: int, hkv: int, d: int) -> list[torch.Tensor]:
+    """q, k, v [1, H, 1, D] as the exported graph makes them from the projection row (Split, Reshape, Transpose)."""
+    return [part.reshape(1, 1, h, d).transpose(1, 2) for part, h in zip(y.split([hq * d, hkv * d, hkv * d], -1),
+                                                                         (hq, hkv, hkv))]
+
+
+@pytest.mark.parametrize("config", [None, (2, 32, 1), (4, 16, 1)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hq,hkv,d,k", [(4, 2, 16, 64), (6, 2, 8, 100), (3, 3, 10, 33), (2, 1, 6, 20)])
+def test_gemv_rope_kv_is_the_gemv_then_the_rope_kv_write(hq, hkv, d, k, dtype, config) -> None:
+    """The fused Q/K/V epilogue, bit for bit: y's q and k parts are what PagedAttention's RoPE + KV-write kernel makes
+    of the plain GEMV's output, its v part is the GEMV's, and the pool holds the same rotated k and v at the slot
+    (ragged K tiles, several pairs a program with a clamped last program, GQA and MHA, a head_dim not a power of
+    two). A slot of −1 leaves the pool alone."""
+    x, w, cos, sin, pool = _qkv_case(hq, hkv, d, k, dtype, seed=hq * d + k)
+    want_pool = pool.clone()
+    slot = torch.tensor([9], device=DEVICE)
+    y = gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d, config=config)
+    plain = gemv_triton(x, w, None if config is None else (2, config[1], config[2]))
+    q, k_, v = _views(plain, hq, hkv, d)
+    q_rot = rope_write_kv_triton(q, k_, v, cos, sin, want_pool, slot)
+    assert torch.equal(pool, want_pool) and bool(pool[2, :, :, 1].ne(0).any())  # slot 9: block 2, offset 1
+    got_q, got_k, got_v = _views(y, hq, hkv, d)
+    assert torch.equal(got_q, q_rot) and torch.equal(got_v, v)
+    assert torch.equal(got_k[0, :, 0], pool[2, 0, :, 1])
+    untouched = torch.zeros_like(pool)
+    gemv_rope_kv(x, w, cos, sin, untouched, torch.tensor([-1], device=DEVICE), num_heads=hq, num_kv_heads=hkv,
+                 head_dim=d, config=config)
+    assert not untouched.any()
+
+
+def test_gemv_rope_kv_refuses_what_it_cannot_do() -> None:
+    x, w, cos, sin, pool = _qkv_case(4, 2, 16, 64, torch.float16, seed=3)
+    slot = torch.tensor([0], device=DEVICE)
+    attrs = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_rope_kv(torch.cat([x, x]), w, cos, sin, pool, slot, **attrs)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_rope_kv(x, w[:-16], cos, sin, pool, slot, **attrs)
+    with pytest.raises(ValueError, match="cos as one row"):
+        gemv_rope_kv(x, w, cos.expand(1, 2, 16), sin, pool, slot, **attrs)
+    with pytest.raises(ValueError, match="pool"):
+        gemv_rope_kv(x, w, cos, sin, pool.float(), slot, **attrs)
+    with pytest.raises(ValueError, match="powers of two"):
+        gemv_rope_kv(x, w, cos, sin, pool, slot, **attrs, config=(3, 64, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_attention_after_the_fused_write_equals_the_rope_kv_path(dtype) -> None:
+    """A decode step of one sequence (13 cached tokens): gemv_rope_kv, then PagedAttention with kv_written (the
+    attention kernels only) gives the output and pool of the path it replaces, the plain GEMV then PagedAttention
+    with RoPE folded in, bit for bit; and kv_written refuses q, k, v that are not head-major views of one row."""
+    hq, hkv, d = 4, 2, 16
+    x, w, cos, sin, pool = _qkv_case(hq, hkv, d, 64, dtype, seed=11)
+    gen = torch.Generator().manual_seed(5)
+    pool[1:5] = torch.randn(pool[1:5].shape, generator=gen).to(DEVICE, dtype)
+    want_pool = pool.clone()
+    meta = (torch.tensor([[1, 2, 3, 4]], dtype=torch.int32, device=DEVICE),
+            torch.tensor([14], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            torch.tensor([4 * 4 + 1], device=DEVICE))  # token 14 of the sequence: block 4, offset 1
+    attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=0.25)
+    want, _ = paged_attention_triton(*_views(gemv_triton(x, w), hq, hkv, d), want_pool, *meta, **attrs,
+                                     rope_cos=cos, rope_sin=sin)
+    y = gemv_rope_kv(x, w, cos, sin, pool, meta[3], num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    got, _ = paged_attention_triton(*_views(y, hq, hkv, d), pool, *meta, **attrs, kv_written=True)
+    assert torch.equal(got, want) and torch.equal(pool, want_pool)
+    q, k, v = _views(y, hq, hkv, d)
+    clear_plans()  # the layout is checked when a step shape is planned (its strides are in the plan key)
+    with pytest.raises(ValueError, match="head-major views of one fused Q/K/V row"):
+        paged_attention_triton(q, v, k, pool, *meta, **attrs, kv_written=True)
+    with pytest.raises(ValueError, match="already rotated"):
+        paged_attention_triton(q, k, v, pool, *meta, **attrs, kv_written=True, rope_cos=cos, rope_sin=sin)
 
 
 def test_default_config_keeps_the_grid_wide_and_the_tile_bounded() -> None:
@@ -122,7 +212,10 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     targets = [n.target for n in ex.graph.module.graph.nodes if n.op == "call_function"]
     biased = layers if model == "tiny-qwen2" else 0  # Qwen2's Q/K/V has a bias: F.linear(x, w, b)
     assert targets.count(torch.nn.functional.linear) == biased
-    assert targets.count(gemv.projection) == 3 * layers + 1 - biased
+    # Q/K/V with RoPE and the KV write as one call (Qwen2's biased Q/K/V stays F.linear, the plain attention op)
+    rope_kv = 0 if biased else layers
+    assert ex.num_gemv_rope_kv == targets.count(gemv.projection_rope_kv) == rope_kv
+    assert targets.count(gemv.projection) == 3 * layers + 1 - biased - rope_kv
     assert ex.num_gemv_silu_mul == layers
     assert torch.matmul not in targets and gemv.projection_silu_mul in targets
     monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
@@ -134,8 +227,10 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     # The one-row step's projections (an LM head only if not wide and short: use_gemv) and gate/ups.
     gm = ex.graph.module
     shapes = [getattr(gm, n.args[1].target).shape for n in gm.graph.nodes if n.target is gemv.projection]
-    assert calls.count("gemv") == sum(gemv.use_gemv(1, *shape) for shape in shapes) >= 3 * layers - biased
+    assert calls.count("gemv") == sum(gemv.use_gemv(1, *shape) for shape in shapes) >= 2 * layers - biased + (
+        layers - rope_kv)
     assert calls.count("gemv_silu_mul") == layers
+    assert calls.count("gemv_rope_kv") == rope_kv
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -154,6 +249,10 @@ class _Counting:
     def gemv_silu_mul(self, *a):
         self._calls.append("gemv_silu_mul")
         return self._k.gemv_silu_mul(*a)
+
+    def gemv_rope_kv(self, *a, **kw):
+        self._calls.append("gemv_rope_kv")
+        return self._k.gemv_rope_kv(*a, **kw)
 
 
 def test_decode_gemv_defaults_off_on_cpu_and_refuses_compile(plan_dir) -> None:

@@ -6,6 +6,12 @@ by runtime/executors/gemv.py (only for CUDA tensors) and by benchmarks/bench_gem
   (gate's I rows, then up's I rows): y = silu(x·gᵀ)·(x·uᵀ), rounded as the unfused GEMM → trtopt.SiluMul pair
   rounds (each GEMM output to the dtype, then SiluMul's own steps, plugins/silu_mul/kernel.py). One launch instead
   of two, and the [M, 2I] intermediate is never written.
+- `gemv_rope_kv(x, w_qkv, cos, sin, kv_cache, slot_mapping, ...)`: the horizontally fused Q/K/V projection of one
+  token with RoPE and the KV write as its epilogue: q and k come out rotated, and k and v are written into the paged
+  pool at the token's slot, bit for bit what the GEMV then PagedAttention's RoPE + KV-write kernel
+  (plugins/paged_attention/kernel.py `_rope_write_kv_kernel`) give. A program owns rows d and d + D/2 of one head
+  (the two halves RoPE pairs), so the rotation needs nothing from another program. One launch per layer fewer in a
+  batch-1 decode step (the attention op is then told the pool is written: executors/gemv.py).
 
 Why a GEMV beats cuBLAS here (issue 11, measured by benchmarks/bench_gemv.py, docs/benchmarks/gemv_<gpu>.json): a
 decode step's projections are 8-67 MB of weights read once for one row of x, so the step is a race to have as
@@ -27,6 +33,7 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
+from trtopt.plugins.rope.kernel import rotate_half_rows
 
 MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in registers beside the weight tile
 
@@ -77,6 +84,64 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         tl.store(out, acc.to(DTYPE), mask=out_mask)
 
 
+@triton.jit
+def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_cos_d, stride_sin_d,
+                  stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
+                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, POOL_BLOCK: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """One token's y = x · Wᵀ over the fused Q/K/V weight (rows: NUM_HEADS query heads, then NUM_KV_HEADS key heads,
+    then as many value heads, 2·HALF rows each), with RoPE on q and k and the KV write as the epilogue.
+
+    Program p owns BLOCK_P rotation pairs (rows d and d + HALF of one head); its 2·BLOCK_P rows are laid out pair by
+    pair ([r1, r2, r1', r2', ...]) so one product tile serves all of them and tl.split hands back the two halves.
+    Every value is rounded as the unfused pair rounds it: the GEMV's output to DTYPE, then rope/kernel.py's
+    rotate_half_rows (the same function `_rope_write_kv_kernel` calls). y gets rotated q, rotated k and v; when the
+    slot is >= 0 the pool gets rotated k and v at it."""
+    pid = tl.program_id(0)
+    num_pairs = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
+    offs = tl.arange(0, 2 * BLOCK_P)
+    pair = tl.minimum(pid * BLOCK_P + offs // 2, num_pairs - 1)  # clamped: a last program's spare pairs re-read
+    head = pair // HALF
+    j = pair % HALF
+    row = head * (2 * HALF) + j + (offs % 2) * HALF
+    offs_m = tl.arange(0, 1)
+    m_ok = offs_m < 1
+    rows = row.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((1, 2 * BLOCK_P), dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc += _gemv_tile(X, W, rows, offs_k, offs_k < K, offs_m, m_ok, 0, EVEN_K)
+    a1, a2 = tl.split(tl.reshape(acc.to(DTYPE).to(tl.float32), (BLOCK_P, 2)))  # the GEMM output's rounding
+
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = p < num_pairs
+    p = tl.minimum(p, num_pairs - 1)
+    head_p = p // HALF
+    j_p = p % HALF
+    c1 = tl.load(Cos + j_p * stride_cos_d).to(tl.float32)
+    c2 = tl.load(Cos + (j_p + HALF) * stride_cos_d).to(tl.float32)
+    s1 = tl.load(Sin + j_p * stride_sin_d).to(tl.float32)
+    s2 = tl.load(Sin + (j_p + HALF) * stride_sin_d).to(tl.float32)
+    o1, o2 = rotate_half_rows(a1, a2, c1, c2, s1, s2, DTYPE)
+    is_v = head_p >= NUM_HEADS + NUM_KV_HEADS
+    y1 = tl.where(is_v, a1.to(DTYPE), o1)
+    y2 = tl.where(is_v, a2.to(DTYPE), o2)
+    r1 = head_p * (2 * HALF) + j_p
+    tl.store(Y + r1, y1, mask=ok)
+    tl.store(Y + r1 + HALF, y2, mask=ok)
+
+    slot = tl.load(SlotMapping)
+    if slot >= 0:
+        kv = is_v.to(tl.int64)
+        hk = (head_p - NUM_HEADS - kv * NUM_KV_HEADS).to(tl.int64)
+        dst = (Cache + (slot // POOL_BLOCK) * stride_cb + (slot % POOL_BLOCK) * stride_co + kv * stride_ckv
+               + hk * stride_ch + j_p * stride_cd)
+        kv_ok = ok & (head_p >= NUM_HEADS)
+        tl.store(dst, y1, mask=kv_ok)
+        tl.store(dst + HALF * stride_cd, y2, mask=kv_ok)
+
+
 def default_config(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for x [m, k] against n output rows (n = I for the SiLU·mul GEMV, which reads 2I
     weight rows): K in tiles of at most 2048 elements, two weight rows per program while the product tile
@@ -122,6 +187,43 @@ def gemv(x: torch.Tensor, wt: torch.Tensor, config: tuple[int, int, int] | None 
     """x [M, K] (M <= MAX_ROWS) · wt [N, K]ᵀ → a new [M, N] in x's dtype."""
     check(x, wt, "gemv")
     return _launch(x, wt, wt.shape[0], False, config)
+
+
+def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] · w_qkv [(Hq + 2·Hkv)·D, K]ᵀ → a new [1, N]: rotated q, rotated k, v; and for slot_mapping[0] >= 0,
+    kv_cache[slot // bs, 0|1, :, slot % bs, :] = (rotated k, v). cos and sin hold the token's row (D values, any
+    leading size-1 dims), in x's dtype; kv_cache is [num_blocks, 2, Hkv, block_size, D] in x's dtype. config: (pairs per program,
+    BLOCK_K, num_warps); by default one pair (two weight rows, as `default_config` gives the plain GEMV) and K tiles
+    of up to 2048."""
+    check(x, w_qkv, "gemv_rope_kv")
+    n, k = w_qkv.shape
+    if x.shape[0] != 1 or head_dim % 2 or n != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows with "
+                         f"an even head_dim; got x {tuple(x.shape)}, w {tuple(w_qkv.shape)}, heads {num_heads}/"
+                         f"{num_kv_heads}, head_dim {head_dim}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.numel() != head_dim or table.shape[-1] != head_dim or table.dtype != x.dtype:
+            raise ValueError(f"gemv_rope_kv needs {name} as one row of {head_dim} {x.dtype} values; got "
+                             f"{table.dtype} {tuple(table.shape)}")
+    if (kv_cache.dim() != 5 or tuple(kv_cache.shape[1:3]) != (2, num_kv_heads) or kv_cache.shape[4] != head_dim
+            or kv_cache.dtype != x.dtype or slot_mapping.shape != (1,) or slot_mapping.dtype != torch.int64):
+        raise ValueError(f"gemv_rope_kv needs a {x.dtype} pool [blocks, 2, {num_kv_heads}, block_size, {head_dim}] "
+                         f"and an int64 slot_mapping [1]; got {kv_cache.dtype} {tuple(kv_cache.shape)}, "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_p, block_k, warps = config or (1, min(next_pow2(k), 2048), 4)
+    if block_p != next_pow2(block_p) or block_k != next_pow2(block_k):
+        raise ValueError(f"gemv_rope_kv's pairs per program and BLOCK_K must be powers of two; got {config}")
+    tiles = -(-k // block_k)
+    half = head_dim // 2
+    launcher.launch(_gemv_rope_kv, (-(-(n // 2) // block_p),), x, w_qkv, y, cos, sin, kv_cache, slot_mapping, k, w_qkv.stride(0),
+                    cos.stride(-1), sin.stride(-1), *kv_cache.stride(),
+                    NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, POOL_BLOCK=kv_cache.shape[3],
+                    BLOCK_P=block_p, BLOCK_K=block_k, K_TILES=tiles, EVEN_K=tiles * block_k == k,
+                    DTYPE=TL_DTYPES[x.dtype], num_warps=warps)
+    return y
 
 
 def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:

@@ -536,6 +536,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None,  # [.., T, D] broadcastable to [1, 1, T, D], q's dtype
     rope_sin: torch.Tensor | None = None,
+    kv_written: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the new K/V at slot_mapping, then attend each new token over its sequence's cache.
 
@@ -545,6 +546,9 @@ def paged_attention_triton(
     rope_sin, q and k are the tensors *before* RoPE: one kernel rotates both and writes the pool
     (rope_write_kv_triton), bit for bit what trtopt::Rope on each and then this op give, with two launches fewer;
     the torch executor's `fuse_rope_into_paged_attention` (fx_fusions.py) routes the plan's Rope nodes here.
+    With kv_written, this step's k and v are already in the pool and q is final (the torch executor's Q/K/V GEMV
+    with RoPE and the KV write as its epilogue, runtime/gemv_kernel.py `gemv_rope_kv`): only the attention kernels
+    run. q, k and v must then be head-major views of that projection's one output row, which is checked.
 
     Planned once per step shape, launched per layer (STYLE.md §10): the first call of a shape checks everything,
     plans the tiling and prepares its launches (`_PagedPlan`); every later call whose inputs have the same shapes,
@@ -554,7 +558,8 @@ def paged_attention_triton(
     key = None
     if launch is None and out is None and not launcher.dispatcher_only():
         key = _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
-                        num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin)
+                        num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin,
+                        kv_written)
         plan = _PLANS.get(key)
         if plan is not None:
             result = plan(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
@@ -570,7 +575,9 @@ def paged_attention_triton(
     if (rope_cos is None) != (rope_sin is None):
         raise ValueError("rope_cos and rope_sin come together (both or neither)")
     q_in = q
-    if rope_cos is not None:
+    if kv_written:
+        _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim)
+    elif rope_cos is not None:
         q = rope_write_kv_triton(q, k, v, rope_cos, rope_sin, kv_cache, slot_mapping)
     else:
         write_kv_triton(k, v, kv_cache, slot_mapping)
@@ -596,12 +603,28 @@ def paged_attention_triton(
         merge = _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d)
         launcher.launch(merge[0], merge[1], *merge[2], **merge[3])
     if key is not None:
-        if rope_cos is not None:
+        if kv_written:
+            kv_write = None
+        elif rope_cos is not None:
             kv_write = _rope_write_kv_launch(q_in, k, v, rope_cos, rope_sin, q, kv_cache, slot_mapping)
         else:
             kv_write = _write_kv_launch(k, v, kv_cache, slot_mapping)
         _remember_plan(key, _PagedPlan(kv_write, attention, merge, scratch, device=q.device))
     return out, kv_cache
+
+
+def _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim) -> None:
+    """kv_written's precondition: q, k and v are the head-major [Hq·D | Hkv·D | Hkv·D] parts of one projection
+    output (the layout gemv_rope_kv wrote the pool from), and no RoPE is left to apply."""
+    if rope_cos is not None:
+        raise ValueError("kv_written=True takes q and k already rotated: pass no rope_cos/rope_sin")
+    size = q.element_size()
+    head_major = all(x.stride(1) == head_dim and x.stride(3) == 1 for x in (q, k, v))
+    if not (q.shape[2] == 1 and head_major and k.data_ptr() - q.data_ptr() == num_heads * head_dim * size
+            and v.data_ptr() - k.data_ptr() == num_kv_heads * head_dim * size):
+        raise ValueError("kv_written=True needs q, k and v of one token as head-major views of one fused Q/K/V row "
+                         f"(what gemv_rope_kv wrote the pool from); got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)} with strides {q.stride()}, {k.stride()}, {v.stride()}")
 
 
 def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out, part_acc, part_max,
@@ -663,16 +686,19 @@ class _PagedPlan:
                  "partials_at", "workspace_bytes", "owned", "calls")
 
     def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, *, device: torch.device) -> None:
-        launches = [kv_write, attention] + ([merge] if merge else [])
+        launches = [x for x in (kv_write, attention, merge) if x is not None]
         prepared = [launcher.prepare(*x) for x in launches]
         direct = all(isinstance(x, launcher.DriverLaunch) for x in prepared)
         if not direct:  # all through the driver, or none (a Relaunch needs no stream)
             prepared = [launcher.prepare(*x, direct=False) for x in launches]
-        self.kv_write, self.attention, self.merge = (prepared + [None])[:3]
+        slots = iter(prepared)
+        # None where there is no such launch (kv_write: the pool was written before the call, kv_written)
+        self.kv_write, self.attention, self.merge = (None if x is None else next(slots)
+                                                     for x in (kv_write, attention, merge))
         self.scratch = scratch
         out = attention[2][6]
         self.out_shape, self.dtype, self.device = tuple(out.shape), out.dtype, device
-        self.rope = kv_write[0] is _rope_write_kv_kernel
+        self.rope = kv_write is not None and kv_write[0] is _rope_write_kv_kernel
         # Direct calls' workspace: the rotated q (RoPE fold), then the partials at a 256-byte boundary.
         q_rot_bytes = out.numel() * out.element_size() if self.rope else 0
         self.partials_at = -(-q_rot_bytes // 256) * 256
@@ -695,7 +721,7 @@ class _PagedPlan:
             if not self.kv_write(stream, q, k, v, cos, sin, q_rot, kv_cache, slot_mapping):
                 return None
             q = q_rot
-        elif not self.kv_write(stream, k, v, kv_cache, slot_mapping):
+        elif self.kv_write is not None and not self.kv_write(stream, k, v, kv_cache, slot_mapping):
             return None
         parts = (out, out, out) if self.scratch is None else self.scratch.views(self.device)
         if not self.attention(stream, q, kv_cache, block_tables, seq_lens, query_start_loc,
@@ -722,7 +748,7 @@ class _PagedPlan:
                 return None
         else:
             qa = q.data_ptr()
-            if not self.kv_write.launch(stream, [k.data_ptr(), v.data_ptr(), c, s]):
+            if self.kv_write is not None and not self.kv_write.launch(stream, [k.data_ptr(), v.data_ptr(), c, s]):
                 return None
         if self.scratch is None:
             parts = [o, o, o]
@@ -777,7 +803,7 @@ def clear_plans() -> None:
 
 
 def _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads, num_kv_heads,
-              head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin) -> tuple:
+              head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin, kv_written=False) -> tuple:
     """Everything a plan's launches were computed from: the attributes, and every input's shape, strides, dtype and
     device (tensor addresses are bound per call). The metadata tensors are the same four objects for every layer of
     a step, so theirs is read once per step (_MetadataMemo)."""
@@ -788,7 +814,7 @@ def _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_m
         num_heads, num_kv_heads, head_dim, scale, causal, sliding_window,
         None if alibi_slopes is None else _tensor_key(alibi_slopes),
         None if rope_cos is None else _tensor_key(rope_cos),
-        None if rope_sin is None else _tensor_key(rope_sin),
+        None if rope_sin is None else _tensor_key(rope_sin), kv_written,
     )
 
 

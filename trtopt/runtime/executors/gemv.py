@@ -8,7 +8,11 @@ fp16/bf16 plans on CUDA).
    CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a bias: Qwen2's Q/K/V) runs
    `F.linear(x, wt, bias)`;
 3. the gate/up projection feeding trtopt.SiluMul through a two-way Split runs `projection_silu_mul`: one GEMV with
-   SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before.
+   SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before;
+4. the fused Q/K/V projection whose Split feeds, through views only, the q, k and v of a PagedAttention with RoPE
+   folded in (fx_fusions.fuse_rope_into_paged_attention) runs `projection_rope_kv`: for one row, one GEMV that also
+   rotates q and k and writes k and v into the pool (runtime/gemv_kernel.py `gemv_rope_kv`), and the attention op
+   is told so (`kv_written`) and launches the attention kernels only; for any other step the projection as in 2.
 
 Which path a call takes depends on its shapes, dtype and device only, so a CUDA-graph bucket captures one path.
 fp32 plans keep cuBLAS (`GEMV_DTYPES`): they are the fidelity configuration, and the GEMV's accumulation order is
@@ -18,6 +22,7 @@ not cuBLAS's. Measured (benchmarks/bench_gemv.py, gpu_e2e's `without_decode_gemv
 from __future__ import annotations
 
 import functools
+import math
 import operator
 
 import torch
@@ -85,6 +90,34 @@ def projection_silu_mul(x: torch.Tensor, wt: torch.Tensor, *, sizes: list[int], 
     return _kernels().gemv_silu_mul(rows, wt).reshape(*x.shape[:-1], sizes[0])
 
 
+def projection_rope_kv(x: torch.Tensor, wt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                       head_dim: int, rope_half: int) -> tuple[torch.Tensor, bool]:
+    """(x @ wtᵀ, written) for the fused Q/K/V weight of an attention with RoPE folded in. written: one GEMV made the
+    product with q and k rotated and wrote k and v into kv_cache at slot_mapping (one row on CUDA, `_rope_kv_fits`);
+    else the plain `projection`, and the attention op rotates and writes as before."""
+    rows = _rows(x, wt)
+    if rows is None or not _rope_kv_fits(wt.shape[0], x.dtype, cos.shape, sin.shape, cos.dtype, sin.dtype,
+                                         kv_cache.shape, kv_cache.dtype, slot_mapping.shape, slot_mapping.dtype,
+                                         num_heads, num_kv_heads, head_dim, rope_half):
+        return projection(x, wt), False
+    y = _kernels().gemv_rope_kv(rows, wt, cos, sin, kv_cache, slot_mapping, num_heads=num_heads,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return y.reshape(*x.shape[:-1], wt.shape[0]), True
+
+
+@functools.lru_cache(maxsize=256)
+def _rope_kv_fits(n, dtype, cos_shape, sin_shape, cos_dtype, sin_dtype, pool_shape, pool_dtype, slots_shape,
+                  slots_dtype, num_heads, num_kv_heads, head_dim, rope_half) -> bool:
+    """Whether gemv_rope_kv takes this call: the whole head rotated (half 0 or D/2), one token's cos/sin row in x's
+    dtype, the pool [blocks, 2, Hkv, bs, D] in x's dtype, one int64 slot. A function of shapes and dtypes, cached."""
+    return (head_dim % 2 == 0 and rope_half in (0, head_dim // 2) and n == (num_heads + 2 * num_kv_heads) * head_dim
+            and all(math.prod(s) == head_dim and s[-1] == head_dim for s in (cos_shape, sin_shape))
+            and cos_dtype == sin_dtype == pool_dtype == dtype
+            and len(pool_shape) == 5 and tuple(pool_shape[1:3]) == (2, num_kv_heads) and pool_shape[4] == head_dim
+            and tuple(slots_shape) == (1,) and slots_dtype == torch.int64)
+
+
 def _transpose_weights(gm: torch.fx.GraphModule) -> int:
     """Store every constant 2-D MatMul/MatMulAdd weight [N, K] (in place of the [K, N] buffer) and point its readers
     at `projection` / F.linear; a weight is moved only when every reader takes it as the right operand."""
@@ -111,13 +144,13 @@ def _transpose_weights(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-def _split_sizes(gm: torch.fx.GraphModule, split: torch.fx.Node) -> list[int] | None:
-    """A Split node's two output sizes when they are constants (a list, or a constant tensor), else None."""
+def _split_sizes(gm: torch.fx.GraphModule, split: torch.fx.Node, parts: int = 2) -> list[int] | None:
+    """A Split node's `parts` output sizes when they are constants (a list, or a constant tensor), else None."""
     sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split")
     if isinstance(sizes, torch.fx.Node) and sizes.op == "get_attr":
         const = getattr(gm, sizes.target, None)
         sizes = onnx_ops.as_ints(const) if isinstance(const, torch.Tensor) and const.dim() == 1 else None
-    if isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(s, int) for s in sizes):
+    if isinstance(sizes, (list, tuple)) and len(sizes) == parts and all(isinstance(s, int) for s in sizes):
         return list(sizes)
     return None
 
@@ -150,9 +183,67 @@ def _fuse_silu_mul(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
-def use_decode_gemv(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """Apply the rewrite above; returns (weights stored [N, K], gate/up + SiLU·mul pairs fused)."""
+# Ops between the Q/K/V Split and the attention op that only relabel values (shape, order of dims): the attention's
+# q, k and v are then views of the projection's output. That they are head-major views of one row (what the fused
+# KV write assumes) is checked by the attention op on its first call (paged_attention_triton, kv_written).
+_RELABELS = (onnx_ops.reshape, onnx_ops.transpose, onnx_ops.unsqueeze, onnx_ops.squeeze, onnx_ops.flatten,
+             onnx_ops.identity)
+
+
+def _split_output(node) -> torch.fx.Node | None:
+    """The `getitem(split, i)` node that `node` relabels (through `_RELABELS`, each read by nothing else), or None."""
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _RELABELS
+           and len(node.users) == 1):
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.target is operator.getitem and len(node.users) == 1:
+        return node
+    return None
+
+
+def _fuse_rope_kv(gm: torch.fx.GraphModule) -> int:
+    """projection → Split(q, k, v) → views → paged_attention_rope ⇒ projection_rope_kv, whose `written` output the
+    attention op reads as kv_written. Matched only when the Split's sizes are the attention's Hq·D, Hkv·D, Hkv·D
+    along the last axis, each output reaches only its attention input, and the pool, slot mapping and cos/sin the
+    attention reads are computed before the projection (the fused call takes its place)."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    fused = 0
+    for attn in [n for n in gm.graph.nodes
+                 if n.op == "call_function" and n.target is trtopt_ops.paged_attention_rope and len(n.args) >= 8]:
+        outs = [_split_output(a) for a in attn.args[:3]]
+        if any(o is None for o in outs) or [o.args[1] for o in outs] != [0, 1, 2]:
+            continue
+        split = outs[0].args[0]
+        if not (all(o.args[0] is split for o in outs) and split.target is onnx_ops.split and len(split.users) == 3
+                and split.kwargs.get("axis", 0) == -1):
+            continue
+        proj = split.args[0]
+        if not (isinstance(proj, torch.fx.Node) and proj.target is projection and len(proj.users) == 1):
+            continue
+        kw = attn.kwargs
+        hq, hkv, d = kw["num_heads"], kw["num_kv_heads"], kw["head_dim"]
+        if _split_sizes(gm, split, 3) != [hq * d, hkv * d, hkv * d]:
+            continue
+        inputs = (kw["rope_cos"], kw["rope_sin"], attn.args[3], attn.args[7])
+        if not all(isinstance(a, torch.fx.Node) and order[a] < order[proj] for a in inputs):
+            continue
+        with gm.graph.inserting_before(proj):
+            call = gm.graph.call_function(projection_rope_kv, (*proj.args[:2], *inputs),
+                                          dict(num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                               rope_half=kw.get("rope_half", 0)))
+            y = gm.graph.call_function(operator.getitem, (call, 0))
+            written = gm.graph.call_function(operator.getitem, (call, 1))
+        proj.replace_all_uses_with(y)
+        gm.graph.erase_node(proj)
+        attn.kwargs = dict(kw, kv_written=written)
+        fused += 1
+    return fused
+
+
+def use_decode_gemv(gm: torch.fx.GraphModule, rope_kv: bool = True) -> tuple[int, int, int]:
+    """Apply the rewrite above (step 4 only with rope_kv); returns (weights stored [N, K], gate/up + SiLU·mul pairs
+    fused, Q/K/V projections with RoPE and the KV write fused)."""
     moved = _transpose_weights(gm)
     fused = _fuse_silu_mul(gm)
-    recompiled(gm, moved + fused)
-    return moved, fused
+    rope_kv = _fuse_rope_kv(gm) if rope_kv else 0
+    recompiled(gm, moved + fused + rope_kv)
+    return moved, fused, rope_kv

@@ -55,10 +55,24 @@ def paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, 
 
 def paged_attention_rope(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                          alibi_slopes=None, *, rope_cos, rope_sin, rope_half: int, num_heads: int, num_kv_heads: int,
-                         head_dim: int, scale: float, causal: int = 1, sliding_window: int = 0):
+                         head_dim: int, scale: float, causal: int = 1, sliding_window: int = 0,
+                         kv_written: bool = False):
     """trtopt::PagedAttention(Rope(q), Rope(k), ...) as the torch executor fuses it (fx_fusions.py): on CUDA one
     kernel rotates q and k and writes the pool (then the attention kernel), two launches fewer than the plan's ops;
-    everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op."""
+    everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op.
+
+    kv_written: the Q/K/V projection already rotated q and k and wrote k and v into the pool (executors/gemv.py
+    `projection_rope_kv`, a batch-1 decode step): on CUDA only the attention kernels run; elsewhere the op runs on
+    the rotated q and k as given (writing the same k and v again)."""
+    if kv_written:
+        fn = _impl("paged_attention", q.device.type)
+        if q.is_cuda and fn is not _impl_reference("paged_attention"):
+            return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
+                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, kv_written=True)
+        return paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
+                               num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+                               causal=causal, sliding_window=sliding_window)
     if q.is_cuda and rope_tables_fit(q, rope_cos, rope_sin, rope_half):
         fn = _impl("paged_attention", "cuda")
         if fn is not _impl_reference("paged_attention"):
