@@ -67,6 +67,16 @@ SCRIPT = textwrap.dedent("""
                             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"},
                     dict(M_PAD=m_pad, BLOCK_N=2, BLOCK_K=2048 // m_pad, K_TILES=m_pad, EVEN_K=True, SILU_MUL=silu,
                          DTYPE=TL[dt]))
+    # ... and the Q/K/V GEMV with RoPE and the KV write as its epilogue (session 14), one and two pairs a program.
+    from trtopt.runtime.gemv_kernel import _gemv_rope_kv
+    for dt in ("fp16", "bf16"):
+        for pairs in (1, 2):
+            sig = {n: "*" + dt for n in ("X", "W", "Y", "Cos", "Sin", "Cache")}
+            sig["SlotMapping"] = "*i64"
+            sig.update({n: "i32" for n in ("K", "stride_wn", "stride_cos_d", "stride_sin_d", "stride_cb",
+                                            "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
+            ptx(_gemv_rope_kv, sig, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, POOL_BLOCK=16, BLOCK_P=pairs,
+                                         BLOCK_K=2048, K_TILES=1, EVEN_K=True, DTYPE=TL[dt]))
     print(len(done))
 """)
 
@@ -75,4 +85,4 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 3 * 2 + 1 + 4 * 2 + 3 * 2 + 2 * 2 * 2
+    assert int(done.stdout.split()[-1]) == 3 * 2 + 1 + 4 * 2 + 3 * 2 + 2 * 2 * 2 + 2 * 2
