@@ -62,6 +62,43 @@ def test_gemv_silu_mul_matches_the_unfused_pair(m: int, k: int, inter: int, dtyp
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gemv_stores_its_output_cast(dtype) -> None:
+    """out_dtype: the GEMM's rounding to x's dtype, then the cast (the LM head's float32 logits), in one launch."""
+    x, w = _inputs(1, 80, 37, dtype, seed=4)
+    got = gemv_triton(x, w, (2, 32, 1), out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, gemv_triton(x, w, (2, 32, 1)).float())
+    with pytest.raises(ValueError, match="cannot store"):
+        gemv_triton(x, w, out_dtype=torch.int32)
+
+
+def test_a_cast_after_the_lm_head_moves_into_its_gemv(monkeypatch) -> None:
+    """projection → Squeeze → Cast(float32) becomes projection_cast → Squeeze; off the GEMV path it is the linear
+    and the cast, bit for bit, and on it (forced here) the GEMV's cast output."""
+    import torch.fx
+
+    from trtopt.runtime.executors import onnx_ops
+
+    graph = torch.fx.Graph()
+    x, wt = graph.placeholder("x"), graph.placeholder("wt")
+    y = graph.call_function(gemv.projection, (x, wt))
+    graph.output(graph.call_function(onnx_ops.cast, (graph.call_function(onnx_ops.squeeze, (y, [0])),),
+                                     {"to": torch.float32}))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert gemv._fuse_cast(gm) == 1
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [gemv.projection_cast, onnx_ops.squeeze]
+    a, w = _inputs(1, 48, 24, torch.bfloat16, seed=8)
+    a = a[None]  # [1, 1, K], as the graph's gathered last hidden state
+    want = torch.nn.functional.linear(a, w).squeeze(0).float()
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: False)
+    assert torch.equal(gm(a, w), want)
+    monkeypatch.setattr(gemv, "_on_gpu", lambda t: True)
+    got = gm(a, w)
+    assert got.dtype == torch.float32 and torch.equal(got, gemv_triton(a[0], w).float())
+
+
 def _qkv_case(hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, seed: int):
     """x [1, K], a fused Q/K/V weight, one token's cos/sin rows ([1, 1, D], as the plan's gathers give them) and an
     empty pool of 4-slot blocks."""

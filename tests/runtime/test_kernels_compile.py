@@ -58,7 +58,8 @@ SCRIPT = textwrap.dedent("""
             ptx(_gelu_mul_kernel, {"G": "*" + dt, "U": "*" + dt, "Y": "*" + dt, "stride_g": "i32", "stride_u": "i32",
                                    "N": "i32"}, dict(BLOCK=1024, DTYPE=TL[dt], TANH=tanh))
 
-    # The decode GEMVs (issue 11, session 13), in the dtypes the executor runs them in, plain and SiLU·mul.
+    # The decode GEMVs (issue 11, session 13), in the dtypes the executor runs them in, plain (storing float32 at one
+    # row, as the LM head's does) and SiLU·mul.
     from trtopt.runtime.gemv_kernel import _gemv
     for dt in ("fp16", "bf16"):
         for m_pad in (1, 4):
@@ -66,7 +67,7 @@ SCRIPT = textwrap.dedent("""
                 ptx(_gemv, {"X": "*" + dt, "W": "*" + dt, "Y": "*" + dt, "M": "i32", "N": "i32", "K": "i32",
                             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"},
                     dict(M_PAD=m_pad, BLOCK_N=2, BLOCK_K=2048 // m_pad, K_TILES=m_pad, EVEN_K=True, SILU_MUL=silu,
-                         DTYPE=TL[dt]))
+                         DTYPE=TL[dt], OUT_DTYPE=TL["fp32" if m_pad == 1 and not silu else dt]))
     # ... and the Q/K/V GEMV with RoPE and the KV write as its epilogue (session 14), one and two pairs a program.
     from trtopt.runtime.gemv_kernel import _gemv_rope_kv
     for dt in ("fp16", "bf16"):

@@ -52,9 +52,10 @@ def _gemv_tile(X, W, rows, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K: tl.con
 @triton.jit
 def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr):
+          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Programs over N in blocks of BLOCK_N (N = I for SILU_MUL); the last program's rows past N are clamped to
-    row N-1 (read, never stored) so that the weight loads need no row mask."""
+    row N-1 (read, never stored) so that the weight loads need no row mask. The output is rounded to DTYPE (the
+    GEMM's rounding), then stored as OUT_DTYPE (a Cast after the GEMM, the LM head's to float32 logits)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -81,7 +82,7 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         h = (g * s).to(DTYPE).to(tl.float32)
         tl.store(out, (h * u).to(DTYPE), mask=out_mask)
     else:
-        tl.store(out, acc.to(DTYPE), mask=out_mask)
+        tl.store(out, acc.to(DTYPE).to(OUT_DTYPE), mask=out_mask)
 
 
 @triton.jit
@@ -171,23 +172,29 @@ def check(x: torch.Tensor, w: torch.Tensor, what: str, rows_per_output: int = 1)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool,
-            config: tuple[int, int, int] | None) -> torch.Tensor:
+            config: tuple[int, int, int] | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, k = x.shape
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in TL_DTYPES or (silu_mul and out_dtype != x.dtype):
+        raise ValueError(f"gemv cannot store {out_dtype} (a float dtype; the SiLU·mul GEMV stores x's)")
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if n == 0:
         return y
     block_n, block_k, warps = config or default_config(m, n, k, silu_mul)
     tiles = -(-k // block_k)
     launcher.launch(_gemv, (-(-n // block_n),), x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                     M_PAD=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=tiles,
-                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype], num_warps=warps)
+                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype],
+                    OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=warps)
     return y
 
 
-def gemv(x: torch.Tensor, wt: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) · wt [N, K]ᵀ → a new [M, N] in x's dtype."""
+def gemv(x: torch.Tensor, wt: torch.Tensor, config: tuple[int, int, int] | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) · wt [N, K]ᵀ → a new [M, N] in x's dtype, or rounded to x's dtype and then stored as
+    out_dtype (the GEMM and a Cast after it in one launch)."""
     check(x, wt, "gemv")
-    return _launch(x, wt, wt.shape[0], False, config)
+    return _launch(x, wt, wt.shape[0], False, config, out_dtype)
 
 
 def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

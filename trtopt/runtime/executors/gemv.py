@@ -12,7 +12,10 @@ fp16/bf16 plans on CUDA).
 4. the fused Q/K/V projection whose Split feeds, through views only, the q, k and v of a PagedAttention with RoPE
    folded in (fx_fusions.fuse_rope_into_paged_attention) runs `projection_rope_kv`: for one row, one GEMV that also
    rotates q and k and writes k and v into the pool (runtime/gemv_kernel.py `gemv_rope_kv`), and the attention op
-   is told so (`kv_written`) and launches the attention kernels only; for any other step the projection as in 2.
+   is told so (`kv_written`) and launches the attention kernels only; for any other step the projection as in 2;
+5. a projection whose output reaches a Cast only through views (the LM head, then the float32 logits the paged
+   signature returns) runs `projection_cast`: the GEMV stores the cast values itself, one launch fewer (for one
+   row; otherwise F.linear, then the cast).
 
 Which path a call takes depends on its shapes, dtype and device only, so a CUDA-graph bucket captures one path.
 fp32 plans keep cuBLAS (`GEMV_DTYPES`): they are the fidelity configuration, and the GEMV's accumulation order is
@@ -88,6 +91,18 @@ def projection_silu_mul(x: torch.Tensor, wt: torch.Tensor, *, sizes: list[int], 
         gate, up = onnx_ops.split(F.linear(x, wt), sizes, axis=axis, _n=2)
         return trtopt_ops.silu_mul(gate, up)
     return _kernels().gemv_silu_mul(rows, wt).reshape(*x.shape[:-1], sizes[0])
+
+
+def projection_cast(x: torch.Tensor, wt: torch.Tensor, *, to: torch.dtype) -> torch.Tensor:
+    """(x @ wtᵀ).to(to): one GEMV that rounds to x's dtype and stores `to` for one row on CUDA, else F.linear and the
+    cast (what the graph did)."""
+    rows = _rows(x, wt)
+    if rows is None or to not in GEMV_OUT_DTYPES:
+        return F.linear(x, wt).to(to)
+    return _kernels().gemv(rows, wt, out_dtype=to).reshape(*x.shape[:-1], wt.shape[0])
+
+
+GEMV_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def projection_rope_kv(x: torch.Tensor, wt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -239,11 +254,35 @@ def _fuse_rope_kv(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
+_VIEWS = (onnx_ops.reshape, onnx_ops.squeeze, onnx_ops.unsqueeze, onnx_ops.flatten, onnx_ops.identity)
+
+
+def _fuse_cast(gm: torch.fx.GraphModule) -> int:
+    """projection → views (each read once) → Cast ⇒ projection_cast → the same views (the Cast is dropped)."""
+    fused = 0
+    for cast in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is onnx_ops.cast]:
+        to = cast.kwargs.get("to")
+        if not isinstance(to, torch.dtype) or len(cast.args) != 1:
+            continue
+        node = cast.args[0]
+        while (isinstance(node, torch.fx.Node) and node.target in _VIEWS and len(node.users) == 1):
+            node = node.args[0]
+        if not (isinstance(node, torch.fx.Node) and node.target is projection and len(node.users) == 1):
+            continue
+        node.target = projection_cast
+        node.kwargs = dict(node.kwargs, to=to)
+        cast.replace_all_uses_with(cast.args[0])
+        gm.graph.erase_node(cast)
+        fused += 1
+    return fused
+
+
 def use_decode_gemv(gm: torch.fx.GraphModule, rope_kv: bool = True) -> tuple[int, int, int]:
     """Apply the rewrite above (step 4 only with rope_kv); returns (weights stored [N, K], gate/up + SiLU·mul pairs
     fused, Q/K/V projections with RoPE and the KV write fused)."""
     moved = _transpose_weights(gm)
     fused = _fuse_silu_mul(gm)
     rope_kv = _fuse_rope_kv(gm) if rope_kv else 0
-    recompiled(gm, moved + fused + rope_kv)
+    casts = _fuse_cast(gm)
+    recompiled(gm, moved + fused + rope_kv + casts)
     return moved, fused, rope_kv
