@@ -72,16 +72,12 @@ def _norm_rstd(X, R, Sum, K, eps, write_sum, BLOCK_K: tl.constexpr, K_TILES: tl.
 
 
 @triton.jit
-def _w_tile(W, rows, offs_k, k_ok, EVEN_K: tl.constexpr):
-    """The weight rows' K tile, [BLOCK_N, BLOCK_K]."""
-    if EVEN_K:
-        return tl.load(W + rows + offs_k[None, :])
-    return tl.load(W + rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _dot_tile(x, w):
+def _gemv_tile(x, W, rows, offs_k, k_ok, EVEN_K: tl.constexpr):
     """Σ_k x[m, k] · w[row, k] over one K tile (x: fp32 [M_PAD, BLOCK_K]) → [M_PAD, BLOCK_N] in fp32."""
+    if EVEN_K:
+        w = tl.load(W + rows + offs_k[None, :])
+    else:
+        w = tl.load(W + rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
     return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
@@ -96,6 +92,9 @@ def _gemv(X, W, Y, R, NormScale, Sum, M, N, K, stride_xm, stride_wn, stride_ym, 
     (one row) x is AddRMSNorm(X, R) · NormScale, recomputed by every program from the row (two reads of 2K-8K
     values, from L2), and program 0 stores the sum X + R (the next residual) to Sum."""
     pid = tl.program_id(0)
+    rstd = 0.0
+    if NORM:
+        rstd = _norm_rstd(X, R, Sum, K, eps, pid == 0, BLOCK_K, K_TILES, DTYPE)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -103,28 +102,16 @@ def _gemv(X, W, Y, R, NormScale, Sum, M, N, K, stride_xm, stride_wn, stride_ym, 
     m_ok = offs_m < M
     rows = safe_n[:, None] * stride_wn
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    rows_u = (safe_n + N)[:, None] * stride_wn  # SILU_MUL: the up rows
     if SILU_MUL:
+        rows_u = (safe_n + N)[:, None] * stride_wn
         acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    rstd = 0.0
-    if NORM:  # the first weight tile is requested before the norm's reduction, which it then overlaps
-        offs_k0 = tl.arange(0, BLOCK_K)
-        w0 = _w_tile(W, rows, offs_k0, offs_k0 < K, EVEN_K)
-        if SILU_MUL:
-            w0_u = _w_tile(W, rows_u, offs_k0, offs_k0 < K, EVEN_K)
-        rstd = _norm_rstd(X, R, Sum, K, eps, pid == 0, BLOCK_K, K_TILES, DTYPE)
     for t in tl.static_range(K_TILES):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = _x_tile(X, R, NormScale, rstd, offs_k, k_ok, offs_m, m_ok, stride_xm, NORM, DTYPE)
-        if NORM and t == 0:
-            acc += _dot_tile(x, w0)
-            if SILU_MUL:
-                acc_u += _dot_tile(x, w0_u)
-        else:
-            acc += _dot_tile(x, _w_tile(W, rows, offs_k, k_ok, EVEN_K))
-            if SILU_MUL:
-                acc_u += _dot_tile(x, _w_tile(W, rows_u, offs_k, k_ok, EVEN_K))
+        acc += _gemv_tile(x, W, rows, offs_k, k_ok, EVEN_K)
+        if SILU_MUL:
+            acc_u += _gemv_tile(x, W, rows_u, offs_k, k_ok, EVEN_K)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SILU_MUL:
@@ -173,19 +160,14 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, R, NormScale, Sum, K, s
     m_ok = offs_m < 1
     rows = row.to(tl.int64)[:, None] * stride_wn
     rstd = 0.0
-    if NORM:  # the first weight tile is requested before the norm's reduction, which it then overlaps
-        offs_k0 = tl.arange(0, BLOCK_K)
-        w0 = _w_tile(W, rows, offs_k0, offs_k0 < K, EVEN_K)
+    if NORM:
         rstd = _norm_rstd(X, R, Sum, K, eps, pid == 0, BLOCK_K, K_TILES, DTYPE)
     acc = tl.zeros((1, 2 * BLOCK_P), dtype=tl.float32)
     for t in tl.static_range(K_TILES):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = _x_tile(X, R, NormScale, rstd, offs_k, k_ok, offs_m, m_ok, 0, NORM, DTYPE)
-        if NORM and t == 0:
-            acc += _dot_tile(x, w0)
-        else:
-            acc += _dot_tile(x, _w_tile(W, rows, offs_k, k_ok, EVEN_K))
+        acc += _gemv_tile(x, W, rows, offs_k, k_ok, EVEN_K)
     a1, a2 = tl.split(tl.reshape(acc.to(DTYPE).to(tl.float32), (BLOCK_P, 2)))  # the GEMM output's rounding
 
     o1, o2 = rotate_half_rows(a1, a2, c1, c2, s1, s2, DTYPE)
