@@ -115,8 +115,7 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
 # decode GEMVs, another kernel design for one-row steps, measured faster and are on by default: decode_gemv.)
 EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
                      "decode_gemv": ("without_decode_gemv", {"decode_gemv": False}),
-                     "gemv_rope_kv": ("without_gemv_rope_kv", {"gemv_rope_kv": False}),
-                     "gemv_add_norm": ("without_gemv_add_norm", {"gemv_add_norm": False})}
+                     "gemv_rope_kv": ("without_gemv_rope_kv", {"gemv_rope_kv": False})}
 
 
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
@@ -525,9 +524,9 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
                     default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv",
-                             "decode_gemv", "gemv_rope_kv", "gemv_add_norm", "argmax"],
+                             "decode_gemv", "gemv_rope_kv", "argmax"],
                     help="plan-level fusion passes, the executor's RoPE fold and decode GEMVs (rope_kv, decode_gemv, "
-                    "gemv_rope_kv, gemv_add_norm: "
+                    "gemv_rope_kv: "
                     "turned off) and the sampler's argmax kernel (turned off), to measure at batch 1 against the "
                     "default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])

@@ -99,48 +99,6 @@ def test_a_cast_after_the_lm_head_moves_into_its_gemv(monkeypatch) -> None:
     assert got.dtype == torch.float32 and torch.equal(got, gemv_triton(a[0], w).float())
 
 
-@pytest.mark.parametrize("config", [None, (2, 32, 1)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["plain", "silu_mul", "rope_kv"])
-def test_the_add_rms_norm_prologue_is_the_norm_then_the_gemv(kind, dtype, config) -> None:
-    """norm=AddNorm(...): the GEMV of AddRMSNorm(x, residual)·scale (each program recomputes the norm) equals the
-    norm op then the GEMV within rounding (the sum of squares is added in another order than the norm kernel's),
-    and the sum the kernel stores is x + residual (exactly; under the interpreter bf16 rounds by truncation)."""
-    from trtopt.plugins.add_rms_norm.reference import add_rms_norm_ref
-    from trtopt.runtime.gemv_kernel import AddNorm
-
-    hq, hkv, d, k = 4, 2, 16, 96
-    x, w, cos, sin, pool = _qkv_case(hq, hkv, d, k, dtype, seed=21)
-    gen = torch.Generator().manual_seed(22)
-    residual = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
-    scale = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
-    normed, want_total = add_rms_norm_ref(x, residual, scale, epsilon=1e-5)
-    truncating = os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16  # the interpreter's bf16
-    tol = dict(atol=5e-2, rtol=5e-2) if truncating else TOL[dtype]
-    total = torch.empty_like(x)
-    norm = AddNorm(residual, scale, 1e-5, total)
-    slot = torch.tensor([3], device=DEVICE)
-    if kind == "rope_kv":
-        want_pool = pool.clone()
-        cfg = None if config is None else (2, *config[1:])
-        got = gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d, config=cfg,
-                           norm=norm)
-        want = gemv_rope_kv(normed, w, cos, sin, want_pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                            config=cfg)
-        torch.testing.assert_close(pool.float(), want_pool.float(), **tol)
-    elif kind == "silu_mul":
-        got, want = gemv_silu_mul(x, w, config, norm=norm), gemv_silu_mul(normed, w, config)
-    else:
-        got, want = gemv_triton(x, w, config, norm=norm), gemv_triton(normed, w, config)
-    torch.testing.assert_close(got.float(), want.float(), **tol)
-    if truncating:
-        torch.testing.assert_close(total, want_total, **tol)
-    else:
-        assert torch.equal(total, want_total)
-    with pytest.raises(ValueError, match="AddNorm prologue"):
-        gemv_triton(x, w, norm=AddNorm(residual[:, :-1], scale, 1e-5, total))
-
-
 def _qkv_case(hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, seed: int):
     """x [1, K], a fused Q/K/V weight, one token's cos/sin rows ([1, 1, D], as the plan's gathers give them) and an
     empty pool of 4-slot blocks."""
@@ -296,17 +254,12 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     targets = [n.target for n in ex.graph.module.graph.nodes if n.op == "call_function"]
     biased = layers if model == "tiny-qwen2" else 0  # Qwen2's Q/K/V has a bias: F.linear(x, w, b)
     assert targets.count(torch.nn.functional.linear) == biased
-    # Q/K/V with RoPE and the KV write as one call (Qwen2's biased Q/K/V stays F.linear, the plain attention op);
-    # every AddRMSNorm but the last (before the LM head's row gather) inside the projection after it: gate/up in
-    # every layer, Q/K/V from the second layer on (the first layer's norm has no residual add).
+    # Q/K/V with RoPE and the KV write as one call (Qwen2's biased Q/K/V stays F.linear, the plain attention op)
     rope_kv = 0 if biased else layers
-    add_norm = layers + (0 if biased else layers - 1)
-    assert ex.gemv_rewrite == gemv.GemvRewrite(4 * layers + 1, layers, rope_kv, 0, add_norm)
-    assert targets.count(gemv.add_norm_projection) == add_norm
-    assert targets.count(trtopt_ops.add_rms_norm) == 2 * layers - add_norm
-    assert targets.count(gemv.projection_rope_kv) == rope_kv - (layers - 1 if rope_kv else 0)
+    assert ex.num_gemv_rope_kv == targets.count(gemv.projection_rope_kv) == rope_kv
     assert targets.count(gemv.projection) == 3 * layers + 1 - biased - rope_kv
-    assert torch.matmul not in targets and gemv.projection_silu_mul not in targets
+    assert ex.num_gemv_silu_mul == layers
+    assert torch.matmul not in targets and gemv.projection_silu_mul in targets
     monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
     monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
     calls = []
@@ -318,7 +271,6 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     shapes = [getattr(gm, n.args[1].target).shape for n in gm.graph.nodes if n.target is gemv.projection]
     assert calls.count("gemv") == sum(gemv.use_gemv(1, *shape) for shape in shapes) >= 2 * layers - biased + (
         layers - rope_kv)
-    assert calls.count("norm") == add_norm
     assert calls.count("gemv_silu_mul") == layers
     assert calls.count("gemv_rope_kv") == rope_kv
     for a, b in zip(got, want):
@@ -327,26 +279,22 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
 
 
 class _Counting:
-    """gemv_kernel with its entry points counted (and the calls with an AddRMSNorm prologue, as "norm")."""
+    """gemv_kernel with its two entry points counted."""
 
     def __init__(self, kernels, calls: list[str]):
         self._k, self._calls = kernels, calls
-        self.AddNorm = kernels.AddNorm
 
-    def _call(self, name, *a, **kw):
-        self._calls.append(name)
-        if kw.get("norm") is not None:
-            self._calls.append("norm")
-        return getattr(self._k, name)(*a, **kw)
+    def gemv(self, *a):
+        self._calls.append("gemv")
+        return self._k.gemv(*a)
 
-    def gemv(self, *a, **kw):
-        return self._call("gemv", *a, **kw)
-
-    def gemv_silu_mul(self, *a, **kw):
-        return self._call("gemv_silu_mul", *a, **kw)
+    def gemv_silu_mul(self, *a):
+        self._calls.append("gemv_silu_mul")
+        return self._k.gemv_silu_mul(*a)
 
     def gemv_rope_kv(self, *a, **kw):
-        return self._call("gemv_rope_kv", *a, **kw)
+        self._calls.append("gemv_rope_kv")
+        return self._k.gemv_rope_kv(*a, **kw)
 
 
 def test_decode_gemv_defaults_off_on_cpu_and_refuses_compile(plan_dir) -> None:

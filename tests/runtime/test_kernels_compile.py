@@ -64,25 +64,20 @@ SCRIPT = textwrap.dedent("""
     for dt in ("fp16", "bf16"):
         for m_pad in (1, 4):
             for silu in (False, True):
-                one_row = m_pad == 1
-                ptx(_gemv, {**{n: "*" + dt for n in ("X", "W", "Y", "R", "NormScale", "Sum")},
-                            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-                            "stride_ym": "i32", "eps": "fp32"},
+                ptx(_gemv, {"X": "*" + dt, "W": "*" + dt, "Y": "*" + dt, "M": "i32", "N": "i32", "K": "i32",
+                            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"},
                     dict(M_PAD=m_pad, BLOCK_N=2, BLOCK_K=2048 // m_pad, K_TILES=m_pad, EVEN_K=True, SILU_MUL=silu,
-                         NORM=one_row, DTYPE=TL[dt], OUT_DTYPE=TL["fp32" if one_row and not silu else dt]))
-    # ... and the Q/K/V GEMV with RoPE and the KV write as its epilogue (session 14), one and two pairs a program,
-    # with and without the AddRMSNorm prologue.
+                         DTYPE=TL[dt], OUT_DTYPE=TL["fp32" if m_pad == 1 and not silu else dt]))
+    # ... and the Q/K/V GEMV with RoPE and the KV write as its epilogue (session 14), one and two pairs a program.
     from trtopt.runtime.gemv_kernel import _gemv_rope_kv
     for dt in ("fp16", "bf16"):
         for pairs in (1, 2):
             sig = {n: "*" + dt for n in ("X", "W", "Y", "Cos", "Sin", "Cache")}
             sig["SlotMapping"] = "*i64"
-            sig.update({n: "*" + dt for n in ("R", "NormScale", "Sum")})
             sig.update({n: "i32" for n in ("K", "stride_wn", "stride_cos_d", "stride_sin_d", "stride_cb",
                                             "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
-            sig["eps"] = "fp32"
             ptx(_gemv_rope_kv, sig, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, POOL_BLOCK=16, BLOCK_P=pairs,
-                                         BLOCK_K=2048, K_TILES=1, EVEN_K=True, NORM=pairs == 2, DTYPE=TL[dt]))
+                                         BLOCK_K=2048, K_TILES=1, EVEN_K=True, DTYPE=TL[dt]))
     print(len(done))
 """)
 

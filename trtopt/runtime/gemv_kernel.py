@@ -27,8 +27,6 @@ Not bit-identical to cuBLAS: another accumulation order (fp32 either way).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -41,60 +39,24 @@ MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in regist
 
 
 @triton.jit
-def _x_tile(X, R, NormScale, rstd, offs_k, k_ok, offs_m, m_ok, stride_xm, NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """One K tile of x as fp32 [M_PAD, BLOCK_K]; with NORM (one row) the AddRMSNorm of x and the residual R with
-    NormScale, given the row's rstd, rounded step by step as plugins/add_rms_norm/kernel.py rounds."""
-    x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if NORM:
-        r = tl.load(R + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        total = (x.to(tl.float32) + r.to(tl.float32)).to(DTYPE).to(tl.float32)
-        y = (total * rstd).to(DTYPE).to(tl.float32)
-        g = tl.load(NormScale + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        return (g[None, :] * y).to(DTYPE).to(tl.float32)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _norm_rstd(X, R, Sum, K, eps, write_sum, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, DTYPE: tl.constexpr):
-    """1 / sqrt(mean((x + r)²) + eps) of one row (the sum rounded to DTYPE first, as AddRMSNorm rounds it); the
-    rounded sum (the next residual) is stored to Sum where write_sum (one program)."""
-    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for t in tl.static_range(K_TILES):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(X + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        r = tl.load(R + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        total = (x + r).to(DTYPE)
-        if write_sum:
-            tl.store(Sum + offs_k, total, mask=k_ok)
-        sq += total.to(tl.float32) * total.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-
-
-@triton.jit
-def _gemv_tile(x, W, rows, offs_k, k_ok, EVEN_K: tl.constexpr):
-    """Σ_k x[m, k] · w[row, k] over one K tile (x: fp32 [M_PAD, BLOCK_K]) → [M_PAD, BLOCK_N] in fp32."""
+def _gemv_tile(X, W, rows, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K: tl.constexpr):
+    """Σ_k x[m, k] · w[row, k] over one K tile → [M_PAD, BLOCK_N] in fp32."""
     if EVEN_K:
         w = tl.load(W + rows + offs_k[None, :])
     else:
         w = tl.load(W + rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-    return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
-def _gemv(X, W, Y, R, NormScale, Sum, M, N, K, stride_xm, stride_wn, stride_ym, eps,
+def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr,
-          OUT_DTYPE: tl.constexpr):
+          EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Programs over N in blocks of BLOCK_N (N = I for SILU_MUL); the last program's rows past N are clamped to
     row N-1 (read, never stored) so that the weight loads need no row mask. The output is rounded to DTYPE (the
-    GEMM's rounding), then stored as OUT_DTYPE (a Cast after the GEMM, the LM head's to float32 logits). With NORM
-    (one row) x is AddRMSNorm(X, R) · NormScale, recomputed by every program from the row (two reads of 2K-8K
-    values, from L2), and program 0 stores the sum X + R (the next residual) to Sum."""
+    GEMM's rounding), then stored as OUT_DTYPE (a Cast after the GEMM, the LM head's to float32 logits)."""
     pid = tl.program_id(0)
-    rstd = 0.0
-    if NORM:
-        rstd = _norm_rstd(X, R, Sum, K, eps, pid == 0, BLOCK_K, K_TILES, DTYPE)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -108,10 +70,9 @@ def _gemv(X, W, Y, R, NormScale, Sum, M, N, K, stride_xm, stride_wn, stride_ym, 
     for t in tl.static_range(K_TILES):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        x = _x_tile(X, R, NormScale, rstd, offs_k, k_ok, offs_m, m_ok, stride_xm, NORM, DTYPE)
-        acc += _gemv_tile(x, W, rows, offs_k, k_ok, EVEN_K)
+        acc += _gemv_tile(X, W, rows, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K)
         if SILU_MUL:
-            acc_u += _gemv_tile(x, W, rows_u, offs_k, k_ok, EVEN_K)
+            acc_u += _gemv_tile(X, W, rows_u, offs_k, k_ok, offs_m, m_ok, stride_xm, EVEN_K)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SILU_MUL:
@@ -125,11 +86,11 @@ def _gemv(X, W, Y, R, NormScale, Sum, M, N, K, stride_xm, stride_wn, stride_ym, 
 
 
 @triton.jit
-def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, R, NormScale, Sum, K, stride_wn, stride_cos_d,
-                  stride_sin_d, stride_cb, stride_ckv, stride_ch, stride_co, stride_cd, eps,
+def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_cos_d, stride_sin_d,
+                  stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, POOL_BLOCK: tl.constexpr,
                   BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
-                  NORM: tl.constexpr, DTYPE: tl.constexpr):
+                  DTYPE: tl.constexpr):
     """One token's y = x · Wᵀ over the fused Q/K/V weight (rows: NUM_HEADS query heads, then NUM_KV_HEADS key heads,
     then as many value heads, 2·HALF rows each), with RoPE on q and k and the KV write as the epilogue.
 
@@ -137,7 +98,7 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, R, NormScale, Sum, K, s
     pair ([r1, r2, r1', r2', ...]) so one product tile serves all of them and tl.split hands back the two halves.
     Every value is rounded as the unfused pair rounds it: the GEMV's output to DTYPE, then rope/kernel.py's
     rotate_half_rows (the same function `_rope_write_kv_kernel` calls). y gets rotated q, rotated k and v; when the
-    slot is >= 0 the pool gets rotated k and v at it. NORM: x is AddRMSNorm(X, R) · NormScale, as in `_gemv`."""
+    slot is >= 0 the pool gets rotated k and v at it."""
     pid = tl.program_id(0)
     num_pairs = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
     # The epilogue's operands first: their loads then wait beside the weight's, not after it (the last programs'
@@ -159,15 +120,10 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, R, NormScale, Sum, K, s
     offs_m = tl.arange(0, 1)
     m_ok = offs_m < 1
     rows = row.to(tl.int64)[:, None] * stride_wn
-    rstd = 0.0
-    if NORM:
-        rstd = _norm_rstd(X, R, Sum, K, eps, pid == 0, BLOCK_K, K_TILES, DTYPE)
     acc = tl.zeros((1, 2 * BLOCK_P), dtype=tl.float32)
     for t in tl.static_range(K_TILES):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = _x_tile(X, R, NormScale, rstd, offs_k, k_ok, offs_m, m_ok, 0, NORM, DTYPE)
-        acc += _gemv_tile(x, W, rows, offs_k, k_ok, EVEN_K)
+        acc += _gemv_tile(X, W, rows, offs_k, offs_k < K, offs_m, m_ok, 0, EVEN_K)
     a1, a2 = tl.split(tl.reshape(acc.to(DTYPE).to(tl.float32), (BLOCK_P, 2)))  # the GEMM output's rounding
 
     o1, o2 = rotate_half_rows(a1, a2, c1, c2, s1, s2, DTYPE)
@@ -204,32 +160,6 @@ def default_config(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int,
     return block_n, block_k, 2 if m_pad == 1 and n > 65536 else 4
 
 
-class AddNorm(NamedTuple):
-    """A GEMV prologue: the GEMV's x is AddRMSNorm(x, residual) · scale (plugins/add_rms_norm), recomputed from the
-    row by every program, and the kernel stores x + residual (the next residual) into `total`. One row; residual,
-    scale [K] and total in x's dtype, contiguous."""
-
-    residual: torch.Tensor
-    scale: torch.Tensor
-    eps: float
-    total: torch.Tensor
-
-
-def _norm_args(x: torch.Tensor, norm: AddNorm | None) -> tuple:
-    """(R, NormScale, Sum, eps) kernel arguments: the norm's tensors, or x in their place (never read)."""
-    if norm is None:
-        return x, x, x, 0.0
-    k = x.shape[1]
-    if x.shape[0] != 1 or not x.is_contiguous() or any(
-            t.dtype != x.dtype or not t.is_contiguous() or t.numel() != k or t.device != x.device
-            for t in (norm.residual, norm.scale, norm.total)):
-        raise ValueError(f"an AddNorm prologue needs one contiguous row x and a residual, scale and total of its {k} "
-                         f"{x.dtype} values, contiguous; got x {tuple(x.shape)}, residual "
-                         f"{norm.residual.dtype} {tuple(norm.residual.shape)}, scale {norm.scale.dtype} "
-                         f"{tuple(norm.scale.shape)}, total {norm.total.dtype} {tuple(norm.total.shape)}")
-    return norm.residual, norm.scale, norm.total, float(norm.eps)
-
-
 def check(x: torch.Tensor, w: torch.Tensor, what: str, rows_per_output: int = 1) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or not 0 < x.shape[0] <= MAX_ROWS:
         raise ValueError(f"{what} needs x [M <= {MAX_ROWS}, K] and w [N, K]; got {tuple(x.shape)}, "
@@ -241,38 +171,36 @@ def check(x: torch.Tensor, w: torch.Tensor, what: str, rows_per_output: int = 1)
         raise ValueError(f"{what} needs a weight of gate rows then as many up rows; got {w.shape[0]} rows")
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool, config: tuple[int, int, int] | None,
-            out_dtype: torch.dtype | None = None, norm: AddNorm | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool,
+            config: tuple[int, int, int] | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m, k = x.shape
     out_dtype = out_dtype or x.dtype
     if out_dtype not in TL_DTYPES or (silu_mul and out_dtype != x.dtype):
         raise ValueError(f"gemv cannot store {out_dtype} (a float dtype; the SiLU·mul GEMV stores x's)")
-    r, norm_scale, total, eps = _norm_args(x, norm)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if n == 0:
         return y
     block_n, block_k, warps = config or default_config(m, n, k, silu_mul)
     tiles = -(-k // block_k)
-    launcher.launch(_gemv, (-(-n // block_n),), x, w, y, r, norm_scale, total, m, n, k, x.stride(0), w.stride(0),
-                    y.stride(0), eps, M_PAD=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=tiles,
-                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, NORM=norm is not None, DTYPE=TL_DTYPES[x.dtype],
+    launcher.launch(_gemv, (-(-n // block_n),), x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+                    M_PAD=next_pow2(m), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=tiles,
+                    EVEN_K=tiles * block_k == k, SILU_MUL=silu_mul, DTYPE=TL_DTYPES[x.dtype],
                     OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=warps)
     return y
 
 
 def gemv(x: torch.Tensor, wt: torch.Tensor, config: tuple[int, int, int] | None = None,
-         out_dtype: torch.dtype | None = None, norm: AddNorm | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) · wt [N, K]ᵀ → a new [M, N] in x's dtype, or rounded to x's dtype and then stored as
-    out_dtype (the GEMM and a Cast after it in one launch); with `norm`, of AddRMSNorm(x, ...) (AddNorm)."""
+    out_dtype (the GEMM and a Cast after it in one launch)."""
     check(x, wt, "gemv")
-    return _launch(x, wt, wt.shape[0], False, config, out_dtype, norm)
+    return _launch(x, wt, wt.shape[0], False, config, out_dtype)
 
 
 def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, config: tuple[int, int, int] | None = None,
-                 norm: AddNorm | None = None) -> torch.Tensor:
-    """x [1, K] (or AddRMSNorm(x, ...) with `norm`, AddNorm) · w_qkv [(Hq + 2·Hkv)·D, K]ᵀ → a new [1, N]: rotated q, rotated k, v; and for slot_mapping[0] >= 0,
+                 head_dim: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] · w_qkv [(Hq + 2·Hkv)·D, K]ᵀ → a new [1, N]: rotated q, rotated k, v; and for slot_mapping[0] >= 0,
     kv_cache[slot // bs, 0|1, :, slot % bs, :] = (rotated k, v). cos and sin hold the token's row (D values, any
     leading size-1 dims), in x's dtype; kv_cache is [num_blocks, 2, Hkv, block_size, D] in x's dtype. config: (pairs per program,
     BLOCK_K, num_warps); by default two pairs and K tiles of up to 2048, 4 warps.
@@ -297,24 +225,21 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
         raise ValueError(f"gemv_rope_kv needs a {x.dtype} pool [blocks, 2, {num_kv_heads}, block_size, {head_dim}] "
                          f"and an int64 slot_mapping [1]; got {kv_cache.dtype} {tuple(kv_cache.shape)}, "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    r, norm_scale, total, eps = _norm_args(x, norm)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_p, block_k, warps = config or (2, min(next_pow2(k), 2048), 4)
     if block_p != next_pow2(block_p) or block_k != next_pow2(block_k):
         raise ValueError(f"gemv_rope_kv's pairs per program and BLOCK_K must be powers of two; got {config}")
     tiles = -(-k // block_k)
     half = head_dim // 2
-    launcher.launch(_gemv_rope_kv, (-(-(n // 2) // block_p),), x, w_qkv, y, cos, sin, kv_cache, slot_mapping,
-                    r, norm_scale, total, k, w_qkv.stride(0), cos.stride(-1), sin.stride(-1), *kv_cache.stride(), eps,
+    launcher.launch(_gemv_rope_kv, (-(-(n // 2) // block_p),), x, w_qkv, y, cos, sin, kv_cache, slot_mapping, k, w_qkv.stride(0),
+                    cos.stride(-1), sin.stride(-1), *kv_cache.stride(),
                     NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, POOL_BLOCK=kv_cache.shape[3],
                     BLOCK_P=block_p, BLOCK_K=block_k, K_TILES=tiles, EVEN_K=tiles * block_k == k,
-                    NORM=norm is not None, DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **no_fp_fusion())
+                    DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **no_fp_fusion())
     return y
 
 
-def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor, config: tuple[int, int, int] | None = None,
-                  norm: AddNorm | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), w_gu [2I, K] (gate rows, then up rows) → silu(x·gᵀ)·(x·uᵀ), a new [M, I]; with
-    `norm`, of AddRMSNorm(x, ...) (AddNorm)."""
+def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), w_gu [2I, K] (gate rows, then up rows) → silu(x·gᵀ)·(x·uᵀ), a new [M, I]."""
     check(x, w_gu, "gemv_silu_mul", rows_per_output=2)
-    return _launch(x, w_gu, w_gu.shape[0] // 2, True, config, norm=norm)
+    return _launch(x, w_gu, w_gu.shape[0] // 2, True, config)

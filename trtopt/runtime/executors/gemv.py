@@ -15,11 +15,7 @@ fp16/bf16 plans on CUDA).
    is told so (`kv_written`) and launches the attention kernels only; for any other step the projection as in 2;
 5. a projection whose output reaches a Cast only through views (the LM head, then the float32 logits the paged
    signature returns) runs `projection_cast`: the GEMV stores the cast values itself, one launch fewer (for one
-   row; otherwise F.linear, then the cast);
-6. a trtopt.AddRMSNorm whose normed output feeds nothing but one of the projections above (the residual add and
-   norm before each Q/K/V and gate/up) runs inside it, `add_norm_projection`: for one row each GEMV program
-   recomputes the norm from the two rows (2-8 K values from L2) and program 0 stores the sum, the next residual;
-   otherwise AddRMSNorm's kernel and then the projection, as before.
+   row; otherwise F.linear, then the cast).
 
 Which path a call takes depends on its shapes, dtype and device only, so a CUDA-graph bucket captures one path.
 fp32 plans keep cuBLAS (`GEMV_DTYPES`): they are the fidelity configuration, and the GEMV's accumulation order is
@@ -31,7 +27,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -136,52 +131,6 @@ def _rope_kv_fits(n, dtype, cos_shape, sin_shape, cos_dtype, sin_dtype, pool_sha
             and cos_dtype == sin_dtype == pool_dtype == dtype
             and len(pool_shape) == 5 and tuple(pool_shape[1:3]) == (2, num_kv_heads) and pool_shape[4] == head_dim
             and tuple(slots_shape) == (1,) and slots_dtype == torch.int64)
-
-
-def add_norm_projection(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, wt: torch.Tensor, *args,
-                        epsilon: float, then: str, **kwargs) -> tuple[object, torch.Tensor]:
-    """(THEN[then](AddRMSNorm(x, residual)·scale, wt, *args, **kwargs), x + residual): for one row on CUDA, one GEMV
-    with the norm as its prologue (`_norm_fits`, and the projection's own conditions); otherwise AddRMSNorm's op and
-    then the projection."""
-    rows = _rows(x, wt)
-    if rows is not None and _norm_fits(x, residual, scale) and _then_fits(then, x, wt, args, kwargs):
-        kernels = _kernels()
-        total = torch.empty_like(x)
-        norm = kernels.AddNorm(residual.reshape(rows.shape), scale, epsilon, total.reshape(rows.shape))
-        n_out = wt.shape[0] // 2 if then == "silu_mul" else wt.shape[0]
-        if then == "rope_kv":
-            y = kernels.gemv_rope_kv(rows, wt, *args, num_heads=kwargs["num_heads"],
-                                     num_kv_heads=kwargs["num_kv_heads"], head_dim=kwargs["head_dim"], norm=norm)
-        elif then == "silu_mul":
-            y = kernels.gemv_silu_mul(rows, wt, norm=norm)
-        else:
-            y = kernels.gemv(rows, wt, norm=norm)
-        y = y.reshape(*x.shape[:-1], n_out)
-        return ((y, True) if then == "rope_kv" else y), total
-    from trtopt.runtime.executors import trtopt_ops as ops
-
-    normed, total = ops.add_rms_norm(x, residual, scale, epsilon=epsilon)
-    return THEN[then](normed, wt, *args, **kwargs), total
-
-
-def _norm_fits(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor) -> bool:
-    """The GEMV's AddRMSNorm prologue takes x: the residual of x's shape and dtype, a scale of x's dtype (the normed
-    value then has x's dtype, as the GEMV needs), all contiguous."""
-    return (residual.shape == x.shape and residual.dtype == x.dtype == scale.dtype and x.is_contiguous()
-            and residual.is_contiguous() and scale.is_contiguous() and scale.numel() == x.shape[-1])
-
-
-def _then_fits(then: str, x: torch.Tensor, wt: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """The GEMV path's own conditions of the projection the norm runs before (as the projection functions check)."""
-    if then == "silu_mul":
-        sizes, axis = kwargs["sizes"], kwargs["axis"]
-        return axis in (-1, x.dim() - 1) and sizes[0] == sizes[1] and 2 * sizes[0] == wt.shape[0]
-    if then == "rope_kv":
-        cos, sin, kv_cache, slot_mapping = args
-        return _rope_kv_fits(wt.shape[0], x.dtype, cos.shape, sin.shape, cos.dtype, sin.dtype, kv_cache.shape,
-                             kv_cache.dtype, slot_mapping.shape, slot_mapping.dtype, kwargs["num_heads"],
-                             kwargs["num_kv_heads"], kwargs["head_dim"], kwargs["rope_half"])
-    return True
 
 
 def _transpose_weights(gm: torch.fx.GraphModule) -> int:
@@ -328,55 +277,12 @@ def _fuse_cast(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
-# The projections an AddRMSNorm can run inside (step 6), by the name add_norm_projection's `then` takes.
-THEN = {"plain": projection, "silu_mul": projection_silu_mul, "rope_kv": projection_rope_kv}
-
-
-def _fuse_add_norm(gm: torch.fx.GraphModule) -> int:
-    """AddRMSNorm → (normed → one projection of THEN, sum → anything later) ⇒ add_norm_projection."""
-    kinds = {fn: name for name, fn in THEN.items()}
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    fused = 0
-    for norm in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is trtopt_ops.add_rms_norm]:
-        outs = {u.args[1]: u for u in norm.users if u.target is operator.getitem}
-        if len(outs) != len(norm.users) or 0 not in outs or len(norm.args) != 3:
-            continue
-        normed, total = outs[0], outs.get(1)
-        proj = next(iter(normed.users), None)
-        if not (len(normed.users) == 1 and proj.target in kinds and proj.args[0] is normed
-                and normed not in proj.args[1:] and normed not in proj.kwargs.values()):
-            continue
-        if total is not None and not all(order[u] > order[proj] for u in total.users):
-            continue
-        with gm.graph.inserting_before(proj):
-            call = gm.graph.call_function(add_norm_projection, (*norm.args, *proj.args[1:]),
-                                          dict(proj.kwargs, epsilon=norm.kwargs["epsilon"], then=kinds[proj.target]))
-            out = gm.graph.call_function(operator.getitem, (call, 0))
-            new_total = gm.graph.call_function(operator.getitem, (call, 1))
-        proj.replace_all_uses_with(out)
-        if total is not None:
-            total.replace_all_uses_with(new_total)
-            gm.graph.erase_node(total)
-        for dead in (proj, normed, norm):
-            gm.graph.erase_node(dead)
-        fused += 1
-    return fused
-
-
-class GemvRewrite(NamedTuple):
-    """What use_decode_gemv changed: weights stored [N, K], and the fusions made (steps 3-6 of the module doc)."""
-
-    weights: int
-    silu_mul: int
-    rope_kv: int
-    casts: int
-    add_norm: int
-
-
-def use_decode_gemv(gm: torch.fx.GraphModule, rope_kv: bool = True, add_norm: bool = True) -> GemvRewrite:
-    """Apply the rewrite above (step 4 only with rope_kv, step 6 only with add_norm)."""
-    done = GemvRewrite(_transpose_weights(gm), _fuse_silu_mul(gm), _fuse_rope_kv(gm) if rope_kv else 0,
-                       _fuse_cast(gm), 0)
-    done = done._replace(add_norm=_fuse_add_norm(gm) if add_norm else 0)
-    recompiled(gm, sum(done))
-    return done
+def use_decode_gemv(gm: torch.fx.GraphModule, rope_kv: bool = True) -> tuple[int, int, int]:
+    """Apply the rewrite above (step 4 only with rope_kv); returns (weights stored [N, K], gate/up + SiLU·mul pairs
+    fused, Q/K/V projections with RoPE and the KV write fused)."""
+    moved = _transpose_weights(gm)
+    fused = _fuse_silu_mul(gm)
+    rope_kv = _fuse_rope_kv(gm) if rope_kv else 0
+    casts = _fuse_cast(gm)
+    recompiled(gm, moved + fused + rope_kv + casts)
+    return moved, fused, rope_kv

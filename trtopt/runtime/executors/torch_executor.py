@@ -13,7 +13,7 @@ from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs, fill_placeholders, fill_placeholders_
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
-from trtopt.runtime.executors.gemv import GEMV_DTYPES, GemvRewrite, use_decode_gemv
+from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
@@ -32,8 +32,7 @@ class TorchExecutor:
     decode_gemv (default: on for fp16/bf16 plans on CUDA without compile_mode): projection weights stored [N, K]; a
     one-row step (batch-1 decode) runs them through Triton GEMVs, gate/up with SiLU·mul as the epilogue and Q/K/V
     with RoPE and the KV write as the epilogue (when fuse_rope_kv folded RoPE into the attention; gemv_rope_kv=False
-    turns that part off, for ablations), and the AddRMSNorm before Q/K/V and gate/up as those GEMVs' prologue
-    (gemv_add_norm=False turns that off), larger steps through cuBLAS (runtime/executors/gemv.py, where the rule and its measurements are). Off: the plan's
+    turns that part off, for ablations), larger steps through cuBLAS (runtime/executors/gemv.py, where the rule and its measurements are). Off: the plan's
     [K, N] weights through torch.matmul, as converted.
 
     compile_mode (opt-in; None = the GraphModule as converted): a torch.compile mode (torch_library.COMPILE_MODES);
@@ -53,7 +52,7 @@ class TorchExecutor:
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
                  compile_mode: str | None = None, fuse_rope_kv: bool = True, decode_gemv: bool | None = None,
-                 gemv_rope_kv: bool = True, gemv_add_norm: bool = True):
+                 gemv_rope_kv: bool = True):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -78,9 +77,8 @@ class TorchExecutor:
         elif decode_gemv and compile_mode:
             raise ConfigError("decode_gemv=True and compile_mode cannot be combined: the GEMVs are launched outside "
                               "Inductor's graph; leave decode_gemv unset with compile_mode.")
-        self.gemv_rewrite = (use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv, add_norm=gemv_add_norm)
-                             if decode_gemv else GemvRewrite(0, 0, 0, 0, 0))
-        self.num_gemv_weights, self.num_gemv_silu_mul, self.num_gemv_rope_kv = self.gemv_rewrite[:3]
+        self.num_gemv_weights, self.num_gemv_silu_mul, self.num_gemv_rope_kv = (
+            use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv) if decode_gemv else (0, 0, 0))
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
