@@ -17,6 +17,10 @@ launcher.set_dispatcher_only(True) (every launch through Triton's dispatcher and
 before session 9). The `*_layers_call` rows are an eager step's calls: 16 layers, each with its own q/k/v and pool,
 sharing the step's metadata, whose tensors are new each step (two sets alternate); per call. The `*_nosplit_*` rows
 pass an 8-block table (what an eager step of a 64-token sequence passes): no split-KV merge, two launches a call.
+The `*_written_*` rows (session 14) are the call a batch-1 decode step makes since the Q/K/V GEMV rotates q and k and
+writes the pool itself (runtime/gemv_kernel.py `gemv_rope_kv`; PagedAttention's `kv_written`): q, k and v are views of
+the projection's output row, and the op launches the attention kernels only (one launch without the split-KV merge).
+`gemv_qkv_launch` / `gemv_rope_kv_launch` are the host costs of the plain and the fused Q/K/V GEMV launch.
 
     python3 benchmarks/bench_launch_host.py            # CUDA if present
     python3 benchmarks/bench_launch_host.py --out x.json
