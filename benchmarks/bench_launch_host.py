@@ -240,7 +240,8 @@ def main() -> None:
         result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
                                                             attrs)
     both_ways = {"write_kv_launch", "rope_write_kv_launch", "paged_attention_call", "paged_attention_rope_call",
-                 "argmax_triton", "gemv_qkv_launch", "gemv_rope_kv_launch", "add_rms_norm_launch", "silu_mul_launch", *per_layer}
+                 "argmax_triton", "gemv_qkv_launch", "gemv_rope_kv_launch", "add_rms_norm_launch", "silu_mul_launch",
+                 *per_layer}
     rows.update(per_layer)
     for name, fn in rows.items():
         calls = LAYERS if name in per_layer else 1

@@ -191,8 +191,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n: int, silu_mul: bool,
 
 def gemv(x: torch.Tensor, wt: torch.Tensor, config: tuple[int, int, int] | None = None,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) · wt [N, K]ᵀ → a new [M, N] in x's dtype, or rounded to x's dtype and then stored as
-    out_dtype (the GEMM and a Cast after it in one launch)."""
+    """x [M, K] (M <= MAX_ROWS) · wt [N, K]ᵀ → a new [M, N] in x's dtype, or rounded to x's dtype and then stored
+    as out_dtype (the GEMM and a Cast after it in one launch)."""
     check(x, wt, "gemv")
     return _launch(x, wt, wt.shape[0], False, config, out_dtype)
 
@@ -202,8 +202,8 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
                  head_dim: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] · w_qkv [(Hq + 2·Hkv)·D, K]ᵀ → a new [1, N]: rotated q, rotated k, v; and for slot_mapping[0] >= 0,
     kv_cache[slot // bs, 0|1, :, slot % bs, :] = (rotated k, v). cos and sin hold the token's row (D values, any
-    leading size-1 dims), in x's dtype; kv_cache is [num_blocks, 2, Hkv, block_size, D] in x's dtype. config: (pairs per program,
-    BLOCK_K, num_warps); by default two pairs and K tiles of up to 2048, 4 warps.
+    leading size-1 dims), in x's dtype; kv_cache is [num_blocks, 2, Hkv, block_size, D] in x's dtype. config:
+    (pairs per program, BLOCK_K, num_warps); by default two pairs and K tiles of up to 2048, 4 warps.
 
     Compiled without FMA contraction (no_fp_fusion), so that RoPE rounds every product before the sum as the graph
     does (with contraction the H200 build was off by one unit in the last place); in fp16/bf16 the output is then
@@ -213,8 +213,8 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
     check(x, w_qkv, "gemv_rope_kv")
     n, k = w_qkv.shape
     if x.shape[0] != 1 or head_dim % 2 or n != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows with "
-                         f"an even head_dim; got x {tuple(x.shape)}, w {tuple(w_qkv.shape)}, heads {num_heads}/"
+        raise ValueError(f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows "
+                         f"with an even head_dim; got x {tuple(x.shape)}, w {tuple(w_qkv.shape)}, heads {num_heads}/"
                          f"{num_kv_heads}, head_dim {head_dim}")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.numel() != head_dim or table.shape[-1] != head_dim or table.dtype != x.dtype:
@@ -231,8 +231,8 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
         raise ValueError(f"gemv_rope_kv's pairs per program and BLOCK_K must be powers of two; got {config}")
     tiles = -(-k // block_k)
     half = head_dim // 2
-    launcher.launch(_gemv_rope_kv, (-(-(n // 2) // block_p),), x, w_qkv, y, cos, sin, kv_cache, slot_mapping, k, w_qkv.stride(0),
-                    cos.stride(-1), sin.stride(-1), *kv_cache.stride(),
+    launcher.launch(_gemv_rope_kv, (-(-(n // 2) // block_p),), x, w_qkv, y, cos, sin, kv_cache, slot_mapping, k,
+                    w_qkv.stride(0), cos.stride(-1), sin.stride(-1), *kv_cache.stride(),
                     NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, POOL_BLOCK=kv_cache.shape[3],
                     BLOCK_P=block_p, BLOCK_K=block_k, K_TILES=tiles, EVEN_K=tiles * block_k == k,
                     DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **no_fp_fusion())

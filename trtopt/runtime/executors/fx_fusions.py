@@ -204,7 +204,7 @@ def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
 
 # Ops that pass their first argument's values through unchanged (only the shape changes): a value read through
 # them is still the graph input it came from.
-_VIEWS = (onnx_ops.reshape, onnx_ops.unsqueeze, onnx_ops.squeeze, onnx_ops.flatten, onnx_ops.identity)
+VIEWS = (onnx_ops.reshape, onnx_ops.unsqueeze, onnx_ops.squeeze, onnx_ops.flatten, onnx_ops.identity)
 
 
 def _source_input(node, names: dict[torch.fx.Node, str]) -> str | None:
@@ -212,7 +212,7 @@ def _source_input(node, names: dict[torch.fx.Node, str]) -> str | None:
     while isinstance(node, torch.fx.Node):
         if node.op == "placeholder":
             return names.get(node)
-        if node.op != "call_function" or node.target not in _VIEWS or not node.args:
+        if node.op != "call_function" or node.target not in VIEWS or not node.args:
             return None
         node = node.args[0]
     return None

@@ -33,7 +33,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from trtopt.runtime.executors import onnx_ops, trtopt_ops
-from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
+from trtopt.runtime.executors.fx_fusions import VIEWS, recompiled, replace_node
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 GEMV_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what projection_cast's GEMV may store
@@ -199,15 +199,20 @@ def _fuse_silu_mul(gm: torch.fx.GraphModule) -> int:
 # Ops between the Q/K/V Split and the attention op that only relabel values (shape, order of dims): the attention's
 # q, k and v are then views of the projection's output. That they are head-major views of one row (what the fused
 # KV write assumes) is checked by the attention op on its first call (paged_attention_triton, kv_written).
-_RELABELS = (onnx_ops.reshape, onnx_ops.transpose, onnx_ops.unsqueeze, onnx_ops.squeeze, onnx_ops.flatten,
-             onnx_ops.identity)
+_RELABELS = (*VIEWS, onnx_ops.transpose)
+
+
+def _source_through(node, ops: tuple):
+    """The node whose values `node` carries through a chain of `ops` calls, each read by nothing else."""
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in ops
+           and len(node.users) == 1):
+        node = node.args[0]
+    return node
 
 
 def _split_output(node) -> torch.fx.Node | None:
     """The `getitem(split, i)` node that `node` relabels (through `_RELABELS`, each read by nothing else), or None."""
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _RELABELS
-           and len(node.users) == 1):
-        node = node.args[0]
+    node = _source_through(node, _RELABELS)
     if isinstance(node, torch.fx.Node) and node.target is operator.getitem and len(node.users) == 1:
         return node
     return None
@@ -252,9 +257,6 @@ def _fuse_rope_kv(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
-_VIEWS = (onnx_ops.reshape, onnx_ops.squeeze, onnx_ops.unsqueeze, onnx_ops.flatten, onnx_ops.identity)
-
-
 def _fuse_cast(gm: torch.fx.GraphModule) -> int:
     """projection → views (each read once) → Cast ⇒ projection_cast → the same views (the Cast is dropped)."""
     fused = 0
@@ -262,9 +264,7 @@ def _fuse_cast(gm: torch.fx.GraphModule) -> int:
         to = cast.kwargs.get("to")
         if not isinstance(to, torch.dtype) or len(cast.args) != 1:
             continue
-        node = cast.args[0]
-        while (isinstance(node, torch.fx.Node) and node.target in _VIEWS and len(node.users) == 1):
-            node = node.args[0]
+        node = _source_through(cast.args[0], VIEWS)
         if not (isinstance(node, torch.fx.Node) and node.target is projection and len(node.users) == 1):
             continue
         node.target = projection_cast
