@@ -126,6 +126,23 @@ def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
     build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=tuple(rule.split("+")))
 
 
+# Ablations that flip a module switch (same plan, same executor): the sampler's greedy argmax kernel (torch.argmax
+# instead) and PagedAttention's split-KV merge inside the attention launch (a second merge launch instead).
+RUNTIME_SWITCHES = ("argmax", "merge_in_kernel")
+
+
+def set_switch(rule: str, on: bool) -> None:
+    if rule == "argmax":
+        from trtopt.runtime import argmax
+
+        argmax.use_kernel = on
+    else:
+        from trtopt.plugins.paged_attention import kernel as pk
+
+        pk.merge_in_kernel = on
+        pk.clear_plans()  # plans hold their launches
+
+
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
           ablate: tuple[str, ...] = ()) -> tuple[Path, Path, int, dict]:
     from trtopt.build.builder import build_plan
@@ -149,8 +166,8 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
     times["build_s"] = time.perf_counter() - t
     log(f"built: {result.report.counts} ({times['build_s']:.1f} s)")
     for rule in ablate:
-        if rule in EXECUTOR_VARIANTS or rule == "argmax":
-            continue  # the same plan, run by another executor (or sampler)
+        if rule in EXECUTOR_VARIANTS or rule in RUNTIME_SWITCHES:
+            continue  # the same plan, run by another executor (or sampler, or attention merge)
         build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
         log(f"built the ablation plan without {rule}")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
@@ -320,9 +337,14 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
     engine.add_request("b1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0))
     stamps = []  # when each token reached the host (with async scheduling a step reports the previous one's token)
     timer = StepTimer(engine, device)
-    while engine.has_unfinished_requests():
-        if engine.step():
-            stamps.append(time.perf_counter())
+    gc.collect()
+    gc.freeze()  # as `trtopt serve` does after start-up (and timed_workload): no full collection of start-up objects
+    try:
+        while engine.has_unfinished_requests():
+            if engine.step():
+                stamps.append(time.perf_counter())
+    finally:
+        gc.unfreeze()
     gpu = timer.gpu_seconds() - (timer.events[0][0].elapsed_time(timer.events[0][1]) / 1e3 if timer.events else 0)
     timer.restore()
     decode_steps = len(stamps) - 1  # the first token came from the prefill
@@ -524,11 +546,11 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
                     default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv",
-                             "decode_gemv", "gemv_rope_kv", "argmax"],
+                             "decode_gemv", "gemv_rope_kv", "argmax", "merge_in_kernel"],
                     help="plan-level fusion passes, the executor's RoPE fold and decode GEMVs (rope_kv, decode_gemv, "
                     "gemv_rope_kv: "
-                    "turned off) and the sampler's argmax kernel (turned off), to measure at batch 1 against the "
-                    "default, same run")
+                    "turned off), the sampler's argmax kernel and PagedAttention's in-kernel split-KV merge (turned "
+                    "off), to measure at batch 1 against the default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
@@ -624,10 +646,8 @@ def main() -> None:
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
         for rule in args.ablate:
             row = f"without_{rule}"
-            if rule == "argmax":  # the sampler's greedy argmax kernel off: torch.argmax, same plan and executor
-                from trtopt.runtime import argmax
-
-                argmax.use_kernel = False
+            if rule in RUNTIME_SWITCHES:  # a module switch off, same plan and executor
+                set_switch(rule, False)
                 plan_x, executor_x = plan, executor
             elif rule in EXECUTOR_VARIANTS:
                 from trtopt.runtime.executors.torch_executor import TorchExecutor
@@ -646,8 +666,8 @@ def main() -> None:
             bx["profile_eager"] = profile_decode(engine, shape.vocab, device)  # which kernels (cuBLAS's choice too)
             bx["kernels_per_step"] = (bx["profile_eager"] or {}).get("kernels_per_step")
             ablations[row] = bx
-            if rule == "argmax":
-                argmax.use_kernel = True
+            if rule in RUNTIME_SWITCHES:
+                set_switch(rule, True)
             log(f"batch 1 {row}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
                 f"{bx['graph_replay_ms'] or 0:.3f} ms, {bx['kernels_per_step']} kernels/step")
             del engine, executor_x

@@ -11,7 +11,8 @@ device), so it is sized from shapes alone:
 - axis 1 is the KV head. A tile holds BLOCK_Q tokens × the GROUP query heads that share that KV head, so each KV
   block is read once per group (GQA/MQA) and the score matmul has BLOCK_Q·GROUP rows.
 - axis 2 splits the key range into NUM_SEGMENTS (flash-decoding) when tiles × heads would leave the GPU idle: long
-  contexts at small batch. A second small kernel merges the segments' partial softmaxes.
+  contexts at small batch. The last segment of a tile to finish merges the segments' partial softmaxes (a counter
+  per tile, `_merge_counters`); a second small kernel does it where no counters can be had.
 
 The KV write is a separate small kernel launched first. A variant that fused it into the attention launch (commit
 2680905) was exact but measured 25-40% slower on H200 and was removed; see docs/benchmarks/NOTES.md. When the
@@ -255,7 +256,7 @@ def _attend_key_tiles(
 @triton.jit
 def _paged_attn_kernel(
     Q, Cache, BlockTables, SeqLens, QueryStartLoc, Alibi,
-    Out, PartAcc, PartMax, PartSum,
+    Out, PartAcc, PartMax, PartSum, Counters,
     qk_scale,  # softmax scale · log2(e)
     num_seqs, sliding_window,
     stride_qh, stride_qt, stride_qd,
@@ -265,7 +266,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -314,10 +315,40 @@ def _paged_attn_kernel(
                  out.to(Out.dtype.element_ty), mask=q_mask)
     else:
         # Partials are [T, Hq, NUM_SEGMENTS, (BLOCK_D)] fp32, contiguous; every segment writes, even an empty one.
-        part = (row * tl.num_programs(1) * GROUP + head) * NUM_SEGMENTS + segment
+        base = (row * tl.num_programs(1) * GROUP + head) * NUM_SEGMENTS
+        part = base + segment
         tl.store(PartMax + part, m_i, mask=row_ok)
         tl.store(PartSum + part, l_i, mask=row_ok)
         tl.store(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+        if MERGE:
+            # The tile's last segment to finish merges them all (no second launch). Every thread's partials are
+            # stored before the barrier; the counter's acq_rel add publishes them (release is cumulative) and
+            # acquires the other segments'. The merging program puts the counter back to 0 for the next launch.
+            tl.debug_barrier()
+            counter = Counters + tile * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SEGMENTS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+                out = _merge_rows(PartAcc, PartMax, PartSum, base, row_ok, offs_d, NUM_SEGMENTS, BLOCK_M, BLOCK_D)
+                tl.store(Out + head[:, None].to(tl.int64) * stride_oh + row[:, None] * stride_ot
+                         + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _merge_rows(PartAcc, PartMax, PartSum, base, row_ok, offs_d,
+                NUM_SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows' merged output Σ_seg exp2(m_seg − M)·acc_seg / Σ_seg exp2(m_seg − M)·l_seg from their partials at
+    base + seg, read past L1 (.cg: other programs wrote them)."""
+    m_all = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    for s in range(NUM_SEGMENTS):
+        m_all = tl.maximum(m_all, tl.load(PartMax + base + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg"))
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(NUM_SEGMENTS):
+        w = tl.math.exp2(tl.load(PartMax + base + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg") - m_all)
+        total += w * tl.load(PartSum + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(PartAcc + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
+                                    other=0.0, cache_modifier=".cg")
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
@@ -594,12 +625,13 @@ def paged_attention_triton(
     block_d = max(16, next_pow2(head_dim))
     scratch = _Scratch(T * num_heads * launch.num_segments, block_d) if launch.num_segments > 1 else None
     part_acc, part_max, part_sum = scratch.views(q.device) if scratch else (out, out, out)
+    counters = _merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads) if scratch else None
     attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
-                                  part_acc, part_max, part_sum, scale, S, sliding_window, launch, block_d,
+                                  part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch, block_d,
                                   group=group, head_dim=head_dim, causal=causal)
     launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
     merge = None
-    if scratch:
+    if scratch and counters is None:
         merge = _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d)
         launcher.launch(merge[0], merge[1], *merge[2], **merge[3])
     if key is not None:
@@ -609,7 +641,7 @@ def paged_attention_triton(
             kv_write = _rope_write_kv_launch(q_in, k, v, rope_cos, rope_sin, q, kv_cache, slot_mapping)
         else:
             kv_write = _write_kv_launch(k, v, kv_cache, slot_mapping)
-        _remember_plan(key, _PagedPlan(kv_write, attention, merge, scratch, device=q.device))
+        _remember_plan(key, _PagedPlan(kv_write, attention, merge, scratch, counters, device=q.device))
     return out, kv_cache
 
 
@@ -628,13 +660,14 @@ def _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim) 
 
 
 def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out, part_acc, part_max,
-                      part_sum, scale, S, sliding_window, launch, block_d, *, group, head_dim, causal):
-    """(kernel, grid, args, constexprs) of the attention kernel."""
+                      part_sum, counters, scale, S, sliding_window, launch, block_d, *, group, head_dim, causal):
+    """(kernel, grid, args, constexprs) of the attention kernel; with counters (split-KV only) it merges the
+    segments itself, else a split launch needs `_merge_launch` after it."""
     T = q.shape[2]
     return _paged_attn_kernel, (T // launch.block_q + S, kv_cache.shape[2], launch.num_segments), (
         q, kv_cache, block_tables, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else q,
-        out, part_acc, part_max, part_sum,
+        out, part_acc, part_max, part_sum, counters if counters is not None else q,
         scale * _LOG2E, S, sliding_window,
         *q.stride()[1:], *kv_cache.stride(), block_tables.stride(0), *out.stride()[1:],
     ), dict(
@@ -642,16 +675,40 @@ def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alib
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=kv_cache.shape[3], TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        MERGE=counters is not None, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
 
 
 def _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d):
-    """(kernel, grid, args, constexprs) of the split-KV merge."""
+    """(kernel, grid, args, constexprs) of the split-KV merge as its own launch (when no counters were had)."""
     T, num_heads = out.shape[2], out.shape[1]
     return _merge_segments_kernel, (T, num_heads), (
         part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), out.stride(3),
     ), dict(NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
+
+
+# Split-KV's merge in the attention launch (`MERGE`): one int32 counter per (query tile, KV head), zero between
+# launches (the merging program resets its own). One buffer per device, shared by every plan and layer: the
+# launches that use it run one after another on the stream of the thread that owns the engine (or in a graph
+# captured from it), never two at once. Allocated zeroed once, outside any graph capture (a capture would record
+# the zeroing and replay it); a launch that needs more counters, or comes first inside a capture, merges in a
+# second launch instead. `merge_in_kernel = False` turns the fused merge off (benchmarks' ablation; clear_plans()
+# after changing it).
+merge_in_kernel = True
+_MERGE_COUNTERS = 4096
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, programs: int) -> torch.Tensor | None:
+    """The device's merge counters, or None where the launch must merge in a second kernel."""
+    if not merge_in_kernel or programs > _MERGE_COUNTERS:
+        return None
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(_MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 class _Scratch:
@@ -682,10 +739,11 @@ class _PagedPlan:
     specialised on it); a call with another alignment returns None and takes the full path (a KV write it already
     made is made again there, with the same values)."""
 
-    __slots__ = ("kv_write", "attention", "merge", "scratch", "out_shape", "dtype", "device", "cuda", "rope",
-                 "partials_at", "workspace_bytes", "owned", "calls")
+    __slots__ = ("kv_write", "attention", "merge", "scratch", "counters", "counters_at", "out_shape", "dtype",
+                 "device", "cuda", "rope", "partials_at", "workspace_bytes", "owned", "calls")
 
-    def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, *, device: torch.device) -> None:
+    def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, counters: torch.Tensor | None, *,
+                 device: torch.device) -> None:
         launches = [x for x in (kv_write, attention, merge) if x is not None]
         prepared = [launcher.prepare(*x) for x in launches]
         direct = all(isinstance(x, launcher.DriverLaunch) for x in prepared)
@@ -696,6 +754,8 @@ class _PagedPlan:
         self.kv_write, self.attention, self.merge = (None if x is None else next(slots)
                                                      for x in (kv_write, attention, merge))
         self.scratch = scratch
+        self.counters = counters  # the merge counters (`_merge_counters`), or None
+        self.counters_at = counters.data_ptr() if counters is not None else None
         out = attention[2][6]
         self.out_shape, self.dtype, self.device = tuple(out.shape), out.dtype, device
         self.rope = kv_write is not None and kv_write[0] is _rope_write_kv_kernel
@@ -725,7 +785,8 @@ class _PagedPlan:
             return None
         parts = (out, out, out) if self.scratch is None else self.scratch.views(self.device)
         if not self.attention(stream, q, kv_cache, block_tables, seq_lens, query_start_loc,
-                              alibi_slopes if alibi_slopes is not None else q, out, *parts):
+                              alibi_slopes if alibi_slopes is not None else q, out, *parts,
+                              self.counters if self.counters is not None else q):
             return None
         if self.merge is not None and not self.merge(stream, *parts, out):
             return None
@@ -757,7 +818,8 @@ class _PagedPlan:
             parts = [at, at + 4 * self.scratch.acc_end, at + 4 * self.scratch.sums_at]
         if not self.attention.launch(stream, [qa, c, block_tables.data_ptr(), seq_lens.data_ptr(),
                                               query_start_loc.data_ptr(),
-                                              qa if alibi_slopes is None else alibi_slopes.data_ptr(), o, *parts]):
+                                              qa if alibi_slopes is None else alibi_slopes.data_ptr(), o, *parts,
+                                              qa if self.counters_at is None else self.counters_at]):
             return None
         if self.merge is not None and not self.merge.launch(stream, [*parts, o]):
             return None
