@@ -226,7 +226,7 @@ def test_split_kv_merges_in_the_attention_launch_or_a_second_one(in_kernel: bool
         run_both(case, kernel_device, launch=launch)
         fused = in_kernel and slots > 1
         assert names.count("_merge_segments_kernel") == (0 if fused else 1), names
-        counters = pk._COUNTERS.get(kernel_device)
+        counters = pk._COUNTERS.get(torch.empty(0, device=kernel_device).device)  # "cuda" is stored as "cuda:0"
         if fused:
             assert counters is not None and int(counters.count_nonzero()) == 0, "a merge counter was left set"
 

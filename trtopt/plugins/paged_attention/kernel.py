@@ -334,20 +334,35 @@ def _paged_attn_kernel(
 
 
 @triton.jit
+def _merge_segment(PartAcc, PartMax, PartSum, part, row_ok, offs_d, m_run, total, acc, BLOCK_D: tl.constexpr):
+    """Fold one segment's partials (read past L1, .cg: another program wrote them) into the running merge."""
+    m = tl.load(PartMax + part, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+    l = tl.load(PartSum + part, mask=row_ok, other=0.0, cache_modifier=".cg")
+    a = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                cache_modifier=".cg")
+    m_new = tl.maximum(m_run, m)
+    alpha = tl.math.exp2(m_run - m_new)
+    beta = tl.math.exp2(m - m_new)
+    return m_new, total * alpha + l * beta, acc * alpha[:, None] + a * beta[:, None]
+
+
+@triton.jit
 def _merge_rows(PartAcc, PartMax, PartSum, base, row_ok, offs_d,
                 NUM_SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows' merged output Σ_seg exp2(m_seg − M)·acc_seg / Σ_seg exp2(m_seg − M)·l_seg from their partials at
-    base + seg, read past L1 (.cg: other programs wrote them)."""
-    m_all = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    for s in range(NUM_SEGMENTS):
-        m_all = tl.maximum(m_all, tl.load(PartMax + base + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg"))
+    base + seg, in one pass (a running max). Up to 16 segments the loop is unrolled, so that every segment's loads
+    are in flight at once: this is the launch's tail, and a loop of dependent L2 round trips would lengthen it."""
+    m_run = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(NUM_SEGMENTS):
-        w = tl.math.exp2(tl.load(PartMax + base + s, mask=row_ok, other=-1.0e30, cache_modifier=".cg") - m_all)
-        total += w * tl.load(PartSum + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(PartAcc + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
-                                    other=0.0, cache_modifier=".cg")
+    if NUM_SEGMENTS <= 16:
+        for s in tl.static_range(NUM_SEGMENTS):
+            m_run, total, acc = _merge_segment(PartAcc, PartMax, PartSum, base + s, row_ok, offs_d, m_run, total,
+                                               acc, BLOCK_D)
+    else:
+        for s in range(NUM_SEGMENTS):
+            m_run, total, acc = _merge_segment(PartAcc, PartMax, PartSum, base + s, row_ok, offs_d, m_run, total,
+                                               acc, BLOCK_D)
     return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
