@@ -237,6 +237,30 @@ def main() -> None:
             except Exception as e:  # a Triton whose CompiledKernel runner differs: recorded, not fatal
                 result[f"{name}_compiled_error"] = f"{type(e).__name__}: {e}"
         rows["empty_partials_x3"] = lambda: [torch.empty(4096, device=device) for _ in range(3)]
+        # Where one planned call of the batch-1 decode path (kv_written, the 8-block table) spends its host time:
+        # the plan key, the planned call alone, and the pieces of that call.
+        lq, lk, lv, lc = written[0]
+        meta = narrow[0]
+        pk.clear_plans()
+        trtopt_ops.paged_attention_rope(lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0,
+                                        kv_written=True, **attrs)
+        key_args = (lq, lk, lv, lc, *meta, hq, hkv, d, d ** -0.5, 1, 0, None, None, None, True)
+        plan = pk._PLANS[pk._plan_key(*key_args)]
+        stream = launcher.current_stream(device.index or 0)
+        out_buffer = torch.empty((1, hq, 1, d), dtype=torch.bfloat16, device=device)  # lives as long as the rows
+        address = [lq.data_ptr(), lc.data_ptr(), *(x.data_ptr() for x in meta[:3]), lq.data_ptr(),
+                   out_buffer.data_ptr(), *([out_buffer.data_ptr()] * 3), lq.data_ptr()]
+        rows["written_call_op"] = lambda: trtopt_ops.paged_attention_rope(
+            lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0, kv_written=True, **attrs)
+        rows["written_call_kernel_entry"] = lambda: pk.paged_attention_triton(lq, lk, lv, lc, *meta, kv_written=True,
+                                                                              **attrs)
+        rows["written_plan_key"] = lambda: pk._plan_key(*key_args)
+        rows["written_plan_call"] = lambda: plan(lq, lk, lv, lc, *meta, None, None, None)
+        rows["written_out_empty"] = lambda: torch.empty((1, hq, 1, d), dtype=torch.bfloat16, device=device)
+        rows["written_current_stream"] = lambda: launcher.current_stream(device.index or 0)
+        rows["written_current_device"] = torch.cuda.current_device
+        if isinstance(plan.attention, launcher.DriverLaunch):
+            rows["written_driver_launch"] = lambda: plan.attention.launch(stream, address)
         result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
                                                             attrs)
     both_ways = {"write_kv_launch", "rope_write_kv_launch", "paged_attention_call", "paged_attention_rope_call",

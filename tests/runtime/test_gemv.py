@@ -279,7 +279,7 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
 
 
 class _Counting:
-    """gemv_kernel with its two entry points counted."""
+    """gemv_kernel with its three entry points counted."""
 
     def __init__(self, kernels, calls: list[str]):
         self._k, self._calls = kernels, calls
@@ -295,6 +295,9 @@ class _Counting:
     def gemv_rope_kv(self, *a, **kw):
         self._calls.append("gemv_rope_kv")
         return self._k.gemv_rope_kv(*a, **kw)
+
+    def __getattr__(self, name: str):  # the rest (rope_kv_refusal) as is
+        return getattr(self._k, name)
 
 
 def test_decode_gemv_defaults_off_on_cpu_and_refuses_compile(plan_dir) -> None:

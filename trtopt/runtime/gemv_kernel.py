@@ -27,6 +27,9 @@ Not bit-identical to cuBLAS: another accumulation order (fp32 either way).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -211,20 +214,12 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
     on the 1.24B plan's Q/K/V on an H200 (bf16, back to back in a CUDA graph), against 5.02 µs with one pair, 4.39 µs
     for the plain GEMV and 5.99 µs for the plain GEMV then the RoPE + KV-write kernel."""
     check(x, w_qkv, "gemv_rope_kv")
+    refusal = rope_kv_refusal(x.shape, w_qkv.shape, x.dtype, cos.shape, cos.dtype, sin.shape, sin.dtype,
+                              kv_cache.shape, kv_cache.dtype, slot_mapping.shape, slot_mapping.dtype,
+                              num_heads, num_kv_heads, head_dim)
+    if refusal is not None:
+        raise ValueError(refusal)
     n, k = w_qkv.shape
-    if x.shape[0] != 1 or head_dim % 2 or n != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows "
-                         f"with an even head_dim; got x {tuple(x.shape)}, w {tuple(w_qkv.shape)}, heads {num_heads}/"
-                         f"{num_kv_heads}, head_dim {head_dim}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.numel() != head_dim or table.shape[-1] != head_dim or table.dtype != x.dtype:
-            raise ValueError(f"gemv_rope_kv needs {name} as one row of {head_dim} {x.dtype} values; got "
-                             f"{table.dtype} {tuple(table.shape)}")
-    if (kv_cache.dim() != 5 or tuple(kv_cache.shape[1:3]) != (2, num_kv_heads) or kv_cache.shape[4] != head_dim
-            or kv_cache.dtype != x.dtype or slot_mapping.shape != (1,) or slot_mapping.dtype != torch.int64):
-        raise ValueError(f"gemv_rope_kv needs a {x.dtype} pool [blocks, 2, {num_kv_heads}, block_size, {head_dim}] "
-                         f"and an int64 slot_mapping [1]; got {kv_cache.dtype} {tuple(kv_cache.shape)}, "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_p, block_k, warps = config or (2, min(next_pow2(k), 2048), 4)
     if block_p != next_pow2(block_p) or block_k != next_pow2(block_k):
@@ -237,6 +232,27 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
                     BLOCK_P=block_p, BLOCK_K=block_k, K_TILES=tiles, EVEN_K=tiles * block_k == k,
                     DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **no_fp_fusion())
     return y
+
+
+@functools.lru_cache(maxsize=256)
+def rope_kv_refusal(x_shape, w_shape, dtype, cos_shape, cos_dtype, sin_shape, sin_dtype, pool_shape, pool_dtype,
+                    slots_shape, slots_dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why gemv_rope_kv would refuse a call with these shapes and dtypes (beyond `check`'s), or None when it takes
+    it: one row, a weight of (Hq + 2·Hkv)·D rows with D even, one token's cos/sin row in x's dtype, a pool
+    [blocks, 2, Hkv, bs, D] in x's dtype and one int64 slot. Cached: the executor asks it before choosing the fused
+    path (executors/gemv.py), and the kernel's call then finds the answer made."""
+    if x_shape[0] != 1 or head_dim % 2 or w_shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
+        return (f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows with an "
+                f"even head_dim; got x {tuple(x_shape)}, w {tuple(w_shape)}, heads {num_heads}/{num_kv_heads}, "
+                f"head_dim {head_dim}")
+    for name, shape, table_dtype in (("cos", cos_shape, cos_dtype), ("sin", sin_shape, sin_dtype)):
+        if math.prod(shape) != head_dim or shape[-1] != head_dim or table_dtype != dtype:
+            return f"gemv_rope_kv needs {name} as one row of {head_dim} {dtype} values; got {table_dtype} {tuple(shape)}"
+    if (len(pool_shape) != 5 or tuple(pool_shape[1:3]) != (2, num_kv_heads) or pool_shape[4] != head_dim
+            or pool_dtype != dtype or tuple(slots_shape) != (1,) or slots_dtype != torch.int64):
+        return (f"gemv_rope_kv needs a {dtype} pool [blocks, 2, {num_kv_heads}, block_size, {head_dim}] and an int64 "
+                f"slot_mapping [1]; got {pool_dtype} {tuple(pool_shape)}, {slots_dtype} {tuple(slots_shape)}")
+    return None
 
 
 def gemv_silu_mul(x: torch.Tensor, w_gu: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:

@@ -883,7 +883,16 @@ def _plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_m
               head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin, kv_written=False) -> tuple:
     """Everything a plan's launches were computed from: the attributes, and every input's shape, strides, dtype and
     device (tensor addresses are bound per call). The metadata tensors are the same four objects for every layer of
-    a step, so theirs is read once per step (_MetadataMemo)."""
+    a step, so theirs is read once per step (_MetadataMemo). With kv_written no launch reads k or v (the pool
+    already holds them; the layout check at planning is the caller's promise for later calls), so the key of the
+    batch-1 decode path leaves them out: it is computed for every layer of every eager step."""
+    if kv_written:
+        return (
+            q.shape, q.stride(), kv_cache.shape, kv_cache.stride(), q.dtype, kv_cache.dtype, q.get_device(),
+            kv_cache.get_device(), _METADATA.key(block_tables, seq_lens, query_start_loc, slot_mapping),
+            num_heads, num_kv_heads, head_dim, scale, causal, sliding_window,
+            None if alibi_slopes is None else _tensor_key(alibi_slopes), rope_cos is None, rope_sin is None, True,
+        )
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), kv_cache.shape, kv_cache.stride(),
         q.dtype, k.dtype, v.dtype, kv_cache.dtype, q.get_device(), k.get_device(), v.get_device(),

@@ -25,7 +25,6 @@ not cuBLAS's. Measured (benchmarks/bench_gemv.py, gpu_e2e's `without_decode_gemv
 from __future__ import annotations
 
 import functools
-import math
 import operator
 
 import torch
@@ -107,28 +106,17 @@ def projection_rope_kv(x: torch.Tensor, wt: torch.Tensor, cos: torch.Tensor, sin
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int,
                        head_dim: int, rope_half: int) -> tuple[torch.Tensor, bool]:
     """(x @ wtᵀ, written) for the fused Q/K/V weight of an attention with RoPE folded in. written: one GEMV made the
-    product with q and k rotated and wrote k and v into kv_cache at slot_mapping (one row on CUDA, `_rope_kv_fits`);
-    else the plain `projection`, and the attention op rotates and writes as before."""
+    product with q and k rotated and wrote k and v into kv_cache at slot_mapping (one row on CUDA, the whole head
+    rotated, and nothing gemv_kernel.rope_kv_refusal refuses); else the plain `projection`, and the attention op
+    rotates and writes as before."""
     rows = _rows(x, wt)
-    if rows is None or not _rope_kv_fits(wt.shape[0], x.dtype, cos.shape, sin.shape, cos.dtype, sin.dtype,
-                                         kv_cache.shape, kv_cache.dtype, slot_mapping.shape, slot_mapping.dtype,
-                                         num_heads, num_kv_heads, head_dim, rope_half):
+    if rows is None or rope_half not in (0, head_dim // 2) or _kernels().rope_kv_refusal(
+            rows.shape, wt.shape, x.dtype, cos.shape, cos.dtype, sin.shape, sin.dtype, kv_cache.shape,
+            kv_cache.dtype, slot_mapping.shape, slot_mapping.dtype, num_heads, num_kv_heads, head_dim) is not None:
         return projection(x, wt), False
     y = _kernels().gemv_rope_kv(rows, wt, cos, sin, kv_cache, slot_mapping, num_heads=num_heads,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim)
     return y.reshape(*x.shape[:-1], wt.shape[0]), True
-
-
-@functools.lru_cache(maxsize=256)
-def _rope_kv_fits(n, dtype, cos_shape, sin_shape, cos_dtype, sin_dtype, pool_shape, pool_dtype, slots_shape,
-                  slots_dtype, num_heads, num_kv_heads, head_dim, rope_half) -> bool:
-    """Whether gemv_rope_kv takes this call: the whole head rotated (half 0 or D/2), one token's cos/sin row in x's
-    dtype, the pool [blocks, 2, Hkv, bs, D] in x's dtype, one int64 slot. A function of shapes and dtypes, cached."""
-    return (head_dim % 2 == 0 and rope_half in (0, head_dim // 2) and n == (num_heads + 2 * num_kv_heads) * head_dim
-            and all(math.prod(s) == head_dim and s[-1] == head_dim for s in (cos_shape, sin_shape))
-            and cos_dtype == sin_dtype == pool_dtype == dtype
-            and len(pool_shape) == 5 and tuple(pool_shape[1:3]) == (2, num_kv_heads) and pool_shape[4] == head_dim
-            and tuple(slots_shape) == (1,) and slots_dtype == torch.int64)
 
 
 def _transpose_weights(gm: torch.fx.GraphModule) -> int:
