@@ -231,6 +231,22 @@ def test_split_kv_merges_in_the_attention_launch_or_a_second_one(in_kernel: bool
             assert counters is not None and int(counters.count_nonzero()) == 0, "a merge counter was left set"
 
 
+def test_merge_counters_are_never_made_inside_a_graph_capture(monkeypatch) -> None:
+    """The counters must be zero when a launch starts: made inside a capture, their zeroing would be recorded and
+    replayed, so there the launch merges in a second kernel instead (None); likewise past the buffer or switched off."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pk, "_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert pk._merge_counters(cuda, 8) is None and pk._COUNTERS == {}
+    cpu = torch.device("cpu")
+    counters = pk._merge_counters(cpu, 8)
+    assert counters is not None and counters.dtype == torch.int32 and int(counters.count_nonzero()) == 0
+    assert pk._merge_counters(cpu, 8) is counters, "one buffer per device"
+    assert pk._merge_counters(cpu, pk._MERGE_COUNTERS + 1) is None
+    monkeypatch.setattr(pk, "merge_in_kernel", False)
+    assert pk._merge_counters(cpu, 8) is None
+
+
 def test_planned_split_kv_call_merges_in_kernel(monkeypatch, kernel_device: torch.device) -> None:
     """The planned path (the second call of a step shape, launched per layer) with the fused merge: tables wide
     enough that the tiling splits the key range (the graphs' case: a bucket's full table width)."""
