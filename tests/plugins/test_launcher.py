@@ -341,3 +341,48 @@ def test_gpu_pointwise_norm_and_argmax_kernels_direct_equal_dispatcher(dtype):
     _same_both_ways(lambda: (silu_mul_triton(g, u), gelu_mul_triton(g, u, tanh=1)))
     _same_both_ways(lambda: (rope_triton(q, cos, sin),))
     _same_both_ways(lambda: (argmax_triton(logits),))
+
+
+def test_launch_site_prepares_once_per_key_and_repeats_with_new_tensors(monkeypatch):
+    """A LaunchSite launches the first call of a key normally and keeps its prepared launch; later calls with that key
+    run it with their own tensors (under the interpreter a Relaunch, on a GPU a DriverLaunch), another key prepares
+    again, and the keys are bounded."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from trtopt.runtime import placeholder_kernel as pk
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    site = launcher.LaunchSite(pk._fill_placeholders)
+    monkeypatch.setattr(pk, "_SITE", site)
+    for step in range(3):
+        ids = torch.tensor([5, -1, 7, -2, -1], device=device)
+        sampled = torch.tensor([10 + step, 20 + step], device=device)
+        pk.fill_placeholders_triton(ids, sampled)
+        assert ids.tolist() == [5, 10 + step, 7, 20 + step, 10 + step]
+        assert len(site.prepared) == 1
+    (prepared,) = site.prepared.values()
+    assert isinstance(prepared, launcher.DriverLaunch if device == "cuda" and launcher._driver() else launcher.Relaunch)
+    pk.fill_placeholders_triton(torch.tensor([-1, 3], device=device), torch.tensor([9], device=device))
+    assert len(site.prepared) == 2, "another length is another key"
+    monkeypatch.setattr(launcher, "_MAX_SITE_KEYS", 2)
+    ids = torch.tensor([-1], device=device)
+    pk.fill_placeholders_triton(ids, torch.tensor([4], device=device))
+    assert ids.tolist() == [4] and len(site.prepared) == 1, "past the bound the site forgets its keys"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_launch_sites_launch_directly_and_fall_back_on_a_new_alignment():
+    """The argmax's two sites on a GPU: prepared driver launches, equal to torch.argmax call after call with new
+    logits, and a view 4 bytes off the prepared alignment takes the normal launch (still equal)."""
+    from trtopt.runtime import argmax_kernel as ak
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(3):
+        logits = torch.randn(3, 50257, device="cuda", generator=gen)
+        assert torch.equal(ak.argmax_triton(logits), logits.argmax(-1))
+    assert all(isinstance(p, launcher.DriverLaunch) for site in (ak._PIECES, ak._ROWS) for p in site.prepared.values())
+    flat = torch.randn(3 * 50257 + 1, device="cuda", generator=gen)
+    shifted = flat[1:].view(3, 50257)  # the prepared key (shape, stride, dtype), 4 bytes off its alignment
+    keys = len(ak._PIECES.prepared)
+    assert torch.equal(ak.argmax_triton(shifted), shifted.argmax(-1))
+    assert len(ak._PIECES.prepared) == keys, "the same key: the prepared launch refused it, `launch` ran it"
