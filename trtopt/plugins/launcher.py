@@ -283,45 +283,6 @@ class Relaunch:
         return True
 
 
-class LaunchSite:
-    """One call site's launches, prepared once per shape key and then repeated with each call's tensors (STYLE.md
-    §10: plan once, run many), for the small kernels launched every engine step outside the graphs (the sampler's
-    argmax, the placeholder fill). The first call of a key launches through `launch` (compiling if needed) and keeps
-    `prepare`'s launch; later calls make that launch with their own tensors: on a GPU one cuLaunchKernel with the
-    addresses written into the packed parameters, instead of `launch`'s specialisation key and Triton's runner.
-
-    The caller's key must hold everything the launch's scalars, constexprs and grid are computed from, and the
-    tensors' dtypes and device; the tensors' 16-byte alignment is checked per call (another alignment, or another
-    current device, takes `launch`). Bounded: past _MAX_SITE_KEYS keys the site forgets them and prepares again."""
-
-    __slots__ = ("kernel", "prepared")
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel
-        self.prepared: dict[Any, DriverLaunch | Relaunch] = {}
-
-    def __call__(self, key: Any, grid: tuple[int, ...], tensors: Sequence[torch.Tensor], args: tuple,
-                 kwargs: dict[str, Any]) -> None:
-        """Launch `kernel[grid](*args, **kwargs)`; tensors: the tensor arguments of args, in their order."""
-        prepared = self.prepared.get(key)
-        if prepared is not None:
-            if prepared.__class__ is Relaunch:
-                prepared(0, *tensors)
-                return
-            device = prepared.device
-            if torch.cuda.current_device() == device and prepared.launch(current_stream(device),
-                                                                          [t.data_ptr() for t in tensors]):
-                return
-        launch(self.kernel, grid, *args, **kwargs)
-        if prepared is None:
-            if len(self.prepared) >= _MAX_SITE_KEYS:
-                self.prepared.clear()
-            self.prepared[key] = prepare(self.kernel, grid, args, kwargs)
-
-
-_MAX_SITE_KEYS = 256
-
-
 def prepare(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any], *,
             direct: bool = True) -> DriverLaunch | Relaunch:
     """A launch of `kernel[grid](*args, **kwargs)` to repeat with other tensors: call it as `run(stream, *tensors)`

@@ -58,15 +58,8 @@ def argmax_triton(logits: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
     num_pieces = -(-V // chunk)
     keys = torch.empty(N, num_pieces, dtype=torch.int64, device=logits.device)
     idx = torch.empty(N, num_pieces, dtype=torch.int32, device=logits.device)
-    device = logits.get_device()
-    _PIECES((N, V, logits.stride(0), chunk, logits.dtype, device), (N, num_pieces), (logits, keys, idx),
-            (logits, keys, idx, V, logits.stride(0), num_pieces),
-            dict(CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4))
-    _ROWS((N, num_pieces, device), (N,), (keys, idx, out), (keys, idx, out, num_pieces),
-          dict(BLOCK=max(2, next_pow2(num_pieces)), num_warps=1))
+    launcher.launch(_argmax_pieces, (N, num_pieces), logits, keys, idx, V, logits.stride(0), num_pieces,
+                    CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
+    launcher.launch(_argmax_rows, (N,), keys, idx, out, num_pieces,
+                    BLOCK=max(2, next_pow2(num_pieces)), num_warps=1)
     return out
-
-
-# Two launches every greedy step outside the graphs: prepared once per (rows, vocabulary) shape.
-_PIECES = launcher.LaunchSite(_argmax_pieces)
-_ROWS = launcher.LaunchSite(_argmax_rows)

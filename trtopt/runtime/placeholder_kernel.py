@@ -20,13 +20,9 @@ def _fill_placeholders(Ids, Sampled, n, BLOCK: tl.constexpr):
     tl.store(Ids + offs, tokens, mask=hole)
 
 
-_SITE = launcher.LaunchSite(_fill_placeholders)  # one launch per async step: prepared once per length
-
-
 def fill_placeholders_triton(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
     """In place on contiguous int64 CUDA tensors: each id −1−k becomes sampled_ids[k]; returns input_ids."""
     n = input_ids.numel()
     if n:
-        _SITE((n, input_ids.dtype, sampled_ids.dtype, input_ids.get_device()), (-(-n // BLOCK),),
-              (input_ids, sampled_ids), (input_ids, sampled_ids, n), dict(BLOCK=BLOCK, num_warps=4))
+        launcher.launch(_fill_placeholders, (-(-n // BLOCK),), input_ids, sampled_ids, n, BLOCK=BLOCK, num_warps=4)
     return input_ids
