@@ -35,7 +35,6 @@ from trtopt.runtime.executors import onnx_ops, trtopt_ops
 from trtopt.runtime.executors.fx_fusions import VIEWS, recompiled, replace_node
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
-GEMV_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what projection_cast's GEMV may store
 # Where the GEMV runs, from benchmarks/bench_gemv.py on the H200 (docs/benchmarks/gemv_h200.json): at one row it beat
 # cuBLAS on every projection of the 1.24B plan and of SmolLM2-135M (O 5.90 -> 4.32 µs, down with cuBLAS's split-K
 # reduce 12.81 -> 11.21, gate/up + SiLU·mul 20.75 -> 18.74, LM head 124.1 -> 119.4) except SmolLM2's LM head
@@ -97,7 +96,7 @@ def projection_cast(x: torch.Tensor, wt: torch.Tensor, *, to: torch.dtype) -> to
     """(x @ wtᵀ).to(to): one GEMV that rounds to x's dtype and stores `to` for one row on CUDA, else F.linear and the
     cast (what the graph did)."""
     rows = _rows(x, wt)
-    if rows is None or to not in GEMV_OUT_DTYPES:
+    if rows is None or to not in _kernels().TL_DTYPES:  # the float dtypes the GEMV can store
         return F.linear(x, wt).to(to)
     return _kernels().gemv(rows, wt, out_dtype=to).reshape(*x.shape[:-1], wt.shape[0])
 

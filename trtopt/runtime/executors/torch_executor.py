@@ -32,8 +32,8 @@ class TorchExecutor:
     decode_gemv (default: on for fp16/bf16 plans on CUDA without compile_mode): projection weights stored [N, K]; a
     one-row step (batch-1 decode) runs them through Triton GEMVs, gate/up with SiLU·mul as the epilogue and Q/K/V
     with RoPE and the KV write as the epilogue (when fuse_rope_kv folded RoPE into the attention; gemv_rope_kv=False
-    turns that part off, for ablations), larger steps through cuBLAS (runtime/executors/gemv.py, where the rule and its measurements are). Off: the plan's
-    [K, N] weights through torch.matmul, as converted.
+    turns that part off, for ablations), larger steps through cuBLAS (runtime/executors/gemv.py, where the rule and
+    its measurements are). Off: the plan's [K, N] weights through torch.matmul, as converted.
 
     compile_mode (opt-in; None = the GraphModule as converted): a torch.compile mode (torch_library.COMPILE_MODES);
     the graph then runs through Inductor, specialised and compiled once per step shape (each CUDA-graph bucket),
