@@ -127,8 +127,9 @@ def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
 
 
 # Ablations that flip a module switch (same plan, same executor): the sampler's greedy argmax kernel (torch.argmax
-# instead) and PagedAttention's split-KV merge inside the attention launch (a second merge launch instead).
-RUNTIME_SWITCHES = ("argmax", "merge_in_kernel")
+# instead), PagedAttention's split-KV merge inside the attention launch (a second merge launch instead), and the
+# placeholder fill and greedy argmax inside each step graph (launched from Python between replays instead).
+RUNTIME_SWITCHES = ("argmax", "merge_in_kernel", "argmax_in_graph")
 
 
 def set_switch(rule: str, on: bool) -> None:
@@ -136,6 +137,10 @@ def set_switch(rule: str, on: bool) -> None:
         from trtopt.runtime import argmax
 
         argmax.use_kernel = on
+    elif rule == "argmax_in_graph":
+        from trtopt.runtime.executors import cuda_graphs
+
+        cuda_graphs.argmax_in_graph = on  # read by the StepGraphs each new engine captures
     else:
         from trtopt.plugins.paged_attention import kernel as pk
 
@@ -546,11 +551,12 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--ablate", nargs="*",
                     default=["horizontal_matmul", "silu_mul", "add_rms_norm", "rope", "rope_table", "rope_kv",
-                             "decode_gemv", "gemv_rope_kv", "argmax", "merge_in_kernel"],
+                             "decode_gemv", "gemv_rope_kv", "argmax", "merge_in_kernel", "argmax_in_graph"],
                     help="plan-level fusion passes, the executor's RoPE fold and decode GEMVs (rope_kv, decode_gemv, "
                     "gemv_rope_kv: "
-                    "turned off), the sampler's argmax kernel and PagedAttention's in-kernel split-KV merge (turned "
-                    "off), to measure at batch 1 against the default, same run")
+                    "turned off), the sampler's argmax kernel, PagedAttention's in-kernel split-KV merge and the "
+                    "placeholder fill + greedy argmax inside the step graphs (argmax_in_graph) (turned off), to "
+                    "measure at batch 1 against the default, same run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "

@@ -60,6 +60,22 @@ def test_greedy_argmax_is_torch_argmax_off_cuda() -> None:
     assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
 
 
+def test_writes_into_a_given_buffer() -> None:
+    """out= (a CUDA graph's fixed token buffer): the answer lands in a view of it, nothing else is touched, and a
+    buffer of the wrong shape or dtype is refused."""
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    buffer = torch.full((5,), -7, dtype=torch.int64, device=DEVICE)
+    assert argmax_triton(x, chunk=64, out=buffer[:3]).data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:3], x.argmax(dim=-1)) and buffer[3:].eq(-7).all()
+    buffer.fill_(-7)
+    assert greedy_argmax(x, out=buffer[:3]).data_ptr() == buffer.data_ptr()  # torch.argmax's out off CUDA
+    assert torch.equal(buffer[:3], x.argmax(dim=-1)) and buffer[3:].eq(-7).all()
+    with pytest.raises(ValueError, match="contiguous int64"):
+        argmax_triton(x, out=buffer[:2])
+    with pytest.raises(ValueError, match="contiguous int64"):
+        argmax_triton(x, out=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
 @pytest.mark.parametrize("n", [1, 8, 256])

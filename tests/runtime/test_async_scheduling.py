@@ -54,9 +54,21 @@ def _run(engine: LLMEngine, workload) -> tuple[dict[str, list[tuple]], int]:
     return done, steps
 
 
-def _echo_engine(async_scheduling: bool, *, num_blocks: int, max_num_tokens: int, prefix_caching: bool) -> LLMEngine:
+class _ArgmaxEchoExecutor(EchoExecutor):
+    """The echo model with the greedy argmax of each step's logits rows on hand (`last_greedy_tokens`), as a CUDA
+    graph that takes the argmax leaves it: the engine must use it only where its rows are the sampled rows."""
+
+    def execute(self, step):
+        logits = super().execute(step)
+        self.last_greedy_tokens = logits.argmax(-1)
+        return logits
+
+
+def _echo_engine(async_scheduling: bool, *, num_blocks: int, max_num_tokens: int, prefix_caching: bool,
+                 argmax_on_hand: bool = False) -> LLMEngine:
     plan = make_plan(block_size=4, max_num_tokens=max_num_tokens, max_num_seqs=8, max_model_len=40)
-    return LLMEngine(EchoExecutor(4), plan, None, EngineConfig(
+    executor = _ArgmaxEchoExecutor(4) if argmax_on_hand else EchoExecutor(4)
+    return LLMEngine(executor, plan, None, EngineConfig(
         num_blocks=num_blocks, enable_prefix_caching=prefix_caching, seed=0, async_scheduling=async_scheduling))
 
 
@@ -69,18 +81,40 @@ def _echo_engine(async_scheduling: bool, *, num_blocks: int, max_num_tokens: int
 def test_async_equals_sync_on_the_echo_model(seed, num_blocks, max_num_tokens, prefix_caching):
     workload = _workload(seed, 40)
     results = {}
-    for mode in (False, True):
-        engine = _echo_engine(mode, num_blocks=num_blocks, max_num_tokens=max_num_tokens, prefix_caching=prefix_caching)
+    for mode, on_hand in ((False, False), (True, False), (True, True), (False, True)):
+        engine = _echo_engine(mode, num_blocks=num_blocks, max_num_tokens=max_num_tokens, prefix_caching=prefix_caching,
+                              argmax_on_hand=on_hand)
         assert engine.async_scheduling is mode
-        results[mode], _ = _run(engine, workload)
+        results[mode, on_hand], _ = _run(engine, workload)
         if seed == 0:
             assert engine.scheduler.num_preemptions > 0, "the tight pool must preempt, or this proves less"
-    assert results[True] == results[False]
+    assert results[True, False] == results[False, False] == results[True, True] == results[False, True]
+    results[True] = results[True, False]
     for rid, prompt, params, _ in workload:  # and both are right, not only equal
         if params.temperature == 0:
             want = reference_generate(prompt, params.max_tokens, eos=None if params.ignore_eos else 1)
             if params.min_tokens == 0 and params.repetition_penalty == 1:
                 assert all(c[0] == want for c in results[True][rid]), rid
+
+
+def test_greedy_tokens_on_hand_are_used_only_for_the_rows_they_belong_to():
+    """Greedy rows that end while the next step is in flight leave dead rows in it, ahead of live ones: the
+    executor's argmax rows are then not the sampled rows, and the engine must take its own argmax of the live ones."""
+    engine = _echo_engine(True, num_blocks=40, max_num_tokens=64, prefix_caching=False, argmax_on_hand=True)
+    prompts = {"a": [5, 6, 7], "b": [9, 3, 4, 8], "c": [2, 12, 13], "d": [40, 41]}
+    ends = {"a": 2, "b": None, "c": 5, "d": None}  # a ends first, then c: dead rows ahead of and among live ones
+    want = {}
+    for rid, prompt in prompts.items():
+        full = reference_generate(prompt, 12, eos=None)
+        # A stop token the scheduler cannot see coming (max_tokens it can): the row after it is already in flight.
+        stop = [full[ends[rid] - 1]] if ends[rid] else []
+        want[rid] = full[: full.index(stop[0]) + 1] if stop else full
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                       stop_token_ids=stop))
+    done, _ = _run(engine, [])
+    assert len(want["a"]) == 2 and len(want["c"]) <= 5
+    for rid in prompts:
+        assert done[rid][0][0] == want[rid], rid
 
 
 def test_async_launches_the_next_step_before_reporting_the_last():
@@ -190,12 +224,62 @@ def test_async_equals_sync_on_cuda_with_graphs(built_plan):
     free = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, async_scheduling=False)
     free.add_request("free", "The capital of France", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     stop = free.tokenizer.decode(_run(free, [])[0]["free"][0][0])[10:16]
+    from trtopt.runtime.executors import cuda_graphs
+
     results = {}
-    for mode in (False, True):
-        engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, max_num_batched_tokens=32,
-                                     num_blocks=14, async_scheduling=mode)
-        assert engine.async_scheduling is mode and engine.executor.graphs is not None
-        results[mode], _ = _run(engine, _real_workload(stop))
+    for mode, in_graph in ((False, True), (True, True), (True, False)):  # and the argmax and fill outside the graph
+        cuda_graphs.argmax_in_graph = in_graph
+        try:
+            engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, max_num_batched_tokens=32,
+                                         num_blocks=14, async_scheduling=mode)
+        finally:
+            cuda_graphs.argmax_in_graph = True
+        assert engine.async_scheduling is mode and engine.executor.graphs.argmax_in_graph is in_graph
+        results[mode, in_graph], _ = _run(engine, _real_workload(stop))
         assert engine.executor.graphs.num_replayed > 0
     strip = lambda r: {rid: [c[:2] for c in cs] for rid, cs in r.items()}  # noqa: E731
-    assert strip(results[True]) == strip(results[False])
+    assert strip(results[True, True]) == strip(results[False, True]) == strip(results[True, False])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_greedy_steps_take_argmax_and_placeholders_from_the_graphs(built_plan, monkeypatch, async_scheduling):
+    """Plain greedy requests on CUDA: every step replays a graph that fills the placeholders and takes the argmax
+    itself, so after start-up capture the engine launches neither from Python, and the tokens equal those of the
+    argmax and fill launched from Python (argmax_in_graph off)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trtopt.runtime import sampler
+    from trtopt.runtime.executors import cuda_graphs
+
+    plan_dir = built_plan(MODEL)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+    calls = {"argmax": 0, "fill": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    tokens = {}
+    for in_graph in (True, False):
+        monkeypatch.setattr(cuda_graphs, "argmax_in_graph", in_graph)
+        engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, async_scheduling=async_scheduling)
+        monkeypatch.setattr(sampler, "greedy_argmax", counted("argmax", sampler.greedy_argmax))
+        monkeypatch.setattr(cuda_graphs, "fill_placeholders_", counted("fill", cuda_graphs.fill_placeholders_))
+        calls.update(argmax=0, fill=0)  # start-up capture ran both inside the graphs
+        for i, p in enumerate(prompts):  # one length for all: no row ends while the next step is in flight
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        done, steps = _run(engine, [])
+        tokens[in_graph] = {rid: outs[0][0] for rid, outs in done.items()}
+        graphs = engine.executor.graphs
+        assert graphs.num_eager == 0 and graphs.num_replayed >= 24
+        if in_graph:
+            assert calls == {"argmax": 0, "fill": 0}, calls
+        else:
+            assert calls["argmax"] >= 23 and (calls["fill"] >= 23 if async_scheduling else calls["fill"] == 0), calls
+        monkeypatch.undo()
+    assert tokens[True] == tokens[False] and all(len(t) == 24 for t in tokens[True].values())

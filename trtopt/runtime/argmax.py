@@ -21,15 +21,18 @@ import torch
 use_kernel = True
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, V] → [N] int64, torch.argmax's answer: the two-launch kernel on CUDA for rows long enough to split,
-    torch.argmax otherwise (the CPU, short rows, or no Triton)."""
+    torch.argmax otherwise (the CPU, short rows, or no Triton). out: an int64 [N] tensor to write the answer into
+    (a CUDA graph's fixed buffer), returned."""
     if use_kernel and logits.is_cuda and logits.dim() == 2 and logits.shape[-1] > _MIN_SPLIT \
             and logits.stride(-1) == 1:
         kernel = _kernel()
         if kernel is not None:
-            return kernel(logits)
-    return logits.argmax(dim=-1)
+            return kernel(logits, out=out)
+    if out is None:
+        return logits.argmax(dim=-1)
+    return torch.argmax(logits, dim=-1, out=out)
 
 
 _MIN_SPLIT = 4096  # shorter rows fit one program: torch's own kernel is as good

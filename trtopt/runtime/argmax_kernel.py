@@ -46,13 +46,18 @@ def _argmax_rows(Keys, Idx, Out, num_pieces, BLOCK: tl.constexpr):
     tl.store(Out + row, tl.min(tl.where(key == best, idx, 2**31 - 1), axis=0).to(tl.int64))
 
 
-def argmax_triton(logits: torch.Tensor, *, chunk: int = CHUNK) -> torch.Tensor:
-    """[N, V] float logits (unit last stride) → [N] int64, bit for bit `logits.argmax(-1)`; two launches."""
+def argmax_triton(logits: torch.Tensor, *, chunk: int = CHUNK, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] float logits (unit last stride) → [N] int64, bit for bit `logits.argmax(-1)`; two launches. out: a
+    contiguous int64 [N] tensor on the logits' device to write into (returned), else a new one."""
     if logits.dim() != 2 or logits.stride(-1) != 1 or not logits.is_floating_point():
         raise ValueError(f"argmax_triton needs [N, V] float logits with a unit last stride; got {logits.dtype} "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
     N, V = logits.shape
-    out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    elif out.shape != (N,) or out.dtype != torch.int64 or out.device != logits.device or not out.is_contiguous():
+        raise ValueError(f"argmax_triton's out must be a contiguous int64 [{N}] tensor on {logits.device}; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if N == 0 or V == 0:
         return logits.argmax(dim=-1) if V == 0 else out  # torch raises for V == 0: keep its error
     num_pieces = -(-V // chunk)

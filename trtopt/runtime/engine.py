@@ -342,7 +342,7 @@ class LLMEngine:
         if self.spec is None:
             ids = batch.sampling_ids
             reqs = [requests[i] for i in ids]
-            sampled = self.sampler.sample_each(logits[: len(ids)], reqs) if ids else []
+            sampled = self.sampler.sample_each(logits[: len(ids)], reqs, self._greedy_tokens(len(ids))) if ids else []
             output = StepOutput(sampled={rid: s for rid, s in zip(ids, sampled) if not isinstance(s, Exception)})
             sample_errors = {rid: s for rid, s in zip(ids, sampled) if isinstance(s, Exception)}
             if batch.num_prompt_logprob_rows:
@@ -428,8 +428,11 @@ class LLMEngine:
         failed: list[RequestOutput] = []
         tokens = None
         if reqs:
-            live = logits[: len(ids)] if len(rows) == len(ids) else logits[torch.tensor(rows, device=logits.device)]
-            tokens = self.sampler.sample_async(live, reqs)
+            if len(rows) == len(ids):
+                live, argmax = logits[: len(ids)], self._greedy_tokens(len(ids))
+            else:  # the graph's argmax rows are the step's, not these
+                live, argmax = logits[torch.tensor(rows, device=logits.device)], None
+            tokens = self.sampler.sample_async(live, reqs, argmax)
             if tokens.sampled is not None:  # sampled on the host: a row's own error ends its request now
                 errors = {r.request_id: s for r, s in zip(reqs, tokens.sampled) if isinstance(s, Exception)}
                 if errors:
@@ -443,6 +446,12 @@ class LLMEngine:
         if placeholders:
             self._in_flight = _InFlight(batch, reqs, tokens)
         return failed
+
+    def _greedy_tokens(self, n: int) -> torch.Tensor | None:
+        """The greedy argmax of the last executed step's first n logits rows, if its CUDA graph computed it
+        (cuda_graphs.argmax_in_graph), else None (the sampler then takes it itself, if it needs it)."""
+        tokens = getattr(self.executor, "last_greedy_tokens", None)
+        return tokens[:n] if tokens is not None else None
 
     def _process(self, prev: _InFlight) -> list[RequestOutput]:
         """Step N's tokens on the host: placeholders resolved, stop conditions applied, outputs made."""

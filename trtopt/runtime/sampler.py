@@ -90,7 +90,8 @@ class Sampler:
             raise error
         return sampled  # type: ignore[return-value]  # no row failed
 
-    def sample_each(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken | Exception]:
+    def sample_each(self, logits: torch.Tensor, requests: Sequence[Request],
+                    argmax: torch.Tensor | None = None) -> list[SampledToken | Exception]:
         """One token per row, or the exception that row's request raised: one request's sampling parameters
         (say a top_k no tensor can hold) fail only that request, never the batch.
 
@@ -101,7 +102,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
-            return list(map(SampledToken, greedy_argmax(logits).tolist()))
+            return list(map(SampledToken, (greedy_argmax(logits) if argmax is None else argmax).tolist()))
         u = self._uniforms(requests)
         if self._grammar_masker is None and any(r.grammar is not None for r in requests):
             self._grammar_masker = GrammarMasker()  # on the first constrained step (imports xgrammar)
@@ -116,14 +117,18 @@ class Sampler:
                     rows.append(e)
             return rows
 
-    def sample_async(self, logits: torch.Tensor, requests: Sequence[Request]) -> PendingTokens:
+    def sample_async(self, logits: torch.Tensor, requests: Sequence[Request],
+                     argmax: torch.Tensor | None = None) -> PendingTokens:
         """sample_each without waiting for the device where it can: plain greedy rows (the common serving case)
         take their argmax on the device and copy it to the host behind the step, so the engine can launch the
         next step first. Any other row (penalties, logprobs, grammar, random draws) samples on the host as
-        sample_each does, which waits for this step's logits (the step still overlapped the previous outputs)."""
+        sample_each does, which waits for this step's logits (the step still overlapped the previous outputs).
+
+        argmax (here and in sample_each): these rows' greedy argmax when the step computed it already (inside its
+        CUDA graph: executors' `last_greedy_tokens`); a plain greedy batch then launches nothing."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         if all(_plain_greedy(r) for r in requests):
-            ids = greedy_argmax(logits)
+            ids = greedy_argmax(logits) if argmax is None else argmax
             if ids.device.type != "cuda":
                 return PendingTokens(ids)
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

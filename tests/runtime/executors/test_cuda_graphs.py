@@ -220,3 +220,48 @@ def test_speculative_steps_replay_graphs_after_warm_up(plan_dir, method):
         assert report is not None and report.num_graphs == len(draft_graphs.buckets)
         assert draft_graphs.buckets[-1].num_tokens <= 2 * engine.limits.max_num_seqs
         assert draft_graphs.num_replayed >= k * len(prompts)  # K forwards per speculating step
+
+
+@pytest.mark.gpu
+def test_graphs_fill_placeholders_and_take_the_greedy_argmax_inside(plan_dir):
+    """Each graph fills async scheduling's placeholders from the previous step's greedy tokens and leaves the argmax
+    of its own logits rows in last_greedy_tokens (cuda_graphs.argmax_in_graph): greedy decoding through those
+    buffers alone gives the logits and tokens of ids filled on the host, whether the previous tokens are the
+    graph's own or came from elsewhere (copied into the buffer first), and an eager step leaves None."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    bs = plan.limits.block_size
+    runs = {}
+    for mode in ("host", "own", "foreign"):
+        ex = TorchExecutor(built, plan, device="cuda", cuda_graphs=True)
+        ex.allocate_kv_cache(32)
+        ex.capture_graphs(max_num_seqs=8, max_num_tokens=128)
+        assert ex.graphs.argmax_in_graph and ex.last_greedy_tokens is None
+        source = BlockSource(32)
+        seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7, 33)]
+        logits = ex.execute(make_step(seqs, [len(s.tokens) for s in seqs], bs, source))
+        rows, tokens = [logits.cpu()], [ex.last_greedy_tokens.cpu()]
+        prev = ex.last_greedy_tokens
+        for _ in range(5):
+            for k, s in enumerate(seqs):  # the token each sequence samples: known on the host only in "host"
+                s.tokens.append(int(tokens[-1][k]) if mode == "host" else -1 - k)
+            step = make_step(seqs, [1, 1, 1], bs, source)
+            if mode != "host":
+                step.sampled_ids = prev if mode == "own" else prev.clone()
+            logits = ex.execute(step)
+            assert ex.graphs.num_eager == 0 and ex.last_greedy_tokens.shape == (3,)
+            rows.append(logits.cpu())
+            tokens.append(ex.last_greedy_tokens.cpu())
+            assert torch.equal(tokens[-1], logits.argmax(-1).cpu())
+            prev = ex.last_greedy_tokens
+        runs[mode] = (torch.cat(rows), torch.cat(tokens))
+        ex.graphs.enabled = False  # an eager step: no graph, no argmax of its own
+        for s in seqs:
+            s.tokens.append(5)
+        ex.execute(make_step(seqs, [1, 1, 1], bs, source))
+        assert ex.last_greedy_tokens is None
+    for mode in ("own", "foreign"):
+        torch.testing.assert_close(runs[mode][0], runs["host"][0], atol=0, rtol=0)
+        assert torch.equal(runs[mode][1], runs["host"][1])

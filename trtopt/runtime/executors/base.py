@@ -1,6 +1,11 @@
 """The executor contract (DESIGN.md §5): one plan, several engines.
 
 An executor owns the device buffers (weights, KV pools) and nothing else: no scheduling, no sampling.
+
+Optional attributes the engine reads with getattr: `resolves_placeholders` (True: it fills async scheduling's
+placeholder ids from StepInputs.sampled_ids on its device) and `last_greedy_tokens` (the greedy argmax of the last
+step's logits rows when the step computed it on the device, e.g. inside its CUDA graph; None otherwise). The argmax
+is the sampler's own function, so the tokens are the ones the sampler would pick.
 """
 
 from __future__ import annotations

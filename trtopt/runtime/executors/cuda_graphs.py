@@ -20,9 +20,16 @@ The paged signature's no-host-sync rule (shapes alone decide every launch) is wh
 any metadata values. All graphs share one memory pool, one device input buffer and one logits buffer, and are
 captured largest first at start-up, so capture memory is about that of the largest step. The step inputs are packed
 per bucket into that one buffer (`input_layout`: each field 64-byte aligned), so a step costs one host-to-device
-copy of its bucket's bytes from a pinned mirror, not one per input (and async scheduling's placeholders are filled
-on the device by one launch). A plan that does sync fails at capture, which turns graphs off for the executor with a warning
-instead of failing the step.
+copy of its bucket's bytes from a pinned mirror, not one per input. A plan that does sync fails at capture, which
+turns graphs off for the executor with a warning instead of failing the step.
+
+Each graph also holds the two small steps around the model that a served greedy step needs (`argmax_in_graph`,
+on by default): it first fills async scheduling's placeholder ids from the previous step's greedy tokens (one
+device buffer, `tokens`), and last writes the argmax of its logits rows into that same buffer, where the engine's
+sampler takes plain greedy rows from (`last_tokens`) and the next graph's fill reads them. Without it those are
+three launches from Python per step (the fill and the argmax's two, ~20 µs of host time each), between replays.
+A step whose placeholders name tokens that did not come from that buffer (an eager or host-sampled step before it)
+has them copied there first (one copy).
 
 The bucketing and padding are plain torch and tested on CPU; capture and replay need a GPU (`gpu` tests).
 """
@@ -38,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import StepInputs, fill_placeholders_
 from trtopt.signature import (
     BLOCK_TABLES, INPUT_IDS, LOGITS_INDICES, POSITION_IDS, QUERY_START_LOC, SEQ_LENS, SLOT_MAPPING, STEP_INPUT_NAMES,
@@ -48,6 +56,11 @@ _IDS, _POS, _TABLES, _LENS, _QSL, _SLOTS, _ROWS = (spec.name for spec in (
     INPUT_IDS, POSITION_IDS, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, SLOT_MAPPING, LOGITS_INDICES))
 
 log = logging.getLogger(__name__)
+
+# Capture the placeholder fill and the greedy argmax inside each step graph (module docstring). Read when a
+# StepGraphs is made; benchmarks turn it off to time the three launches from Python in the same run
+# (gpu_e2e.py's `argmax_in_graph` row).
+argmax_in_graph = True
 
 # run(feeds, logits_out) -> logits: one step of the model on device feeds, logits written into logits_out if given.
 StepFn = Callable[[dict[str, torch.Tensor], "torch.Tensor | None"], torch.Tensor]
@@ -210,6 +223,13 @@ class StepGraphs:
         # numpy views (slice writes without torch dispatch), bytes used
         self._logits: torch.Tensor | None = None  # [largest N_b, vocab] fp32, written by every graph
         self._copied = torch.cuda.Event()  # recorded after each step's host-to-device copies
+        self.argmax_in_graph = argmax_in_graph
+        # int64 [largest N_b]: each graph reads the previous step's greedy tokens from it (placeholders), then writes
+        # the argmax of its own logits rows there. None while argmax_in_graph is off.
+        self._tokens: torch.Tensor | None = None
+        # The argmax of the last replayed step's N logits rows (a view of _tokens, valid until the next replay);
+        # None after a step that ran eagerly, or with argmax_in_graph off.
+        self.last_tokens: torch.Tensor | None = None
 
     def set_buckets(self, buckets: tuple[GraphBucket, ...]) -> None:
         """Use other buckets (ablations); forgets the captured graphs."""
@@ -223,6 +243,7 @@ class StepGraphs:
         self._device_bytes = self._host_bytes = None
         self._fields.clear()
         self._logits = None
+        self._tokens = self.last_tokens = None
 
     def capture_all(self) -> CaptureReport:
         """Capture every bucket now, largest first (so that smaller graphs reuse its pool memory), as vLLM does."""
@@ -261,6 +282,7 @@ class StepGraphs:
         """Logits [N, vocab] from a graph replay, or None when the step has no bucket (it then runs eagerly)."""
         bucket = self.bucket_for(step) if self.enabled else None
         graph = None
+        self.last_tokens = None
         if bucket is not None:
             graph = self._captured.get(bucket) or self._capture(bucket)
         if graph is None:
@@ -269,18 +291,30 @@ class StepGraphs:
         self._fill(step, bucket)
         graph.replay()
         self.num_replayed += 1
-        return self._logits[: step.logits_indices.shape[0]].clone()
+        n = step.logits_indices.shape[0]
+        if self._tokens is not None:
+            self.last_tokens = self._tokens[:n]
+        return self._logits[:n].clone()
 
     def _fill(self, step: StepInputs, bucket: GraphBucket) -> None:
         """Pack the step, padded to the bucket, into the pinned buffer and copy the bucket's bytes to the device in
-        one asynchronous copy; async scheduling's placeholders are then filled on the device (one launch)."""
+        one asynchronous copy. Async scheduling's placeholders are filled on the device: inside the graph from the
+        tokens buffer (copied there first unless the previous step's tokens are already in it), or by one launch
+        when the graphs hold no fill."""
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         device, host, nbytes = self._bucket_fields(bucket)
         pack_step(step, host)
         self._device_bytes[:nbytes].copy_(self._host_bytes[:nbytes], non_blocking=True)
         self._copied.record()
-        if step.sampled_ids is not None:  # async scheduling: placeholders read the previous step's tokens here
-            fill_placeholders_(device[_IDS], step.sampled_ids)
+        sampled, tokens = step.sampled_ids, self._tokens
+        if sampled is None or not sampled.numel():
+            return
+        if tokens is not None and sampled.data_ptr() == tokens.data_ptr():
+            return  # the previous replay's own tokens: the graph's fill reads them where they are
+        if tokens is not None and sampled.numel() <= tokens.numel():
+            tokens[: sampled.numel()].copy_(sampled)  # the graph's fill reads them from there
+        else:  # no fill in the graphs, or more rows than the buffer holds: fill here (the graph's finds none left)
+            fill_placeholders_(device[_IDS], sampled)
 
     def device_inputs(self, bucket: GraphBucket) -> dict[str, torch.Tensor]:
         """The device inputs `bucket`'s graph reads (views of the packed buffer), by signature name."""
@@ -299,17 +333,29 @@ class StepGraphs:
             fields = self._fields[bucket] = (field_views(self._device_bytes, layout), host, nbytes)
         return fields
 
+    def _graphed_step(self, inputs: dict[str, torch.Tensor], logits_out: torch.Tensor | None) -> torch.Tensor:
+        """What a graph holds: the placeholder fill, the model, and the greedy argmax into the tokens buffer (only
+        the model with argmax_in_graph off)."""
+        if self._tokens is not None:
+            fill_placeholders_(inputs[_IDS], self._tokens)
+        logits = self.run(inputs, logits_out)
+        if self._tokens is not None:
+            greedy_argmax(logits, out=self._tokens[: logits.shape[0]])
+        return logits
+
     def _capture(self, bucket: GraphBucket) -> torch.cuda.CUDAGraph | None:
         inputs = self._bucket_fields(bucket)[0]
         example = dummy_step(bucket, self.max_blocks_per_seq)  # every slot −1: warm-up runs must not touch the pools
         for name, view in inputs.items():
             view.copy_(getattr(example, name))
+        if self.argmax_in_graph and self._tokens is None:
+            self._tokens = torch.zeros(max(b.num_logits for b in self.buckets), dtype=torch.int64, device=self.device)
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
-                    logits = self.run(inputs, None)
+                    logits = self._graphed_step(inputs, None)
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._logits is None:
                 largest = max(b.num_logits for b in self.buckets)
@@ -317,7 +363,7 @@ class StepGraphs:
             del logits
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.run(inputs, self._logits[: bucket.num_logits])
+                self._graphed_step(inputs, self._logits[: bucket.num_logits])
             self._pool = graph.pool()
         except RuntimeError as e:  # e.g. an op that syncs with the host cannot be captured
             log.warning("CUDA graph capture failed for %s (%s); steps run eagerly", bucket, e)

@@ -162,6 +162,12 @@ class TorchExecutor:
             feeds[INPUT_IDS.name] = fill_placeholders_(ids, sampled) if ids.is_cuda else fill_placeholders(ids, sampled)
         return self._run(feeds)
 
+    @property
+    def last_greedy_tokens(self) -> torch.Tensor | None:
+        """int64 [N] on the device: the greedy argmax of the last execute()'s logits rows, when its CUDA graph
+        computed it (cuda_graphs.argmax_in_graph); valid until the next execute(). None after an eager step."""
+        return self.graphs.last_tokens if self.graphs is not None else None
+
     def _run(self, feeds: dict[str, torch.Tensor], logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """One step on device-resident feeds; the pools are written in place. Returns logits [N, vocab] fp32,
         written into `logits_out` when given (graphs write one shared buffer)."""
