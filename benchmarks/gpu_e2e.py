@@ -305,8 +305,14 @@ def _fill_by_pad_step(graphs, step, bucket) -> None:
 def timed_workload(executor, plan, requests, *, max_batch: int, wave: int | None, kv_gb: float, device: torch.device,
                    variant: str = "default", async_scheduling: bool | None = None) -> dict:
     """One engine at `max_batch`: a warm-up pass of the whole workload, then the timed pass. `variant` ablates:
-    "decode_only" graphs only steps of one token per sequence; "pad_step" stages inputs the unpinned way."""
-    engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb, async_scheduling=async_scheduling)
+    "decode_only" graphs only steps of one token per sequence; "pad_step" stages inputs the unpinned way;
+    "argmax_outside" leaves the placeholder fill and the greedy argmax out of the step graphs (launched from Python)."""
+    if variant == "argmax_outside":
+        set_switch("argmax_in_graph", False)  # read by the StepGraphs the engine captures
+    try:
+        engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb, async_scheduling=async_scheduling)
+    finally:
+        set_switch("argmax_in_graph", True)
     graphs = getattr(executor, "graphs", None)
     if graphs is not None:
         graphs.decode_only = variant == "decode_only"
@@ -701,7 +707,7 @@ def main() -> None:
             # Ablations, same run: only steps of one token per sequence graphed (the rule before issue 11), so
             # every step that admits a request runs eagerly; and the unpinned input staging. Then the defaults
             # again, to see the spread between passes.
-            for variant in ("decode_only", "pad_step"):
+            for variant in ("decode_only", "pad_step", "argmax_outside"):
                 runs += [(f"continuous_{variant}", args.max_batch, None, variant),
                          (f"continuous_max_{variant}", args.max_num_seqs, None, variant)]
             runs += [("continuous_again", args.max_batch, None, "default"),
@@ -747,6 +753,9 @@ def main() -> None:
         if f"{key}_decode_only" in workload:
             ratios[f"{key}_every_step_graphed_vs_decode_only"] = (workload[key]["output_tok_s"]
                                                                   / workload[f"{key}_decode_only"]["output_tok_s"])
+        if f"{key}_argmax_outside" in workload:
+            ratios[f"{key}_argmax_in_graph_vs_outside"] = (workload[key]["output_tok_s"]
+                                                           / workload[f"{key}_argmax_outside"]["output_tok_s"])
     data["ratios"] = ratios
     data["targets"] = targets(data)
 
