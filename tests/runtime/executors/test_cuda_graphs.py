@@ -265,3 +265,32 @@ def test_graphs_fill_placeholders_and_take_the_greedy_argmax_inside(plan_dir):
     for mode in ("own", "foreign"):
         torch.testing.assert_close(runs[mode][0], runs["host"][0], atol=0, rtol=0)
         assert torch.equal(runs[mode][1], runs["host"][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("failures", [1, 99], ids=["once", "always"])
+def test_a_failed_capture_is_tried_once_more_then_graphs_go_off(failures):
+    """A capture that fails (here: a host sync inside it) is tried once more; if it fails again, graphs go off and
+    steps run eagerly (try_run returns None) instead of failing."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    device = torch.device("cuda")
+    left = {"failures": failures}
+
+    def run(feeds, logits_out):  # a stand-in model: logits [N, 8] from the ids of the logits rows
+        if torch.cuda.is_current_stream_capturing() and left["failures"] > 0:
+            left["failures"] -= 1
+            torch.cuda.synchronize()  # not allowed while capturing: the capture fails
+        ids = feeds["input_ids"][0][feeds["logits_indices"]].float()
+        logits = ids[:, None] * torch.arange(8.0, device=device)
+        return logits_out.copy_(logits) if logits_out is not None else logits
+
+    graphs = StepGraphs(run, device=device, max_num_seqs=2, max_num_tokens=2, max_blocks_per_seq=2)
+    graphs.capture_all()
+    step = make_step([Seq([3, 5])], [2], 16, BlockSource(4))
+    logits = graphs.try_run(step)
+    if failures == 1:
+        assert graphs.enabled and len(graphs._captured) == len(graphs.buckets) == 2
+        assert torch.equal(logits.cpu(), 5 * torch.arange(8.0)[None]) and graphs.last_tokens.tolist() == [7]
+    else:
+        assert not graphs.enabled and logits is None and graphs.num_eager == 1

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import logging
 import math
 import time
@@ -350,24 +351,42 @@ class StepGraphs:
             view.copy_(getattr(example, name))
         if self.argmax_in_graph and self._tokens is None:
             self._tokens = torch.zeros(max(b.num_logits for b in self.buckets), dtype=torch.int64, device=self.device)
+        for attempt in (1, 2):
+            try:
+                graph = self._capture_once(bucket, inputs)
+                break
+            except RuntimeError as e:  # e.g. an op that syncs with the host cannot be captured
+                if attempt == 1:  # an invalidated capture may pass again (session 16 saw one, not reproduced)
+                    log.warning("CUDA graph capture failed for %s (%s); trying once more", bucket, e)
+                    continue
+                log.warning("CUDA graph capture failed again for %s (%s); steps run eagerly", bucket, e)
+                self.enabled = False
+                return None
+        self._captured[bucket] = graph
+        return graph
+
+    def _capture_once(self, bucket: GraphBucket, inputs: dict[str, torch.Tensor]) -> torch.cuda.CUDAGraph:
+        """Warm the bucket's step up twice on a side stream, then capture it; raises RuntimeError if capture fails.
+        The garbage collector is off while capturing (torch collects once right before), so that no finalizer runs
+        inside the capture (freeing a pinned tensor touches CUDA events, which a global-mode capture forbids)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
+                logits = self._graphed_step(inputs, None)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._logits is None:
+            largest = max(b.num_logits for b in self.buckets)
+            self._logits = torch.empty((largest, logits.shape[-1]), dtype=torch.float32, device=self.device)
+        del logits
+        graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
-                    logits = self._graphed_step(inputs, None)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            if self._logits is None:
-                largest = max(b.num_logits for b in self.buckets)
-                self._logits = torch.empty((largest, logits.shape[-1]), dtype=torch.float32, device=self.device)
-            del logits
-            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._graphed_step(inputs, self._logits[: bucket.num_logits])
-            self._pool = graph.pool()
-        except RuntimeError as e:  # e.g. an op that syncs with the host cannot be captured
-            log.warning("CUDA graph capture failed for %s (%s); steps run eagerly", bucket, e)
-            self.enabled = False
-            return None
-        self._captured[bucket] = graph
+        finally:
+            if collecting:
+                gc.enable()
+        self._pool = graph.pool()
         return graph
