@@ -22,9 +22,20 @@ from stepping import run_all
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def make_engine(spec=NGRAM, *, block_size=4, num_blocks=64, max_num_tokens=64, max_num_seqs=8, max_model_len=64, **cfg):
+class ArgmaxEchoExecutor(EchoExecutor):
+    """The echo model with each step's argmax on hand (`last_greedy_tokens`), as a CUDA graph leaves it: the
+    verifier must read it row for row as it would its own argmax."""
+
+    def execute(self, step):
+        logits = super().execute(step)
+        self.last_greedy_tokens = logits.argmax(-1)
+        return logits
+
+
+def make_engine(spec=NGRAM, *, block_size=4, num_blocks=64, max_num_tokens=64, max_num_seqs=8, max_model_len=64,
+                argmax_on_hand=False, **cfg):
     plan = make_plan(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    ex = EchoExecutor(block_size)
+    ex = (ArgmaxEchoExecutor if argmax_on_hand else EchoExecutor)(block_size)
     return LLMEngine(ex, plan, None, EngineConfig(num_blocks=num_blocks, speculative_config=spec, **cfg)), ex
 
 
@@ -128,7 +139,8 @@ def test_rollback_when_every_draft_is_rejected():
     dict(num_blocks=64),
     dict(num_blocks=17),  # 16 usable blocks: preemption happens
     dict(max_num_batched_tokens=7),  # chunked prefill, and budget-capped lookahead
-], ids=["plain", "tiny-pool", "small-budget"])
+    dict(num_blocks=64, argmax_on_hand=True),  # the verifier reads the executor's argmax rows
+], ids=["plain", "tiny-pool", "small-budget", "argmax-on-hand"])
 def test_ngram_greedy_equals_reference_on_echo(cfg):
     engine, _ = make_engine(**cfg)
     # Repetitive prompts so that n-gram lookup proposes (and the echo model sometimes accepts) drafts.

@@ -332,7 +332,8 @@ class LLMEngine:
                 raise inputs
             logits = self.executor.execute(inputs)  # [N, vocab]; K+1 rows per speculating sequence
             if self.spec is not None:  # verification (and the plain sampler for the other rows)
-                output, sample_errors = self.spec.sample(logits, batch, requests, proposals, self.sampler)
+                output, sample_errors = self.spec.sample(logits, batch, requests, proposals, self.sampler,
+                                                         self._greedy_tokens(logits.shape[0]))
         except WorkerDiedError as e:
             self._worker_died(batch, e)
             raise  # the driver (LLM.generate, the serving loop) stops this engine instead of failing every later step

@@ -70,8 +70,12 @@ class SpecDecoder:
         return proposals
 
     def sample(self, logits: torch.Tensor, batch: ScheduledBatch, requests: Mapping[str, Request],
-               proposals: Mapping[str, Proposal], sampler: Sampler) -> tuple[StepOutput, dict[str, Exception]]:
+               proposals: Mapping[str, Proposal], sampler: Sampler,
+               greedy_tokens: torch.Tensor | None = None) -> tuple[StepOutput, dict[str, Exception]]:
         """Logits rows -> the StepOutput: verification for speculating sequences, the sampler for the others.
+
+        greedy_tokens: the argmax of these logits rows when the step computed it already (inside its CUDA graph:
+        the executor's `last_greedy_tokens`); then the verification launches no argmax of its own.
 
         A sequence whose sampling or verification raises is left out of the output and returned with its error
         (the engine ends that request; the others go on), as Sampler.sample_each does."""
@@ -92,7 +96,9 @@ class SpecDecoder:
         # common case is greedy throughout, and each further read would wait for the device again.
         greedy_plain = [plain_greedy(r) for r in plain_reqs]
         any_greedy = any(greedy_plain) or any(plain_greedy(r) for r, _, _ in spans)
-        argmax = greedy_argmax(logits[:row]).tolist() if any_greedy else None
+        argmax = None
+        if any_greedy:
+            argmax = (greedy_argmax(logits[:row]) if greedy_tokens is None else greedy_tokens[:row]).tolist()
         output, errors = StepOutput(sampled={}), {}
         rest = [(r, req) for r, req, g in zip(plain_rows, plain_reqs, greedy_plain) if not g]
         for r, req, g in zip(plain_rows, plain_reqs, greedy_plain):

@@ -92,7 +92,9 @@ class DraftModelProposer:
                 steps = [self._draft_step(s, drafts[s.request_id][-1], j) for s in active]
                 logits = self.executor.execute(self.input_builder.build(ScheduledBatch(steps, 0, [])))
             logits = logits[: len(active)]
-            argmax = greedy_argmax(logits).tolist()
+            # The draft graph's own argmax of these rows where it took one (its rows are `active`, in order).
+            tokens = getattr(self.executor, "last_greedy_tokens", None)
+            argmax = (greedy_argmax(logits) if tokens is None else tokens[: len(active)]).tolist()
             sampled = [row for row, s in enumerate(active) if not greedy[s.request_id]]
             if sampled:
                 reqs = [requests[active[row].request_id] for row in sampled]
