@@ -97,7 +97,14 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None,
                     help="an HF tokenizer dir whose chat template turns the prompt sets into token ids, for a plan "
                     "without a tokenizer (the random-weight 1.24B plan of gpu_e2e.py; its vocabulary must cover them)")
+    ap.add_argument("--argmax-outside-graph", action="store_true",
+                    help="launch the placeholder fill and the greedy argmax from Python between replays (the A/B of "
+                    "cuda_graphs.argmax_in_graph, on by default)")
     args = ap.parse_args()
+    if args.argmax_outside_graph:
+        from trtopt.runtime.executors import cuda_graphs
+
+        cuda_graphs.argmax_in_graph = False
     for n in args.self_draft_layers:
         if not (self_draft_dir(args.plan, n) / "plan.json").is_file():
             build_draft_plan(args.plan, n)
@@ -161,7 +168,7 @@ def write(args, results: list[dict], captures: dict, final: bool = False) -> Non
         rows.append(row)
     meta = {"plan": str(args.plan), "device": args.device, "max_tokens": args.max_tokens, "k": args.k,
             "ignore_eos": args.ignore_eos, "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
-            "self_draft_k": args.self_draft_k, "start_up": captures,
+            "self_draft_k": args.self_draft_k, "start_up": captures, "argmax_in_graph": not args.argmax_outside_graph,
             "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "complete": final}
     out = Path(args.out)
