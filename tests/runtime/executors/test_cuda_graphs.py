@@ -223,11 +223,13 @@ def test_speculative_steps_replay_graphs_after_warm_up(plan_dir, method):
 
 
 @pytest.mark.gpu
-def test_graphs_fill_placeholders_and_take_the_greedy_argmax_inside(plan_dir):
+@pytest.mark.parametrize("capture", ["at_start", "lazily"])
+def test_graphs_fill_placeholders_and_take_the_greedy_argmax_inside(plan_dir, capture):
     """Each graph fills async scheduling's placeholders from the previous step's greedy tokens and leaves the argmax
     of its own logits rows in last_greedy_tokens (cuda_graphs.argmax_in_graph): greedy decoding through those
     buffers alone gives the logits and tokens of ids filled on the host, whether the previous tokens are the
-    graph's own or came from elsewhere (copied into the buffer first), and an eager step leaves None."""
+    graph's own or came from elsewhere (copied into the buffer first), and an eager step leaves None. Buckets
+    captured lazily, mid-run, keep the previous step's tokens through their warm-up runs."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a CUDA GPU")
     built = plan_dir("tiny-llama")
@@ -237,7 +239,8 @@ def test_graphs_fill_placeholders_and_take_the_greedy_argmax_inside(plan_dir):
     for mode in ("host", "own", "foreign"):
         ex = TorchExecutor(built, plan, device="cuda", cuda_graphs=True)
         ex.allocate_kv_cache(32)
-        ex.capture_graphs(max_num_seqs=8, max_num_tokens=128)
+        if capture == "at_start":
+            ex.capture_graphs(max_num_seqs=8, max_num_tokens=128)
         assert ex.graphs.argmax_in_graph and ex.last_greedy_tokens is None
         source = BlockSource(32)
         seqs = [Seq(list(range(3, 3 + n))) for n in (20, 7, 33)]

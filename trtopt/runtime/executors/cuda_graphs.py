@@ -351,6 +351,16 @@ class StepGraphs:
             view.copy_(getattr(example, name))
         if self.argmax_in_graph and self._tokens is None:
             self._tokens = torch.zeros(max(b.num_logits for b in self.buckets), dtype=torch.int64, device=self.device)
+        # The warm-up runs write their argmax into the tokens buffer: a bucket captured mid-run (lazily) must leave
+        # the previous step's tokens there for the step it is captured for.
+        kept = self._tokens.clone() if self._tokens is not None else None
+        try:
+            return self._capture_retrying(bucket, inputs)
+        finally:
+            if kept is not None:
+                self._tokens.copy_(kept)
+
+    def _capture_retrying(self, bucket: GraphBucket, inputs: dict[str, torch.Tensor]) -> torch.cuda.CUDAGraph | None:
         for attempt in (1, 2):
             try:
                 graph = self._capture_once(bucket, inputs)
