@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import gpu_e2e as g
-from trtopt.build.plan import read_plan
+from trtopt.builder.plan import read_plan
 from trtopt.runtime.executors import create_executor
 from trtopt.runtime.sampling_params import SamplingParams
 

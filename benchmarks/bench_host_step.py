@@ -83,7 +83,7 @@ def measure(src: Path, plan: Path, repeats: int) -> dict:
 
     import gpu_e2e
     import trtopt
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.executors import create_executor
     from trtopt.runtime.sampling_params import SamplingParams
 

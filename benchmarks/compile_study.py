@@ -85,7 +85,7 @@ def greedy_tokens(engine, prompt: list[int], n: int) -> list[int]:
 
 
 def run_row(row: Row, plan_dir: Path, args, device: torch.device, vocab: int, prompt: list[int]) -> dict:
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.executors import create_executor
 
     plan = read_plan(plan_dir)

@@ -56,7 +56,7 @@ def make_gemma3_dir(out: Path) -> Path:
 
 def decode_ms(plan_dir: Path, batch: int, new_tokens: int, device: str = "cpu") -> list[float]:
     """Per-step wall ms of `new_tokens` decode steps of `batch` requests (prefill excluded)."""
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.engine import EngineConfig, LLMEngine
     from trtopt.runtime.executors import create_executor
     from trtopt.runtime.sampling_params import SamplingParams
@@ -90,8 +90,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 
     args.work.mkdir(parents=True, exist_ok=True)

@@ -121,7 +121,7 @@ EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
     """An ablation plan: the same export built with a plan-level fusion pass turned off (`--disable-pass`); `rule`
     may name several joined by "+" (e.g. "silu_mul+add_rms_norm+rope", compile_study.py's unfused plan)."""
-    from trtopt.build.builder import build_plan
+    from trtopt.builder.builder import build_plan
 
     build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=tuple(rule.split("+")))
 
@@ -150,8 +150,8 @@ def set_switch(rule: str, on: bool) -> None:
 
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
           ablate: tuple[str, ...] = ()) -> tuple[Path, Path, int, dict]:
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 
     hf_dir, onnx_dir, plan_dir = work / "hf", work / "onnx", work / "plan"
@@ -583,7 +583,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     hf_dir, plan_dir, params, build_times = build(args.work, shape, device, args.max_num_seqs, tuple(args.ablate))
 
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.executors import create_executor
 
     plan = read_plan(plan_dir)

@@ -83,8 +83,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
     from trtopt.export import export_model
     from trtopt.export.models import resolve_model
 

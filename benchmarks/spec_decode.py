@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trtopt.build.draft import build_draft_plan, self_draft_dir
+from trtopt.builder.draft import build_draft_plan, self_draft_dir
 from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 

@@ -76,7 +76,7 @@ def weight_bytes_per_rank(plan_dir: Path) -> list[int]:
     import onnx
     from onnx import helper
 
-    from trtopt.build.plan import rank_dir, read_plan
+    from trtopt.builder.plan import rank_dir, read_plan
 
     parallel = read_plan(plan_dir).parallel
     dirs = [rank_dir(plan_dir, r) for r in range(parallel.size)] if parallel else [Path(plan_dir)]
@@ -92,8 +92,8 @@ def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_s
                runs: tuple[str, ...] = ("1", "2")) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 
     hf_dir, onnx_dir = work / "hf", work / "onnx"

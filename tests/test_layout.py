@@ -10,7 +10,7 @@ import trtopt
 from trtopt import signature
 
 PACKAGE = Path(trtopt.__file__).parent
-LOWER = ("build", "fusion_passes", "plugins")  # may import each other and the top-level modules
+LOWER = ("builder", "fusion_passes", "plugins")  # may import each other and the top-level modules
 UPPER = ("runtime", "serving", "cli", "check")
 
 
@@ -37,7 +37,7 @@ def test_build_fusion_passes_and_plugins_never_import_runtime_or_serving():
         for name in _imported(tree)
         if name.split(".")[1] in UPPER
     ]
-    assert not arrows, f"upward imports (build/fusion_passes/plugins → runtime/serving/cli): {arrows}"
+    assert not arrows, f"upward imports (builder/fusion_passes/plugins → runtime/serving/cli): {arrows}"
 
 
 def _signature_literals() -> set[str]:
@@ -72,4 +72,4 @@ def test_the_scan_sees_what_it_looks_for():
     """The two scans above would pass vacuously if they read nothing: check they find the known spellings."""
     modules = dict(_modules())
     assert any(isinstance(n, ast.Constant) and n.value == "slot_mapping" for n in ast.walk(modules["signature.py"]))
-    assert "trtopt.build.plan" in _imported(modules["runtime/executors/trt_executor.py"])
+    assert "trtopt.builder.plan" in _imported(modules["runtime/executors/trt_executor.py"])

@@ -1,4 +1,4 @@
-"""The error tiers of DESIGN.md §7.
+"""The error tiers of docs/architecture.md §7.
 
 Internal invariants are plain ``assert``s. Caller and input mistakes raise a ``TrtOptError`` subclass whose
 message says what was wrong *and what to do next*; the CLI prints it without a traceback and the HTTP server

@@ -1,8 +1,8 @@
 """The paged signature (architecture.md §3): the I/O of a built LLM graph, defined once.
 
 Every module that names, shapes or types these tensors imports them from here: the fusion pass that writes the
-signature (fusion_passes/paged_attention.py, logits_gather.py), the build's check of it (build/signature.py), the
-engine build's optimization profile (build/trt_engine.py) and every executor (runtime/executors/). The per-step
+signature (fusion_passes/paged_attention.py, logits_gather.py), the build's check of it (builder/signature.py), the
+engine build's optimization profile (builder/trt_engine.py) and every executor (runtime/executors/). The per-step
 attention metadata that all layers share is vLLM's ``CommonAttentionMetadata``; a new per-step input (speculative
 decoding, tensor parallelism) is added here, once. This module imports nothing, so every layer of the package can
 use it without an upward arrow.

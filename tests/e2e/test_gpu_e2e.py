@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtopt.build.plan import Limits, read_plan
+from trtopt.builder.plan import Limits, read_plan
 from trtopt.runtime.sampling_params import SamplingParams
 
 DEVICE = os.environ.get("TRTOPT_E2E_DEVICE", "cuda")
@@ -67,7 +67,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 @pytest.fixture(scope="module")
 def plan_for(tmp_path_factory):
     """plan_for(model, dtype) -> a plan dir built once per module from a fresh export of the model in `dtype`."""
-    from trtopt.build.builder import build_plan
+    from trtopt.builder.builder import build_plan
     from trtopt.export import export_model
 
     cache: dict[tuple[str, str], Path] = {}

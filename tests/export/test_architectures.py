@@ -18,8 +18,8 @@ NEW_TOKENS = 10
 def plan_for(module_tmp, tiny_hf_dir, exported):
     """(HF dir, built plan) of the tiny ``arch``; the HF dir and the export are the session's (shared with the
     fusion tests, e.g. tests/fusion_passes/test_gelu_mul.py on Gemma-3)."""
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
 
     cache = {}
 

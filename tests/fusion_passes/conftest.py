@@ -88,7 +88,7 @@ class Fused:
 @pytest.fixture(scope="session")
 def fused(export_dir):
     """fused(model, exporter) → Fused, made once per session (block size 4 so short prompts span blocks)."""
-    from trtopt.build.model_facts import head_dims_from_config
+    from trtopt.builder.model_facts import head_dims_from_config
     from trtopt.fusion_passes import optimize
     from trtopt.plugins import attach_functions
 

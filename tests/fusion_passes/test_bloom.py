@@ -85,7 +85,7 @@ def bloom_dir(module_tmp):
 
 
 def _optimize(graph: ir.Model, source):
-    from trtopt.build.model_facts import head_dims_from_config
+    from trtopt.builder.model_facts import head_dims_from_config
     from trtopt.fusion_passes import optimize
 
     config = json.loads((source / "config.json").read_text())
@@ -162,8 +162,8 @@ def test_bloom_through_export_build_and_generate_equals_hf(tmp_path):
     import transformers
 
     from trtopt import LLM, SamplingParams
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 
     torch.manual_seed(0)

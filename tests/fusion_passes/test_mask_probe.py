@@ -180,7 +180,7 @@ def test_a_table_read_only_through_shape_is_never_materialised(export_dir, monke
     671 MB; here the limit is lowered to 1 kB) does not stop the proof, and the build fuses every layer."""
     import json
 
-    from trtopt.build.model_facts import head_dims_from_config
+    from trtopt.builder.model_facts import head_dims_from_config
     from trtopt.fusion_passes import mask_probe, optimize
 
     source = export_dir("tiny-llama", "legacy")

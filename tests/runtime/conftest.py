@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def executor_for(built_plan):
     """executor_for(model, backend) -> a cached executor; engines re-allocate its KV pools, so it can be shared."""
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.executors import create_executor
 
     cache: dict[tuple[str, str], object] = {}
@@ -25,7 +25,7 @@ def executor_for(built_plan):
 @pytest.fixture(scope="session")
 def engine_for(built_plan, executor_for):
     """engine_for(model, backend, **EngineConfig fields) -> a fresh LLMEngine on the shared executor."""
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.engine import EngineConfig, LLMEngine, load_tokenizer
 
     tokenizers: dict[str, object] = {}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trtopt.build.plan import Limits, ModelFacts, PlanConfig
+from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
 from trtopt.runtime.batch import StepInputs
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from trtopt.build.plan import read_plan  # noqa: E402
+from trtopt.builder.plan import read_plan  # noqa: E402
 from trtopt.check.driver import BlockSource, Seq, make_step  # noqa: E402
 from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
 from trtopt.runtime.executors import gemv, trtopt_ops  # noqa: E402

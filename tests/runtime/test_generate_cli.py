@@ -83,8 +83,8 @@ def test_generate_with_speculation_prints_acceptance_and_refuses_bad_configs(bui
 
 
 def test_build_draft_layers_writes_a_self_draft_plan_that_speculates(built_plan, tmp_path):
-    from trtopt.build.draft import build_draft_plan
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.draft import build_draft_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.llm import LLM
     from trtopt.runtime.sampling_params import SamplingParams
 
@@ -104,8 +104,8 @@ def test_build_draft_layers_writes_a_self_draft_plan_that_speculates(built_plan,
 def test_kv_cache_memory_holds_a_draft_models_own_pool(built_plan):
     """kv_cache_memory_gb covers the target's pools and a draft plan's own pools (same block count: the block ids
     are shared), split in proportion to their per-block bytes; a self-draft runs on the target's pools and adds none."""
-    from trtopt.build.draft import build_draft_plan, self_draft_dir
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.draft import build_draft_plan, self_draft_dir
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.engine import LLMEngine, block_bytes
 
     plan_dir = built_plan("tiny-llama")
@@ -132,7 +132,7 @@ def test_self_draft_plan_equals_hf_early_exit(built_plan, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trtopt.build.draft import build_draft_plan
+    from trtopt.builder.draft import build_draft_plan
     from trtopt.export.models import ALIASES
     from trtopt.runtime.llm import LLM
     from trtopt.runtime.sampling_params import SamplingParams

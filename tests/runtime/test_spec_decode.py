@@ -328,8 +328,8 @@ SMOL_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def smol(built_plan, executor_for):
-    from trtopt.build.draft import build_draft_plan
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.draft import build_draft_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.engine import load_tokenizer
 
     plan_dir = built_plan(SMOL)

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trtopt.build.builder import build_plan
-from trtopt.build.plan import Limits
+from trtopt.builder.builder import build_plan
+from trtopt.builder.plan import Limits
 from trtopt.errors import WorkerDiedError
 from trtopt.runtime.llm import LLM
 from trtopt.runtime.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from trtopt.build.plan import Limits, ModelFacts, PlanConfig
+from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
 from trtopt.errors import RequestError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.engine import EngineConfig, LLMEngine

@@ -102,7 +102,7 @@ def test_repository_carries_the_speculative_config(tiny_plan, tmp_path):
 
     from google.protobuf import text_encoding
 
-    from trtopt.build.draft import build_draft_plan, self_draft_dir
+    from trtopt.builder.draft import build_draft_plan, self_draft_dir
     from trtopt.runtime.spec_decode import SpeculativeConfig
 
     if not (self_draft_dir(tiny_plan, 1) / "plan.json").is_file():

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from trtopt.build.plan import read_plan
+from trtopt.builder.plan import read_plan
 from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.sampling_params import StructuredOutputsParams
 from trtopt.serving.triton_repo import TritonRepoConfig, write_triton_repo

@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from trtopt.build.plan import PlanConfig
+from trtopt.builder.plan import PlanConfig
 from trtopt.runtime.executors.signature import NUMPY_DTYPES, TORCH_DTYPES
 
 

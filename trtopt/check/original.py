@@ -15,8 +15,8 @@ import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
-from trtopt.build.plan import ModelFacts
-from trtopt.build.source import check_external_data
+from trtopt.builder.plan import ModelFacts
+from trtopt.builder.source import check_external_data
 from trtopt.errors import BuildError, ConfigError
 from trtopt.plugins import DOMAIN
 from trtopt.runtime.executors.ort_executor import session_options

@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan
-from trtopt.build.source import check_plan_model, resolve_model_path
+from trtopt.builder.plan import MODEL_FILE, PlanConfig, read_plan
+from trtopt.builder.source import check_plan_model, resolve_model_path
 from trtopt.check.backends import BACKENDS, BY_NAME, Backend, unavailable_reason
 from trtopt.check.compare import ErrorStats, Tolerance, tolerance_for
 from trtopt.check.driver import BlockSource, Seq, blocks_needed, make_step, packed_schedule

@@ -1,4 +1,4 @@
-"""`trtopt build`: fuse an exported model into a plan dir (thin over trtopt.build.builder)."""
+"""`trtopt build`: fuse an exported model into a plan dir (thin over trtopt.builder.builder)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def build(
 
         trtopt build model.onnx -o plan --block-size 32 --max-model-len 4096 --explain --force
     """
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
 
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
     result = build_plan(
@@ -102,7 +102,7 @@ def build(
     )
     _print_report(result, explain)
     if draft_layers:
-        from trtopt.build.draft import build_draft_plan
+        from trtopt.builder.draft import build_draft_plan
 
         for n in draft_layers:
             console.print(f"self-draft plan of {n} layers: {build_draft_plan(output, n)}")

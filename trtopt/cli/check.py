@@ -55,7 +55,7 @@ def check(
 
         trtopt check out/plan -b torch-cpu -b onnxruntime-cpu -p "The capital of France is" --json check.json
     """
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.check import Workload, random_workload, run_check
 
     if len(models) not in (1, 2):

@@ -1,4 +1,4 @@
-"""The `trtopt` command: one thin subcommand per module (DESIGN.md §2, STYLE.md §13).
+"""The `trtopt` command: one thin subcommand per module (docs/architecture.md §2, STYLE.md §13).
 
 A subcommand whose optional dependencies are missing is the only one disabled.
 """

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from trtopt.build.model_facts import head_dims_from_config
+from trtopt.builder.model_facts import head_dims_from_config
 from trtopt.errors import ExportError
 from trtopt.export.models import resolve_model
 

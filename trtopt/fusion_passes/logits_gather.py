@@ -1,4 +1,4 @@
-"""Rule: project only the rows in ``logits_indices`` to logits (DESIGN.md §3).
+"""Rule: project only the rows in ``logits_indices`` to logits (docs/architecture.md §3).
 
 The LM head is the MatMul (or Gemm on a 3-D-free graph) that produces the ``logits`` output. A Gather by
 ``logits_indices`` on its hidden-state input makes it compute N rows instead of T, and a Squeeze turns

@@ -1,4 +1,4 @@
-"""Building trtopt nodes on onnx-ir with the attribute set every trtopt node carries (DESIGN.md §4)."""
+"""Building trtopt nodes on onnx-ir with the attribute set every trtopt node carries (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def optimize(
 ) -> FusionReport:
     """Rewrite ``model`` in place into the plan graph; return the report.
 
-    A graph with KV-cache I/O becomes the paged signature of DESIGN.md §3 (or FusionError is raised); any other
+    A graph with KV-cache I/O becomes the paged signature of docs/architecture.md §3 (or FusionError is raised); any
+    other
     graph keeps its signature and gets FlashAttention. Passes named in ``disable`` (from OPTIONAL_PASSES; the
     caller checks the names) are skipped and count 0. ``max_positions`` (default ``probe_len``) sizes the rotary
     tables of the rope_table pass: the plan's max_model_len, which every position the runtime feeds is below.

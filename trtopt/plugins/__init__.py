@@ -1,4 +1,4 @@
-"""trtopt ops: one folder per op, each with the five faces of DESIGN.md §4.
+"""trtopt ops: one folder per op, each with the five faces of docs/architecture.md §4.
 
 The two registries below are how the rest of trtopt finds an op. To add an op, create its folder with
 ``schema.py`` (a ``SCHEMA``) and ``function.py`` (``make_function(opset)``) and add one line to each registry.

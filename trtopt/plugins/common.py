@@ -49,7 +49,8 @@ class AttrSpec:
 
 @dataclass(frozen=True)
 class OpSchema:
-    """Face 1 of DESIGN.md §4: the op's I/O and attributes, and how output shapes follow from input shapes."""
+    """Face 1 of docs/architecture.md §4: the op's I/O and attributes, and how output shapes follow from input
+    shapes."""
 
     op_type: str
     inputs: tuple[str, ...]  # in node order

@@ -1,4 +1,5 @@
-"""What the ops' Triton kernels (face 4 of DESIGN.md §4, plugins/<op>/kernel.py) share: the float dtypes they take,
+"""What the ops' Triton kernels (face 4 of docs/architecture.md §4, plugins/<op>/kernel.py) share: the float dtypes
+they take,
 the row view they read [..., N] tensors through, block sizes rounded to powers of two, the launch option that keeps
 their rounding exact, and the launcher of the gated pointwise kernels (SiluMul, GeluMul)."""
 

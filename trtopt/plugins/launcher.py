@@ -1,4 +1,4 @@
-"""Launch the ops' Triton kernels without Triton's per-call dispatcher (issue 11: the eager host cost per call).
+"""Launch the ops' Triton kernels without Triton's per-call dispatcher (the eager host cost per call).
 
 `kernel[grid](*args, **kw)` runs JITFunction.run on every call: bind the arguments to the signature, work out each
 one's specialisation, format a cache key, look the compiled kernel up, check the globals it used, then launch. On an

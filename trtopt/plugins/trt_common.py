@@ -1,4 +1,4 @@
-"""What the TensorRT registrations (face 5 of DESIGN.md §4) share, with no `tensorrt` import: testable here.
+"""What the TensorRT registrations (face 5 of docs/architecture.md §4) share, with no `tensorrt` import: testable here.
 
 Each op's ``trt_plugin.py`` registers ``trtopt::<OpType>`` with ``tensorrt.plugin`` and, in its ``aot_impl``,
 compiles a Triton kernel to PTX. TensorRT launches that PTX with a fixed argument order (``tensorrt/plugin/_lib.py``,

@@ -1,4 +1,4 @@
-"""The paged-KV LLM runtime (DESIGN.md §6). `LLM` and `SamplingParams` are the public entry points.
+"""The paged-KV LLM runtime (docs/architecture.md §6). `LLM` and `SamplingParams` are the public entry points.
 
 Imports are lazy so that `import trtopt` stays cheap (no torch/transformers until they are used).
 """

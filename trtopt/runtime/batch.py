@@ -1,4 +1,4 @@
-"""Typed stage contracts of the runtime (DESIGN.md §3, §6).
+"""Typed stage contracts of the runtime (docs/architecture.md §3, §6).
 
 Scheduler -> ScheduledBatch -> InputBuilder -> StepInputs -> Executor -> logits -> Sampler -> StepOutput ->
 Scheduler.update -> RequestOutput.

@@ -1,4 +1,4 @@
-"""BlockPool: the only owner of physical KV blocks (DESIGN.md §6; vLLM v1 block_pool.py is the model).
+"""BlockPool: the only owner of physical KV blocks (docs/architecture.md §6; vLLM v1 block_pool.py is the model).
 
 It owns three things and nobody else touches them:
 - the free queue, in eviction order (least recently freed first);

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trtopt.build.plan import PlanConfig, rank_dir, read_plan
+from trtopt.builder.plan import PlanConfig, rank_dir, read_plan
 from trtopt.errors import ConfigError, WorkerDiedError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.shm_broadcast import ShmBroadcast

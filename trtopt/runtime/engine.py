@@ -1,4 +1,4 @@
-"""LLMEngine: add_request / step / abort over one plan (DESIGN.md §6).
+"""LLMEngine: add_request / step / abort over one plan (docs/architecture.md §6).
 
 One step = Scheduler.schedule -> InputBuilder.build -> Executor.execute -> Sampler -> Scheduler.update,
 then a RequestOutput (with text/token deltas for streaming) for every request that advanced. The engine
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trtopt.build.plan import PlanConfig, read_plan
+from trtopt.builder.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError, RequestError, WorkerDiedError
 from trtopt.runtime.batch import (
     CompletionOutput, EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput, fill_placeholders,

@@ -13,7 +13,7 @@ by runtime/executors/gemv.py (only for CUDA tensors) and by benchmarks/bench_gem
   (the two halves RoPE pairs), so the rotation needs nothing from another program. One launch per layer fewer in a
   batch-1 decode step (the attention op is then told the pool is written: executors/gemv.py).
 
-Why a GEMV beats cuBLAS here (issue 11, measured by benchmarks/bench_gemv.py, docs/benchmarks/gemv_<gpu>.json): a
+Why a GEMV beats cuBLAS here (measured by benchmarks/bench_gemv.py, docs/benchmarks/gemv_<gpu>.json): a
 decode step's projections are 8-67 MB of weights read once for one row of x, so the step is a race to have as
 many bytes in flight as HBM needs (bandwidth × latency, ~30 KB per SM on an H200). cuBLAS's M = 1 kernels reach
 1.4-2.7 TB/s on the 1.24B plan's Q/K/V, O and down projections, and the down projection adds a split-K reduce

@@ -1,4 +1,4 @@
-"""KVCacheManager: which physical blocks each request's tokens live in (DESIGN.md §6).
+"""KVCacheManager: which physical blocks each request's tokens live in (docs/architecture.md §6).
 
 It maps request id -> block ids (the block table) and does four things: allocate slots for new tokens
 (None when the pool cannot, so the scheduler preempts), append (allocating one more token is the same

@@ -1,7 +1,7 @@
 """Request: the state of one sequence from arrival to finish.
 
 A request holds token ids and counters only; its KV block ids belong to KVCacheManager, and the blocks
-themselves to BlockPool (DESIGN.md §6). An n>1 prompt becomes n Requests ("id", "id#1", ...): the first
+themselves to BlockPool (docs/architecture.md §6). An n>1 prompt becomes n Requests ("id", "id#1", ...): the first
 one prefills the prompt and the others fork from its blocks (copy-on-write) when its prefill completes.
 """
 

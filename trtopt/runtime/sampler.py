@@ -1,4 +1,4 @@
-"""Sampler: logits [N, vocab] -> one token per row, vectorised over the batch (DESIGN.md §6).
+"""Sampler: logits [N, vocab] -> one token per row, vectorised over the batch (docs/architecture.md §6).
 
 Order of operations (vLLM's): the request's logits processors, its allowed_token_ids and bad_words masks, min_tokens
 masking, logit_bias, penalties, the grammar mask of structured-output rows, then greedy argmax for temperature 0, or

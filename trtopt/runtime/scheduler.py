@@ -1,4 +1,4 @@
-"""Scheduler: one token-budget rule for every step (DESIGN.md §6; vLLM v1's scheduler is the model).
+"""Scheduler: one token-budget rule for every step (docs/architecture.md §6; vLLM v1's scheduler is the model).
 
 Each step the running requests come first, oldest first: one token each when decoding, or the next chunk
 of their prefill. Then waiting requests are admitted, first come first served, while the token budget,

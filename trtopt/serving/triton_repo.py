@@ -22,8 +22,8 @@ import os
 import shutil
 from pathlib import Path
 
-from trtopt.build.draft import self_draft_dir
-from trtopt.build.plan import PlanConfig, read_plan
+from trtopt.builder.draft import self_draft_dir
+from trtopt.builder.plan import PlanConfig, read_plan
 from trtopt.errors import ConfigError
 from trtopt.runtime.spec_decode.config import SpeculativeConfig
 from trtopt.serving.triton_request import INPUTS, OUTPUTS, TensorSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtopt.build.plan import read_plan
+from trtopt.builder.plan import read_plan
 from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.runtime.batch import fill_placeholders_
 from trtopt.runtime.executors.cuda_graphs import (
@@ -177,7 +177,7 @@ def test_speculative_steps_replay_graphs_after_warm_up(plan_dir, method):
     steps and the draft's K forwards (own buckets, captured at start-up); greedy output is unchanged."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need a CUDA GPU")
-    from trtopt.build.draft import build_draft_plan, self_draft_dir
+    from trtopt.builder.draft import build_draft_plan, self_draft_dir
     from trtopt.runtime.engine import LLMEngine
     from trtopt.runtime.sampling_params import SamplingParams
 

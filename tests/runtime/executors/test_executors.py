@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtopt.build.plan import read_plan
+from trtopt.builder.plan import read_plan
 from trtopt.check.compare import Tolerance
 from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.check.original import OriginalModel

@@ -15,8 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from trtopt.build.builder import build_plan
-from trtopt.build.plan import Limits, read_plan
+from trtopt.builder.builder import build_plan
+from trtopt.builder.plan import Limits, read_plan
 from trtopt.plugins.rope.kernel import rope_triton
 from trtopt.runtime.executors import onnx_ops, trtopt_ops
 from trtopt.runtime.executors.fx_fusions import HALF_OF_DIM, gather_nonnegative, rope

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from trtopt.build.builder import build_plan
-from trtopt.build.plan import REPORT_FILE, Limits, read_plan
+from trtopt.builder.builder import build_plan
+from trtopt.builder.plan import REPORT_FILE, Limits, read_plan
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 from packed_steps import prefill_then_decode

@@ -14,8 +14,8 @@ import torch
 from onnx import numpy_helper
 
 from test_executors import NUM_BLOCKS, generate_and_compare
-from trtopt.build.builder import build_plan
-from trtopt.build.plan import Limits, rank_dir, read_plan
+from trtopt.builder.builder import build_plan
+from trtopt.builder.plan import Limits, rank_dir, read_plan
 from trtopt.errors import ConfigError, FusionError
 from trtopt.runtime.executors import create_executor
 
@@ -200,7 +200,7 @@ def test_llama_rank_plans_split_heads_and_mlp(tp_plan, export_dir):
 def test_rank_plans_with_external_weights_match_inline_ones(tp_plan, export_dir, tmp_path, monkeypatch):
     """A plan over the external-data threshold (the 1.24B benchmark shape) has its weights moved out of the proto
     when rank 0 is saved: every later rank must still get all of its weights, its own slices included."""
-    import trtopt.build.builder as builder
+    import trtopt.builder.builder as builder
 
     monkeypatch.setattr(builder, "_EXTERNAL_DATA_THRESHOLD", 0)
     result = build_plan(export_dir("tiny-llama"), tmp_path / "plan", limits=LIMITS, force=True, progress=False,

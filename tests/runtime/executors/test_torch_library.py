@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtopt.build.plan import read_plan
+from trtopt.builder.plan import read_plan
 from trtopt.check.driver import BlockSource, Seq, make_step
 from trtopt.errors import ConfigError
 from trtopt.runtime.executors.torch_executor import TorchExecutor

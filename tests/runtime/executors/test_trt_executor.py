@@ -23,7 +23,7 @@ def test_engine_matches_torch_executor(plan_dir):
     if not torch.cuda.is_available():
         pytest.skip("the TensorRT engine needs a CUDA GPU")
     from trtopt.check.driver import BlockSource, Seq, make_step
-    from trtopt.build.plan import read_plan
+    from trtopt.builder.plan import read_plan
     from trtopt.runtime.executors import create_executor
 
     built = plan_dir("tiny-llama")

@@ -1,4 +1,5 @@
-"""AddRMSNorm, face 2 of DESIGN.md §4: the body is the Add it absorbed, then trtopt::RMSNorm's body on the sum."""
+"""AddRMSNorm, face 2 of docs/architecture.md §4: the body is the Add it absorbed, then trtopt::RMSNorm's body on the
+sum."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AddRMSNorm as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+"""AddRMSNorm as one Triton kernel (face 4 of docs/architecture.md §4): the CUDA path of the torch executor.
 
 The unfused pair is two kernels per norm (the residual add, then trtopt::RMSNorm's one-row kernel) with the sum
 written by the first and read back by the second. Here one program reads x and the residual once, writes the sum

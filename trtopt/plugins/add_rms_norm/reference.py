@@ -1,4 +1,4 @@
-"""AddRMSNorm, face 3 of DESIGN.md §4: the torch reference, the unfused Add then trtopt::RMSNorm's reference
+"""AddRMSNorm, face 3 of docs/architecture.md §4: the torch reference, the unfused Add then trtopt::RMSNorm's reference
 (bit-identical to the two ops it replaces on the torch executor's CPU path; with an fp32 scale and half-precision
 inputs, to the Add, the upcast Cast and the fp32 RMSNorm)."""
 

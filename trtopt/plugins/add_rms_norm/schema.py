@@ -1,4 +1,4 @@
-"""AddRMSNorm, face 1 of DESIGN.md §4.
+"""AddRMSNorm, face 1 of docs/architecture.md §4.
 
 Inputs: x, residual (one float dtype; broadcast like ONNX Add, in practice both [..., H]), scale [H].
 Outputs: y = scale · s / sqrt(mean(s², -1) + epsilon) with s = x + residual (the RMSNorm of trtopt::RMSNorm, on s),

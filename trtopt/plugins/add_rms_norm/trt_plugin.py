@@ -1,4 +1,4 @@
-"""AddRMSNorm, face 5 of DESIGN.md §4: deliberately NO TensorRT plugin.
+"""AddRMSNorm, face 5 of docs/architecture.md §4: deliberately NO TensorRT plugin.
 
 The body is the residual Add followed by trtopt::RMSNorm's standard-op body, which TensorRT's own fusions turn into
 a normalization kernel with the add folded in (its pointwise and reduction fusions see the whole chain once the

@@ -1,4 +1,5 @@
-"""AllGather, face 2 of DESIGN.md §4: the ONNX function body, ``Tile`` of x ``world_size`` times along ``axis``.
+"""AllGather, face 2 of docs/architecture.md §4: the ONNX function body, ``Tile`` of x ``world_size`` times along
+``axis``.
 
 For one rank that is the identity, so a plan sharded for one rank with a vocabulary-parallel LM head
 (``trtopt build --tensor-parallel 1 --lm-head vocab-parallel``) runs on onnxruntime, TensorRT and the torch

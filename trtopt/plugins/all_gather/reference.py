@@ -1,4 +1,5 @@
-"""AllGather, face 3 of DESIGN.md §4: the torch face, over torch.distributed's default process group (gloo for CPU
+"""AllGather, face 3 of docs/architecture.md §4: the torch face, over torch.distributed's default process group (gloo
+for CPU
 tensors, NCCL for CUDA tensors; trtopt/runtime/distributed.py initialises it with the backend "cpu:gloo,cuda:nccl").
 
 ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) writes the ranks' blocks one after the other

@@ -1,4 +1,4 @@
-"""AllGather, face 1 of DESIGN.md §4.
+"""AllGather, face 1 of docs/architecture.md §4.
 
 Input: x (any dtype and shape). Output: y, x's dtype, x's shape with ``axis`` ``world_size`` times as long: the
 ranks' x concatenated along ``axis`` in rank order (rank 0's block first). Attributes: world_size (int, >= 1), the

@@ -1,4 +1,4 @@
-"""AllGather, face 5 of DESIGN.md §4: how TensorRT would take it. Importing this module registers nothing.
+"""AllGather, face 5 of docs/architecture.md §4: how TensorRT would take it. Importing this module registers nothing.
 
 Today a trtopt.AllGather node carries no ``plugin_namespace`` (SCHEMA.tensorrt_plugin is False), so the TensorRT
 ONNX parser inlines its Tile body (the identity for one rank): right for a plan sharded for one rank; the TensorRT

@@ -1,4 +1,4 @@
-"""AllReduce, face 2 of DESIGN.md §4: the ONNX function body, Identity.
+"""AllReduce, face 2 of docs/architecture.md §4: the ONNX function body, Identity.
 
 A sum over one rank is the value itself, so a plan sharded for one rank (``trtopt build --tensor-parallel 1``)
 runs on onnxruntime, TensorRT and the torch converter's body path exactly like the unsharded plan. For more ranks

@@ -1,4 +1,5 @@
-"""AllReduce, face 3 of DESIGN.md §4: the torch face, over torch.distributed's default process group (gloo for CPU
+"""AllReduce, face 3 of docs/architecture.md §4: the torch face, over torch.distributed's default process group (gloo
+for CPU
 tensors, NCCL for CUDA tensors; trtopt/runtime/distributed.py initialises it with the backend "cpu:gloo,cuda:nccl").
 
 Outside an initialised group (a single-device runtime) the op is the identity, which is only right for a plan sharded

@@ -1,4 +1,4 @@
-"""AllReduce, face 1 of DESIGN.md §4.
+"""AllReduce, face 1 of docs/architecture.md §4.
 
 Input: x (any float dtype and shape). Output: y, x's shape and dtype: the elementwise sum of x over the
 ``world_size`` ranks of the tensor-parallel group. Attribute: world_size (int, >= 1), the group size the plan was

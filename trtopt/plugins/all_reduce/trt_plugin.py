@@ -1,4 +1,4 @@
-"""AllReduce, face 5 of DESIGN.md §4: how TensorRT would take it. Importing this module registers nothing.
+"""AllReduce, face 5 of docs/architecture.md §4: how TensorRT would take it. Importing this module registers nothing.
 
 Today a trtopt.AllReduce node carries no ``plugin_namespace`` (SCHEMA.tensorrt_plugin is False), so the TensorRT
 ONNX parser inlines its Identity body: right for a plan sharded for one rank, and the TensorRT executor refuses

@@ -1,1 +1,2 @@
-"""trtopt::FlashAttention: cache-free scaled dot-product attention (DESIGN.md §4). Faces: schema, function, reference, kernel."""
+"""trtopt::FlashAttention: cache-free scaled dot-product attention (docs/architecture.md §4). Faces: schema, function,
+reference, kernel."""

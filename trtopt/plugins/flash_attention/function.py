@@ -1,4 +1,4 @@
-"""FlashAttention, face 2 of DESIGN.md §4: the op as an ONNX function in standard ops (the executable spec).
+"""FlashAttention, face 2 of docs/architecture.md §4: the op as an ONNX function in standard ops (the executable spec).
 
 Plain attention in fp32: GQA by viewing the Hq query heads as [Hkv, G] against keys broadcast over G, the optional
 additive bias, then the causal mask (query i sees keys j <= i + (Sk − S)). Head counts and sizes come from the

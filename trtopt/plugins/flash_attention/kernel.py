@@ -1,4 +1,4 @@
-"""FlashAttention forward as a Triton kernel (face 4 of DESIGN.md §4).
+"""FlashAttention forward as a Triton kernel (face 4 of docs/architecture.md §4).
 
 FA2 structure: one program per (query block, batch·head); it streams K/V blocks through an online softmax in
 fp32 registers and writes each output row once. Causal runs in two phases: key blocks every row of the query

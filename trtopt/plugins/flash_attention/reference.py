@@ -1,4 +1,5 @@
-"""FlashAttention, face 3 of DESIGN.md §4: the plain torch reference (scaled dot-product attention, no cache)."""
+"""FlashAttention, face 3 of docs/architecture.md §4: the plain torch reference (scaled dot-product attention, no
+cache)."""
 
 from __future__ import annotations
 

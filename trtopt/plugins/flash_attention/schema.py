@@ -1,4 +1,4 @@
-"""FlashAttention, face 1 of DESIGN.md §4: inputs, outputs, attributes and shape inference.
+"""FlashAttention, face 1 of docs/architecture.md §4: inputs, outputs, attributes and shape inference.
 
 Inputs (node order):
     q          [B, Hq, S, D]

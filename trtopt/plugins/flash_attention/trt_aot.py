@@ -1,4 +1,5 @@
-"""FlashAttention's AOT entry point for TensorRT (face 5 of DESIGN.md §4), with no `tensorrt` import: testable here.
+"""FlashAttention's AOT entry point for TensorRT (face 5 of docs/architecture.md §4), with no `tensorrt` import:
+testable here.
 
 The entry kernel is a thin @triton.jit wrapper that calls kernel.py's own `_flash_fwd_kernel` (its JIT function,
 `.fn`, under the autotuner) with what TensorRT's AOT launch can give it:

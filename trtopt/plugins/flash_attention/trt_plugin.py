@@ -1,4 +1,4 @@
-"""FlashAttention, face 5 of DESIGN.md §4: the TensorRT registration (`tensorrt.plugin`, AOT). Importing this
+"""FlashAttention, face 5 of docs/architecture.md §4: the TensorRT registration (`tensorrt.plugin`, AOT). Importing this
 module registers ``trtopt::FlashAttention``.
 
 Written against the documented API and NOT run here (TensorRT cannot be installed on the project's machines); the

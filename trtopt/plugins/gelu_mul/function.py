@@ -1,4 +1,5 @@
-"""GeluMul, face 2 of DESIGN.md §4: the body is the exported ops it replaces, for either form, chosen by ``tanh``.
+"""GeluMul, face 2 of docs/architecture.md §4: the body is the exported ops it replaces, for either form, chosen by
+``tanh``.
 
 At opset ≥ 20 each form is one standard Gelu; below, the ops the dynamo exporter decomposes it into. A function body
 cannot branch on an attribute without a subgraph, so both forms are written and ``Where(tanh == 1, ·, ·)`` picks

@@ -1,4 +1,4 @@
-"""GeluMul as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+"""GeluMul as one Triton kernel (face 4 of docs/architecture.md §4): the CUDA path of the torch executor.
 
 The exported GeGLU is about a dozen pointwise kernels per layer (the decomposed GELU, then the Mul by up) that each
 read and write the [T, I] intermediate; here one program reads gate and up once and writes y once. gate and up may

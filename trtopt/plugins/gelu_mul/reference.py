@@ -1,4 +1,4 @@
-"""GeluMul, face 3 of DESIGN.md §4: the torch reference, bit-identical (fp32) to the unfused graph's ops.
+"""GeluMul, face 3 of docs/architecture.md §4: the torch reference, bit-identical (fp32) to the unfused graph's ops.
 
 The exporters' decompositions (dynamo at any opset, legacy below 20) all compute, op by op, each product rounded:
 

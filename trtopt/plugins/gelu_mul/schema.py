@@ -1,4 +1,4 @@
-"""GeluMul, face 1 of DESIGN.md §4.
+"""GeluMul, face 1 of docs/architecture.md §4.
 
 Inputs: gate [..., N], up [..., N] (one float dtype, the same shape). Output: y = gelu(gate) · up, the inputs' shape
 and dtype. Attribute ``tanh`` (int, required): 1 for GELU's tanh approximation

@@ -1,4 +1,4 @@
-"""GeluMul, face 5 of DESIGN.md §4: deliberately NO TensorRT plugin, for SiluMul's reasons
+"""GeluMul, face 5 of docs/architecture.md §4: deliberately NO TensorRT plugin, for SiluMul's reasons
 (plugins/silu_mul/trt_plugin.py).
 
 The body (Gelu at opset ≥ 20, else the exported Pow/Mul/Add/Tanh or Div/Erf chain, then Where and the Mul by up) is

@@ -1,4 +1,4 @@
-"""MatMulAdd, face 2 of DESIGN.md §4: the body is literally MatMul → Add, the pair it replaces."""
+"""MatMulAdd, face 2 of docs/architecture.md §4: the body is literally MatMul → Add, the pair it replaces."""
 
 from __future__ import annotations
 

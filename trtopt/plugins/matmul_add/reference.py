@@ -1,4 +1,4 @@
-"""MatMulAdd, face 3 of DESIGN.md §4: the torch reference."""
+"""MatMulAdd, face 3 of docs/architecture.md §4: the torch reference."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MatMulAdd, face 1 of DESIGN.md §4.
+"""MatMulAdd, face 1 of docs/architecture.md §4.
 
 Inputs: x [..., K], weight [K, N], bias [N] (one float dtype). Output: y [..., N]. No attributes besides the
 TensorRT ones every trtopt node carries.

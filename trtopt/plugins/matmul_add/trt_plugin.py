@@ -1,4 +1,4 @@
-"""MatMulAdd, face 5 of DESIGN.md §4: deliberately NO TensorRT plugin.
+"""MatMulAdd, face 5 of docs/architecture.md §4: deliberately NO TensorRT plugin.
 
 MatMulAdd has no Triton kernel (faces: schema, function, reference), and its ONNX function body (MatMul → Add) is
 exactly what TensorRT fuses into one GEMM with a bias epilogue by itself; a plugin would only hide the matmul from

@@ -1,1 +1,2 @@
-"""trtopt::PagedAttention: the paged-KV attention op (DESIGN.md §4). Faces: schema, function, reference, kernel."""
+"""trtopt::PagedAttention: the paged-KV attention op (docs/architecture.md §4). Faces: schema, function, reference,
+kernel."""

@@ -1,4 +1,4 @@
-"""PagedAttention, face 2 of DESIGN.md §4: the op as an ONNX function in standard ops (the executable spec).
+"""PagedAttention, face 2 of docs/architecture.md §4: the op as an ONNX function in standard ops (the executable spec).
 
 The body runs on any ONNX runtime (tested on ORT CPU, opsets 17..23, fp32 and fp16). It reads head counts and sizes
 from the input shapes and scale/causal/sliding_window from the node's attributes, so one function serves every

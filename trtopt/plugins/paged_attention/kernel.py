@@ -1,4 +1,4 @@
-"""PagedAttention, the KV write and copy_blocks as Triton kernels (face 4 of DESIGN.md §4).
+"""PagedAttention, the KV write and copy_blocks as Triton kernels (face 4 of docs/architecture.md §4).
 
 One launch of the attention kernel serves a whole mixed step: prefill chunks, decode rows and speculative rows of
 many sequences, packed in T rows with no padding. The grid cannot depend on per-sequence lengths (they live on the

@@ -1,4 +1,4 @@
-"""PagedAttention, face 3 of DESIGN.md §4: the plain torch reference.
+"""PagedAttention, face 3 of docs/architecture.md §4: the plain torch reference.
 
 This is the numerical truth that the Triton kernel and the ONNX function body are tested against, and the op
 that the torch executor runs on CPU. It favours clarity: one vectorised attention per sequence, fp32 math.

@@ -1,4 +1,4 @@
-"""PagedAttention, face 1 of DESIGN.md §4: inputs, outputs, attributes and shape inference.
+"""PagedAttention, face 1 of docs/architecture.md §4: inputs, outputs, attributes and shape inference.
 
 Inputs (node order):
     q               [1, Hq, T, D]                          model dtype

@@ -1,4 +1,5 @@
-"""PagedAttention's AOT entry point for TensorRT (face 5 of DESIGN.md §4), with no `tensorrt` import: testable here.
+"""PagedAttention's AOT entry point for TensorRT (face 5 of docs/architecture.md §4), with no `tensorrt` import:
+testable here.
 
 Why a separate entry kernel and not `kernel._paged_attn_kernel` as is (the kernel author's notes, and TensorRT's
 AOT contract in tensorrt/plugin/_plugin_class.py, `get_launch_params`):

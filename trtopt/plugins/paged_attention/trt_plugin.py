@@ -1,5 +1,5 @@
-"""PagedAttention, face 5 of DESIGN.md §4: the TensorRT registration (`tensorrt.plugin`, AOT). Importing this
-module registers ``trtopt::PagedAttention`` (the executor and trtopt/build/polygraphy_net.py import it).
+"""PagedAttention, face 5 of docs/architecture.md §4: the TensorRT registration (`tensorrt.plugin`, AOT). Importing this
+module registers ``trtopt::PagedAttention`` (the executor and trtopt/builder/polygraphy_net.py import it).
 
 Written against the documented API and NOT run here (TensorRT cannot be installed on the project's machines); the
 kernel it compiles, its argument order, grid and constexprs are tested in tests/plugins/
@@ -15,7 +15,7 @@ _plugin_class}.py and samples/python/quickly_deployable_plugins/qdp_defs.py):
   model has no ALiBi). TensorRT validates annotations with issubclass, so this module must not use
   ``from __future__ import annotations``.
 - kv_cache_out is ``kv_cache.aliased()``: TensorRT binds it to kv_cache's buffer (the builder enables
-  trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03; trtopt.build.trt_engine.build_engine does).
+  trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03; trtopt.builder.trt_engine.build_engine does).
 - aot_impl is called as ``f(*input_descs, *attribute_values, output_descs, tactic)``: every attribute, positionally,
   in register order, then outputs and tactic; it returns (kernel name, PTX, KernelLaunchParams, SymIntExprs).
 - No autotune function: TensorRT then offers the one combination of the inputs' own dtypes, LINEAR format.

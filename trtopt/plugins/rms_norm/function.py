@@ -1,4 +1,4 @@
-"""RMSNorm, face 2 of DESIGN.md §4: the ONNX function body (the same ops the exporters decompose it into)."""
+"""RMSNorm, face 2 of docs/architecture.md §4: the ONNX function body (the same ops the exporters decompose it into)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RMSNorm as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+"""RMSNorm as one Triton kernel (face 4 of docs/architecture.md §4): the CUDA path of the torch executor.
 
 The torch reference spends five to seven kernels per norm (cast, square, mean, rsqrt, two multiplies, cast); at
 batch-1 decode, where every kernel moves a few kilobytes, those launches rather than the bytes set the time. Here

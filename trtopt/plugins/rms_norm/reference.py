@@ -1,4 +1,4 @@
-"""RMSNorm, face 3 of DESIGN.md §4: the torch reference (fp32 math, output in x's dtype)."""
+"""RMSNorm, face 3 of docs/architecture.md §4: the torch reference (fp32 math, output in x's dtype)."""
 
 from __future__ import annotations
 

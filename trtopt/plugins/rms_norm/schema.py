@@ -1,4 +1,4 @@
-"""RMSNorm, face 1 of DESIGN.md §4.
+"""RMSNorm, face 1 of docs/architecture.md §4.
 
 Inputs: x [..., H] (float type), scale [H]. Output: y, x's shape and dtype. Attribute: epsilon (float).
 The normalisation is computed in fp32 and cast back to x's dtype, like HF's LlamaRMSNorm.

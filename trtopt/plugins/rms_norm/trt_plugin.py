@@ -1,4 +1,4 @@
-"""RMSNorm, face 5 of DESIGN.md §4: deliberately NO TensorRT plugin.
+"""RMSNorm, face 5 of docs/architecture.md §4: deliberately NO TensorRT plugin.
 
 RMSNorm has no Triton kernel (faces: schema, function, reference), so there is nothing to compile to PTX, and its
 ONNX function body is standard ops TensorRT fuses well on its own (Cast, Mul, ReduceMean, Add, Sqrt, Reciprocal,

@@ -1,4 +1,5 @@
-"""Rope, face 2 of DESIGN.md §4: the body is the exported subgraph it replaces (two Slices, Neg, Concat, Mul, Mul,
+"""Rope, face 2 of docs/architecture.md §4: the body is the exported subgraph it replaces (two Slices, Neg, Concat,
+Mul, Mul,
 Add), with the split point taken from the ``half`` attribute or, when it is 0, from x's last dimension."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""trtopt::Rope as one Triton kernel (face 4 of DESIGN.md §4): out = x·cos + rotate_half(x)·sin, the torch
-executor's CUDA path (until issue 11 it ran from the executor's fx rewrite, fx_fusions.py, which still uses it).
+"""trtopt::Rope as one Triton kernel (face 4 of docs/architecture.md §4): out = x·cos + rotate_half(x)·sin, the torch
+executor's CUDA path (the executor's fx rewrite, fx_fusions.py, uses it too).
 
 Exported Llama-family graphs apply RoPE as seven ops per tensor (two slices, neg, concat, two muls, add), i.e. seven
 kernels for q and seven for k in every layer; at batch-1 decode those launches, not their bytes, cost the time. One

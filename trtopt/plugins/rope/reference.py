@@ -1,4 +1,5 @@
-"""Rope, face 3 of DESIGN.md §4: the torch reference, the exported ops' arithmetic (bit-identical to them on CPU;
+"""Rope, face 3 of docs/architecture.md §4: the torch reference, the exported ops' arithmetic (bit-identical to them
+on CPU;
 the torch executor's fx rewrite fell back to these same ops)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rope, face 1 of DESIGN.md §4.
+"""Rope, face 1 of docs/architecture.md §4.
 
 Inputs: x [..., D] (the rank-4 [B, H, T, D] of the exported graphs), cos and sin broadcastable to x (HF: [1, 1, T, D]),
 one float dtype. Output: y = x · cos + concat(−x[..., half:], x[..., :half]) · sin, the broadcast shape of the

@@ -1,4 +1,4 @@
-"""Rope, face 5 of DESIGN.md §4: deliberately NO TensorRT plugin.
+"""Rope, face 5 of docs/architecture.md §4: deliberately NO TensorRT plugin.
 
 The body is the exported RoPE subgraph (Slices, Neg, Concat, two Muls, Add), pointwise and data-movement ops that
 TensorRT's own fusion merges into one kernel once the function is inlined; a plugin would be an opaque layer

@@ -1,4 +1,4 @@
-"""SiluMul, face 2 of DESIGN.md §4: the body is the exported ops it replaces, Sigmoid → Mul → Mul."""
+"""SiluMul, face 2 of docs/architecture.md §4: the body is the exported ops it replaces, Sigmoid → Mul → Mul."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SiluMul as one Triton kernel (face 4 of DESIGN.md §4): the CUDA path of the torch executor.
+"""SiluMul as one Triton kernel (face 4 of docs/architecture.md §4): the CUDA path of the torch executor.
 
 The exported SwiGLU is three kernels per layer (Sigmoid, Mul, Mul) that each read and write the [T, I]
 intermediate; here one program reads gate and up once and writes y once. gate and up may be strided views (the

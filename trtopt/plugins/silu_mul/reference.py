@@ -1,4 +1,4 @@
-"""SiluMul, face 3 of DESIGN.md §4: the torch reference, bit-identical to the unfused graph's ops.
+"""SiluMul, face 3 of docs/architecture.md §4: the torch reference, bit-identical to the unfused graph's ops.
 
 sigmoid(gate), then · gate, then · up, each rounded to the dtype like the exported Sigmoid → Mul → Mul (IEEE
 multiplication commutes, so sigmoid·gate is gate·sigmoid). The two products are written in place into the

@@ -1,4 +1,4 @@
-"""SiluMul, face 1 of DESIGN.md §4.
+"""SiluMul, face 1 of docs/architecture.md §4.
 
 Inputs: gate [..., N], up [..., N] (one float dtype, the same shape). Output: y = gate · sigmoid(gate) · up, the
 inputs' shape and dtype. No attributes besides the TensorRT ones every trtopt node carries. Each product is

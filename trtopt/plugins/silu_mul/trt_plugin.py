@@ -1,4 +1,4 @@
-"""SiluMul, face 5 of DESIGN.md §4: deliberately NO TensorRT plugin.
+"""SiluMul, face 5 of docs/architecture.md §4: deliberately NO TensorRT plugin.
 
 The body (Sigmoid → Mul → Mul) is three pointwise ops, which TensorRT's own pointwise fusion merges into one kernel
 (and into the neighbouring GEMM's epilogue where its tactics allow); a plugin would be an opaque layer that blocks

@@ -1,4 +1,4 @@
-"""Executors: one plan, several engines (DESIGN.md §5). ``create_executor`` picks one by name.
+"""Executors: one plan, several engines (docs/architecture.md §5). ``create_executor`` picks one by name.
 
 Backends import lazily, so a missing optional dependency (tensorrt) only disables its own backend.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trtopt.build.plan import MODEL_FILE, PlanConfig
-from trtopt.build.source import check_plan_model
+from trtopt.builder.plan import MODEL_FILE, PlanConfig
+from trtopt.builder.source import check_plan_model
 from trtopt.errors import ConfigError
 from trtopt.runtime.executors.base import Executor
 

@@ -1,4 +1,4 @@
-"""The executor contract (DESIGN.md §5): one plan, several engines.
+"""The executor contract (docs/architecture.md §5): one plan, several engines.
 
 An executor owns the device buffers (weights, KV pools) and nothing else: no scheduling, no sampling.
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for every step of the torch executor (DESIGN.md §5): full graphs at bucketed shapes.
+"""CUDA graphs for every step of the torch executor (docs/architecture.md §5): full graphs at bucketed shapes.
 
 A step of T tokens, S sequences and N logits rows (any mix: decode rows, prefill chunks, several rows of one
 sequence for speculative verification) is padded up to the smallest bucket (T_b, S_b, N_b) that holds it and

@@ -1,4 +1,4 @@
-"""Decode-sized projections through Triton GEMVs (issue 11; `TorchExecutor(decode_gemv=...)`, on by default for
+"""Decode-sized projections through Triton GEMVs (`TorchExecutor(decode_gemv=...)`, on by default for
 fp16/bf16 plans on CUDA).
 
 `use_decode_gemv` rewrites the converted fx graph:

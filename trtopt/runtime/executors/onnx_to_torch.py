@@ -1,4 +1,4 @@
-"""An in-house onnx-ir → torch.fx converter (DESIGN.md §5, torch executor).
+"""An in-house onnx-ir → torch.fx converter (docs/architecture.md §5, torch executor).
 
 onnx2torch fails on every dynamo export, so trtopt converts graphs itself. The result is a straight-line
 ``torch.fx.GraphModule``: one call per ONNX node, weights as buffers (their dtypes kept), graph inputs as

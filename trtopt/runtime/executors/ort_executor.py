@@ -1,4 +1,5 @@
-"""The onnxruntime executor (DESIGN.md §5): the plan's model.onnx run as it is, trtopt ops by their function bodies.
+"""The onnxruntime executor (docs/architecture.md §5): the plan's model.onnx run as it is, trtopt ops by their
+function bodies.
 
 It is the independent check that the fused graph means what the original meant, and the portable fallback.
 
@@ -18,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from trtopt.build.plan import MODEL_FILE, PlanConfig
+from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.signature import (

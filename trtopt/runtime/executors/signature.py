@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from trtopt import signature
-from trtopt.build.plan import PlanConfig
+from trtopt.builder.plan import PlanConfig
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
 

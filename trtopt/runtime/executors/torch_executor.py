@@ -1,4 +1,5 @@
-"""The torch executor (DESIGN.md §5): the plan's model.onnx converted to torch.fx, KV pools written in place."""
+"""The torch executor (docs/architecture.md §5): the plan's model.onnx converted to torch.fx, KV pools written in
+place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from trtopt.build.plan import MODEL_FILE, PlanConfig
+from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs, fill_placeholders, fill_placeholders_
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs

@@ -1,4 +1,4 @@
-"""torch.compile (Inductor) of the torch executor's converted graph: opt-in (`compile_mode`), issue 11.
+"""torch.compile (Inductor) of the torch executor's converted graph: opt-in (`compile_mode`).
 
 Two pieces, both imported only when a compile mode is asked for, so the default executor never loads them:
 

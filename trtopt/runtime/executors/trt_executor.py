@@ -1,4 +1,5 @@
-"""The TensorRT executor (DESIGN.md §5): load engine.trt (built by trtopt.build.trt_engine when missing) and run
+"""The TensorRT executor (docs/architecture.md §5): load engine.trt (built by trtopt.builder.trt_engine when missing)
+and run
 it with execute_async_v3.
 
 `tensorrt` cannot be installed on the project's machines, so everything that calls it is written against the
@@ -15,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from trtopt.build.plan import MODEL_FILE, PlanConfig
-from trtopt.build.trt_engine import ENGINE_FILE, build_engine, import_tensorrt, register_plugins
+from trtopt.builder.plan import MODEL_FILE, PlanConfig
+from trtopt.builder.trt_engine import ENGINE_FILE, build_engine, import_tensorrt, register_plugins
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.signature import TORCH_DTYPES, kv_dtype, kv_shape, step_tensors

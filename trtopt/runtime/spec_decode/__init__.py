@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 12): proposers (n-gram, draft model, self-draft) and exact verification."""
+"""Speculative decoding: proposers (n-gram, draft model, self-draft) and exact verification."""
 
 from trtopt.runtime.spec_decode.config import SpeculativeConfig
 from trtopt.runtime.spec_decode.decoder import SpecDecoder, create_spec_decoder

@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from trtopt.build.plan import PlanConfig, read_plan
+from trtopt.builder.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import SampledToken, ScheduledBatch, StepOutput
@@ -23,7 +23,7 @@ from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler
-from trtopt.build.draft import self_draft_dir
+from trtopt.builder.draft import self_draft_dir
 from trtopt.runtime.spec_decode.config import SpeculativeConfig
 from trtopt.runtime.spec_decode.ngram import NgramProposer
 from trtopt.runtime.spec_decode.proposer import Proposal, Proposer

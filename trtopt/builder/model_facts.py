@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from trtopt.build.plan import ModelFacts
+from trtopt.builder.plan import ModelFacts
 from trtopt.errors import BuildError
 from trtopt.fusion_passes.context import HeadDims
 from trtopt.fusion_passes.ops import DOMAIN

@@ -3,7 +3,7 @@ against ONNX Runtime running the same plan.
 
 Polygraphy's ``--plugins`` only dlopens .so files; trtopt's plugins are Python (`tensorrt.plugin`), registered by
 importing ``trtopt.plugins.<op>.trt_plugin``. So ``load_network()`` (``--model-type=trt-network-script``) and
-``load_config(builder, network)`` return the loaders of trtopt/build/trt_engine.py, the very network and config
+``load_config(builder, network)`` return the loaders of trtopt/builder/trt_engine.py, the very network and config
 that ``trtopt``'s own engine build uses: the plugins registered, the optimization profile from plan.json's limits,
 aliased plugin I/O for the in-place KV pools, and the workspace. The plan directory comes from the environment,
 since Polygraphy passes the script no arguments:
@@ -11,11 +11,11 @@ since Polygraphy passes the script no arguments:
     export TRTOPT_PLAN=/path/to/plan
     # 1. ONNX Runtime on the fused plan (function bodies) is the reference; keep its inputs and outputs.
     polygraphy run $TRTOPT_PLAN/model.onnx --onnxrt \\
-        --data-loader-script trtopt/build/polygraphy_net.py \\
+        --data-loader-script trtopt/builder/polygraphy_net.py \\
         --save-inputs inputs.json --save-outputs ort_outputs.json
     # 2. TensorRT on the same plan, same inputs, compared with ORT's outputs.
-    polygraphy run trtopt/build/polygraphy_net.py --model-type=trt-network-script --trt \\
-        --trt-config-script trtopt/build/polygraphy_net.py \\
+    polygraphy run trtopt/builder/polygraphy_net.py --model-type=trt-network-script --trt \\
+        --trt-config-script trtopt/builder/polygraphy_net.py \\
         --load-inputs inputs.json --load-outputs ort_outputs.json --atol 1e-3 --rtol 1e-3
 
 Step 1 needs valid paged inputs: Polygraphy's random data would index outside the pool, so ``load_data()`` here
@@ -38,8 +38,8 @@ from typing import Iterator
 import numpy as np
 
 from trtopt import signature
-from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan
-from trtopt.build.trt_engine import config_loader, network_loader
+from trtopt.builder.plan import MODEL_FILE, PlanConfig, read_plan
+from trtopt.builder.trt_engine import config_loader, network_loader
 from trtopt.errors import ConfigError
 
 PLAN_ENV = "TRTOPT_PLAN"

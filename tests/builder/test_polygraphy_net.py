@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from trtopt.build import polygraphy_net
-from trtopt.build.plan import Limits, ModelFacts, PlanConfig
+from trtopt.builder import polygraphy_net
+from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
 from trtopt.errors import ConfigError
-from trtopt.build.trt_engine import profile_shapes
+from trtopt.builder.trt_engine import profile_shapes
 
 
 def make_plan(dtype: str = "float16", **limits) -> PlanConfig:

@@ -53,8 +53,8 @@ def test_fixtures_are_small_and_complete():
              for a in ARCHS])
 def test_optimum_export_builds_and_equals_hf(tmp_path, arch):
     from trtopt import LLM, SamplingParams
-    from trtopt.build.builder import build_plan
-    from trtopt.build.plan import Limits
+    from trtopt.builder.builder import build_plan
+    from trtopt.builder.plan import Limits
 
     model_dir = FIXTURES / arch
     built = build_plan(model_dir, tmp_path / "plan", progress=False,

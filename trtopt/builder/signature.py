@@ -21,7 +21,7 @@ def check_signature(model: ir.Model, kind: str) -> None:
         extra = sorted(set(got_in) - set(inputs)) + sorted(set(got_out) - set(outputs))
         raise BuildError(
             f"the fused graph's I/O is not the paged signature: extra {extra}, inputs {got_in}, outputs {got_out}. "
-            "The runtime only feeds DESIGN.md §3 tensors; re-export with optimum-style I/O (trtopt export)."
+            "The runtime only feeds docs/architecture.md §3 tensors; re-export with optimum-style I/O (trtopt export)."
         )
     by_name = {v.name: v for v in graph.inputs} | {v.name: v for v in graph.outputs}
     for spec in (*signature.STEP_INPUTS, signature.LOGITS):

@@ -1,4 +1,4 @@
-"""The plan directory: ``plan.json`` schema, writer and reader (DESIGN.md §1).
+"""The plan directory: ``plan.json`` schema, writer and reader (docs/architecture.md §1).
 
 A plan dir holds the fused ``model.onnx``, ``plan.json`` (this schema), ``fusion_report.json`` and the
 tokenizer files. ``plan.json`` is versioned; readers refuse versions they do not know.

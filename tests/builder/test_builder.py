@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtopt.build.builder import build_plan
-from trtopt.build.plan import Limits, read_plan
+from trtopt.builder.builder import build_plan
+from trtopt.builder.plan import Limits, read_plan
 from trtopt.errors import BuildError, ConfigError, FusionError
 
 

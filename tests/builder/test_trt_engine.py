@@ -8,8 +8,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from trtopt.build.plan import Limits, ModelFacts, PlanConfig
-from trtopt.build.trt_engine import max_pool_blocks, profile_shapes, register_plugins
+from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
+from trtopt.builder.trt_engine import max_pool_blocks, profile_shapes, register_plugins
 from trtopt.errors import ConfigError
 from trtopt.signature import STEP_INPUT_NAMES
 

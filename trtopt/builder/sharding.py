@@ -1,4 +1,5 @@
-"""`trtopt build --tensor-parallel N`: the rank plan dirs of a sharded plan (DESIGN.md §1, docs/architecture.md).
+"""`trtopt build --tensor-parallel N`: the rank plan dirs of a sharded plan (docs/architecture.md §1,
+docs/architecture.md).
 
     plan/plan.json            global ModelFacts + "parallel": {"size": N, "rank": null, ...}
     plan/fusion_report.json   fusions + the full parallel layout (which projection went which way, and why not)
@@ -19,7 +20,7 @@ from typing import Callable
 
 import onnx
 
-from trtopt.build.plan import ParallelConfig, PlanConfig, rank_dir, write_plan
+from trtopt.builder.plan import ParallelConfig, PlanConfig, rank_dir, write_plan
 from trtopt.fusion_passes.tensor_parallel import ParallelLayout, ShardResult, rank_weights
 
 

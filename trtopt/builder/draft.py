@@ -1,4 +1,4 @@
-"""`trtopt build --draft-layers N`: the self-draft plan of a built plan (issue 12; LayerSkip / draft-and-verify).
+"""`trtopt build --draft-layers N`: the self-draft plan of a built plan (LayerSkip / draft-and-verify).
 
 The draft is the target's first N layers followed by the target's final norm and LM head: the hidden state that
 enters layer N goes straight into the final norm. plan/draft_N/model.onnx is the target graph cut there, so it
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import onnx
 
-from trtopt.build.builder import _save
-from trtopt.build.plan import MODEL_FILE, PlanConfig, read_plan, write_plan
+from trtopt.builder.builder import _save
+from trtopt.builder.plan import MODEL_FILE, PlanConfig, read_plan, write_plan
 from trtopt.errors import BuildError, ConfigError
 from trtopt.signature import LOGITS, LOGITS_INDICES, kv_input, kv_output
 

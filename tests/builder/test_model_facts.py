@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trtopt.build.model_facts import config_disagreements, context_length, head_dims_from_config
-from trtopt.build.plan import ModelFacts
+from trtopt.builder.model_facts import config_disagreements, context_length, head_dims_from_config
+from trtopt.builder.plan import ModelFacts
 from trtopt.fusion_passes.context import HeadDims
 
 

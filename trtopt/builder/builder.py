@@ -1,4 +1,4 @@
-"""`trtopt build`: run the fusion pipeline on an exported model and write the plan dir (DESIGN.md §1).
+"""`trtopt build`: run the fusion pipeline on an exported model and write the plan dir (docs/architecture.md §1).
 
 source model (dir or .onnx) ──load──▶ onnx-ir model ──optimize──▶ fused graph ──validate──▶ plan dir
                                                                                             model.onnx (+ .data)
@@ -21,16 +21,16 @@ from typing import Iterator, Sequence
 import onnx
 import onnx_ir as ir
 
-from trtopt.build.model_facts import (
+from trtopt.builder.model_facts import (
     config_disagreements,
     context_length,
     head_dims_from_config,
     model_facts,
     read_json,
 )
-from trtopt.build.plan import MODEL_FILE, REPORT_FILE, Limits, PlanConfig, write_plan
-from trtopt.build.signature import check_signature
-from trtopt.build.source import load_source, resolve_model_path
+from trtopt.builder.plan import MODEL_FILE, REPORT_FILE, Limits, PlanConfig, write_plan
+from trtopt.builder.signature import check_signature
+from trtopt.builder.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
 from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
 from trtopt.fusion_passes.tensor_parallel import LM_HEAD_MODES, ParallelLayout
@@ -239,7 +239,7 @@ def build_plan(
     cannot be rewritten. ``explain`` keeps every unfused region in the report (they are always in
     fusion_report.json; the CLI prints them with --explain).
 
-    ``tensor_parallel`` N: shard the fused graph for N ranks after every fusion (trtopt/build/sharding.py says what
+    ``tensor_parallel`` N: shard the fused graph for N ranks after every fusion (trtopt/builder/sharding.py says what
     the plan dir then holds); FusionError when an attention layer cannot be split N ways. ``lm_head`` (with
     ``tensor_parallel`` only): "replicated" (default) or "vocab-parallel" (the head's weight split by vocabulary
     columns, its sampled rows all-gathered; docs/architecture.md §7b weighs the two).
@@ -316,7 +316,7 @@ def build_plan(
             if shard is None:
                 _save(proto, out_dir)
             else:
-                from trtopt.build.sharding import parallel_config, write_rank_plans
+                from trtopt.builder.sharding import parallel_config, write_rank_plans
 
                 rank_config = PlanConfig(model=rank_facts, limits=limits, kind=report.kind)
                 write_rank_plans(proto, shard, out_dir, rank_config, _save)

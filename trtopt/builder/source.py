@@ -8,7 +8,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from trtopt.build.plan import MODEL_FILE
+from trtopt.builder.plan import MODEL_FILE
 from trtopt.errors import BuildError
 
 

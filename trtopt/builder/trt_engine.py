@@ -21,7 +21,7 @@ import importlib
 from pathlib import Path
 
 from trtopt import signature
-from trtopt.build.plan import MODEL_FILE, PlanConfig
+from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import BuildError, ConfigError
 
 ENGINE_FILE = "engine.trt"
