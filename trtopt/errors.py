@@ -22,6 +22,10 @@ class BuildError(TrtOptError):
     """The plan directory could not be built or read."""
 
 
+class QuantizeError(TrtOptError):
+    """A model cannot be quantized as asked (no quantizable MatMul, bad group size, already quantized...)."""
+
+
 class ConfigError(TrtOptError):
     """An option or configuration value is invalid."""
 

@@ -39,6 +39,7 @@ Examples:
 SUBCOMMANDS = [
     ("trtopt.cli.export", "export"),
     ("trtopt.cli.build", "build"),
+    ("trtopt.cli.quantize", "quantize"),
     ("trtopt.cli.generate", "generate"),
     ("trtopt.cli.check", "check"),
     ("trtopt.cli.bench", "bench"),

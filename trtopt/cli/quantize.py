@@ -1,0 +1,78 @@
+"""`trtopt quantize`: an exported model -> the same model with standard Q/DQ nodes (thin over trtopt.quantize)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from trtopt.cli.common import console
+
+
+def _print_result(result) -> None:
+    config = result.config
+    console.print(f"[green]quantized[/] {len(result.quantized)} MatMul(s) to {config.describe()} at opset "
+                  f"{result.opset} in {result.seconds:.1f} s"
+                  + (f", calibrated on {result.calibration_tokens} tokens" if result.calibration_tokens else "")
+                  + f": {result.model_path}", highlight=False)
+    for node, why in result.skipped.items():
+        console.print(f"kept high precision: {node} ({why})", markup=False, highlight=False)
+    if result.awq:
+        table = Table("MatMuls", "alpha", "1/s goes", "RTN MSE", "AWQ MSE", "+ clip",
+                      title="AWQ (calibration output MSE)")
+        for group in result.awq:
+            table.add_row(", ".join(group.matmuls), f"{group.alpha:.2f}", group.placement, f"{group.rtn_mse:.3g}",
+                          f"{group.awq_mse:.3g}", f"{group.final_mse:.3g}")
+        console.print(table)
+
+
+def quantize(
+    model: Path = typer.Argument(..., help="An exported model: a directory holding model.onnx (`trtopt export`) or "
+                                 "a .onnx file."),
+    output: Path = typer.Option(..., "-o", "--output", help="The model directory to write (model.onnx + config and "
+                                "tokenizer files)."),
+    weights: str = typer.Option("fp8", "--weights", help="fp8 (e4m3, per output channel) or int4 (blocked over K)."),
+    activations: str = typer.Option(None, "--activations",
+                                    help="fp8: also quantize MatMul inputs (W8A8, needs --weights fp8); "
+                                    "default: weight-only."),
+    activation_scales: str = typer.Option("static", "--activation-scales",
+                                          help="static (one calibrated scale per tensor) or dynamic (per token, "
+                                          "computed in the graph)."),
+    method: str = typer.Option("rtn", "--method", help="rtn (round to nearest) or awq (int4: activation-aware "
+                               "scales searched on calibration text)."),
+    group_size: int = typer.Option(128, "--group-size", help="INT4 block size over K; must divide every K."),
+    asymmetric: bool = typer.Option(False, "--asymmetric", help="INT4: uint4 with a zero point (default: "
+                                    "symmetric int4)."),
+    clip_search: bool = typer.Option(None, "--clip-search/--no-clip-search",
+                                     help="Search a clip ratio per channel/group (default: on for awq, off for rtn)."),
+    exclude: list[str] = typer.Option(None, "--exclude", help="Keep MatMuls whose node or weight name matches this "
+                                      "fnmatch pattern in high precision; repeatable (the LM head always is)."),
+    calibration_sequences: int = typer.Option(32, "--calibration-sequences",
+                                              help="Calibration windows of Python's reference manual."),
+    calibration_length: int = typer.Option(512, "--calibration-length", help="Tokens per calibration window."),
+    threads: int = typer.Option(2, "--threads", help="onnxruntime intra-op threads for calibration."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty output directory."),
+):
+    """Quantize an exported model into standard QuantizeLinear/DequantizeLinear ONNX (TensorRT's explicit
+    quantization): FP8 W8A8 with static or per-token dynamic activation scales, FP8 weight-only, or INT4 W4A16 by
+    RTN or AWQ. Embeddings and the LM head stay in the model's precision. Calibration text is Python's own reference
+    manual (nothing is downloaded).
+
+    Examples:
+
+        trtopt quantize out/onnx -o out/onnx-fp8 --weights fp8 --activations fp8
+
+        trtopt quantize out/onnx -o out/onnx-fp8-dyn --weights fp8 --activations fp8 --activation-scales dynamic
+
+        trtopt quantize out/onnx -o out/onnx-w4 --weights int4 --group-size 64 --asymmetric --method awq
+
+        trtopt quantize model.onnx -o q --weights int4 --group-size 32 --exclude "*mlp*" --force
+    """
+    from trtopt.quantize import QuantizeConfig, quantize_model
+
+    config = QuantizeConfig(weights=weights, activations=activations, activation_scales=activation_scales,
+                            method=method, group_size=group_size, asymmetric=asymmetric, clip_search=clip_search,
+                            exclude=tuple(exclude or ()), calibration_sequences=calibration_sequences,
+                            calibration_length=calibration_length, threads=threads)
+    _print_result(quantize_model(model, output, config, force=force, progress=True))
