@@ -76,7 +76,7 @@ def instrumented(executor, plan, shape, device, tag, n=256):
 
 def pieces(engine, device) -> None:
     """Host time of each piece of a served batch-1 step alone: median of 400 calls, the stream idle before each."""
-    from trtopt.runtime.argmax import greedy_argmax
+    from trtopt.runtime.kernels.argmax import greedy_argmax
     from trtopt.runtime.batch import fill_placeholders_
     from trtopt.runtime.executors.cuda_graphs import GraphBucket, dummy_step, pack_step
 

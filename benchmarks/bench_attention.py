@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import sys
@@ -155,9 +156,11 @@ def contiguous_cache(step: dict, L: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bench_decode(copy_tbs: float) -> list[dict]:
     from trtopt.plugins.paged_attention.kernel import (
-        PagedLaunch, paged_attention_triton, plan_paged_launch, write_kv_triton,
+        PagedLaunch, PagedLaunchState, paged_attention_triton, plan_paged_launch, write_kv_triton,
     )
 
+    # The calls plan once per step shape and keep it, as the executor's do (its PagedLaunchState).
+    paged = functools.partial(paged_attention_triton, state=PagedLaunchState())
     rows = []
     for B, Hq, Hkv, L, D in DECODE_SHAPES:
         step = make_paged_decode(B, Hq, Hkv, L, D)
@@ -165,7 +168,7 @@ def bench_decode(copy_tbs: float) -> list[dict]:
         kv_bytes = 2 * B * Hkv * L * D * step["q"].element_size()
         row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "batch": B, "q_heads": Hq, "kv_heads": Hkv,
                "context": L, "head_dim": D, "kv_bytes": kv_bytes, "block_size": BLOCK_SIZE}
-        out, _ = paged_attention_triton(**step, **attrs)
+        out, _ = paged(**step, **attrs)
         k_c, v_c = contiguous_cache(step, L)
         q_b = step["q"][0].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
         # SDPA baseline over the contiguous cache (no write: that favours the baseline slightly).
@@ -188,8 +191,8 @@ def bench_decode(copy_tbs: float) -> list[dict]:
         # The default (shape-planned) launch, which includes the KV write, then a small sweep of tilings.
         plan = plan_paged_launch(B, B, Hkv, Hq // Hkv, step["block_tables"].shape[1] * BLOCK_SIZE,
                                  torch.cuda.get_device_properties(0).multi_processor_count)
-        ms = bench_ms(lambda: paged_attention_triton(**step, **attrs))
-        g_ms = bench_graph_ms(lambda: paged_attention_triton(**step, **attrs))
+        ms = bench_ms(lambda: paged(**step, **attrs))
+        g_ms = bench_graph_ms(lambda: paged(**step, **attrs))
         row["triton"] = {"ms": ms, "tbs": kv_bytes / ms / 1e9, "launch": plan.__dict__, "graph_ms": g_ms,
                          "graph_tbs": kv_bytes / g_ms / 1e9}
         row["kv_write_ms"] = bench_ms(lambda: write_kv_triton(step["k"], step["v"], step["kv_cache"],
@@ -201,9 +204,9 @@ def bench_decode(copy_tbs: float) -> list[dict]:
                     launch = PagedLaunch(block_q=plan.block_q, tile_n=tile_n, num_segments=segs, num_warps=4,
                                          num_stages=stages)
                     try:
-                        got, _ = paged_attention_triton(**step, **attrs, launch=launch)
+                        got, _ = paged(**step, **attrs, launch=launch)
                         err = float((got.float() - out.float()).abs().max())
-                        t = bench_ms(lambda: paged_attention_triton(**step, **attrs, launch=launch))
+                        t = bench_ms(lambda: paged(**step, **attrs, launch=launch))
                         sweep.append({**launch.__dict__, "ms": t, "tbs": kv_bytes / t / 1e9, "max_abs_err": err})
                     except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
                         sweep.append({**launch.__dict__, "error": repr(exc)[:200]})
@@ -231,8 +234,9 @@ def bench_decode(copy_tbs: float) -> list[dict]:
 def bench_paged_prefill() -> list[dict]:
     """Prefill through the paged kernel (4 × 2048 new tokens) vs the FlashAttention kernel on the same data."""
     from trtopt.plugins.flash_attention.kernel import flash_attention_flops, flash_attention_triton
-    from trtopt.plugins.paged_attention.kernel import PagedLaunch, paged_attention_triton
+    from trtopt.plugins.paged_attention.kernel import PagedLaunch, PagedLaunchState, paged_attention_triton
 
+    paged = functools.partial(paged_attention_triton, state=PagedLaunchState())  # as the executor's calls
     B, Hq, Hkv, S, D = 4, 32, 8, 2048, 128
     bs = BLOCK_SIZE
     nb = S // bs
@@ -248,11 +252,11 @@ def bench_paged_prefill() -> list[dict]:
                 query_start_loc=torch.arange(0, B * S + 1, S, dtype=torch.int32, device="cuda"), slot_mapping=slots)
     attrs = dict(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, scale=D**-0.5)
     flops = flash_attention_flops(B, Hq, S, S, D, causal=True)
-    out, _ = paged_attention_triton(**step, **attrs)
+    out, _ = paged(**step, **attrs)
     qb, kb, vb = (x[0].unflatten(1, (B, S)).transpose(0, 1) for x in (q, k, v))  # [B, H, S, D] views
     ref = flash_attention_triton(qb, kb, vb, **attrs, causal=1)
     err = float((out[0].unflatten(1, (B, S)).transpose(0, 1).float() - ref.float()).abs().max())
-    paged_ms = bench_ms(lambda: paged_attention_triton(**step, **attrs))
+    paged_ms = bench_ms(lambda: paged(**step, **attrs))
     flash_ms = bench_ms(lambda: flash_attention_triton(qb, kb, vb, **attrs, causal=1))
     sweep = []
     for rows in (64, 128):
@@ -261,9 +265,9 @@ def bench_paged_prefill() -> list[dict]:
                 launch = PagedLaunch(block_q=rows // (Hq // Hkv), tile_n=tile_n, num_segments=1, num_warps=warps,
                                      num_stages=3)
                 try:
-                    got, _ = paged_attention_triton(**step, **attrs, launch=launch)
+                    got, _ = paged(**step, **attrs, launch=launch)
                     e = float((got.float() - out.float()).abs().max())
-                    t = bench_ms(lambda: paged_attention_triton(**step, **attrs, launch=launch))
+                    t = bench_ms(lambda: paged(**step, **attrs, launch=launch))
                     sweep.append({**launch.__dict__, "ms": t, "tflops": flops / t / 1e9, "max_abs_err": e})
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
                     sweep.append({**launch.__dict__, "error": repr(exc)[:200]})

@@ -1,9 +1,9 @@
 """Decode projections on the GPU: cuBLAS (the plan's [K, N] weights through torch.matmul, what the executor runs
-without GEMVs; and F.linear on [N, K]) against runtime/gemv_kernel.py's Triton GEMV on [N, K], for the 1.24B
+without GEMVs; and F.linear on [N, K]) against runtime/kernels/gemv_triton.py's Triton GEMV on [N, K], for the 1.24B
 Llama-shaped plan's projections and SmolLM2-135M's, at M = 1, 2, 4 rows (issue 11: batch-1 decode vs the roofline).
 For gate/up, the projection + trtopt.SiluMul (two launches) against the GEMV with SiLU·mul as its epilogue (one).
 
-Each GEMV row sweeps a grid of (BLOCK_N, BLOCK_K, num_warps) around gemv_kernel.default_config and reports both the
+Each GEMV row sweeps a grid of (BLOCK_N, BLOCK_K, num_warps) around gemv_triton.default_config and reports both the
 default's time and the best config's, so the default is checked against the grid in the same run.
 
 Method (as session 8's projection-layout benchmark): each variant runs inside one CUDA graph of `copies` calls that
@@ -112,11 +112,11 @@ def timed(row: dict, name: str, fn, xs, ws, want, device, iters: int, max_err: f
 
 def gemv_rows(row: dict, name: str, kernel, xs, wts, want, device, iters, max_err, tiny: bool) -> None:
     """The GEMV at its default config (row[name]) and the best of the sweep (row[name + '_best'], with config)."""
-    from trtopt.runtime import gemv_kernel
+    from trtopt.runtime.kernels import gemv_triton
 
     m, k = xs[0].shape
     timed(row, name, lambda x, w: kernel(x, w), xs, wts, want, device, iters, max_err)
-    row[name]["config"] = list(gemv_kernel.default_config(m, row["N_out"], k, silu_mul="silu" in name))
+    row[name]["config"] = list(gemv_triton.default_config(m, row["N_out"], k, silu_mul="silu" in name))
     best = None
     sweep = {}
     for config in sweep_grid(m, k, tiny):
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from trtopt.plugins.silu_mul.reference import silu_mul_ref
-    from trtopt.runtime import gemv_kernel
+    from trtopt.runtime.kernels import gemv_triton
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -171,7 +171,7 @@ def main() -> None:
             want = xs[0].float() @ w0.float()
             timed(row, "cublas_KN", lambda x, w: torch.matmul(x, w), xs, ws, want, device, args.iters, max_err)
             timed(row, "linear_NK", lambda x, w: F.linear(x, w), xs, wts, want, device, args.iters, max_err)
-            gemv_rows(row, "gemv_NK", gemv_kernel.gemv, xs, wts, want, device, args.iters, max_err, args.tiny)
+            gemv_rows(row, "gemv_NK", gemv_triton.gemv, xs, wts, want, device, args.iters, max_err, args.tiny)
             data["rows"].append(row)
             report(row)
             if name.endswith("gate_up"):
@@ -185,7 +185,7 @@ def main() -> None:
                     return (silu_mul or silu_mul_ref)(g, u)
 
                 timed(fused, "cublas_KN+silu_mul", unfused, xs, ws, want, device, args.iters, 5e-2)
-                gemv_rows(fused, "gemv_silu_mul_NK", gemv_kernel.gemv_silu_mul, xs, wts, want, device, args.iters,
+                gemv_rows(fused, "gemv_silu_mul_NK", gemv_triton.gemv_silu_mul, xs, wts, want, device, args.iters,
                           5e-2, args.tiny)
                 data["rows"].append(fused)
                 report(fused)

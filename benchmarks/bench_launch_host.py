@@ -11,15 +11,18 @@ greedy argmax (torch's vs the two-launch kernel), and one Add+RMSNorm and one Si
 
 Every kernel call of trtopt goes through plugins/launcher.py (session 9), which launches the kept CompiledKernel
 itself after the first launch of a specialisation; PagedAttention is planned once per step shape and launched per
-layer through the CUDA driver (kernel.py `_PagedPlan`, launcher.DriverLaunch; session 10). Each call row is timed
-both ways in the same run: `<row>_us` as the engine runs it, `<row>_dispatcher_us` with
-launcher.set_dispatcher_only(True) (every launch through Triton's dispatcher and no plan: what the engine paid
-before session 9). The `*_layers_call` rows are an eager step's calls: 16 layers, each with its own q/k/v and pool,
+layer through the CUDA driver (attention.py `_PagedPlan`, launcher.DriverLaunch; session 10), with a
+PagedLaunchState of this script's own, as the executor owns one. Each PagedAttention and KV-write row is timed both
+ways in the same run: `<row>_us` as the engine runs it, `<row>_dispatcher_us` with that state's
+`launcher.dispatcher_only = True` (every launch through Triton's dispatcher and no plan: what the engine paid before
+session 9). The other kernels launch as TRTOPT_TRITON_DISPATCH said at import: run the script with it set to 1 for
+their dispatcher rows (every `<row>_us` is then the dispatcher's). The `*_layers_call` rows are an eager step's calls: 16 layers, each with its own q/k/v and pool,
 sharing the step's metadata, whose tensors are new each step (two sets alternate); per call. The `*_nosplit_*` rows
 pass an 8-block table (what an eager step of a 64-token sequence passes): no split-KV merge, two launches a call.
 The `*_written_*` rows (session 14) are the call a batch-1 decode step makes since the Q/K/V GEMV rotates q and k and
-writes the pool itself (runtime/gemv_kernel.py `gemv_rope_kv`; PagedAttention's `kv_written`): q, k and v are views of
-the projection's output row, and the op launches the attention kernels only (one launch without the split-KV merge).
+writes the pool itself (runtime/kernels/gemv_triton.py `gemv_rope_kv`; PagedAttention's `kv_written`): q, k and v are
+views of the projection's output row, and the op launches the attention kernels only (one launch without the
+split-KV merge).
 `gemv_qkv_launch` / `gemv_rope_kv_launch` are the host costs of the plain and the fused Q/K/V GEMV launch.
 
     python3 benchmarks/bench_launch_host.py            # CUDA if present
@@ -121,6 +124,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from trtopt.plugins import launcher
+    from trtopt.plugins.paged_attention import attention, planning
     from trtopt.plugins.paged_attention import kernel as pk
     from trtopt.runtime.executors import trtopt_ops
 
@@ -135,11 +139,13 @@ def main() -> None:
     seq_lens = torch.tensor([64], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     slots = torch.tensor([7 * bs + 15], dtype=torch.int64, device=device)
-    attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5)
+    state = pk.PagedLaunchState()  # the plans, merge counters and launcher switch of every call here
+    attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5, state=state)
     per_layer = {}  # rows whose callable makes LAYERS calls
     result_extra = {}
     rows = {
-        "check_inputs": lambda: pk._check_paged_inputs(q, k, v, cache, tables, seq_lens, qsl, slots, hq, hkv, d, None),
+        "check_inputs": lambda: attention._check_paged_inputs(q, k, v, cache, tables, seq_lens, qsl, slots, hq, hkv,
+                                                              d, None, state.metadata),
         "plan_launch_uncached": lambda: pk.plan_paged_launch.__wrapped__(1, 1, hkv, hq // hkv, width * bs, 132),
         "plan_launch_cached": lambda: pk.plan_paged_launch(1, 1, hkv, hq // hkv, width * bs, 132),
     }
@@ -149,10 +155,11 @@ def main() -> None:
     sin = torch.cat((angles.sin(), angles.sin()))[None, None, None].to(torch.bfloat16)
     logits = torch.randn(1, 128256, device=device)
     if device.type == "cuda":
-        from trtopt.runtime.argmax import greedy_argmax
+        from trtopt.runtime.kernels.argmax import greedy_argmax
 
-        rows["write_kv_launch"] = lambda: pk.write_kv_triton(k, v, cache, slots)
-        rows["rope_write_kv_launch"] = lambda: pk.rope_write_kv_triton(q, k, v, cos, sin, cache, slots)
+        rows["write_kv_launch"] = lambda: pk.write_kv_triton(k, v, cache, slots, launcher=state.launcher)
+        rows["rope_write_kv_launch"] = lambda: pk.rope_write_kv_triton(q, k, v, cos, sin, cache, slots,
+                                                                       launcher=state.launcher)
         rows["paged_attention_call"] = lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl,
                                                                           slots, **attrs)
         rows["paged_attention_rope_call"] = lambda: trtopt_ops.paged_attention_rope(
@@ -167,8 +174,8 @@ def main() -> None:
         narrow = [(tables[:, :8].clone(), *rest[1:]) for rest in metadata]
 
         # The call a batch-1 decode step makes since session 14: the Q/K/V GEMV rotated q and k and wrote the pool
-        # (runtime/gemv_kernel.py gemv_rope_kv), so q, k and v are views of its output row and the op launches the
-        # attention kernels only (kv_written).
+        # (runtime/kernels/gemv_triton.py gemv_rope_kv), so q, k and v are views of its output row and the op
+        # launches the attention kernels only (kv_written).
         def qkv_views():
             y = torch.randn(1, (hq + 2 * hkv) * d, device=device, dtype=torch.bfloat16)
             return [part.reshape(1, 1, h, d).transpose(1, 2)
@@ -193,20 +200,20 @@ def main() -> None:
         per_layer["paged_attention_layers_call"] = lambda: eager_step(False)
         per_layer["paged_attention_rope_layers_call"] = lambda: eager_step(True)
         result_extra["split_segments"] = pk.plan_paged_launch(1, 1, hkv, hq // hkv, width * bs,
-                                                              pk._device_sm_count(device)).num_segments
+                                                              planning._device_sm_count(device)).num_segments
         result_extra["nosplit_segments"] = pk.plan_paged_launch(1, 1, hkv, hq // hkv, 8 * bs,
-                                                                pk._device_sm_count(device)).num_segments
+                                                                planning._device_sm_count(device)).num_segments
         per_layer["paged_attention_layers_nosplit_call"] = lambda: eager_step(False, narrow)
         per_layer["paged_attention_rope_layers_nosplit_call"] = lambda: eager_step(True, narrow)
         per_layer["paged_attention_written_layers_call"] = lambda: eager_step("written")
         per_layer["paged_attention_written_layers_nosplit_call"] = lambda: eager_step("written", narrow)
         # The Q/K/V GEMV of the 1.24B plan without and with RoPE + the KV write as its epilogue (one launch each).
-        from trtopt.runtime import gemv_kernel
+        from trtopt.runtime.kernels import gemv_triton
 
         x_row = torch.randn(1, 2048, device=device, dtype=torch.bfloat16)
         w_qkv = torch.randn((hq + 2 * hkv) * d, 2048, device=device, dtype=torch.bfloat16)
-        rows["gemv_qkv_launch"] = lambda: gemv_kernel.gemv(x_row, w_qkv)
-        rows["gemv_rope_kv_launch"] = lambda: gemv_kernel.gemv_rope_kv(
+        rows["gemv_qkv_launch"] = lambda: gemv_triton.gemv(x_row, w_qkv)
+        rows["gemv_rope_kv_launch"] = lambda: gemv_triton.gemv_rope_kv(
             x_row, w_qkv, cos, sin, cache, slots, num_heads=hq, num_kv_heads=hkv, head_dim=d)
         # The sampler's greedy argmax (one 128K-vocabulary row): torch's one kernel vs the two Triton launches.
         rows["argmax_torch"] = lambda: logits.argmax(dim=-1)
@@ -225,10 +232,10 @@ def main() -> None:
         # Where the launcher's time goes: each Triton launch of one call, through Triton's dispatcher (binder,
         # specialisation key, cache lookup) and straight through the CompiledKernel it returned (what a launcher
         # that keeps its compiled kernels would pay), plus the partial buffers' allocation.
-        launcher.set_dispatcher_only(True)  # every launch through JITFunction.run, where record_launches sees it
+        state.launcher.dispatcher_only = True  # every launch through JITFunction.run, where record_launches sees it
         launches = record_launches(lambda: trtopt_ops.paged_attention(q, k, v, cache, tables, seq_lens, qsl, slots,
                                                                       **attrs))
-        launcher.set_dispatcher_only(False)
+        state.launcher.dispatcher_only = False
         for i, (fn, grid, call_args, kwargs) in enumerate(launches):
             name = f"launch{i}_{fn.fn.__name__.strip('_')}"
             rows[f"{name}_dispatch"] = lambda fn=fn, g=grid, a=call_args, kw=kwargs: fn[g](*a, **kw)
@@ -241,11 +248,11 @@ def main() -> None:
         # the plan key, the planned call alone, and the pieces of that call.
         lq, lk, lv, lc = written[0]
         meta = narrow[0]
-        pk.clear_plans()
+        state.clear_plans()
         trtopt_ops.paged_attention_rope(lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0,
                                         kv_written=True, **attrs)
         key_args = (lq, lk, lv, lc, *meta, hq, hkv, d, d ** -0.5, 1, 0, None, None, None, True)
-        plan = pk._PLANS[pk._plan_key(*key_args)]
+        plan = state.plans[state.plan_key(*key_args)]
         stream = launcher.current_stream(device.index or 0)
         out_buffer = torch.empty((1, hq, 1, d), dtype=torch.bfloat16, device=device)  # lives as long as the rows
         address = [lq.data_ptr(), lc.data_ptr(), *(x.data_ptr() for x in meta[:3]), lq.data_ptr(),
@@ -254,7 +261,7 @@ def main() -> None:
             lq, lk, lv, lc, *meta, rope_cos=cos, rope_sin=sin, rope_half=0, kv_written=True, **attrs)
         rows["written_call_kernel_entry"] = lambda: pk.paged_attention_triton(lq, lk, lv, lc, *meta, kv_written=True,
                                                                               **attrs)
-        rows["written_plan_key"] = lambda: pk._plan_key(*key_args)
+        rows["written_plan_key"] = lambda: state.plan_key(*key_args)
         rows["written_plan_call"] = lambda: plan(lq, lk, lv, lc, *meta, None, None, None)
         rows["written_out_empty"] = lambda: torch.empty((1, hq, 1, d), dtype=torch.bfloat16, device=device)
         rows["written_current_stream"] = lambda: launcher.current_stream(device.index or 0)
@@ -263,8 +270,8 @@ def main() -> None:
             rows["written_driver_launch"] = lambda: plan.attention.launch(stream, address)
         result["direct_output_equal"] = direct_output_equal(launches, q, k, v, cache, tables, seq_lens, qsl, slots,
                                                             attrs)
+    # The rows whose launches go through `state`'s launcher (the others follow TRTOPT_TRITON_DISPATCH).
     both_ways = {"write_kv_launch", "rope_write_kv_launch", "paged_attention_call", "paged_attention_rope_call",
-                 "argmax_triton", "gemv_qkv_launch", "gemv_rope_kv_launch", "add_rms_norm_launch", "silu_mul_launch",
                  *per_layer}
     rows.update(per_layer)
     for name, fn in rows.items():
@@ -272,9 +279,9 @@ def main() -> None:
         result[f"{name}_us"] = per_call_us(fn, args.n // calls, device) / calls
         print(f"{name:<36} {result[f'{name}_us']:8.2f} us/call")
         if name in both_ways:
-            launcher.set_dispatcher_only(True)
+            state.launcher.dispatcher_only = True
             result[f"{name}_dispatcher_us"] = per_call_us(fn, args.n // calls, device) / calls
-            launcher.set_dispatcher_only(False)
+            state.launcher.dispatcher_only = False
             print(f"{name + ' (dispatcher)':<36} {result[f'{name}_dispatcher_us']:8.2f} us/call")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

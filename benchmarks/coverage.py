@@ -45,7 +45,7 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from trtopt import LLM, SamplingParams
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.check.compare import tolerance_for
     from trtopt.export import export_model

@@ -48,7 +48,7 @@ def ensure_plan() -> Path:
     plan = CACHE / "smollm2-plan"
     if (plan / "plan.json").is_file():
         return plan
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.export import export_model
 
     onnx_dir = CACHE / "smollm2-onnx"

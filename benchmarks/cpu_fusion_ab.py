@@ -57,7 +57,8 @@ def make_gemma3_dir(out: Path) -> Path:
 def decode_ms(plan_dir: Path, batch: int, new_tokens: int, device: str = "cpu") -> list[float]:
     """Per-step wall ms of `new_tokens` decode steps of `batch` requests (prefill excluded)."""
     from trtopt.builder.plan import read_plan
-    from trtopt.runtime.engine import EngineConfig, LLMEngine
+    from trtopt.runtime.config import EngineConfig
+    from trtopt.runtime.engine import LLMEngine
     from trtopt.runtime.executors import create_executor
     from trtopt.runtime.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 

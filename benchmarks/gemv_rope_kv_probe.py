@@ -1,5 +1,5 @@
-"""Probe of the Q/K/V GEMV with RoPE and the KV write as its epilogue (runtime/gemv_kernel.py `gemv_rope_kv`, issue 11
-session 14), used to choose its default config.
+"""Probe of the Q/K/V GEMV with RoPE and the KV write as its epilogue (runtime/kernels/gemv_triton.py `gemv_rope_kv`,
+issue 11 session 14), used to choose its default config.
 
 1. Fidelity: the fused kernel against the plain GEMV followed by PagedAttention's RoPE + KV-write kernel, over shapes
    and dtypes: max abs difference of q, of the pool and of v, and whether q and the pool are bit-equal.
@@ -24,7 +24,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trtopt.plugins.paged_attention.kernel import rope_write_kv_triton  # noqa: E402
-from trtopt.runtime import gemv_kernel  # noqa: E402
+from trtopt.runtime.kernels import gemv_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 SHAPES = [(4, 2, 16, 64, None), (4, 2, 16, 100, (2, 32, 1)), (32, 8, 64, 2048, None), (9, 3, 64, 576, None)]
@@ -42,7 +42,7 @@ def case(hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, blocks: int = 5,
 
 def unfused(x, w, cos, sin, pool, slot, hq, hkv, d, config=None):
     """The plain GEMV, then the RoPE + KV-write kernel: (rotated q [1, Hq, 1, D], the GEMV's output)."""
-    y = gemv_kernel.gemv(x, w, config)
+    y = gemv_triton.gemv(x, w, config)
     q, k, v = (part.reshape(1, 1, h, d).transpose(1, 2)
                for part, h in zip(y.split([hq * d, hkv * d, hkv * d], -1), (hq, hkv, hkv)))
     return rope_write_kv_triton(q, k, v, cos, sin, pool, slot), y
@@ -53,7 +53,7 @@ def fidelity() -> None:
         for hq, hkv, d, k, cfg in SHAPES:
             x, w, cos, sin, pool, slot = case(hq, hkv, d, k, dtype)
             want_pool = pool.clone()
-            y = gemv_kernel.gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+            y = gemv_triton.gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                          config=cfg)
             q_rot, plain = unfused(x, w, cos, sin, want_pool, slot, hq, hkv, d,
                                    None if cfg is None else (2, cfg[1], cfg[2]))
@@ -82,18 +82,18 @@ def speed() -> None:
     hq, hkv, d, k = 32, 8, 64, 2048
     x, w, cos, sin, _, slot = case(hq, hkv, d, k, torch.bfloat16)
     pool = torch.zeros(64, 2, hkv, 16, d, dtype=torch.bfloat16, device=DEV)
-    rows = [("gemv", lambda: gemv_kernel.gemv(x, w)),
+    rows = [("gemv", lambda: gemv_triton.gemv(x, w)),
             ("gemv+rope_write_kv", lambda: unfused(x, w, cos, sin, pool, slot, hq, hkv, d))]
     for cfg in CONFIGS:
-        rows.append((f"gemv_rope_kv {cfg}", lambda cfg=cfg: gemv_kernel.gemv_rope_kv(
+        rows.append((f"gemv_rope_kv {cfg}", lambda cfg=cfg: gemv_triton.gemv_rope_kv(
             x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d, config=cfg)))
 
     def contracted():
-        saved, gemv_kernel.no_fp_fusion = gemv_kernel.no_fp_fusion, lambda: {}
+        saved, gemv_triton.no_fp_fusion = gemv_triton.no_fp_fusion, lambda: {}
         try:
-            return gemv_kernel.gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+            return gemv_triton.gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d)
         finally:
-            gemv_kernel.no_fp_fusion = saved
+            gemv_triton.no_fp_fusion = saved
 
     rows.append(("gemv_rope_kv fp-fusion-on", contracted))
     for name, fn in rows:

@@ -121,20 +121,21 @@ EXECUTOR_VARIANTS = {"rope_kv": ("without_rope_kv", {"fuse_rope_kv": False}),
 def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
     """An ablation plan: the same export built with a plan-level fusion pass turned off (`--disable-pass`); `rule`
     may name several joined by "+" (e.g. "silu_mul+add_rms_norm+rope", compile_study.py's unfused plan)."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
 
     build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=tuple(rule.split("+")))
 
 
-# Ablations that flip a module switch (same plan, same executor): the sampler's greedy argmax kernel (torch.argmax
-# instead), PagedAttention's split-KV merge inside the attention launch (a second merge launch instead), and the
-# placeholder fill and greedy argmax inside each step graph (launched from Python between replays instead).
+# Ablations that flip a switch (same plan, same executor): the sampler's greedy argmax kernel (torch.argmax
+# instead), PagedAttention's split-KV merge inside the attention launch (a second merge launch instead: the
+# executor's PagedLaunchState), and the placeholder fill and greedy argmax inside each step graph (launched from
+# Python between replays instead).
 RUNTIME_SWITCHES = ("argmax", "merge_in_kernel", "argmax_in_graph")
 
 
-def set_switch(rule: str, on: bool) -> None:
+def set_switch(rule: str, on: bool, executor=None) -> None:
     if rule == "argmax":
-        from trtopt.runtime import argmax
+        from trtopt.runtime.kernels import argmax
 
         argmax.use_kernel = on
     elif rule == "argmax_in_graph":
@@ -142,15 +143,15 @@ def set_switch(rule: str, on: bool) -> None:
 
         cuda_graphs.argmax_in_graph = on  # read by the StepGraphs each new engine captures
     else:
-        from trtopt.plugins.paged_attention import kernel as pk
-
-        pk.merge_in_kernel = on
-        pk.clear_plans()  # plans hold their launches
+        state = executor.paged_state  # the torch executor's (None off CUDA: no Triton attention to switch)
+        if state is not None:
+            state.merge_in_kernel = on
+            state.clear_plans()  # plans hold their launches
 
 
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
           ablate: tuple[str, ...] = ()) -> tuple[Path, Path, int, dict]:
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 
@@ -197,7 +198,7 @@ class StepTimer:
         executor = engine.executor
         inner_execute = executor.execute
 
-        graphs = getattr(executor, "graphs", None)
+        graphs = executor.graphs
 
         def execute(step):
             start = time.perf_counter()
@@ -231,7 +232,8 @@ class StepTimer:
 
 def make_engine(executor, plan, *, max_num_seqs: int, kv_gb: float, max_num_batched_tokens: int = 8192,
                 async_scheduling: bool | None = None):
-    from trtopt.runtime.engine import EngineConfig, LLMEngine
+    from trtopt.runtime.config import EngineConfig
+    from trtopt.runtime.engine import LLMEngine
 
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           kv_cache_memory_gb=kv_gb, enable_prefix_caching=False, async_scheduling=async_scheduling)
@@ -282,7 +284,7 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         # the part left exposed (not overlapped with the previous step) with async scheduling.
         "host_ms_per_step": (wall - gpu) / steps * 1e3 if gpu else None,
         "step_ms": wall / steps * 1e3, "async_scheduling": engine.async_scheduling, "output_kind": "final_only",
-        "cuda_graphs": bool(getattr(engine.executor, "graphs", None) and engine.executor.graphs.enabled),
+        "cuda_graphs": bool(engine.executor.graphs and engine.executor.graphs.enabled),
         **split,
     }
 
@@ -313,7 +315,7 @@ def timed_workload(executor, plan, requests, *, max_batch: int, wave: int | None
         engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb, async_scheduling=async_scheduling)
     finally:
         set_switch("argmax_in_graph", True)
-    graphs = getattr(executor, "graphs", None)
+    graphs = executor.graphs
     if graphs is not None:
         graphs.decode_only = variant == "decode_only"
         if variant == "pad_step":
@@ -360,7 +362,7 @@ def batch1_decode(engine, vocab: int, device: torch.device, new_tokens: int = 25
     timer.restore()
     decode_steps = len(stamps) - 1  # the first token came from the prefill
     wall = stamps[-1] - stamps[0]
-    graphs = getattr(engine.executor, "graphs", None)
+    graphs = engine.executor.graphs
     return {
         "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": decode_steps / wall,
         "ms_per_token": wall / decode_steps * 1e3,
@@ -381,7 +383,7 @@ def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4, gra
 
     from trtopt.runtime.sampling_params import SamplingParams
 
-    graphs = getattr(engine.executor, "graphs", None)
+    graphs = engine.executor.graphs
     if device.type != "cuda" or graphs is None:
         return None
     engine.add_request("prof", {"prompt_token_ids": list(range(3, 67))},
@@ -415,7 +417,7 @@ def graph_replay_ms(engine, device: torch.device) -> float | None:
     """Device time of one replay of the batch-1 decode graph (the model alone, no engine)."""
     from trtopt.runtime.executors.cuda_graphs import GraphBucket
 
-    graphs = getattr(engine.executor, "graphs", None)
+    graphs = engine.executor.graphs
     one = GraphBucket(1, 1, 1)
     if device.type != "cuda" or not graphs or one not in graphs._captured:
         return None
@@ -626,7 +628,7 @@ def main() -> None:
             b1["roofline_tok_s"] = b1["copy_bandwidth_Bps"] / b1["bytes_per_step"]
             b1["fraction_of_roofline"] = b1["decode_tok_s"] / b1["roofline_tok_s"]
         data["batch1"] = b1
-        graphs = getattr(executor, "graphs", None)
+        graphs = executor.graphs
         if graphs is not None and graphs.capture_report is not None:
             report = graphs.capture_report
             b1["graph_capture"] = {"graphs": report.num_graphs, "seconds": report.seconds,
@@ -638,18 +640,19 @@ def main() -> None:
             data["batch1_sync"] = batch1_decode(engine, shape.vocab, device)
             del engine
             log(f"batch 1 sync: {data['batch1_sync']['decode_tok_s']:.0f} tok/s vs async {b1['decode_tok_s']:.0f}")
-        if "eager" not in args.skip and getattr(executor, "graphs", None) is not None:
+        if "eager" not in args.skip and executor.graphs is not None:
             # Graphs off: every step launches its ~200 kernels from Python. Triton's dispatcher against
-            # plugins/launcher.py (the compiled kernels launched directly), same plan, same run.
-            from trtopt.plugins import launcher
-
+            # plugins/launcher.py (the compiled kernels launched directly), same plan, same run. The switch is the
+            # executor's PagedLaunchState's launcher: PagedAttention's launches (and no per-step plan); the other
+            # kernels launch as TRTOPT_TRITON_DISPATCH said at import (set it for an all-dispatcher run).
+            launcher = executor.paged_state.launcher
             for row, dispatch in (("batch1_eager_dispatcher", True), ("batch1_eager", False)):
-                previous = launcher.set_dispatcher_only(dispatch)
+                previous, launcher.dispatcher_only = launcher.dispatcher_only, dispatch
                 engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0),
                                      async_scheduling=use_async)
                 executor.graphs.enabled = False  # the engine captured a new set; none of them replays here
                 data[row] = batch1_decode(engine, shape.vocab, device, new_tokens=128)
-                launcher.set_dispatcher_only(previous)
+                launcher.dispatcher_only = previous
                 del engine
                 log(f"{row}: {data[row]['decode_tok_s']:.0f} tok/s, host {data[row]['host_ms_per_token']:.3f} "
                     f"ms/token exposed")
@@ -659,7 +662,7 @@ def main() -> None:
         for rule in args.ablate:
             row = f"without_{rule}"
             if rule in RUNTIME_SWITCHES:  # a module switch off, same plan and executor
-                set_switch(rule, False)
+                set_switch(rule, False, executor)
                 plan_x, executor_x = plan, executor
             elif rule in EXECUTOR_VARIANTS:
                 from trtopt.runtime.executors.torch_executor import TorchExecutor
@@ -679,7 +682,7 @@ def main() -> None:
             bx["kernels_per_step"] = (bx["profile_eager"] or {}).get("kernels_per_step")
             ablations[row] = bx
             if rule in RUNTIME_SWITCHES:
-                set_switch(rule, True)
+                set_switch(rule, True, executor)
             log(f"batch 1 {row}: {bx['decode_tok_s']:.0f} tok/s, graph replay "
                 f"{bx['graph_replay_ms'] or 0:.3f} ms, {bx['kernels_per_step']} kernels/step")
             del engine, executor_x
@@ -722,7 +725,7 @@ def main() -> None:
             f"{r['steps']} steps, mean running {r['mean_running']:.0f}, GPU busy {100 * (r['gpu_busy_frac'] or 0):.0f}%, "
             f"eager steps {r.get('eager_steps')}")
         save()
-    graphs = getattr(executor, "graphs", None)
+    graphs = executor.graphs
     del executor, graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -37,7 +37,8 @@ def compiled(jit_fn):
 
 def main() -> None:
     from trtopt.plugins.flash_attention import kernel as fa
-    from trtopt.plugins.paged_attention import kernel as pa
+    from trtopt.plugins.paged_attention import attention, write_kv
+    from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_attention import make_paged_decode
@@ -48,22 +49,22 @@ def main() -> None:
     for kern in compiled(fa._flash_fwd_kernel):
         describe(kern)
 
-    attrs = dict(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5)
+    attrs = dict(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5, state=PagedLaunchState())
     for B, L in ((64, 4096), (1, 32768)):
         step = make_paged_decode(B, 32, 8, L, 128)
         for _ in range(3):
-            pa.paged_attention_triton(**step, **attrs)
+            paged_attention_triton(**step, **attrs)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                pa.paged_attention_triton(**step, **attrs)
+                paged_attention_triton(**step, **attrs)
             torch.cuda.synchronize()
         print(f"paged decode B{B} L{L}: per-kernel CUDA time (20 steps)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
     print("paged attention kernels")
-    for kern in compiled(pa._paged_attn_kernel):
+    for kern in compiled(attention._paged_attn_kernel):
         describe(kern)
-    for kern in compiled(pa._write_kv_kernel):
+    for kern in compiled(write_kv._write_kv_kernel):
         describe(kern)
 
 

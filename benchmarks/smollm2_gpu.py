@@ -83,7 +83,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
     from trtopt.export.models import resolve_model

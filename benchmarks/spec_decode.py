@@ -44,7 +44,7 @@ def methods(args) -> dict[str, dict | None]:
 
 def graph_counters(engine: LLMEngine) -> tuple[int, int]:
     """(target steps, draft forwards) that ran eagerly so far; (-1, -1) where there are no graphs."""
-    target = getattr(engine.executor, "graphs", None)
+    target = engine.executor.graphs
     proposer = getattr(engine.spec, "proposer", None) if engine.spec else None
     draft = getattr(getattr(proposer, "executor", None), "graphs", None)
     return (target.num_eager if target is not None else -1, draft.num_eager if draft is not None else -1)

@@ -92,7 +92,7 @@ def make_plans(work: Path, shape: gpu_e2e.Shape, device: torch.device, max_num_s
                runs: tuple[str, ...] = ("1", "2")) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 
@@ -160,10 +160,7 @@ def all_reduce_profile(engine, vocab: int, steps: int = 8) -> dict | None:
     was_enabled = bool(graphs and graphs.enabled)
 
     def set_graphs(flag: bool) -> None:  # on every rank at once for a tensor-parallel executor
-        if hasattr(executor, "set_cuda_graphs"):
-            executor.set_cuda_graphs(flag)
-        elif graphs is not None:
-            graphs.enabled = flag
+        executor.set_cuda_graphs(flag)
 
     set_graphs(False)  # eager: the profiler sees every kernel
     try:

@@ -97,7 +97,7 @@ def export_dir(exported):
 @pytest.fixture(scope="session")
 def built_plan(export_dir, tmp_path_factory):
     """built_plan(model) -> plan dir built from the session's shared export of `model`."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
 
     cache: dict[str, Path] = {}
 
@@ -113,7 +113,7 @@ def built_plan(export_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def plan_dir(export_dir, tmp_path_factory):
     """plan_dir(model, exporter="dynamo") → Path of a plan built from the shared export (block_size 16)."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
 
     cache: dict[tuple[str, str], Path] = {}

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtopt.builder.builder import build_plan
+from trtopt.builder.pipeline import build_plan
 from trtopt.builder.plan import Limits, read_plan
 from trtopt.errors import BuildError, ConfigError, FusionError
 

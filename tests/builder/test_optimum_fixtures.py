@@ -53,7 +53,7 @@ def test_fixtures_are_small_and_complete():
              for a in ARCHS])
 def test_optimum_export_builds_and_equals_hf(tmp_path, arch):
     from trtopt import LLM, SamplingParams
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
 
     model_dir = FIXTURES / arch

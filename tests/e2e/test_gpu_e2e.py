@@ -67,7 +67,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 @pytest.fixture(scope="module")
 def plan_for(tmp_path_factory):
     """plan_for(model, dtype) -> a plan dir built once per module from a fresh export of the model in `dtype`."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.export import export_model
 
     cache: dict[tuple[str, str], Path] = {}
@@ -194,7 +194,8 @@ def test_fp32_chunked_prefill_mixed_steps_equal_hf(model, plan_for, hf_for):
 def test_fp32_cuda_graphs_every_step_equals_hf(model, plan_for, hf_for):
     """Requests admitted while others decode (mixed prefill + decode steps, chunked by a 24-token budget): on CUDA
     every step after start-up capture replays a graph, and greedy output still equals HF."""
-    from trtopt.runtime.engine import EngineConfig, LLMEngine, load_tokenizer
+    from trtopt.runtime.config import EngineConfig, load_tokenizer
+    from trtopt.runtime.engine import LLMEngine
     from trtopt.runtime.executors import create_executor
 
     plan_dir = plan_for(model, "fp32")

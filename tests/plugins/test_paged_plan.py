@@ -1,4 +1,4 @@
-"""PagedAttention planned once per step shape and launched per layer (kernel.py `_PagedPlan`, issue 11).
+"""PagedAttention planned once per step shape and launched per layer (attention.py `_PagedPlan`).
 
 The first call of a shape checks its inputs, plans the tiling and prepares the launches; every later call with the
 same shapes, strides, dtypes and devices (the other layers of the step, and later steps) only allocates its outputs
@@ -7,7 +7,8 @@ and launches those, with its own tensors. These tests hold the planned calls to 
 step, a next step with new metadata tensors, the RoPE fold, split-KV, ALiBi and a sliding window; and check that
 what a plan cannot serve (another dtype, bad metadata, a misaligned view on a GPU) takes the full path, which
 checks it. On the CPU the plan's launches go through the Triton interpreter (launcher.Relaunch); on a GPU through
-the CUDA driver (launcher.DriverLaunch), which is also asserted.
+the CUDA driver (launcher.DriverLaunch), which is also asserted. Each test owns its PagedLaunchState (planning.py),
+as an executor does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from test_paged_attention_kernel import Case, make_step, rope_tables
 
 from trtopt.plugins import launcher
+from trtopt.plugins.paged_attention import attention, planning
 from trtopt.plugins.paged_attention import kernel as pk
 
 CASES = {
@@ -49,85 +51,87 @@ def full_path_launch(step, device) -> pk.PagedLaunch:
     T, S = step.q.shape[2], step.seq_lens.shape[0]
     Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
     return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, step.block_tables.shape[1] * step.kv_cache.shape[3],
-                                pk._device_sm_count(device), interpret=device.type != "cuda")
+                                planning._device_sm_count(device), interpret=device.type != "cuda")
 
 
-def call(step, q, k, v, pool, rope, **extra):
+def call(step, q, k, v, pool, rope, state, **extra):
     return pk.paged_attention_triton(q, k, v, pool, step.block_tables, step.seq_lens, step.query_start_loc,
                                      step.slot_mapping, alibi_slopes=step.alibi_slopes, **rope, **step.attrs,
-                                     **extra)
+                                     state=state, **extra)
 
 
-def plan_calls() -> int:
-    return sum(plan.calls for plan in pk._PLANS.values())
+def plan_calls(state) -> int:
+    return sum(plan.calls for plan in state.plans.values())
 
 
-def assert_layers_equal_full_path(step, rope, device, layers=3):
+def assert_layers_equal_full_path(step, rope, device, state, layers=3):
     """Run `layers` layers through the planned path and through the full path; outputs and pools bit for bit."""
     planned, full = layer_tensors(step, layers), layer_tensors(step, layers)
     launch = full_path_launch(step, device)
-    before = plan_calls()
+    before = plan_calls(state)
     for (q, k, v, pool), (fq, fk, fv, fpool) in zip(planned, full):
-        got, _ = call(step, q, k, v, pool, rope)
-        want, _ = call(step, fq, fk, fv, fpool, rope, launch=launch)
+        got, _ = call(step, q, k, v, pool, rope, state)
+        want, _ = call(step, fq, fk, fv, fpool, rope, state, launch=launch)
         torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(pool, fpool, atol=0, rtol=0, equal_nan=True)
-    return plan_calls() - before
+    return plan_calls(state) - before
 
 
 @pytest.mark.parametrize("name, rope", [(n, r) for n in CASES for r in (False, True) if not CASES[n].alibi])
 def test_planned_layers_equal_the_full_path(name, rope, kernel_device):
-    pk.clear_plans()
+    state = pk.PagedLaunchState()
     case = CASES[name]
     step = make_step(case, kernel_device)
     tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, kernel_device))) if rope else {}
     # The first layer plans (full path), the other two are served by the plan.
-    assert assert_layers_equal_full_path(step, tables, kernel_device) == 2
-    assert len(pk._PLANS) == 1
+    assert assert_layers_equal_full_path(step, tables, kernel_device, state) == 2
+    assert len(state.plans) == 1
     if kernel_device.type == "cuda":
-        (plan,) = pk._PLANS.values()
+        (plan,) = state.plans.values()
         assert isinstance(plan.attention, launcher.DriverLaunch) and plan.cuda == step.q.device.index
     # The next step: new metadata tensors of the same shapes (other blocks, other slots): the same plan serves it.
     nxt = make_step(dataclasses.replace(case, seed=case.seed + 10), kernel_device)
-    assert assert_layers_equal_full_path(nxt, tables, kernel_device) == 3
-    assert len(pk._PLANS) == 1
+    assert assert_layers_equal_full_path(nxt, tables, kernel_device, state) == 3
+    assert len(state.plans) == 1
 
 
 def test_planned_alibi_and_window(kernel_device):
-    pk.clear_plans()
+    state = pk.PagedLaunchState()
     step = make_step(CASES["alibi_window"], kernel_device)
-    assert assert_layers_equal_full_path(step, {}, kernel_device) == 2
+    assert assert_layers_equal_full_path(step, {}, kernel_device, state) == 2
 
 
 def test_what_a_plan_cannot_serve_takes_the_checked_path(kernel_device):
-    pk.clear_plans()
+    state = pk.PagedLaunchState()
     case = CASES["decode_gqa4"]
     step = make_step(case, kernel_device)
-    assert_layers_equal_full_path(step, {}, kernel_device, layers=2)
-    assert len(pk._PLANS) == 1
+    assert_layers_equal_full_path(step, {}, kernel_device, state, layers=2)
+    assert len(state.plans) == 1
     # Another dtype is another key: a second plan, not the first one misused.
     half = make_step(dataclasses.replace(case, dtype=torch.float16), kernel_device)
-    assert_layers_equal_full_path(half, {}, kernel_device, layers=2)
-    assert len(pk._PLANS) == 2
+    assert_layers_equal_full_path(half, {}, kernel_device, state, layers=2)
+    assert len(state.plans) == 2
     # Bad inputs still meet the checks, with plans for their shapes' good twins in place.
     with pytest.raises(ValueError, match="slot_mapping"):
         pk.paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
-                                  step.query_start_loc, step.slot_mapping.int(), **step.attrs)
+                                  step.query_start_loc, step.slot_mapping.int(), **step.attrs, state=state)
     with pytest.raises(ValueError, match="kv_cache"):
         pk.paged_attention_triton(step.q, step.k, step.v, step.kv_cache[:, :, :1], step.block_tables,
-                                  step.seq_lens, step.query_start_loc, step.slot_mapping, **step.attrs)
+                                  step.seq_lens, step.query_start_loc, step.slot_mapping, **step.attrs,
+                                  state=state)
     cos, sin = rope_tables(case, kernel_device)
     with pytest.raises(ValueError, match="together"):
         pk.paged_attention_triton(step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens,
-                                  step.query_start_loc, step.slot_mapping, rope_cos=cos, **step.attrs)
+                                  step.query_start_loc, step.slot_mapping, rope_cos=cos, **step.attrs,
+                                  state=state)
+    # A call without a state plans nothing, and leaves the caller's plans alone.
+    before = plan_calls(state)
+    call(step, *layer_tensors(step, 1)[0], {}, None)
+    assert plan_calls(state) == before and len(state.plans) == 2
     # With launches through the dispatcher only (the A/B baseline), no plan is used or made.
-    previous = launcher.set_dispatcher_only(True)
-    try:
-        before = plan_calls()
-        call(step, *layer_tensors(step, 1)[0], {})
-        assert plan_calls() == before and len(pk._PLANS) == 2
-    finally:
-        launcher.set_dispatcher_only(previous)
+    state.launcher.dispatcher_only = True
+    call(step, *layer_tensors(step, 1)[0], {}, state)
+    assert plan_calls(state) == before and len(state.plans) == 2
 
 
 @pytest.mark.gpu
@@ -137,7 +141,7 @@ def test_gpu_misaligned_view_falls_back_to_the_full_path():
     views of the same strides, must not be launched with the aligned kernel: the plan refuses it, the full path
     launches the right one, and the output equals the full path's."""
     device = torch.device("cuda")
-    pk.clear_plans()
+    state = pk.PagedLaunchState()
     case = CASES["bf16_decode"]
     step = make_step(case, device)
     Hq, T, D = step.q.shape[1:]
@@ -146,8 +150,8 @@ def test_gpu_misaligned_view_falls_back_to_the_full_path():
     for offset in (0, 1, 0, 1):
         q = storage[offset:offset + T * Hq * D].view(1, T, Hq, D).transpose(1, 2)
         pool, full_pool = step.kv_cache.clone(), step.kv_cache.clone()
-        got, _ = call(step, q, step.k, step.v, pool, {})
-        want, _ = call(step, q, step.k, step.v, full_pool, {}, launch=launch)
+        got, _ = call(step, q, step.k, step.v, pool, {}, state)
+        want, _ = call(step, q, step.k, step.v, full_pool, {}, state, launch=launch)
         torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(pool, full_pool, atol=0, rtol=0, equal_nan=True)
 
@@ -160,22 +164,22 @@ def test_gpu_plan_on_another_stream_and_in_a_captured_graph(rope):
     stream, and while a CUDA graph is captured, it must use a workspace of its own; the captured driver launches
     must replay to the full path's output."""
     device = torch.device("cuda")
-    pk.clear_plans()
+    state = pk.PagedLaunchState()
     case = CASES["split_kv"]
     step = make_step(case, device)
     tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, device))) if rope else {}
     launch = full_path_launch(step, device)
-    assert assert_layers_equal_full_path(step, tables, device, layers=2) == 1
-    (plan,) = pk._PLANS.values()
+    assert assert_layers_equal_full_path(step, tables, device, state, layers=2) == 1
+    (plan,) = state.plans.values()
     assert plan.owned is not None and plan.scratch is not None
     kept = plan.owned[1]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     (q, k, v, pool), (fq, fk, fv, fpool) = layer_tensors(step, 1)[0], layer_tensors(step, 1)[0]
     with torch.cuda.stream(side):
-        got, _ = call(step, q, k, v, pool, tables)
+        got, _ = call(step, q, k, v, pool, tables, state)
     torch.cuda.current_stream().wait_stream(side)
-    want, _ = call(step, fq, fk, fv, fpool, tables, launch=launch)
+    want, _ = call(step, fq, fk, fv, fpool, tables, state, launch=launch)
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
     assert plan.owned[1] is kept, "a call on another stream replaced the kept workspace"
     # Captured: the plan serves the call inside the graph, with a workspace the graph owns.
@@ -183,11 +187,11 @@ def test_gpu_plan_on_another_stream_and_in_a_captured_graph(rope):
     calls = plan.calls
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got, _ = call(step, q, k, v, pool, tables)
+        got, _ = call(step, q, k, v, pool, tables, state)
     assert plan.calls == calls + 1 and plan.owned[1] is kept
     graph.replay()
     torch.cuda.synchronize()
-    want, _ = call(step, fq, fk, fv, fpool, tables, launch=launch)
+    want, _ = call(step, fq, fk, fv, fpool, tables, state, launch=launch)
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(pool, fpool, atol=0, rtol=0, equal_nan=True)
 
@@ -213,15 +217,14 @@ def test_gpu_planned_alibi_and_what_a_plan_cannot_serve():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_plans_keep_no_workspace_past_their_budget(monkeypatch):
-    """Past _MAX_OWNED_BYTES a plan allocates its workspace per call instead of keeping it: same output."""
+def test_gpu_plans_keep_no_workspace_past_their_budget():
+    """Past its state's budget a plan allocates its workspace per call instead of keeping it: same output."""
     device = torch.device("cuda")
-    pk.clear_plans()
-    monkeypatch.setattr(pk, "_MAX_OWNED_BYTES", 0)
+    state = pk.PagedLaunchState(max_owned_bytes=0)
     step = make_step(CASES["split_kv"], device)
     tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(CASES["split_kv"], device)))
-    assert assert_layers_equal_full_path(step, tables, device) == 2
-    (plan,) = pk._PLANS.values()
+    assert assert_layers_equal_full_path(step, tables, device, state) == 2
+    (plan,) = state.plans.values()
     assert plan.owned is None and plan.workspace_bytes > 0
 
 
@@ -230,10 +233,11 @@ def test_metadata_resized_in_place_is_read_again():
     key, not the old plan's."""
     tables = torch.zeros(2, 4, dtype=torch.int32)
     rest = (torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
-    before = pk._METADATA.key(tables, *rest)
-    assert pk._METADATA.key(tables, *rest) is before
+    memo = planning._MetadataMemo()
+    before = memo.key(tables, *rest)
+    assert memo.key(tables, *rest) is before
     tables.resize_(2, 8)
-    after = pk._METADATA.key(tables, *rest)
+    after = memo.key(tables, *rest)
     assert after != before and after[0][0] == (2, 8)
 
 
@@ -243,8 +247,9 @@ def test_metadata_check_is_forgotten_with_the_tensors():
     step = make_step(CASES["decode_gqa4"], torch.device("cpu"))
     args = (step.q, step.k, step.v, step.kv_cache, step.block_tables, step.seq_lens, step.query_start_loc)
     attrs = (step.attrs["num_heads"], step.attrs["num_kv_heads"], step.attrs["head_dim"], None)
-    pk._check_paged_inputs(*args, step.slot_mapping, *attrs)
-    assert pk._METADATA.checked == (step.q.shape[2], step.q.device)
+    memo = planning._MetadataMemo()
+    attention._check_paged_inputs(*args, step.slot_mapping, *attrs, memo)
+    assert memo.checked == (step.q.shape[2], step.q.device)
     with pytest.raises(ValueError, match="slot_mapping"):
-        pk._check_paged_inputs(*args, step.slot_mapping.int(), *attrs)
-    assert pk._METADATA.checked is None
+        attention._check_paged_inputs(*args, step.slot_mapping.int(), *attrs, memo)
+    assert memo.checked is None

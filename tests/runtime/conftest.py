@@ -26,7 +26,8 @@ def executor_for(built_plan):
 def engine_for(built_plan, executor_for):
     """engine_for(model, backend, **EngineConfig fields) -> a fresh LLMEngine on the shared executor."""
     from trtopt.builder.plan import read_plan
-    from trtopt.runtime.engine import EngineConfig, LLMEngine, load_tokenizer
+    from trtopt.runtime.config import EngineConfig, load_tokenizer
+    from trtopt.runtime.engine import LLMEngine
 
     tokenizers: dict[str, object] = {}
 

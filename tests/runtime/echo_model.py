@@ -16,6 +16,7 @@ import torch
 
 from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
 from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.base import Executor
 
 if TYPE_CHECKING:
     from trtopt.runtime.engine import LLMEngine
@@ -54,12 +55,12 @@ def reference_generate(prompt: list[int], max_tokens: int, *, eos: int | None = 
     return out
 
 
-class EchoExecutor:
-    """Implements the Executor protocol on the echo model, checking the §3 invariants as it goes."""
+class EchoExecutor(Executor):
+    """The Executor contract on the echo model (its capabilities the base's defaults), checking the §3 invariants as
+    it goes."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.num_blocks = 0
         self.steps: list[StepInputs] = []
         self.copies: list[tuple[int, int]] = []
         self.fail_next = False
@@ -104,7 +105,7 @@ class EchoExecutor:
 def poison(engine: LLMEngine, request_id: str, **fields) -> None:
     """Set sampling fields of a queued request past validation: a value that slipped through the edge (say
     top_k=2**63, which no int64 tensor holds) must still hurt no one else."""
-    for seq in engine._groups[request_id].seqs:
+    for seq in engine.output_processor.groups[request_id].seqs:
         for k, v in fields.items():
             object.__setattr__(seq.params, k, v)
         # As if the params had been made with these values: drop what was derived (and cached) from the old ones.
@@ -123,7 +124,7 @@ def check_engine(engine: LLMEngine) -> None:
     pending = [s for r in sched.requests.values() for s in r.pending_forks]
     places = collections.Counter(r.request_id for r in (*sched.running, *sched.waiting, *pending))
     assert places == collections.Counter(set(sched.requests)), "a sequence is in no queue, or in two"
-    open_seqs = {r.request_id for g in engine._groups.values() for r in g.seqs if not r.status.finished}
+    open_seqs = {r.request_id for g in engine.output_processor.groups.values() for r in g.seqs if not r.status.finished}
     assert open_seqs == set(sched.requests), "engine groups and scheduler disagree on what is open"
     if not engine.has_unfinished_requests():
         assert not sched.requests and not holders and not sched.running and not sched.waiting

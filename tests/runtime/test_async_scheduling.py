@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from trtopt.runtime.engine import EngineConfig, LLMEngine, default_async_scheduling
+from trtopt.runtime.config import EngineConfig, default_async_scheduling
+from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 
 from echo_model import VOCAB, EchoExecutor, check_engine, make_plan, reference_generate
@@ -198,7 +199,7 @@ def test_async_equals_sync_on_a_real_plan(engine_for):
         # A small token budget chunks the long prompt; 14 blocks of 16 force preemptions under this load.
         engine = engine_for(MODEL, "torch", max_model_len=128, max_num_batched_tokens=32, num_blocks=14,
                             async_scheduling=mode)
-        assert engine.async_scheduling is mode and getattr(engine.executor, "resolves_placeholders", False)
+        assert engine.async_scheduling is mode and engine.executor.resolves_placeholders
         results[mode], _ = _run(engine, _real_workload(stop))
         if mode:
             assert engine.scheduler.num_preemptions > 0

@@ -14,7 +14,8 @@ import random
 
 import pytest
 
-from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.config import EngineConfig
+from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.request import RequestStatus
 from trtopt.runtime.sampling_params import SamplingParams
 
@@ -87,7 +88,8 @@ class Fuzzer:
         else:
             self.fault("input")
         check_engine(self.engine)
-        assert set(self.open) == set(self.engine._groups), "the engine and the fuzzer disagree on what is open"
+        open_ids = set(self.engine.output_processor.groups)
+        assert set(self.open) == open_ids, "the engine and the fuzzer disagree on what is open"
 
     def add(self) -> None:
         rnd = self.rnd
@@ -120,7 +122,7 @@ class Fuzzer:
     def abort(self) -> None:
         rid = self.rnd.choice(sorted(self.open)) if self.rnd.random() < 0.9 else "nobody"
         if rid in self.open:
-            self.counts[f"abort_{_moment(self.engine._groups[rid].seqs[0])}"] += 1
+            self.counts[f"abort_{_moment(self.engine.output_processor.groups[rid].seqs[0])}"] += 1
         assert self.engine.abort(rid) == (rid in self.open)
         self.open.pop(rid, None)
         self.bad_inputs -= {f"{rid}#{i}" for i in range(1, 4)} | {rid}
@@ -128,7 +130,7 @@ class Fuzzer:
 
     def fault(self, kind: str) -> None:
         rid = self.rnd.choice(sorted(self.open))
-        seqs = [s for s in self.engine._groups[rid].seqs if not s.status.finished]
+        seqs = [s for s in self.engine.output_processor.groups[rid].seqs if not s.status.finished]
         if kind == "sampler":
             poison(self.engine, rid, top_k=2**63, temperature=1.0)
         elif kind == "update":

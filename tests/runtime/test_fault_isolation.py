@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from trtopt.errors import RequestError
-from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.config import EngineConfig
+from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 
 from echo_model import EchoExecutor, ExplodingDetokenizer, check_engine, make_plan, poison, reference_generate
@@ -86,7 +87,7 @@ def test_an_update_fault_ends_only_its_request():
     engine, _ = make_engine()
     engine.add_request("a", [5, 6, 7], GREEDY)
     engine.add_request("bad", [5, 6, 8], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
-    engine._groups["bad"].seqs[0].detok = ExplodingDetokenizer()
+    engine.output_processor.groups["bad"].seqs[0].detok = ExplodingDetokenizer()
     done = run_all(engine)
     bad = done["bad"]
     assert [c.finish_reason for c in bad.outputs] == ["error", "error"], "every completion of the request ends"

@@ -106,7 +106,8 @@ def test_kv_cache_memory_holds_a_draft_models_own_pool(built_plan):
     are shared), split in proportion to their per-block bytes; a self-draft runs on the target's pools and adds none."""
     from trtopt.builder.draft import build_draft_plan, self_draft_dir
     from trtopt.builder.plan import read_plan
-    from trtopt.runtime.engine import LLMEngine, block_bytes
+    from trtopt.runtime.config import block_bytes
+    from trtopt.runtime.engine import LLMEngine
 
     plan_dir = built_plan("tiny-llama")
     draft = self_draft_dir(plan_dir, 1)

@@ -16,9 +16,9 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import triton.language as tl
-    from trtopt.plugins.paged_attention.kernel import _rope_write_kv_kernel
+    from trtopt.plugins.paged_attention.write_kv import _rope_write_kv_kernel
     from trtopt.plugins.trt_common import compile_ptx
-    from trtopt.runtime.argmax_kernel import _argmax_pieces, _argmax_rows
+    from trtopt.runtime.kernels.argmax_triton import _argmax_pieces, _argmax_rows
 
     TL = {"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}
     done = []
@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent("""
 
     # The decode GEMVs (issue 11, session 13), in the dtypes the executor runs them in, plain (storing float32 at one
     # row, as the LM head's does) and SiLU·mul.
-    from trtopt.runtime.gemv_kernel import _gemv
+    from trtopt.runtime.kernels.gemv_triton import _gemv
     for dt in ("fp16", "bf16"):
         for m_pad in (1, 4):
             for silu in (False, True):
@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent("""
                     dict(M_PAD=m_pad, BLOCK_N=2, BLOCK_K=2048 // m_pad, K_TILES=m_pad, EVEN_K=True, SILU_MUL=silu,
                          DTYPE=TL[dt], OUT_DTYPE=TL["fp32" if m_pad == 1 and not silu else dt]))
     # ... and the Q/K/V GEMV with RoPE and the KV write as its epilogue (session 14), one and two pairs a program.
-    from trtopt.runtime.gemv_kernel import _gemv_rope_kv
+    from trtopt.runtime.kernels.gemv_triton import _gemv_rope_kv
     for dt in ("fp16", "bf16"):
         for pairs in (1, 2):
             sig = {n: "*" + dt for n in ("X", "W", "Y", "Cos", "Sin", "Cache")}

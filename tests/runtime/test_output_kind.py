@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from trtopt.errors import RequestError
-from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.config import EngineConfig
+from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 from echo_model import EchoExecutor, check_engine, make_plan, prompts

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from trtopt.errors import RequestError
-from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.config import EngineConfig
+from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 
 from echo_model import VOCAB, EchoExecutor, make_plan, prompts, reference_generate

@@ -11,7 +11,8 @@ import torch
 
 from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.block_pool import hash_block
-from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.config import EngineConfig
+from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.runtime.spec_decode.ngram import ngram_lookup, ngram_lookup_batch
 from trtopt.runtime.spec_decode.proposer import Proposal
@@ -330,7 +331,7 @@ SMOL_TOKENS = 16
 def smol(built_plan, executor_for):
     from trtopt.builder.draft import build_draft_plan
     from trtopt.builder.plan import read_plan
-    from trtopt.runtime.engine import load_tokenizer
+    from trtopt.runtime.config import load_tokenizer
 
     plan_dir = built_plan(SMOL)
     for n in (4, 20):

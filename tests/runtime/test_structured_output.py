@@ -158,7 +158,8 @@ def test_speculative_decoding_refuses_structured_output():
     """Draft tokens are proposed without the grammar, so the combination is refused up front (not rolled back)."""
     from echo_model import EchoExecutor, make_plan
 
-    from trtopt.runtime.engine import EngineConfig, LLMEngine
+    from trtopt.runtime.config import EngineConfig
+    from trtopt.runtime.engine import LLMEngine
 
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     engine = LLMEngine(EchoExecutor(4), make_plan(block_size=4, max_num_tokens=64, max_num_seqs=4, max_model_len=64),

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trtopt.builder.builder import build_plan
+from trtopt.builder.pipeline import build_plan
 from trtopt.builder.plan import Limits
 from trtopt.errors import WorkerDiedError
 from trtopt.runtime.llm import LLM

@@ -12,7 +12,7 @@ NUM_BLOCKS = 40  # 39 usable (a 512-token sequence needs 32): the 50-client load
 
 @pytest.fixture(scope="session")
 def tiny_plan(export_dir, tmp_path_factory) -> Path:
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
 
     out = tmp_path_factory.mktemp("serving") / "tiny-plan"
     build_plan(export_dir("tiny-llama"), out, progress=False)

@@ -14,7 +14,9 @@ import torch
 from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
 from trtopt.errors import RequestError
 from trtopt.runtime.batch import StepInputs
-from trtopt.runtime.engine import EngineConfig, LLMEngine
+from trtopt.runtime.config import EngineConfig
+from trtopt.runtime.engine import LLMEngine
+from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.async_engine import AsyncLLMEngine
 from trtopt.serving.engine_loop import MAX_CONSECUTIVE_FAILED_STEPS, EngineDeadError, EngineLoop, RequestFailedError
@@ -23,7 +25,7 @@ VOCAB = 50
 POISON = 13  # a step that contains this token id fails, as a broken kernel would
 
 
-class CountingExecutor:
+class CountingExecutor(Executor):
     """Greedy next token = previous token + 1 (mod VOCAB); raises on any step that holds POISON."""
 
     def __init__(self) -> None:
@@ -160,8 +162,8 @@ def test_a_raising_callback_does_not_stop_the_loop():
             done.set()
 
     try:
-        loop.add("a", {"prompt_token_ids": [1]}, GREEDY, explode)
-        loop.add("b", {"prompt_token_ids": [2]}, GREEDY, collect)
+        loop.add("a", loop.prepare({"prompt_token_ids": [1]}, GREEDY), explode)
+        loop.add("b", loop.prepare({"prompt_token_ids": [2]}, GREEDY), collect)
         assert done.wait(30), "request b never finished"
     finally:
         loop.stop()
@@ -236,7 +238,7 @@ def _poison_on_add(engine: LLMEngine, request_id: str, **fields) -> None:
     def add_then_poison(rid, prompt, params=None, **kw):
         add(rid, prompt, params, **kw)
         if rid == request_id:
-            for seq in engine._groups[rid].seqs:
+            for seq in engine.output_processor.groups[rid].seqs:
                 for k, v in fields.items():
                     object.__setattr__(seq.params, k, v)
                 seq.params.__dict__.pop("plain_greedy", None)  # derived from the old values (cached)
@@ -269,7 +271,7 @@ def test_a_request_whose_sampling_fails_ends_alone_and_the_others_finish():
 def _hold_a_step(loop: EngineLoop, executor: CountingExecutor, got: list) -> None:
     """Start a request and return while its step is held open in execute() (executor.gate)."""
     executor.gate.clear()
-    loop.add("held", {"prompt_token_ids": [1]}, GREEDY, got.append)
+    loop.add("held", loop.prepare({"prompt_token_ids": [1]}, GREEDY), got.append)
     assert executor.in_step.wait(10), "the held step never started"
 
 
@@ -281,13 +283,14 @@ def test_aborting_an_n2_request_before_its_siblings_fork_keeps_the_loop_alive():
     try:
         _hold_a_step(loop, executor, got)
         two = SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
-        queued = loop.submit("pair", {"prompt_token_ids": [3, 4]}, two, got.append)
+        queued = loop.submit("pair", loop.prepare({"prompt_token_ids": [3, 4]}, two), got.append)
         loop.abort("pair")  # applied right after the add, before the pair is ever scheduled
         executor.gate.set()
         queued.result(10)
         done = threading.Event()
         after: list = []
-        loop.add("pair", {"prompt_token_ids": [3, 4]}, two, lambda o: (after.append(o), o.finished and done.set()))
+        pair = loop.prepare({"prompt_token_ids": [3, 4]}, two)
+        loop.add("pair", pair, lambda o: (after.append(o), o.finished and done.set()))
         assert done.wait(10), "the step thread died, or the id could not be reused"
         assert loop.is_running
     finally:
@@ -311,7 +314,7 @@ def test_stop_never_touches_the_engine_from_the_callers_thread_and_answers_every
     loop.start()
     got: list = []
     _hold_a_step(loop, executor, got)
-    queued = loop.submit("queued", {"prompt_token_ids": [2]}, GREEDY, got.append)
+    queued = loop.submit("queued", loop.prepare({"prompt_token_ids": [2]}, GREEDY), got.append)
     start = time.monotonic()
     finished = loop.stop(timeout=0.3)  # the step is stuck in execute(): the join times out
     took = time.monotonic() - start
@@ -320,7 +323,7 @@ def test_stop_never_touches_the_engine_from_the_callers_thread_and_answers_every
     assert isinstance(got[-1], EngineDeadError), got
     with pytest.raises(EngineDeadError):
         queued.result(0)
-    late = loop.submit("late", {"prompt_token_ids": [2]}, GREEDY, got.append)
+    late = loop.submit("late", loop.prepare({"prompt_token_ids": [2]}, GREEDY), got.append)
     with pytest.raises(EngineDeadError):
         late.result(0)  # already failed: no future that can never resolve
     executor.gate.set()  # the step returns; the thread frees the blocks and exits
@@ -355,7 +358,7 @@ def test_submits_racing_a_stop_all_resolve():
 
     def client(k: int) -> None:
         for i in range(150):
-            futures.append(loop.submit(f"c{k}-{i}", {"prompt_token_ids": [1]}, GREEDY, answered.append))
+            futures.append(loop.submit(f"c{k}-{i}", loop.prepare({"prompt_token_ids": [1]}, GREEDY), answered.append))
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
     for t in threads:
@@ -399,7 +402,7 @@ def test_repeated_executor_failures_mark_the_loop_dead_and_fail_what_it_holds():
         for i in range(MAX_CONSECUTIVE_FAILED_STEPS + 2):
             got[f"r{i}"] = []
             try:
-                loop.add(f"r{i}", {"prompt_token_ids": [i + 1]}, GREEDY, got[f"r{i}"].append)
+                loop.add(f"r{i}", loop.prepare({"prompt_token_ids": [i + 1]}, GREEDY), got[f"r{i}"].append)
             except EngineDeadError:
                 break
         assert loop.stopped.wait(10), "the loop kept stepping a broken engine"
@@ -409,7 +412,7 @@ def test_repeated_executor_failures_mark_the_loop_dead_and_fail_what_it_holds():
     answers = [items for items in got.values() if items]
     assert all(len(items) == 1 and isinstance(items[0], (RequestFailedError, EngineDeadError)) for items in answers)
     with pytest.raises(EngineDeadError):
-        loop.submit("late", {"prompt_token_ids": [1]}, GREEDY, print).result(0)
+        loop.submit("late", loop.prepare({"prompt_token_ids": [1]}, GREEDY), print).result(0)
     assert loop.stats().num_blocks_free == loop.stats().num_blocks_total
 
 

@@ -16,16 +16,13 @@ from pathlib import Path
 
 import onnx
 
-from trtopt.builder.builder import _save
 from trtopt.builder.plan import MODEL_FILE, PlanConfig, read_plan, write_plan
+from trtopt.builder.plan_files import copy_side_files, save_model
 from trtopt.errors import BuildError, ConfigError
 from trtopt.signature import LOGITS, LOGITS_INDICES, kv_input, kv_output
 
 DRAFT_DIR_PREFIX = "draft_"  # plan/draft_N holds the self-draft plan of the first N layers
 _NORMS = ("RMSNorm", "LayerNormalization", "SimplifiedLayerNormalization")
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-               "chat_template.jinja", "chat_template.json")
 
 
 def self_draft_dir(plan_dir: str | Path, num_layers: int) -> Path:
@@ -46,12 +43,10 @@ def build_draft_plan(plan_dir: str | Path, num_layers: int, out_dir: str | Path 
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    _save(model, out)  # the builder's writer: external data when large, then the full ONNX checker
+    save_model(model, out)  # the builder's writer: external data when large, then the full ONNX checker
     draft = dataclasses.replace(plan, model=dataclasses.replace(plan.model, num_layers=num_layers))
     write_plan(out, PlanConfig(model=draft.model, limits=plan.limits, kind=plan.kind))
-    for name in _SIDE_FILES:
-        if (plan_dir / name).is_file():
-            shutil.copy2(plan_dir / name, out / name)
+    copy_side_files(plan_dir, out)
     return out
 
 

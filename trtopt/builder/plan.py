@@ -48,7 +48,7 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The tensor-parallel layout of a plan built with ``--tensor-parallel N`` (trtopt/fusion_passes/tensor_parallel.py).
+    """The tensor-parallel layout of a plan built with ``--tensor-parallel N`` (trtopt/builder/sharding/).
 
     The top-level plan dir holds plan.json with the global ModelFacts and ``rank`` None; each rank{r}/ sub-dir is a
     complete plan (model.onnx + plan.json) whose ModelFacts carry that rank's head counts and whose ``rank`` is r.

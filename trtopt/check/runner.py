@@ -27,6 +27,7 @@ from trtopt.check.driver import BlockSource, Seq, blocks_needed, make_step, pack
 from trtopt.check.marking import LayerProbe, check_source_names, layer_probes, marked_copy
 from trtopt.check.original import OriginalModel, check_original
 from trtopt.errors import BuildError, ConfigError, TrtOptError
+from trtopt.runtime.executors.base import Executor
 
 ORIGINAL = "original (onnxruntime-cpu)"
 REPORT_VERSION = 1
@@ -192,7 +193,7 @@ def run_check(plan_dir: str | Path, *, original: str | Path | None = None, backe
         compare_executors(plan, executors, workload, tolerance, original=model, reference=ref_name, probes=probes,
                           results=results, on_progress=on_progress)
         for name, executor in executors.items():
-            if probes and not getattr(executor, "extra_outputs", None):
+            if probes and not executor.extra_outputs:
                 results[name].reason = "its layer-wise outputs are not marked (TensorRT)"
     ordered = [results[ref_name]] + [results[b.name] for b, _ in chosen if b.name != ref_name]
     return CheckReport(str(plan_dir), str(original_path) if original_path else None, ref_name, plan.model.dtype,
@@ -253,7 +254,7 @@ def _probes(plan_dir: Path, original: Path | None) -> list[LayerProbe]:
 
 
 def _open_executors(plan_dir: Path, plan: PlanConfig, runnable: list[Backend], num_blocks: int,
-                    results: dict[str, BackendResult]) -> dict[str, object]:
+                    results: dict[str, BackendResult]) -> dict[str, Executor]:
     """Load every backend (one that fails to load becomes an "error" result); returns the executors by name."""
     from trtopt.runtime.executors import create_executor
 
@@ -272,7 +273,7 @@ def _open_executors(plan_dir: Path, plan: PlanConfig, runnable: list[Backend], n
     return executors
 
 
-def compare_executors(plan: PlanConfig, executors: Mapping[str, object], workload: Workload, tolerance: Tolerance,
+def compare_executors(plan: PlanConfig, executors: Mapping[str, Executor], workload: Workload, tolerance: Tolerance,
                       *, original: OriginalModel | None = None, reference: str | None = None,
                       probes: Sequence[LayerProbe] = (), results: dict[str, BackendResult] | None = None,
                       on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, BackendResult]:
@@ -304,13 +305,13 @@ def compare_executors(plan: PlanConfig, executors: Mapping[str, object], workloa
     return results
 
 
-def _plan_runner(executor, probes: list[LayerProbe]) -> Callable:
+def _plan_runner(executor: Executor, probes: list[LayerProbe]) -> Callable:
     def run(step, active: list[Seq], counts: list[int]):
         logits = executor.execute(step).float().cpu().numpy()
         qsl = step.query_start_loc.tolist()
         rows = [logits[qsl[i]:qsl[i + 1]] for i in range(len(active))]  # every row was asked for (every_row)
         layers = []
-        marked = getattr(executor, "extra_outputs", {})
+        marked = executor.extra_outputs
         for probe in probes if all(p.plan_name in marked for p in probes) else ():
             out = marked[probe.plan_name].float().cpu().numpy()  # [1, Hq, T, D]
             packed = out.reshape(-1, out.shape[-2], out.shape[-1])

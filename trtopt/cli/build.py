@@ -1,4 +1,4 @@
-"""`trtopt build`: fuse an exported model into a plan dir (thin over trtopt.builder.builder)."""
+"""`trtopt build`: fuse an exported model into a plan dir (thin over trtopt.builder.pipeline)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _print_report(result, explain: bool) -> None:
             f"+ {len(layout.mlp)} MLP blocks split, {layout.num_all_reduces} all-reduces per step, LM head "
             f"{layout.lm_head}" + (f" ({layout.num_all_gathers} all-gather per step)" if layout.num_all_gathers else "")
         )
-        from trtopt.fusion_passes.tensor_parallel import lm_head_reason, unsharded_reasons
+        from trtopt.builder.sharding import lm_head_reason, unsharded_reasons
 
         lines = unsharded_reasons(layout)
         if explain:
@@ -92,7 +92,7 @@ def build(
 
         trtopt build model.onnx -o plan --block-size 32 --max-model-len 4096 --explain --force
     """
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
 
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)

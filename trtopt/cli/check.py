@@ -95,7 +95,7 @@ def _prompts(plan_dir: Path, texts: list[str], ids: list[str]) -> list[tuple[int
         except ValueError:
             raise ConfigError(f"--token-ids {text!r} is not a comma-separated list of integers.") from None
     if texts:
-        from trtopt.runtime.engine import load_tokenizer
+        from trtopt.runtime.config import load_tokenizer
 
         tokenizer = load_tokenizer(plan_dir)
         if tokenizer is None:

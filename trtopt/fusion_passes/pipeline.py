@@ -85,7 +85,8 @@ def optimize(
     counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0
     counts["add_rms_norm"] = fuse_add_rms_norm(model, ctx.trace) if "add_rms_norm" in on else 0
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
-    # Off for tensor-parallel builds: the sharding pass does not split concatenated q/k/v or gate/up weights yet.
+    # Off for tensor-parallel builds: the sharding (builder/sharding/) does not split concatenated q/k/v or gate/up
+    # weights yet.
     counts["horizontal_matmul"] = (fuse_horizontal_matmul(model, ctx.trace)
                                    if horizontal and "horizontal_matmul" in on else 0)
     counts["silu_mul"] = fuse_silu_mul(model, ctx.trace) if "silu_mul" in on else 0

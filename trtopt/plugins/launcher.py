@@ -15,8 +15,15 @@ one dispatcher launch per new value. A miss launches through the dispatcher (com
 what it returned. Anything this module does not know goes through the dispatcher every time, which is always
 right: the CPU interpreter (TRITON_INTERPRET=1: its kernels are not JITFunctions), autotuned or heuristics-wrapped
 kernels, callable grids, arguments of other types, kernels with pre-run hooks, and every launch when
-TRTOPT_TRITON_DISPATCH=1 (or set_dispatcher_only(True): same-run A/B measurements, and ruling this module out when
-debugging), or when the installed Triton is not one whose runner convention was checked (_CHECKED_TRITON).
+TRTOPT_TRITON_DISPATCH=1 at import (ruling this module out when debugging), or when the installed Triton is not one
+whose runner convention was checked (_CHECKED_TRITON).
+
+Who launches decides, not a module switch (STYLE.md §12): `launch`/`prepare` here follow TRTOPT_TRITON_DISPATCH as
+read at import, and a `Launcher` is the same two calls with its own `dispatcher_only` switch (read from the variable
+when it is made), held by the object that owns a call site's state: the torch executor's PagedAttention launch
+state (paged_attention/planning.py `PagedLaunchState.launcher`), which same-run A/B measurements and tests flip. The
+compiled kernels kept per kernel are a memo of Triton's answer for a specialisation (`_info`), shared by every
+caller: which one is launched never depends on who asks.
 
 Measured on an H200 (session 9, same run, docs/benchmarks/launch_host_session9_f13a442_h200.json): host time per
 call −12% to −20% for the KV-write launches, −8% to −10% for argmax, Add+RMSNorm and SiLU·mul. What is left of such
@@ -36,7 +43,7 @@ import ctypes
 import functools
 import operator
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import triton
@@ -46,7 +53,6 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Runtime argument types the key knows; a tensor subclass or any other object goes to the dispatcher (keying it by
 # identity would also keep it alive in the cache).
 _KEYED_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
-_known_type_tuples: set[tuple] = set()
 
 # The Triton versions whose CompiledKernel runner convention this module relies on (`compiled[grid](*every
 # parameter in signature order, constexprs included)`, what JITFunction.run itself passes): 3.6 is the GPU image's,
@@ -63,22 +69,13 @@ def _triton_checked() -> bool:
         return False
 
 
-# Read once: a per-launch environment lookup would cost more than the rest of the key.
-_dispatch_only = os.environ.get("TRTOPT_TRITON_DISPATCH") == "1" or not _triton_checked()
+def _dispatch_only_from_env() -> bool:
+    return os.environ.get("TRTOPT_TRITON_DISPATCH") == "1" or not _triton_checked()
 
 
-def set_dispatcher_only(flag: bool) -> bool:
-    """Send every launch through Triton's dispatcher (True) or not; returns the previous setting. For same-run
-    A/B measurements (benchmarks/bench_launch_host.py) and tests; TRTOPT_TRITON_DISPATCH=1 sets it at import."""
-    global _dispatch_only
-    previous, _dispatch_only = _dispatch_only, bool(flag) or not _triton_checked()
-    return previous
-
-
-def dispatcher_only() -> bool:
-    """Whether every launch goes through Triton's dispatcher (then callers prepare nothing either: the A/B
-    baseline is the path with no launcher at all)."""
-    return _dispatch_only
+# Read once: a per-launch environment lookup would cost more than the rest of the key. Never reassigned: a caller
+# that switches holds a Launcher.
+_DISPATCH_ONLY = _dispatch_only_from_env()
 
 
 class _KernelInfo:
@@ -94,30 +91,30 @@ class _KernelInfo:
         self.misses = 0
 
 
-_INFO: dict[Any, _KernelInfo | None] = {}
-
-
+@functools.cache
 def _info(kernel: Any) -> _KernelInfo | None:
     """The kernel's facts, or None when it is not a plain JITFunction this module can launch directly (the CPU
-    interpreter's InterpretedFunction, an Autotuner or Heuristics wrapper, a kernel with pre-run hooks)."""
-    info = _INFO.get(kernel, False)
-    if info is False:
-        plain = (type(kernel) is triton.runtime.jit.JITFunction and not getattr(kernel, "pre_run_hooks", None)
-                 and isinstance(getattr(kernel, "arg_names", None), list))
-        info = _INFO[kernel] = _KernelInfo(kernel.arg_names) if plain else None
-    return info
+    interpreter's InterpretedFunction, an Autotuner or Heuristics wrapper, a kernel with pre-run hooks). A memo
+    keyed by the kernel object: its compiled kernels are Triton's answers, the same for every caller."""
+    plain = (type(kernel) is triton.runtime.jit.JITFunction and not getattr(kernel, "pre_run_hooks", None)
+             and isinstance(getattr(kernel, "arg_names", None), list))
+    return _KernelInfo(kernel.arg_names) if plain else None
+
+
+@functools.cache
+def _keyed_types(types: tuple[type, ...]) -> tuple[type, ...]:
+    """`types` when the key knows every one of them (remembered), else TypeError (not remembered)."""
+    if not _KEYED_TYPES.issuperset(types):
+        unknown = sorted({t.__name__ for t in types if t not in _KEYED_TYPES})
+        raise TypeError(f"no launch key for arguments of type {unknown}")
+    return types
 
 
 def specialization_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
     """The cache key of one launch (the module docstring says what it holds and why it is fine enough). Raises
     TypeError for an argument type it does not know or an unhashable constexpr; the launch then goes to the
     dispatcher."""
-    types = tuple(map(type, args))
-    if types not in _known_type_tuples:
-        if not _KEYED_TYPES.issuperset(types):
-            unknown = sorted({t.__name__ for t in types if t not in _KEYED_TYPES})
-            raise TypeError(f"no launch key for arguments of type {unknown}")
-        _known_type_tuples.add(types)
+    types = _keyed_types(tuple(map(type, args)))
     return (types, tuple([(v.dtype, v.data_ptr() % 16 == 0) if v.__class__ in _TENSOR_TYPES else v for v in args]),
             tuple(kwargs.items()), tuple(map(type, kwargs.values())), torch.cuda.current_device())
 
@@ -126,8 +123,16 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     """`kernel[grid](*args, **kwargs)`, with the compiled kernel launched directly when this call site launched it
     before with arguments of the same specialisation. Runtime arguments are positional, constexprs and options by
     name: the way every kernel of trtopt is called (a constexpr passed positionally is keyed by value, which is
-    also right)."""
-    info = None if _dispatch_only else _info(kernel)
+    also right). Through the dispatcher only when TRTOPT_TRITON_DISPATCH=1 was set at import."""
+    if _DISPATCH_ONLY:
+        kernel[grid](*args, **kwargs)
+        return
+    _launch_kept(kernel, grid, args, kwargs)
+
+
+def _launch_kept(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+    """`launch` without the switch: the kept CompiledKernel where there is one."""
+    info = _info(kernel)
     if info is None or grid.__class__ is not tuple:
         kernel[grid](*args, **kwargs)
         return
@@ -162,8 +167,43 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
 
 def launch_stats(kernel: Any) -> tuple[int, int]:
     """(direct launches, dispatcher launches that filled the cache) of one kernel so far, for tests and benches."""
-    info = _INFO.get(kernel)
+    info = _info(kernel)
     return (info.hits, info.misses) if info else (0, 0)
+
+
+class Launcher:
+    """`launch` and `prepare` with a switch of its own: `dispatcher_only` sends every launch through Triton's
+    dispatcher and prepares only Relaunches (then callers plan nothing either: the A/B baseline is the path with no
+    launcher at all). Made with TRTOPT_TRITON_DISPATCH's setting (read now) unless told; always on under a Triton
+    whose runner convention was not checked. Its owner (paged_attention/planning.py `PagedLaunchState`) passes it to
+    the launches it makes; same-run A/B measurements and tests flip the attribute."""
+
+    __slots__ = ("_dispatcher_only",)
+
+    def __init__(self, *, dispatcher_only: bool | None = None) -> None:
+        self.dispatcher_only = _dispatch_only_from_env() if dispatcher_only is None else dispatcher_only
+
+    @property
+    def dispatcher_only(self) -> bool:
+        return self._dispatcher_only
+
+    @dispatcher_only.setter
+    def dispatcher_only(self, flag: bool) -> None:
+        self._dispatcher_only = bool(flag) or not _triton_checked()
+
+    def launch(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        """Module `launch`, under this launcher's switch."""
+        if self._dispatcher_only:
+            kernel[grid](*args, **kwargs)
+            return
+        _launch_kept(kernel, grid, args, kwargs)
+
+    def prepare(self, kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any], *,
+                direct: bool = True) -> DriverLaunch | Relaunch:
+        """Module `prepare`, under this launcher's switch (a Relaunch relaunches through this launcher)."""
+        prepared = (_prepare_direct(kernel, grid, args, kwargs) if direct and not self._dispatcher_only
+                    else None)
+        return prepared if prepared is not None else Relaunch(kernel, grid, args, kwargs, launch_with=self.launch)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,23 +303,25 @@ class DriverLaunch:
 
 
 class Relaunch:
-    """The fallback of `prepare`: the same launch through `launch` (the dispatcher or the kept CompiledKernel) with
-    the call's tensors put in place of the prepared ones. Taken on the CPU interpreter and wherever a direct driver
-    launch cannot be prepared."""
+    """The fallback of `prepare`: the same launch through `launch` (the dispatcher or the kept CompiledKernel; a
+    Launcher's own `launch` when it prepared this) with the call's tensors put in place of the prepared ones. Taken
+    on the CPU interpreter and wherever a direct driver launch cannot be prepared."""
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "_tensor_at")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "_tensor_at", "_launch")
 
-    def __init__(self, kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def __init__(self, kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dict[str, Any], *,
+                 launch_with: Callable[..., None] | None = None) -> None:
         self._tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         # The tensors are the call's, put in per launch; holding the first call's (a KV pool) would keep it alive.
         self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
         self.args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        self._launch = launch_with if launch_with is not None else launch
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> bool:
         args = self.args.copy()
         for i, t in zip(self._tensor_at, tensors):
             args[i] = t
-        launch(self.kernel, self.grid, *args, **self.kwargs)
+        self._launch(self.kernel, self.grid, *args, **self.kwargs)
         return True
 
 
@@ -293,14 +335,14 @@ def prepare(kernel: Any, grid: tuple[int, ...], args: Sequence[Any], kwargs: dic
     non-constexpr parameters in signature order (pointers, then scalars packed as Triton packs them) plus Triton's
     hidden scratch pointers must be exactly the parameters its PTX entry declares, and the kernel must need no
     scratch memory, clusters, cooperative or programmatic-dependent launch; and cuda-python must be installed.
-    Anything else, or `direct=False`, gets a Relaunch."""
-    prepared = _prepare_direct(kernel, grid, args, kwargs) if direct else None
+    Anything else, `direct=False`, or TRTOPT_TRITON_DISPATCH=1 at import, gets a Relaunch."""
+    prepared = _prepare_direct(kernel, grid, args, kwargs) if direct and not _DISPATCH_ONLY else None
     return prepared if prepared is not None else Relaunch(kernel, grid, args, kwargs)
 
 
 def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
                     kwargs: dict[str, Any]) -> DriverLaunch | None:
-    info = None if _dispatch_only else _info(kernel)
+    info = _info(kernel)
     if info is None or grid.__class__ is not tuple or not 1 <= len(grid) <= 3:
         return None
     try:

@@ -8,14 +8,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trtopt.runtime.engine import EngineConfig, LLMEngine
+    from trtopt.runtime.config import EngineConfig
+    from trtopt.runtime.engine import LLMEngine
     from trtopt.runtime.llm import LLM
     from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "trtopt.runtime.llm",
     "LLMEngine": "trtopt.runtime.engine",
-    "EngineConfig": "trtopt.runtime.engine",
+    "EngineConfig": "trtopt.runtime.config",
     "SamplingParams": "trtopt.runtime.sampling_params",
     "StructuredOutputsParams": "trtopt.runtime.sampling_params",
     "RequestOutputKind": "trtopt.runtime.sampling_params",

@@ -54,7 +54,7 @@ def fill_placeholders_(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> to
     (instead of the five kernels and a copy of the torch ops), the torch ops everywhere else."""
     if (input_ids.is_cuda and sampled_ids.device == input_ids.device and input_ids.dtype == sampled_ids.dtype
             == torch.int64 and input_ids.is_contiguous() and sampled_ids.is_contiguous()):
-        from trtopt.runtime.placeholder_kernel import fill_placeholders_triton
+        from trtopt.runtime.kernels.placeholders_triton import fill_placeholders_triton
 
         return fill_placeholders_triton(input_ids, sampled_ids)
     return input_ids.copy_(fill_placeholders(input_ids, sampled_ids))

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import SampledToken
+from trtopt.runtime.kernels.argmax import greedy_argmax
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampling_params import LogitsProcessor, _processor_arity
 from trtopt.runtime.structured_output import GrammarMasker

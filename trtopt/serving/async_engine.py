@@ -2,7 +2,9 @@
 
 Each request gets a RequestStream (an async iterator over its RequestOutputs). The step thread hands outputs
 to the stream's asyncio.Queue through loop.call_soon_threadsafe. Adds never block the event loop, even while
-a step runs: they are queued for the step thread and awaited as futures.
+a step runs: they are queued for the step thread and awaited as futures. Requests are prepared (tokenized, checked,
+their grammar compiled) off both the event loop and the step thread: by the caller with prepare() on a worker
+thread, or here on one for a raw prompt (EngineLoop.prepare).
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import contextlib
 from typing import Any, AsyncIterator
 
 from trtopt.runtime.batch import EngineStats, RequestOutput
-from trtopt.runtime.engine import LLMEngine, PromptType
+from trtopt.runtime.engine import LLMEngine
+from trtopt.runtime.input_processor import PromptType
 from trtopt.runtime.sampling_params import SamplingParams
-from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S, EngineDeadError, EngineLoop, RequestFailedError
+from trtopt.serving.engine_loop import (
+    DEFAULT_STOP_TIMEOUT_S, EngineDeadError, EngineLoop, PreparedRequest, RequestFailedError,
+)
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "PreparedRequest", "RequestFailedError", "RequestStream"]
 
 
 class RequestStream:
@@ -68,8 +73,7 @@ class AsyncLLMEngine:
     """`stream = await engine.add_request(...)`, then `async for out in stream`, then `stream.close()`."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine)  # owns the engine: everything here goes through it
 
     def start(self) -> None:
         """Start the step loop. Raises EngineDeadError once it was stopped: a stopped engine never restarts."""
@@ -90,30 +94,57 @@ class AsyncLLMEngine:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The plan's HF tokenizer, or None for a plan without tokenizer files."""
+        return self.loop.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.limits.max_model_len
+        return self.loop.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loop.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.loop.eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """EngineLoop.tokenize, on the caller's thread (call it from a worker thread for a long prompt)."""
+        return self.loop.tokenize(prompt)
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedRequest:
+        """EngineLoop.prepare, on the caller's thread: call it from a worker thread, never the event loop (a long
+        prompt or a grammar takes up to seconds). Raises RequestError."""
+        return self.loop.prepare(prompt, params)
+
+    def prepare_batch(self, prompts: list[PromptType], params: SamplingParams) -> list[PreparedRequest]:
+        """EngineLoop.prepare_batch, on the caller's thread (as prepare)."""
+        return self.loop.prepare_batch(prompts, params)
 
     def stats(self) -> EngineStats:
         return self.loop.stats()
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptType | PreparedRequest,
+                          params: SamplingParams | None = None) -> RequestStream:
         """Queue a request and return its stream. Raises RequestError (changing nothing) if it is invalid.
 
-        The caller must close() the stream in a finally block: leaving early (a client disconnect, a
-        cancellation) then aborts the request and frees its KV blocks.
+        `prompt` is a PreparedRequest (then no params: it carries its own) or any raw prompt form, prepared here
+        on a worker thread with `params`. The caller must close() the stream in a finally block: leaving early (a
+        client disconnect, a cancellation) then aborts the request and frees its KV blocks.
         """
         return await self.add_requests([(request_id, prompt)], params)
 
-    async def add_requests(self, requests: list[tuple[str, PromptType]], params: SamplingParams) -> RequestStream:
-        """Queue several (request id, prompt) pairs with the same params, streamed together. All or none: if one
-        is invalid, the others are aborted and its RequestError is raised."""
+    async def add_requests(self, requests: list[tuple[str, PromptType | PreparedRequest]],
+                           params: SamplingParams | None = None) -> RequestStream:
+        """Queue several (request id, prompt) pairs, streamed together; raw prompts share `params` (see
+        add_request). All or none: if one is invalid, nothing is queued (or the others are aborted) and its
+        RequestError is raised."""
+        prepared = [(rid, await self._prepared(prompt, params)) for rid, prompt in requests]
         if not self.loop.started:
             self.loop.start()  # the first request starts the loop; a stopped loop is never restarted
-        stream = RequestStream([rid for rid, _ in requests], self.loop)
-        added = [self.loop.submit(rid, prompt, params, stream.put) for rid, prompt in requests]
+        stream = RequestStream([rid for rid, _ in prepared], self.loop)
+        added = [self.loop.submit(rid, request, stream.put) for rid, request in prepared]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in added), return_exceptions=True)
         except asyncio.CancelledError:
@@ -126,7 +157,14 @@ class AsyncLLMEngine:
             raise error
         return stream
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def _prepared(self, prompt: PromptType | PreparedRequest, params: SamplingParams | None) -> PreparedRequest:
+        if isinstance(prompt, PreparedRequest):
+            assert params is None, "a PreparedRequest carries its own params"
+            return prompt
+        return await asyncio.to_thread(self.loop.prepare, prompt, params or SamplingParams())
+
+    async def generate(self, request_id: str, prompt: PromptType | PreparedRequest,
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """add_request, then yield the outputs until the request finishes (aborting it if left early)."""
         stream = await self.add_request(request_id, prompt, params)
         try:

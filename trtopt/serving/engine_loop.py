@@ -3,6 +3,13 @@
 Both front ends use it: the HTTP server (through AsyncLLMEngine, which turns callbacks into asyncio queues) and
 the Triton Python-backend model (whose callbacks send Triton responses).
 
+One door (docs/architecture.md §6): a front end calls prepare() on its own thread, which tokenizes the prompt,
+checks it and the params against the engine's limits and compiles the request's structured-output grammar, and
+submits the PreparedRequest; the step thread, which every running request waits on, only queues it in the engine
+(whose compile of the grammar then returns the one the PreparedRequest holds). The facts a front end needs about the
+engine (tokenizer, max_model_len, vocab_size, eos_token_ids, tokenize()) are read-only properties of the loop: no
+front end reaches the engine itself.
+
 One owner (docs/architecture.md, "Serving"; vLLM's EngineCore busy loop and SGLang's scheduler process are the
 models): once start() ran, only the step thread touches the engine, for adds, aborts, steps and shutdown alike.
 Callers queue adds and aborts under a lock; before every step the thread applies all queued adds, then all queued
@@ -31,10 +38,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from trtopt.runtime.batch import EngineStats, RequestOutput
-from trtopt.runtime.engine import LLMEngine, PromptType
+from trtopt.runtime.engine import LLMEngine
+from trtopt.runtime.input_processor import ProcessedPrompt, PromptType
 from trtopt.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,22 +67,43 @@ class RequestFailedError(RuntimeError):
     """The engine ended this request with finish_reason="error" (its own fault, or the executor's on its step)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A request made ready by EngineLoop.prepare on the caller's thread; the step thread only queues it."""
+
+    prompt: ProcessedPrompt  # token ids, the output budget and bad_words as ids, checked against the engine's limits
+    params: SamplingParams  # checked against the plan (n, top_k, token ids in the vocabulary)
+    # The compiled structured-output grammar (xgrammar's CompiledGrammar), None without structured_outputs; the step
+    # thread hands it to add_request, which then compiles nothing.
+    grammar: Any = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt.prompt_token_ids
+
+
 @dataclasses.dataclass
 class _Add:
     """A queued add_request, with the future that reports how it went."""
 
     request_id: str
-    prompt: PromptType
-    params: SamplingParams
+    request: PreparedRequest
     callback: OutputCallback
     done: concurrent.futures.Future  # result None once queued in the engine; RequestError if it was invalid
 
 
 class EngineLoop:
-    """Owns the stepping of one LLMEngine. start() it, submit()/add() requests, stop() it (once)."""
+    """Owns the stepping of one LLMEngine. start() it, prepare() and submit()/add() requests, stop() it (once)."""
 
     def __init__(self, engine: LLMEngine, *, max_consecutive_failed_steps: int = MAX_CONSECUTIVE_FAILED_STEPS) -> None:
-        self.engine = engine  # touched only by the step thread once start() ran
+        # Touched only by the step thread once start() ran, but for prepare()'s two thread-safe calls: its
+        # InputProcessor (stateless) and compile_grammar (locked; cached per spec).
+        self._engine = engine
+        self._processor = engine.input_processor
+        self._tokenizer = engine.tokenizer
+        self._max_model_len = engine.limits.max_model_len
+        self._vocab_size = engine.plan.model.vocab_size
+        self._eos_token_ids = tuple(engine.plan.model.eos_token_ids)
         self.max_consecutive_failed_steps = max_consecutive_failed_steps
         self._wake = threading.Event()  # set when there is new work (an add or an abort) or a stop
         self._lock = threading.Lock()  # guards _adds, _aborts, _closed, _thread, dead_reason
@@ -157,24 +186,62 @@ class EngineLoop:
         """The engine's stats as of its last step (or the last add/abort when idle)."""
         return self._stats
 
+    # ---- what front ends may know of the engine (fixed at construction; any thread) ------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The plan's HF tokenizer, or None for a plan without tokenizer files."""
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of any prompt form, chat messages rendered with the plan's chat
+        template; on the caller's thread. RequestError if the prompt is unusable."""
+        return self._processor.tokenize(prompt)
+
     # ---- requests ----------------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
-               callback: OutputCallback) -> concurrent.futures.Future:
-        """Queue a request for the next step. The future fails with RequestError (nothing queued) if it is invalid,
-        and at once with EngineDeadError if the loop is stopping, stopped or dead."""
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedRequest:
+        """Tokenize `prompt`, check it and `params` against the engine's limits, and compile the request's grammar,
+        all on the caller's thread (a grammar takes milliseconds to seconds; the step thread never waits for it).
+        Raises RequestError, as add_request would for the same input."""
+        return self.prepare_batch([prompt], params)[0]
+
+    def prepare_batch(self, prompts: Sequence[PromptType], params: SamplingParams) -> list[PreparedRequest]:
+        """prepare() for prompts that share `params` (a batched completion): every prompt is checked first, then
+        the one grammar is compiled."""
+        processed = [self._processor.process(prompt, params) for prompt in prompts]
+        grammar = self._engine.compile_grammar(params)  # thread-safe (LLMEngine.compile_grammar)
+        return [PreparedRequest(p, params, grammar) for p in processed]
+
+    def submit(self, request_id: str, request: PreparedRequest, callback: OutputCallback) -> concurrent.futures.Future:
+        """Queue a prepared request for the next step. The future fails with RequestError (nothing queued) if the
+        engine refuses it (a request id in use), and at once with EngineDeadError if the loop is stopping, stopped
+        or dead."""
+        assert isinstance(request, PreparedRequest), f"submit() takes a PreparedRequest, got {type(request).__name__}"
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed is not None:
                 done.set_exception(EngineDeadError(self._closed))
                 return done
-            self._adds.append(_Add(request_id, prompt, params, callback, done))
+            self._adds.append(_Add(request_id, request, callback, done))
         self._wake.set()
         return done
 
-    def add(self, request_id: str, prompt: PromptType, params: SamplingParams, callback: OutputCallback) -> None:
-        """submit() and wait until the request is queued (at most one step). Raises RequestError if invalid."""
-        self.submit(request_id, prompt, params, callback).result()
+    def add(self, request_id: str, request: PreparedRequest, callback: OutputCallback) -> None:
+        """submit() and wait until the request is queued (at most one step). Raises RequestError if refused."""
+        self.submit(request_id, request, callback).result()
 
     def abort(self, request_id: str) -> None:
         """Abort the request before the next step (non-blocking). Its callback is not called again."""
@@ -190,12 +257,12 @@ class EngineLoop:
             while self._closed is None:
                 self._apply_adds()
                 self._apply_aborts()
-                busy = self.engine.has_unfinished_requests()
-                outputs = self.engine.step() if busy else []
-                self._stats = self.engine.stats()  # before delivering: a caller that saw its output sees these
+                busy = self._engine.has_unfinished_requests()
+                outputs = self._engine.step() if busy else []
+                self._stats = self._engine.stats()  # before delivering: a caller that saw its output sees these
                 self._deliver(outputs)
-                if self.engine.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
-                    reason = (f"the model failed on {self.engine.num_consecutive_failed_steps} steps in a row; "
+                if self._engine.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
+                    reason = (f"the model failed on {self._engine.num_consecutive_failed_steps} steps in a row; "
                               "the engine is broken and must be restarted")
                     break
                 if not busy:
@@ -217,7 +284,10 @@ class EngineLoop:
             if not add.done.set_running_or_notify_cancel():
                 continue  # the caller cancelled before the add landed: never start it
             try:
-                self.engine.add_request(add.request_id, add.prompt, add.params)
+                # A ProcessedPrompt passes the input processor unchanged, and the request brings its compiled
+                # grammar: nothing is tokenized or compiled here.
+                self._engine.add_request(add.request_id, add.request.prompt, add.request.params,
+                                         grammar=add.request.grammar)
             except Exception as e:  # RequestError for bad input; anything else is reported to that caller too
                 add.done.set_exception(e)
                 continue
@@ -236,7 +306,7 @@ class EngineLoop:
     def _abort(self, request_id: str) -> None:
         # Nothing one request does may end the thread every other request depends on.
         try:
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
         except Exception:
             log.exception("aborting %s failed; the step loop goes on", request_id)
 
@@ -273,7 +343,7 @@ class EngineLoop:
         for callback in callbacks.values():
             _call(callback, dead)
         try:
-            self._stats = self.engine.stats()
+            self._stats = self._engine.stats()
         except Exception:
             log.exception("reading the engine's stats at shutdown failed")
         self.stopped.set()

@@ -28,9 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from trtopt.errors import RequestError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
-from trtopt.runtime.input_processor import ProcessedPrompt
-from trtopt.runtime.sampling_params import SamplingParams
-from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, PreparedRequest, RequestStream
 from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
 from trtopt.serving.metrics import LatencyTracker, ServingMetrics
 from trtopt.serving.protocol import (
@@ -123,8 +121,6 @@ class _Handlers:
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
-        # Stateless (a tokenizer and the limits): called on worker threads, never on the step thread.
-        self.processor = engine.engine.input_processor
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtopt",
@@ -134,7 +130,7 @@ class _Handlers:
         """vLLM's /tokenize: {"count", "max_model_len", "tokens", "token_strs"} (token_strs when asked for)."""
         self._check_model(body.model)
         try:
-            _, ids = await anyio.to_thread.run_sync(self.processor.tokenize, body.engine_prompt())
+            _, ids = await anyio.to_thread.run_sync(self.engine.tokenize, body.engine_prompt())
         except RequestError as e:
             raise APIError(ErrorInfo(400, str(e))) from None
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -143,7 +139,7 @@ class _Handlers:
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """vLLM's /detokenize: {"prompt": text}. Ids outside the vocabulary are a 400."""
         self._check_model(body.model)
-        vocab = self.engine.engine.plan.model.vocab_size
+        vocab = self.engine.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(ErrorInfo(400, f"token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens"))
@@ -157,11 +153,8 @@ class _Handlers:
                                      param="model", code="model_not_found"))
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
-            params = body.to_sampling_params()
-            prompts = [self.processor.process(p, params) for p in body.prompts()]
-            self.engine.engine.compile_grammar(params)  # here, not on the step thread (add_request hits the cache)
-            return prompts, params
+        def prepare() -> list[PreparedRequest]:
+            return self.engine.prepare_batch(body.prompts(), body.to_sampling_params())
 
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n,
                                       echo=body.echo, logprobs=body.logprobs is not None,
@@ -169,11 +162,8 @@ class _Handlers:
         return await self._serve("completions", body, request, prepare, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        def prepare() -> tuple[list[ProcessedPrompt], SamplingParams]:
-            params = body.to_sampling_params()
-            prompts = [self.processor.process(body.template_messages(), params)]
-            self.engine.engine.compile_grammar(params)  # here, not on the step thread (add_request hits the cache)
-            return prompts, params
+        def prepare() -> list[PreparedRequest]:
+            return [self.engine.prepare(body.template_messages(), body.to_sampling_params())]
 
         try:
             tool_plan = body.tool_plan()
@@ -185,7 +175,7 @@ class _Handlers:
         return await self._serve("chat", body, request, prepare, renderer)
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                     prepare: Callable[[], tuple[list[ProcessedPrompt], SamplingParams]], renderer: Renderer) -> Response:
+                     prepare: Callable[[], list[PreparedRequest]], renderer: Renderer) -> Response:
         arrival = time.monotonic()
         _warn_unknown_fields(body)
         if body.model != self.model_name:
@@ -194,12 +184,12 @@ class _Handlers:
                                           f"{self.model_name!r} (see GET /v1/models).", param="model",
                                      code="model_not_found"))
         try:
-            # Tokenizing (and rendering a chat template) costs up to ~0.3 s for a max-size prompt: it runs on a
-            # worker thread, never on the event loop or the engine's step thread.
-            prompts, params = await anyio.to_thread.run_sync(prepare)
+            # Tokenizing (and rendering a chat template) costs up to ~0.3 s for a max-size prompt, compiling a grammar
+            # milliseconds to seconds: prepare runs on a worker thread, never on the event loop or the step thread.
+            prompts = await anyio.to_thread.run_sync(prepare)
             # Prompt k of a batch runs as engine request "<id>-k"; the renderer maps it back to choices k*n..k*n+n-1.
             ids = [renderer.request_id] if len(prompts) == 1 else [f"{renderer.request_id}-{k}" for k in range(len(prompts))]
-            stream = await self.engine.add_requests(list(zip(ids, prompts)), params)
+            stream = await self.engine.add_requests(list(zip(ids, prompts)))
         except RequestError as e:
             self.metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(ErrorInfo(400, str(e))) from None

@@ -113,21 +113,20 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         """Prepare every request here, then queue it on the step loop and return (decoupled: responses come from
-        the loop). Tokenizing runs on this (Triton's) thread through the engine's InputProcessor, with its byte
-        cap checked first, so a huge prompt never stalls the step thread that every running request needs."""
-        processor = self.loop.engine.input_processor  # stateless: safe to use off the step thread
-        eos = tuple(self.loop.engine.plan.model.eos_token_ids)
+        the loop). EngineLoop.prepare tokenizes (its byte cap checked first) and compiles a structured-output
+        grammar on this (Triton's) thread, so neither a huge prompt nor a grammar stalls the step thread that every
+        running request needs."""
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{self.instance}-{next(self.ids)}"
             try:
-                parsed = parse_request(functools.partial(_input, request), eos)
-                prompt = processor.process(parsed.prompt, parsed.params)
+                parsed = parse_request(functools.partial(_input, request), self.loop.eos_token_ids)
+                prepared = self.loop.prepare(parsed.prompt, parsed.params)
             except TrtOptError as e:  # a bad request answers with its own error; the others go on
                 _send_error(sender, e)
                 continue
             reply = _Reply(request_id, sender, parsed, self.loop)
-            queued = self.loop.submit(request_id, prompt, parsed.params, reply)
+            queued = self.loop.submit(request_id, prepared, reply)
             queued.add_done_callback(functools.partial(_answer_rejected, sender))
         return None
 
@@ -137,7 +136,7 @@ class TritonPythonModel:
 
 
 def _answer_rejected(sender: Any, queued: Any) -> None:
-    """An invalid prompt (too long, out of vocabulary) is found when the step thread adds it: answer from there."""
+    """A request the engine refused when the step thread added it (or a stopped loop): answer from there."""
     if queued.exception() is not None:
         _send_error(sender, queued.exception())
 

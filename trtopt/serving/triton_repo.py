@@ -77,7 +77,7 @@ class TritonRepoConfig:
     def check_against_plan(self, plan_dir: Path, plan: PlanConfig) -> None:
         """Refuse, before tritonserver starts, what would make the model fail to load (tritonserver then exits
         with the Python stub's traceback buried in its log)."""
-        from trtopt.runtime.engine import EngineConfig, load_tokenizer, resolve_limits
+        from trtopt.runtime.config import EngineConfig, load_tokenizer, resolve_limits
 
         if plan.kind != "paged":
             raise ConfigError(f"{plan_dir} is a {plan.kind!r} plan; Triton serving needs a paged LLM plan from `trtopt build`.")

@@ -46,7 +46,7 @@ def test_graph_buckets_hold_every_step_up_to_the_logits_cap():
 
 
 def test_graphs_are_on_by_default_only_for_torch_on_cuda():
-    from trtopt.runtime.engine import default_cuda_graphs
+    from trtopt.runtime.config import default_cuda_graphs
 
     assert default_cuda_graphs("torch", "cuda") and default_cuda_graphs("torch", "cuda:1")
     assert not default_cuda_graphs("torch", "cpu") and not default_cuda_graphs("onnxruntime", "cuda")

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from trtopt.builder.builder import build_plan
+from trtopt.builder.pipeline import build_plan
 from trtopt.builder.plan import Limits, read_plan
 from trtopt.plugins.rope.kernel import rope_triton
 from trtopt.runtime.executors import onnx_ops, trtopt_ops

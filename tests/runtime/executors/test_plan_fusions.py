@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from trtopt.builder.builder import build_plan
+from trtopt.builder.pipeline import build_plan
 from trtopt.builder.plan import REPORT_FILE, Limits, read_plan
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 

@@ -14,7 +14,7 @@ import torch
 from onnx import numpy_helper
 
 from test_executors import NUM_BLOCKS, generate_and_compare
-from trtopt.builder.builder import build_plan
+from trtopt.builder.pipeline import build_plan
 from trtopt.builder.plan import Limits, rank_dir, read_plan
 from trtopt.errors import ConfigError, FusionError
 from trtopt.runtime.executors import create_executor
@@ -108,7 +108,7 @@ def test_vocab_parallel_tied_head_gets_its_own_shard_and_the_embedding_stays_who
     """tiny-qwen2 ties the head to the [49152, 64] embedding: each rank keeps the whole table for the embedding
     Gather and holds its columns of the transposed table as the head's own initializer."""
     result = tp_plan("tiny-qwen2", 2, "vocab-parallel")
-    assert result.parallel.lm_head_split["tied"]
+    assert result.parallel.lm_head_split.tied
     name, (a, b) = head_shards(result.plan_dir, 2)
     shards = [initializers(rank_dir(result.plan_dir, r)) for r in range(2)]
     embedding = [k for k in shards[0] if shards[0][k].shape == (49152, 64)]
@@ -127,7 +127,7 @@ def test_vocab_parallel_pads_the_last_shard_of_an_odd_vocabulary(odd_vocab_model
     result = build_plan(export, tmp_path / "p", limits=LIMITS, progress=False, tensor_parallel=2,
                         lm_head="vocab-parallel")
     split = result.parallel.lm_head_split
-    assert (split["vocab"], split["vocab_per_rank"], split["padding"], split["tied"]) == (50257, 25129, 1, True)
+    assert (split.vocab, split.vocab_per_rank, split.padding, split.tied) == (50257, 25129, 1, True)
     _, (a, b) = head_shards(result.plan_dir, 2)
     table = next(v for v in initializers(rank_dir(result.plan_dir, 0)).values() if v.shape == (50257, 64))
     np.testing.assert_array_equal(a, table[:25129].T)
@@ -200,15 +200,15 @@ def test_llama_rank_plans_split_heads_and_mlp(tp_plan, export_dir):
 def test_rank_plans_with_external_weights_match_inline_ones(tp_plan, export_dir, tmp_path, monkeypatch):
     """A plan over the external-data threshold (the 1.24B benchmark shape) has its weights moved out of the proto
     when rank 0 is saved: every later rank must still get all of its weights, its own slices included."""
-    import trtopt.builder.builder as builder
+    import trtopt.builder.plan_files as plan_files
 
-    monkeypatch.setattr(builder, "_EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(plan_files, "EXTERNAL_DATA_THRESHOLD", 0)
     result = build_plan(export_dir("tiny-llama"), tmp_path / "plan", limits=LIMITS, force=True, progress=False,
                         tensor_parallel=2)
     inline = tp_plan("tiny-llama", 2)
     for r in range(2):
         path = rank_dir(result.plan_dir, r)
-        assert (path / builder.EXTERNAL_DATA_FILE).exists()
+        assert (path / plan_files.EXTERNAL_DATA_FILE).exists()
         got, want = initializers(path), initializers(rank_dir(inline.plan_dir, r))
         assert got.keys() == want.keys()
         for name in want:
@@ -244,15 +244,24 @@ def test_head_count_not_divisible_is_a_fusion_error(export_dir, tmp_path):
 
 
 def test_runtimes_refuse_mismatched_sizes(tp_plan, plan_dir):
-    from trtopt.runtime.distributed import open_executor
-
     sharded = tp_plan("tiny-llama", 2).plan_dir
     with pytest.raises(ConfigError, match="torch backend only"):
-        open_executor(sharded, backend="onnxruntime", device="cpu", cuda_graphs=False, tensor_parallel_size=2)
+        create_executor("onnxruntime", sharded, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="sharded for 2 ranks"):
-        open_executor(sharded, backend="torch", device="cpu", cuda_graphs=False, tensor_parallel_size=4)
+        create_executor("torch", sharded, tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="not sharded"):
-        open_executor(plan_dir("tiny-llama"), backend="torch", device="cpu", cuda_graphs=False, tensor_parallel_size=2)
+        create_executor("torch", plan_dir("tiny-llama"), tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="runs one device"):
+        create_executor("torch", sharded, compile_mode="default")
+
+
+def test_factory_opens_a_plan_sharded_for_one_rank_as_its_rank0_alone(tp_plan):
+    """create_executor with no plan reads the dir: a plan sharded for one rank runs rank0/ in this process."""
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    top = tp_plan("tiny-llama", 1).plan_dir
+    ex = create_executor("torch", top, tensor_parallel_size=1)
+    assert type(ex) is TorchExecutor and ex.plan == read_plan(rank_dir(top, 0))
 
 
 def test_all_reduce_torch_face_checks_the_group_size():

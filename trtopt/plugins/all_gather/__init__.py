@@ -1,5 +1,5 @@
 """trtopt::AllGather: ``x`` of every rank of the tensor-parallel group, concatenated along ``axis`` in rank order,
-inserted by the sharding pass (trtopt/fusion_passes/tensor_parallel.py) after a vocabulary-parallel LM head, so
+inserted by the sharding pass (trtopt/builder/sharding/analysis.py) after a vocabulary-parallel LM head, so
 every rank (the driver's rank 0 among them) holds the full-vocabulary logits rows it samples from.
 
 Faces (docs/architecture.md §4): schema; function (Tile world_size times along axis: the identity for a group of one,

@@ -7,7 +7,7 @@ converter's body path exactly like the unsharded plan. For more ranks the body h
 shape inference through the function agrees with the plan's declared ``logits`` width; a plain Identity made the
 checker reject every N > 1 rank plan) but not its values: it repeats this rank's block of the vocabulary instead of
 fetching the others'. Executors that only have the body refuse such plans (trtopt/runtime/executors/__init__.py,
-trtopt/runtime/distributed.py), as for trtopt.AllReduce.
+create_executor), as for trtopt.AllReduce.
 """
 
 from __future__ import annotations

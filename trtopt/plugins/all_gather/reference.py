@@ -1,6 +1,6 @@
 """AllGather, face 3 of docs/architecture.md §4: the torch face, over torch.distributed's default process group (gloo
-for CPU
-tensors, NCCL for CUDA tensors; trtopt/runtime/distributed.py initialises it with the backend "cpu:gloo,cuda:nccl").
+for CPU tensors, NCCL for CUDA tensors; trtopt/runtime/executors/tensor_parallel.py initialises it with the backend
+"cpu:gloo,cuda:nccl").
 
 ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) writes the ranks' blocks one after the other
 along dim 0, so the result is rearranged to put them side by side along ``axis``. On CUDA this is one NCCL kernel plus one copy on the current stream, with no

@@ -1,5 +1,5 @@
 """trtopt::AllReduce: the sum of ``x`` over the ranks of the tensor-parallel group, inserted by the sharding pass
-(trtopt/fusion_passes/tensor_parallel.py) after every row-parallel projection.
+(trtopt/builder/sharding/analysis.py) after every row-parallel projection.
 
 Faces (docs/architecture.md §4): schema; function (Identity: the sum over a group of one, so a rank plan built for one
 rank

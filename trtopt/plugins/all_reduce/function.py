@@ -3,7 +3,7 @@
 A sum over one rank is the value itself, so a plan sharded for one rank (``trtopt build --tensor-parallel 1``)
 runs on onnxruntime, TensorRT and the torch converter's body path exactly like the unsharded plan. For more ranks
 the body is wrong by construction (it sees one rank's partial sum); executors that only have the body refuse such
-plans (trtopt/runtime/distributed.py says which backends run them).
+plans (trtopt/runtime/executors/__init__.py, create_executor, says which backends run them).
 """
 
 from __future__ import annotations

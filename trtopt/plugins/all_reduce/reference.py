@@ -1,6 +1,6 @@
 """AllReduce, face 3 of docs/architecture.md §4: the torch face, over torch.distributed's default process group (gloo
-for CPU
-tensors, NCCL for CUDA tensors; trtopt/runtime/distributed.py initialises it with the backend "cpu:gloo,cuda:nccl").
+for CPU tensors, NCCL for CUDA tensors; trtopt/runtime/executors/tensor_parallel.py initialises it with the backend
+"cpu:gloo,cuda:nccl").
 
 Outside an initialised group (a single-device runtime) the op is the identity, which is only right for a plan sharded
 for one rank: a ``world_size`` that disagrees with the group is an error, never a silent partial sum.

@@ -2,8 +2,8 @@
 
 Today a trtopt.AllReduce node carries no ``plugin_namespace`` (SCHEMA.tensorrt_plugin is False), so the TensorRT
 ONNX parser inlines its Identity body: right for a plan sharded for one rank, and the TensorRT executor refuses
-plans sharded for more (trtopt/runtime/distributed.py). The multi-rank route, written to TensorRT-LLM's API and NOT
-run here (neither tensorrt nor tensorrt_llm can be installed on the project's machines), is NCCL through
+plans sharded for more (trtopt/runtime/executors/__init__.py). The multi-rank route, written to TensorRT-LLM's API
+and NOT run here (neither tensorrt nor tensorrt_llm can be installed on the project's machines), is NCCL through
 TensorRT-LLM's ``AllReduce`` plugin (cpp/tensorrt_llm/plugins/ncclPlugin/allreducePlugin.cpp, namespace
 ``tensorrt_llm``, version "1"):
 

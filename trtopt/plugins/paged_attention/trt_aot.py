@@ -1,14 +1,14 @@
 """PagedAttention's AOT entry point for TensorRT (face 5 of docs/architecture.md §4), with no `tensorrt` import:
 testable here.
 
-Why a separate entry kernel and not `kernel._paged_attn_kernel` as is (the kernel author's notes, and TensorRT's
+Why a separate entry kernel and not `attention._paged_attn_kernel` as is (the kernel author's notes, and TensorRT's
 AOT contract in tensorrt/plugin/_plugin_class.py, `get_launch_params`):
 
 1. **One launch.** aot_impl returns exactly one (kernel name, PTX, launch params). The torch path launches two
    kernels (the KV write, then attention); here the write is fused into the attention launch. Programs of one step
    run in any order, so nothing in this launch reads a slot it writes: a new key whose slot is >= 0 is read from
    the k/v inputs (the very values being written), and only keys cached before the step, or new keys with slot −1
-   (not written), come from the pool. The KV-write-fused variant was measured and removed from kernel.py (commit
+   (not written), come from the pool. The KV-write-fused variant was measured and removed from the torch path (commit
    2680905: exact, 25-40% slower on H200); it is the only single-launch form, so TensorRT uses it.
 2. **Argument order.** TensorRT passes input pointers (node order), then the extra SymInt32 scalars, then output
    pointers; kv_cache_out is aliased to kv_cache, so `CacheOut` is the same address as `Cache`.
@@ -19,7 +19,7 @@ AOT contract in tensorrt/plugin/_plugin_class.py, `get_launch_params`):
    shapes: the pool's are constexprs, q/k/v/out's head stride is T·D (T an extra arg).
 
 The tile prologue (which sequence and rows a program owns, q's load), its key range and the key-tile loop over
-cached keys are kernel.py's own `_tile_prologue`, `_key_range` and `_attend_key_tiles`; only the write and the loop
+cached keys are attention.py's own `_tile_prologue`, `_key_range` and `_attend_key_tiles`; only the write and the loop
 over this step's new keys live here. ALiBi: the descs cannot tell
 the zero initializer (no ALiBi) from real slopes, so the slopes are always applied; zeros add nothing.
 """
@@ -33,7 +33,7 @@ from typing import Any, Callable, TypeVar
 import triton
 import triton.language as tl
 
-from trtopt.plugins.paged_attention.kernel import _attend_key_tiles, _key_range, _tile_prologue
+from trtopt.plugins.paged_attention.attention import _attend_key_tiles, _key_range, _tile_prologue
 from trtopt.plugins.trt_common import FLOAT_TYPES, dot_precision
 
 _LOG2E = 1.4426950408889634
@@ -187,7 +187,7 @@ class AotTiling:
 
 def aot_tiling(num_heads: int, num_kv_heads: int, *, interpret: bool = False) -> AotTiling:
     """Decode-shaped tiles (16 rows of BLOCK_Q tokens × the GQA group): decode dominates a serving engine, and
-    prefill stays correct with them, only slower. tile_n 64 is the middle of kernel.plan_paged_launch's choices."""
+    prefill stays correct with them, only slower. tile_n 64 is the middle of planning.plan_paged_launch's choices."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     block_q = max(1, 16 // group_pad)
     if interpret:

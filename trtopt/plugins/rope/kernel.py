@@ -24,7 +24,7 @@ from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 def rotate_half_rows(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
     """(o1, o2), the two halves of x·cos + rotate_half(x)·sin, from fp32 halves of x, cos and sin, rounded as the
     unfused graph rounds: each product to DTYPE, then the sum. PagedAttention's fused RoPE + KV write
-    (paged_attention/kernel.py) calls this too, so both kernels round alike by construction."""
+    (paged_attention/write_kv.py) calls this too, so both kernels round alike by construction."""
     # rotate_half(x) = concat(-x2, x1)
     o1 = (x1 * c1).to(DTYPE).to(tl.float32) + (-x2 * s1).to(DTYPE).to(tl.float32)
     o2 = (x2 * c2).to(DTYPE).to(tl.float32) + (x1 * s2).to(DTYPE).to(tl.float32)

@@ -46,8 +46,8 @@ from typing import Callable
 
 import torch
 
-from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import StepInputs, fill_placeholders_
+from trtopt.runtime.kernels.argmax import greedy_argmax
 from trtopt.signature import (
     BLOCK_TABLES, INPUT_IDS, LOGITS_INDICES, POSITION_IDS, QUERY_START_LOC, SEQ_LENS, SLOT_MAPPING, STEP_INPUT_NAMES,
     STEP_INPUTS,

@@ -4,15 +4,16 @@ fp16/bf16 plans on CUDA).
 `use_decode_gemv` rewrites the converted fx graph:
 1. every constant 2-D MatMul weight is stored transposed, [N, K] with K contiguous (nn.Linear's layout, which a
    GEMV streams row by row), in place of the plan's [K, N] buffer, so memory does not grow;
-2. its MatMuls run `projection(x, wt)`: runtime/gemv_kernel.py's GEMV when the call has one row (`use_gemv`) on
-   CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a bias: Qwen2's Q/K/V) runs
-   `F.linear(x, wt, bias)`;
+2. its MatMuls run `projection(x, wt)`: runtime/kernels/gemv_triton.py's GEMV when the call has one row
+   (`use_gemv`) on CUDA in fp16/bf16, else `F.linear` (cuBLAS on the same weight); MatMulAdd (a bias: Qwen2's
+   Q/K/V) runs `F.linear(x, wt, bias)`;
 3. the gate/up projection feeding trtopt.SiluMul through a two-way Split runs `projection_silu_mul`: one GEMV with
    SiLU·mul as its epilogue (one launch instead of two, no [M, 2I] intermediate), or the same three ops as before;
 4. the fused Q/K/V projection whose Split feeds, through views only, the q, k and v of a PagedAttention with RoPE
    folded in (fx_fusions.fuse_rope_into_paged_attention) runs `projection_rope_kv`: for one row, one GEMV that also
-   rotates q and k and writes k and v into the pool (runtime/gemv_kernel.py `gemv_rope_kv`), and the attention op
-   is told so (`kv_written`) and launches the attention kernels only; for any other step the projection as in 2;
+   rotates q and k and writes k and v into the pool (runtime/kernels/gemv_triton.py `gemv_rope_kv`), and the
+   attention op is told so (`kv_written`) and launches the attention kernels only; for any other step the
+   projection as in 2;
 5. a projection whose output reaches a Cast only through views (the LM head, then the float32 logits the paged
    signature returns) runs `projection_cast`: the GEMV stores the cast values itself, one launch fewer (for one
    row; otherwise F.linear, then the cast).
@@ -52,11 +53,11 @@ def use_gemv(rows: int, n: int, k: int) -> bool:
 @functools.cache
 def _kernels():
     try:
-        from trtopt.runtime import gemv_kernel
+        from trtopt.runtime.kernels import gemv_triton
     except ImportError:  # no Triton: F.linear is always correct
         return None
-    assert gemv_kernel.MAX_ROWS >= GEMV_ROWS
-    return gemv_kernel
+    assert gemv_triton.MAX_ROWS >= GEMV_ROWS
+    return gemv_triton
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -106,7 +107,7 @@ def projection_rope_kv(x: torch.Tensor, wt: torch.Tensor, cos: torch.Tensor, sin
                        head_dim: int, rope_half: int) -> tuple[torch.Tensor, bool]:
     """(x @ wtᵀ, written) for the fused Q/K/V weight of an attention with RoPE folded in. written: one GEMV made the
     product with q and k rotated and wrote k and v into kv_cache at slot_mapping (one row on CUDA, the whole head
-    rotated, and nothing gemv_kernel.rope_kv_refusal refuses); else the plain `projection`, and the attention op
+    rotated, and nothing gemv_triton.rope_kv_refusal refuses); else the plain `projection`, and the attention op
     rotates and writes as before."""
     rows = _rows(x, wt)
     if rows is None or rope_half not in (0, head_dim // 2) or _kernels().rope_kv_refusal(

@@ -17,8 +17,10 @@ device op that reads a host value as data gets an explicit transfer (read as a s
 
 trtopt-domain ops dispatch to ``trtopt_ops`` (Triton kernels on CUDA; on CPU, plugins/paged_attention/cpu.py's
 SDPA path for PagedAttention and the torch references for the rest); PagedAttention
-writes the KV pool passed in as a graph input IN PLACE and returns that same tensor as ``kv_cache_out``. Any other
-model-local function (a trtopt op without a torch implementation) is inlined from its ONNX body.
+writes the KV pool passed in as a graph input IN PLACE and returns that same tensor as ``kv_cache_out``; given a
+``paged_state`` (the torch executor's PagedLaunchState), the module holds it as the attribute ``paged_state`` and
+every PagedAttention call reads it from there (``state=``). Any other model-local function (a trtopt op without a
+torch implementation) is inlined from its ONNX body.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import inspect
 import operator
 import re
 from pathlib import Path
-from typing import Any, Collection
+from typing import TYPE_CHECKING, Any, Collection
 
 import numpy as np
 import onnx_ir as ir
@@ -40,6 +42,9 @@ from trtopt.errors import BuildError
 from trtopt.plugins.common import ZERO_INPUT_PREFIX
 from trtopt.runtime.executors.onnx_ops import MIN_OPSET, ONNX_TO_TORCH_DTYPE, STANDARD_OPS, OpSpec, as_ints
 from trtopt.runtime.executors.trtopt_ops import IMPURE_OPS, TRTOPT_OPS
+
+if TYPE_CHECKING:
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
 
 # Attributes that only address other consumers (the TensorRT parser) and never change the op's meaning.
 _IGNORED_ATTRS = frozenset({"plugin_namespace", "plugin_version", "aot"})
@@ -148,10 +153,17 @@ def shape_like_values(graph: ir.Graph) -> set[ir.Value]:
     return wanted
 
 
+# The module attribute that holds the PagedLaunchState its PagedAttention calls are given.
+PAGED_STATE_ATTR = "paged_state"
+
+
 class _Converter:
-    def __init__(self, model: ir.Model, *, device: torch.device, body_ops: Collection[str]):
+    def __init__(self, model: ir.Model, *, device: torch.device, body_ops: Collection[str],
+                 paged_state: PagedLaunchState | None = None):
         self.model = model
         self.device = device
+        self.paged_state = paged_state
+        self.paged_state_node: torch.fx.Node | None = None  # the get_attr of it, made at the first PagedAttention
         self.split = device.type != "cpu"  # host and device differ: track where each value lives
         self.body_ops = frozenset(body_ops)  # trtopt op types to run from their function body
         self.graph = torch.fx.Graph()
@@ -317,10 +329,20 @@ class _Converter:
         if domain == "trtopt":
             inputs = [None if _is_absent_marker(v, value) else value for v, value in zip(node.inputs, inputs)]
         kwargs = self.kwargs_for(node, spec, attrs, opset)
+        if domain == "trtopt" and op == "PagedAttention" and self.paged_state is not None:
+            kwargs["state"] = self.state_node()
         pure = (domain, op) not in IMPURE_OPS
         shape_like = bool(node.outputs) and all(o in self.shape_like for o in node.outputs)
         return self.emit_call(spec, inputs, kwargs, len(node.outputs), pure, standard=domain == "",
                               shape_like=shape_like)
+
+    def state_node(self) -> torch.fx.Node:
+        """The module's PagedLaunchState as a graph value (one get_attr node, read by every PagedAttention call)."""
+        if self.paged_state_node is None:
+            self.names.add(PAGED_STATE_ATTR)
+            setattr(self.root, PAGED_STATE_ATTR, self.paged_state)
+            self.paged_state_node = self.graph.get_attr(PAGED_STATE_ATTR)
+        return self.paged_state_node
 
     def find_spec(self, domain: str, op: str) -> OpSpec | None:
         if domain == "":
@@ -441,12 +463,15 @@ def onnx_to_torch(
     *,
     device: torch.device | str = "cpu",
     body_ops: Collection[str] = (),
+    paged_state: PagedLaunchState | None = None,
 ) -> ConvertedGraph:
     """Convert an ONNX model into a torch.fx GraphModule on `device`.
 
     body_ops: trtopt op types to run from their ONNX function body instead of the torch implementation (tests use
-    it to check the two agree). Raises UnsupportedOpError naming the op, domain, opset and node it cannot convert.
+    it to check the two agree). paged_state: what every PagedAttention call of the module is given
+    (trtopt_ops.paged_launch_state; the caller owns it); None: each call makes its own. Raises UnsupportedOpError
+    naming the op, domain, opset and node it cannot convert.
     """
     if not isinstance(model, ir.Model):
         model = load_onnx(model)
-    return _Converter(model, device=torch.device(device), body_ops=body_ops).convert()
+    return _Converter(model, device=torch.device(device), body_ops=body_ops, paged_state=paged_state).convert()

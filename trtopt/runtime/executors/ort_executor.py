@@ -22,6 +22,7 @@ import torch
 from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.signature import (
     NUMPY_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
 )
@@ -44,7 +45,7 @@ def session_options(*, threads: int | None = None) -> ort.SessionOptions:
     return options
 
 
-class OrtExecutor:
+class OrtExecutor(Executor):
     """Runs a paged plan on onnxruntime; pools are numpy arrays bound to the session through IOBinding."""
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, providers: Sequence[str] | None = None,
@@ -65,12 +66,9 @@ class OrtExecutor:
         check_paged_plan(plan, plan_dir, input_names, graph_outputs)
         signature_outputs = set(output_names(plan.model.num_layers))
         self._extra_names = [name for name in graph_outputs if name not in signature_outputs]
-        # Graph outputs beyond the paged signature (tensors `trtopt check --layerwise` marked) of the last step.
-        self.extra_outputs: dict[str, torch.Tensor] = {}
         self._pools: list[list[np.ndarray]] = [[], []]  # two sets of per-layer pools, swapped every step
         self._current = 0  # index of the set that holds the live pools
         self._pool_values: list[list[ort.OrtValue]] = [[], []]
-        self.num_blocks = 0
 
     @property
     def kv_caches(self) -> list[np.ndarray]:

@@ -12,6 +12,8 @@ import torch
 from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import ConfigError
 from trtopt.runtime.batch import StepInputs, fill_placeholders, fill_placeholders_
+from trtopt.runtime.executors import trtopt_ops
+from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
 from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
@@ -24,7 +26,7 @@ from trtopt.signature import (
 )
 
 
-class TorchExecutor:
+class TorchExecutor(Executor):
     """Runs a paged plan as a torch.fx GraphModule on CPU or CUDA.
 
     fuse_rope_kv (default on): run the plan's Rope(q), Rope(k) → PagedAttention as one call whose CUDA path rotates
@@ -61,8 +63,12 @@ class TorchExecutor:
         self.kv_dtype: torch.dtype = kv_dtype(plan, TORCH_DTYPES)
         self._check_dtype(dtype)
         started = time.perf_counter()
+        # What PagedAttention's kernel keeps between calls (plans, merge counters, its launcher's switch): this
+        # executor's, passed to every call of its graph, CUDA-graph captures included. None off CUDA, and under
+        # compile_mode, whose custom op cannot take it (each call then makes its own).
+        self.paged_state = None if compile_mode else trtopt_ops.paged_launch_state(self.device)
         self.graph: ConvertedGraph = onnx_to_torch(Path(plan_dir) / MODEL_FILE, device=self.device,
-                                                   body_ops=body_ops)
+                                                   body_ops=body_ops, paged_state=self.paged_state)
         # RoPE as one kernel on CUDA (bit-identical ops elsewhere): ~14 fewer launches per layer. Under torch.compile
         # Inductor fuses the unfused ops itself (torch_library.py).
         self.num_fused_rope = 0 if compile_mode else fuse_rope(self.graph.module)
@@ -98,10 +104,7 @@ class TorchExecutor:
         signature_outputs = set(output_names(plan.model.num_layers))
         self._extra_positions = {name: i for i, name in enumerate(self.graph.output_names)
                                  if name not in signature_outputs}
-        # Graph outputs beyond the paged signature (tensors `trtopt check --layerwise` marked) of the last eager step.
-        self.extra_outputs: dict[str, torch.Tensor] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
         # Off unless asked for; LLMEngine.from_plan asks for them on CUDA (gpu tests: test_cuda_graphs.py, tests/e2e).
         # Buckets span the plan's limits until capture_graphs() learns the engine's (which may be smaller).
         self.graphs = StepGraphs(

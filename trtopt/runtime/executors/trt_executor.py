@@ -20,11 +20,12 @@ from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.builder.trt_engine import ENGINE_FILE, build_engine, import_tensorrt, register_plugins
 from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.signature import TORCH_DTYPES, kv_dtype, kv_shape, step_tensors
 from trtopt.signature import LOGITS, STEP_INPUT_NAMES, kv_input, kv_output
 
 
-class TrtExecutor:
+class TrtExecutor(Executor):
     """Runs a paged plan's TensorRT engine on CUDA; pools are torch CUDA tensors bound in and out (aliased)."""
 
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, max_num_blocks: int | None = None):
@@ -48,9 +49,7 @@ class TrtExecutor:
         self.context = self.engine.create_execution_context()
         self.stream = torch.cuda.Stream()
         self.device = torch.device("cuda")
-        self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
-        self.extra_outputs: dict[str, torch.Tensor] = {}  # marked intermediates are not bound on TensorRT
+        self.kv_caches: list[torch.Tensor] = []  # marked intermediates are not bound: extra_outputs stays empty
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_shape(self.plan, num_blocks)

@@ -4,6 +4,11 @@ PagedAttention on CPU, plugins/paged_attention/cpu.py, a batched SDPA path, whic
 The kernel modules import triton at module level, so they are imported lazily and only for CUDA tensors; when
 they are missing (no triton, or a build without them) the reference runs instead, which is always correct, just
 slower. A trtopt op that is not listed here is executed through its ONNX function body (the converter inlines it).
+
+What PagedAttention's kernel keeps between calls (its per-step-shape plans, the split-KV merge counters, its
+launcher's switch) is a `PagedLaunchState` (plugins/paged_attention/planning.py) that the torch executor owns
+(`paged_launch_state`) and the converter passes to every PagedAttention call of its graph (`state=`); a call
+without one gets a state of its own that ends with it.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from trtopt.plugins.paged_attention.reference import broadcasts_to, rope_tables_fit
 from trtopt.runtime.executors.onnx_ops import OpSpec
+
+if TYPE_CHECKING:
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +51,26 @@ def _impl(op: str, device_type: str) -> Callable[..., object]:
         return reference
 
 
+def paged_launch_state(device: torch.device) -> PagedLaunchState | None:
+    """A new PagedLaunchState for an executor on `device`, or None where PagedAttention does not run its Triton
+    kernel there (off CUDA, or the kernel is unavailable: `_impl` runs the reference instead)."""
+    if device.type != "cuda" or _impl("paged_attention", "cuda") is _impl_reference("paged_attention"):
+        return None
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
+
+    return PagedLaunchState()
+
+
 def paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes=None,
                     *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int = 1,
-                    sliding_window: int = 0):
-    """trtopt::PagedAttention. Writes kv_cache in place and returns it as the second output (the alias)."""
+                    sliding_window: int = 0, state: PagedLaunchState | None = None):
+    """trtopt::PagedAttention. Writes kv_cache in place and returns it as the second output (the alias). `state`:
+    the executor's (paged_launch_state), passed on to the Triton kernel (CUDA); the other paths keep nothing."""
     fn = _impl("paged_attention", q.device.type)
+    if state is not None and q.is_cuda:
+        return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                  num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
+                  sliding_window=sliding_window, alibi_slopes=alibi_slopes, state=state)
     return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
               num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
               sliding_window=sliding_window, alibi_slopes=alibi_slopes)
@@ -56,33 +79,34 @@ def paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, 
 def paged_attention_rope(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                          alibi_slopes=None, *, rope_cos, rope_sin, rope_half: int, num_heads: int, num_kv_heads: int,
                          head_dim: int, scale: float, causal: int = 1, sliding_window: int = 0,
-                         kv_written: bool = False):
+                         kv_written: bool = False, state: PagedLaunchState | None = None):
     """trtopt::PagedAttention(Rope(q), Rope(k), ...) as the torch executor fuses it (fx_fusions.py): on CUDA one
     kernel rotates q and k and writes the pool (then the attention kernel), two launches fewer than the plan's ops;
     everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op.
 
     kv_written: the Q/K/V projection already rotated q and k and wrote k and v into the pool (executors/gemv.py
     `projection_rope_kv`, a batch-1 decode step): on CUDA only the attention kernels run; elsewhere the op runs on
-    the rotated q and k as given (writing the same k and v again)."""
+    the rotated q and k as given (writing the same k and v again). `state` as for paged_attention."""
     if kv_written:
         fn = _impl("paged_attention", q.device.type)
         if q.is_cuda and fn is not _impl_reference("paged_attention"):
             return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
-                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, kv_written=True)
+                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, kv_written=True, state=state)
         return paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
                                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
-                               causal=causal, sliding_window=sliding_window)
+                               causal=causal, sliding_window=sliding_window, state=state)
     if q.is_cuda and rope_tables_fit(q, rope_cos, rope_sin, rope_half):
         fn = _impl("paged_attention", "cuda")
         if fn is not _impl_reference("paged_attention"):
             return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
-                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, rope_cos=rope_cos, rope_sin=rope_sin)
+                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, rope_cos=rope_cos, rope_sin=rope_sin,
+                      state=state)
     q, k = (rope(x, rope_cos, rope_sin, half=rope_half) for x in (q, k))
     return paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
-                           causal=causal, sliding_window=sliding_window)
+                           causal=causal, sliding_window=sliding_window, state=state)
 
 
 def flash_attention(q, k, v, attn_bias=None, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,

@@ -17,10 +17,11 @@ import torch
 
 from trtopt.builder.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
-from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import SampledToken, ScheduledBatch, StepOutput
+from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
+from trtopt.runtime.kernels.argmax import greedy_argmax
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler
 from trtopt.builder.draft import self_draft_dir
@@ -118,7 +119,8 @@ class SpecDecoder:
                     tokens, accepted = greedy_verify(argmax[start : start + k + 1], drafts)
                 else:
                     p = target_probs_for(logits[start : start + k + 1], req, drafts)
-                    tokens, accepted = verify_one(p, drafts, proposals[req.request_id].probs, sampler.generator_for(req))
+                    tokens, accepted = verify_one(p, drafts, proposals[req.request_id].probs,
+                                                  sampler.generator_for(req))
             except Exception as e:  # this request's own parameters: it ends with an error, the others go on
                 errors[req.request_id] = e
                 continue
@@ -127,7 +129,7 @@ class SpecDecoder:
         return output, errors
 
 
-def create_spec_decoder(config: SpeculativeConfig, *, target, plan: PlanConfig, plan_dir: str | Path | None,
+def create_spec_decoder(config: SpeculativeConfig, *, target: Executor, plan: PlanConfig, plan_dir: str | Path | None,
                         backend: str, device: str, input_builder: InputBuilder, max_num_batched_tokens: int,
                         max_model_len: int) -> SpecDecoder:
     """The proposer `config` names, checked against the target plan (ConfigError says what to change)."""
@@ -142,7 +144,8 @@ def create_spec_decoder(config: SpeculativeConfig, *, target, plan: PlanConfig, 
         draft_dir = self_draft_dir(plan_dir, config.num_layers)
         if not (draft_dir / "plan.json").is_file():
             raise ConfigError(f"{draft_dir} does not exist; build it with `trtopt build MODEL -o {plan_dir} "
-                              f"--draft-layers {config.num_layers}` (or `trtopt draft {plan_dir} --layers {config.num_layers}`).")
+                              f"--draft-layers {config.num_layers}` (or `trtopt draft {plan_dir} "
+                              f"--layers {config.num_layers}`).")
         if backend != "torch":
             raise ConfigError("self_draft shares the target's KV pools and weights, which only the torch backend "
                               "exposes; use backend='torch', or method 'draft_model' with the draft plan dir.")
@@ -154,7 +157,7 @@ def create_spec_decoder(config: SpeculativeConfig, *, target, plan: PlanConfig, 
     draft_plan = _check_draft_plan(draft_dir, plan, plan_dir, max_num_batched_tokens, max_model_len)
     # The draft's K sequential forwards replay CUDA graphs wherever the target's steps do (torch on CUDA).
     executor = create_executor(backend, draft_dir, draft_plan, device=device,
-                               cuda_graphs=getattr(target, "graphs", None) is not None)
+                               cuda_graphs=target.graphs is not None)
     if config.method == "self_draft":
         share_weights(executor.graph.module, target.graph.module)
         return SpecDecoder(config, DraftModelProposer(executor, input_builder, target=target))
@@ -177,12 +180,14 @@ def _check_draft_plan(draft_dir: Path, plan: PlanConfig, plan_dir: str | Path | 
     if lim.block_size != plan.limits.block_size:
         raise ConfigError(f"the draft plan has block_size {lim.block_size} but the target {plan.limits.block_size}; "
                           f"they share block tables: rebuild the draft with --block-size {plan.limits.block_size}.")
-    if lim.max_model_len < max_model_len or lim.max_num_tokens < max_tokens or lim.max_num_seqs < plan.limits.max_num_seqs:
+    if (lim.max_model_len < max_model_len or lim.max_num_tokens < max_tokens
+            or lim.max_num_seqs < plan.limits.max_num_seqs):
         raise ConfigError(f"the draft plan's limits {lim} are below the target's (max_model_len {max_model_len}, "
                           f"max_num_tokens {max_tokens}, max_num_seqs {plan.limits.max_num_seqs}); rebuild the draft "
                           "with the target's --max-model-len/--max-num-tokens/--max-num-seqs.")
     if draft.model.dtype != plan.model.dtype:
-        raise ConfigError(f"the draft plan is {draft.model.dtype} but the target {plan.model.dtype}; build both in one dtype.")
+        raise ConfigError(f"the draft plan is {draft.model.dtype} but the target {plan.model.dtype}; build both in "
+                          "one dtype.")
     return draft
 
 

@@ -24,10 +24,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from trtopt.runtime.argmax import greedy_argmax
 from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
+from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.cuda_graphs import CaptureReport
 from trtopt.runtime.input_builder import InputBuilder
+from trtopt.runtime.kernels.argmax import greedy_argmax
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import Sampler, processed_probs
 from trtopt.runtime.spec_decode.proposer import Proposal
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
-    def __init__(self, executor, input_builder: InputBuilder, *, target=None) -> None:
+    def __init__(self, executor: Executor, input_builder: InputBuilder, *, target: Executor | None = None) -> None:
         """target: the target's executor when the draft runs on its first N pools (self-draft); None = own pool."""
         self.executor = executor
         self.input_builder = input_builder
@@ -50,7 +51,7 @@ class DraftModelProposer:
         if self.shared_kv:  # the target's first N pools, the very tensors (the target allocated them)
             self.executor.kv_caches = self.target.kv_caches[: self.executor.plan.model.num_layers]
             self.executor.num_blocks = num_blocks
-            if getattr(self.executor, "graphs", None) is not None:
+            if self.executor.graphs is not None:
                 self.executor.graphs.reset()  # its graphs captured the old pools' addresses
         else:
             self.executor.allocate_kv_cache(num_blocks)
@@ -62,8 +63,6 @@ class DraftModelProposer:
         two tokens per sequence (own pool: the last token of a fully accepted run lags), so buckets stop at
         2 * max_num_seqs tokens. That bounds capture time and memory by about one target decode capture; a longer
         first forward (prefill chunks mirrored into an own pool) runs eagerly."""
-        if not hasattr(self.executor, "capture_graphs"):
-            return None
         report = self.executor.capture_graphs(max_num_seqs=max_num_seqs,
                                               max_num_tokens=min(max_num_tokens, 2 * max_num_seqs))
         if report is not None:
@@ -93,7 +92,7 @@ class DraftModelProposer:
                 logits = self.executor.execute(self.input_builder.build(ScheduledBatch(steps, 0, [])))
             logits = logits[: len(active)]
             # The draft graph's own argmax of these rows where it took one (its rows are `active`, in order).
-            tokens = getattr(self.executor, "last_greedy_tokens", None)
+            tokens = self.executor.last_greedy_tokens
             argmax = (greedy_argmax(logits) if tokens is None else tokens[: len(active)]).tolist()
             sampled = [row for row, s in enumerate(active) if not greedy[s.request_id]]
             if sampled:
@@ -109,14 +108,16 @@ class DraftModelProposer:
             self._computed[s.request_id] = s.start_pos + s.num_lookahead
         return {rid: Proposal(toks, None if greedy[rid] else torch.stack(probs[rid])) for rid, toks in drafts.items()}
 
-    def _first_forward(self, batch: ScheduledBatch, requests: Mapping[str, Request]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+    def _first_forward(self, batch: ScheduledBatch,
+                       requests: Mapping[str, Request]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
         """The rows of the draft's first forward, and the speculating sequences (who get a logits row there)."""
         rows, spec = [], []
         for seq in batch.seqs:
             req = requests[seq.request_id]
             # What the draft pool already holds: all the target computed (shared pools), else what the draft ran,
             # capped by the target's computed tokens (a preempted request restarts lower; prefix hits are held).
-            start = seq.start_pos if self.shared_kv else min(self._computed.get(seq.request_id, seq.start_pos), seq.start_pos)
+            start = (seq.start_pos if self.shared_kv
+                     else min(self._computed.get(seq.request_id, seq.start_pos), seq.start_pos))
             end = seq.start_pos + seq.num_new_tokens
             if seq.num_lookahead:
                 spec.append(seq)

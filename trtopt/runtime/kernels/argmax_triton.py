@@ -1,4 +1,4 @@
-"""The two Triton launches of trtopt.runtime.argmax (imported lazily, only for CUDA logits)."""
+"""The two Triton launches of argmax.greedy_argmax (imported lazily, only for CUDA logits)."""
 
 from __future__ import annotations
 

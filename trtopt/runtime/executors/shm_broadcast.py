@@ -1,4 +1,5 @@
-"""One writer, several readers on one host: the tensor-parallel driver's per-step message to its workers.
+"""One writer, several readers on one host: the tensor-parallel driver's per-step message to its workers
+(tensor_parallel.py).
 
 Why not ``dist.broadcast_object_list`` over gloo (what this replaced): it costs two TCP round trips plus pickling
 of tensors per call, 2.5-3.7 ms per step measured on our CPU box, and on 2xH200 it made batch-1 decode at N = 2
@@ -75,7 +76,8 @@ class ShmBroadcast:
         return cls(path, num_readers, capacity, reader=None, owner=True)
 
     @classmethod
-    def attach(cls, path: str | Path, num_readers: int, reader: int, capacity: int = DEFAULT_CAPACITY) -> "ShmBroadcast":
+    def attach(cls, path: str | Path, num_readers: int, reader: int,
+               capacity: int = DEFAULT_CAPACITY) -> "ShmBroadcast":
         assert 0 <= reader < num_readers, (reader, num_readers)
         return cls(Path(path), num_readers, capacity, reader=reader, owner=False)
 

@@ -1,4 +1,4 @@
-"""The decode GEMV kernels (runtime/gemv_kernel.py) against torch, and the executor rewrite that uses them
+"""The decode GEMV kernels (runtime/kernels/gemv_triton.py) against torch, and the executor rewrite that uses them
 (runtime/executors/gemv.py). Without CUDA the kernels run under the Triton interpreter (set here before the kernel
 module is imported); the `gpu` tests run the executor's GEMV path on a real GPU against its cuBLAS path."""
 
@@ -18,9 +18,9 @@ from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
 from trtopt.runtime.executors import gemv, trtopt_ops  # noqa: E402
 from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
 from trtopt.plugins.paged_attention.kernel import (  # noqa: E402
-    clear_plans, paged_attention_triton, rope_write_kv_triton,
+    paged_attention_triton, rope_write_kv_triton,
 )
-from trtopt.runtime.gemv_kernel import (  # noqa: E402
+from trtopt.runtime.kernels.gemv_triton import (  # noqa: E402
     MAX_ROWS, default_config, gemv as gemv_triton, gemv_rope_kv, gemv_silu_mul,
 )
 
@@ -182,7 +182,7 @@ def test_attention_after_the_fused_write_equals_the_rope_kv_path(dtype) -> None:
     got, _ = paged_attention_triton(*_views(y, hq, hkv, d), pool, *meta, **attrs, kv_written=True)
     assert torch.equal(got, want) and torch.equal(pool, want_pool)
     q, k, v = _views(y, hq, hkv, d)
-    clear_plans()  # the layout is checked when a step shape is planned (its strides are in the plan key)
+    # (a call without a PagedLaunchState plans nothing: the layout is checked on each)
     with pytest.raises(ValueError, match="head-major views of one fused Q/K/V row"):
         paged_attention_triton(q, v, k, pool, *meta, **attrs, kv_written=True)
     with pytest.raises(ValueError, match="already rotated"):
@@ -279,7 +279,7 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
 
 
 class _Counting:
-    """gemv_kernel with its three entry points counted."""
+    """gemv_triton with its three entry points counted."""
 
     def __init__(self, kernels, calls: list[str]):
         self._k, self._calls = kernels, calls

@@ -1,5 +1,5 @@
-"""The greedy argmax kernel (runtime/argmax_kernel.py) against torch.argmax: the same index, bit for bit, for ties,
-±inf, NaN and signed zeros, over rows cut into many pieces. Without CUDA the kernel runs under the Triton
+"""The greedy argmax kernel (runtime/kernels/argmax_triton.py) against torch.argmax: the same index, bit for bit, for
+ties, ±inf, NaN and signed zeros, over rows cut into many pieces. Without CUDA the kernel runs under the Triton
 interpreter (set here before the kernel module is imported) with small pieces; the `gpu` test uses the real sizes."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from trtopt.runtime.argmax import greedy_argmax  # noqa: E402
-from trtopt.runtime.argmax_kernel import argmax_triton  # noqa: E402
+from trtopt.runtime.kernels.argmax import greedy_argmax  # noqa: E402
+from trtopt.runtime.kernels.argmax_triton import argmax_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 3.4e38, -3.4e38, 1e-45]

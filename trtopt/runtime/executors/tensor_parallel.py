@@ -1,16 +1,17 @@
-"""Tensor-parallel execution of a sharded plan (docs/architecture.md, "Parallel layout").
+"""Tensor-parallel execution of a sharded plan (docs/architecture.md §7b): the TensorParallelExecutor and its workers.
 
-One Executor over N ranks: rank 0 runs in the driver process (beside the scheduler, block manager and sampler,
-like vLLM's driver worker), ranks 1..N-1 in worker processes it spawns. All N form one torch.distributed group,
+One Executor over N ranks: rank 0 runs in the driver process (beside the scheduler, block manager and sampler, like
+vLLM's driver worker), ranks 1..N-1 in worker processes it spawns. All N form one torch.distributed group,
 initialised the torchrun way (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK; backend "gloo" on CPU,
 "cpu:gloo,cuda:nccl" on CUDA, where rank r owns cuda:r). Per engine step the driver broadcasts one message (the
-step's StepInputs, or a KV-pool command) through a shared-memory channel (runtime/shm_broadcast.py: one host, so
-no network hop and no pickled tensors; gloo's broadcast_object_list cost 2.5-3.7 ms a step); every rank runs its plan on it, the plan's
-trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into its own KV
-pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default build), it leaves every
-logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel (``--lm-head vocab-parallel``),
-each rank computes its vocabulary columns of those rows and the plan's trtopt.AllGather hands every rank the full
-rows. Either way rank 0's executor returns the full-vocabulary rows the driver samples from.
+step's StepInputs, or a KV-pool command) through a shared-memory channel (executors/shm_broadcast.py: one host, so
+no network hop and no pickled tensors; gloo's broadcast_object_list cost 2.5-3.7 ms a step); every rank runs its
+plan on it, the plan's trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own
+heads into its own KV pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default
+build), it leaves every logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel
+(``--lm-head vocab-parallel``), each rank computes its vocabulary columns of those rows and the plan's
+trtopt.AllGather hands every rank the full rows. Either way rank 0's executor returns the full-vocabulary rows the
+driver samples from.
 
 A worker that dies (crash, OOM kill) ends the engine: a monitor thread watches the worker processes, and the
 driver's next (or current) collective fails, at the latest after ``timeout_s``; ``execute`` then raises
@@ -35,10 +36,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from trtopt.builder.plan import PlanConfig, rank_dir, read_plan
+from trtopt.builder.plan import rank_dir, read_plan
 from trtopt.errors import ConfigError, WorkerDiedError
 from trtopt.runtime.batch import StepInputs
-from trtopt.runtime.shm_broadcast import ShmBroadcast
+from trtopt.runtime.executors.base import Executor
+from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
+from trtopt.runtime.executors.shm_broadcast import ShmBroadcast
+from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 
@@ -60,40 +64,6 @@ def backend_for(device: str) -> str:
 def rank_device(device: str, rank: int) -> str:
     """Rank r owns cuda:r (one process per GPU); CPU ranks share the host."""
     return f"cuda:{rank}" if str(device).startswith("cuda") else "cpu"
-
-
-def resolve_plan(plan_dir: str | Path, tensor_parallel_size: int | None) -> tuple[PlanConfig, Path, int]:
-    """(the plan rank 0 runs, its dir, the group size) for a plan dir and the size asked for.
-
-    An unsharded plan runs at size 1 only; a sharded one at its own size (None = take it). ConfigError otherwise.
-    """
-    top = read_plan(plan_dir)
-    if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1):
-        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}.")
-    if top.parallel is None:
-        if tensor_parallel_size not in (None, 1):
-            raise ConfigError(
-                f"{plan_dir} is not sharded; build it for {tensor_parallel_size} ranks with "
-                f"`trtopt build MODEL -o PLAN --tensor-parallel {tensor_parallel_size}`."
-            )
-        return top, Path(plan_dir), 1
-    size = top.parallel.size
-    if tensor_parallel_size not in (None, size):
-        raise ConfigError(
-            f"{plan_dir} was sharded for {size} ranks but tensor_parallel_size={tensor_parallel_size}; pass "
-            f"{size}, or rebuild with `trtopt build ... --tensor-parallel {tensor_parallel_size}`."
-        )
-    first = rank_dir(plan_dir, 0)
-    return read_plan(first), first, size
-
-
-def check_backend(backend: str, size: int) -> None:
-    if size > 1 and backend != "torch":
-        raise ConfigError(
-            f"tensor_parallel_size={size} runs on the torch backend only: onnxruntime and TensorRT would run "
-            "trtopt.AllReduce as its one-rank Identity body (trtopt/plugins/all_reduce/trt_plugin.py says how "
-            "TensorRT-LLM's NCCL plugin would take it). Use --backend torch."
-        )
 
 
 def cpu_threads_per_rank(size: int) -> int:
@@ -129,8 +99,6 @@ def _init_group(rank: int, size: int, device: str, timeout_s: float, store: Any 
 def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float, channel: str) -> None:
     """A worker rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as torchrun sets them):
     join the group, load its rank's plan, mirror the driver's commands until "stop"."""
-    from trtopt.runtime.executors.torch_executor import TorchExecutor
-
     # Ctrl-C reaches the terminal's whole process group: the driver decides when workers stop ("stop", or its
     # death, which fails the next collective here), so a worker must not die of it mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -158,7 +126,7 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
     dist.destroy_process_group()
 
 
-def _apply(executor: Any, command: _Command) -> torch.Tensor | None:
+def _apply(executor: Executor, command: _Command) -> torch.Tensor | None:
     if command.op == "step":
         return executor.execute(command.arg)
     if command.op == "alloc":
@@ -168,20 +136,18 @@ def _apply(executor: Any, command: _Command) -> torch.Tensor | None:
     elif command.op == "copy":
         executor.copy_blocks(command.arg)
     elif command.op == "graphs":
-        if executor.graphs is not None:
-            executor.graphs.enabled = command.arg
+        executor.set_cuda_graphs(command.arg)
     else:
         raise AssertionError(f"unknown command {command.op!r}")
     return None
 
 
-class TensorParallelExecutor:
-    """The Executor contract (base.py) over ``size`` ranks; see the module docstring."""
+class TensorParallelExecutor(Executor):
+    """The Executor contract (base.py) over ``size`` ranks; see the module docstring. Rank 0's TorchExecutor runs
+    here; its graphs are this executor's, its greedy tokens and placeholders are not read through it (the defaults)."""
 
     def __init__(self, plan_dir: str | Path, size: int, *, device: str = "cpu", cuda_graphs: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        from trtopt.runtime.executors.torch_executor import TorchExecutor
-
         if dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; run one tensor-parallel "
                               "engine per process (shut the other down first).")
@@ -193,22 +159,22 @@ class TensorParallelExecutor:
         self._threads = torch.get_num_threads()  # restored by shutdown()
         if not self._device.startswith("cuda"):
             torch.set_num_threads(cpu_threads_per_rank(size))  # rank 0 runs in this process
-        self.num_blocks = 0
         self._error: WorkerDiedError | None = None
         self._closed = False
+        self._local: TorchExecutor | None = None  # rank 0's, once the group is up
         self._channel = ShmBroadcast.create(num_readers=size - 1)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         # Port 0: the store picks a free port, so concurrent engines on one host never collide.
         store = dist.TCPStore(addr, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
-        # Fresh interpreters (`python -m trtopt.runtime.distributed`), not multiprocessing: nothing of the caller's
-        # __main__ is re-imported, and a worker is exactly what torchrun would start.
+        # Fresh interpreters (`python -m trtopt.runtime.executors.tensor_parallel`), not multiprocessing: nothing of
+        # the caller's __main__ is re-imported, and a worker is exactly what torchrun would start.
         self._workers: list[subprocess.Popen] = []
         for rank in range(1, size):
             env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(store.port), "RANK": str(rank),
                    "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)}
-            args = [sys.executable, "-m", "trtopt.runtime.distributed", str(plan_dir), "--device", str(device),
-                    "--timeout", str(timeout_s), "--channel", str(self._channel.path)]
+            args = [sys.executable, "-m", "trtopt.runtime.executors.tensor_parallel", str(plan_dir),
+                    "--device", str(device), "--timeout", str(timeout_s), "--channel", str(self._channel.path)]
             args += ["--cuda-graphs"] if cuda_graphs else []
             self._workers.append(subprocess.Popen(args, env=env))
         self._monitor = threading.Thread(target=self._watch, name="trtopt-tp-monitor", daemon=True)
@@ -231,11 +197,12 @@ class TensorParallelExecutor:
         self._run(_Command("alloc", num_blocks))
         self.num_blocks = num_blocks
 
-    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int, max_logits: int | None = None) -> Any:
+    def capture_graphs(self, *, max_num_seqs: int, max_num_tokens: int,
+                       max_logits: int | None = None) -> CaptureReport | None:
         """Every rank captures the same buckets; returns rank 0's capture report (None without graphs)."""
         self._run(_Command("capture", {"max_num_seqs": max_num_seqs, "max_num_tokens": max_num_tokens,
                                         "max_logits": max_logits}))
-        return self._local.graphs.capture_report if self._local.graphs is not None else None
+        return self.graphs.capture_report if self.graphs is not None else None
 
     def execute(self, step: StepInputs) -> torch.Tensor:
         logits = self._run(_Command("step", step))
@@ -247,9 +214,9 @@ class TensorParallelExecutor:
             self._run(_Command("copy", list(pairs)))
 
     @property
-    def graphs(self) -> Any:
+    def graphs(self) -> StepGraphs | None:
         """Rank 0's CUDA graphs (every rank captured the same buckets), or None."""
-        return self._local.graphs
+        return self._local.graphs if self._local is not None else None
 
     def set_cuda_graphs(self, enabled: bool) -> None:
         """Turn graph replay on/off on every rank together (a rank replaying while another runs eagerly would
@@ -270,7 +237,7 @@ class TensorParallelExecutor:
                 stopped = True
             except Exception:  # a worker died in between: it is terminated below
                 log.warning("tensor-parallel stop message failed; terminating the workers")
-        _release_graphs(getattr(self, "_local", None))
+        _release_graphs(self._local)
         if dist.is_initialized():
             if stopped:
                 # Leaving a NCCL group is a handshake: the workers destroy theirs right after "stop", so the driver
@@ -305,6 +272,7 @@ class TensorParallelExecutor:
             raise self._error
         if self._closed:
             raise WorkerDiedError("the tensor-parallel executor was shut down; start a new engine.")
+        assert self._local is not None, "rank 0's executor is made before the first command"
         try:
             self._channel.publish(_to_wire(command), alive=self._check_workers)
             return _apply(self._local, command)
@@ -350,10 +318,10 @@ class TensorParallelExecutor:
         return None
 
 
-def _release_graphs(executor: Any) -> None:
+def _release_graphs(executor: TorchExecutor | None) -> None:
     """Drop the CUDA graphs that captured all-reduces: NCCL holds a reference per such graph and its comm destroy
     waits until every one is gone (pytorch#115388; vLLM and TensorRT release graphs before NCCL for this reason)."""
-    if getattr(executor, "graphs", None) is not None:
+    if executor is not None and executor.graphs is not None:
         executor.graphs.reset()
         torch.cuda.synchronize(executor.device)
         gc.collect()
@@ -394,20 +362,6 @@ def _abort_group() -> None:
         dist.destroy_process_group()
     except Exception:
         pass
-
-
-def open_executor(plan_dir: str | Path, *, backend: str, device: str, cuda_graphs: bool,
-                  tensor_parallel_size: int | None) -> tuple[Any, PlanConfig]:
-    """(executor, the plan rank 0 runs) for a plan dir: a plain executor at size 1 (an unsharded plan, or rank0/
-    of a plan sharded for one rank), a TensorParallelExecutor above."""
-    from trtopt.runtime.executors import create_executor
-
-    plan, path, size = resolve_plan(plan_dir, tensor_parallel_size)
-    check_backend(backend, size)
-    if size == 1:
-        return create_executor(backend, path, plan, device=device, cuda_graphs=cuda_graphs), plan
-    executor = TensorParallelExecutor(plan_dir, size, device=device, cuda_graphs=cuda_graphs)
-    return executor, executor.plan
 
 
 def _main() -> None:

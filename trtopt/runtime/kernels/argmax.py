@@ -2,8 +2,9 @@
 value; NaN counts as larger than anything, the first NaN wins), in two Triton launches on CUDA.
 
 Why not `logits.argmax(-1)`: at batch 1 torch's reduction kernel took 28 µs per decode step of the 1.24B plan on the
-H200 (one row of 128,256 logits; GPU_E2E.md's profile), 2.6% of the step's kernel time. Here the row is cut into CHUNK-wide pieces reduced in parallel, and a second launch picks the winner
-among the pieces' winners.
+H200 (one row of 128,256 logits; GPU_E2E.md's profile), 2.6% of the step's kernel time. Here the row is cut into
+CHUNK-wide pieces reduced in parallel (argmax_triton.py), and a second launch picks the winner among the pieces'
+winners.
 
 Ties and NaN follow torch exactly because values are compared as integer keys with a total order: a float's bits
 mapped so that integer order is float order (-inf lowest, +inf highest, −0 equal to +0), every NaN mapped above
@@ -41,7 +42,7 @@ _MIN_SPLIT = 4096  # shorter rows fit one program: torch's own kernel is as good
 @functools.cache
 def _kernel():
     try:
-        from trtopt.runtime.argmax_kernel import argmax_triton
+        from trtopt.runtime.kernels.argmax_triton import argmax_triton
     except ImportError:  # no Triton: torch.argmax is always correct
         return None
     return argmax_triton

@@ -1,5 +1,5 @@
-"""The tensor-parallel driver's shared-memory channel (runtime/shm_broadcast.py): every reader gets every message,
-in order, none overwritten while unread, and a waiting side gives up when its peer is gone."""
+"""The tensor-parallel driver's shared-memory channel (runtime/executors/shm_broadcast.py): every reader gets every
+message, in order, none overwritten while unread, and a waiting side gives up when its peer is gone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from trtopt.runtime.shm_broadcast import ShmBroadcast
+from trtopt.runtime.executors.shm_broadcast import ShmBroadcast
 
 
 def test_every_reader_gets_every_message_in_order():

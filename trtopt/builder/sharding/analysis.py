@@ -1,4 +1,5 @@
-"""Tensor-parallel sharding of a fused paged plan (Megatron-style), run after every fusion.
+"""Tensor-parallel sharding analysis of a fused paged plan (Megatron-style), run after every fusion
+(docs/architecture.md §7b); writer.py writes the rank plan dirs it produces.
 
 For ``size`` ranks, every attention layer and every MLP that can be recognised is split so that each rank holds
 1/size of its weights and of its KV heads:
@@ -15,15 +16,17 @@ either replicated (``lm_head="replicated"``, the default: rank 0 computes exactl
 gathered) or vocabulary-parallel (``"vocab-parallel"``): its weight split by output columns, ceil(vocab/N) per rank
 (the last shard padded with zero columns), then a trtopt.AllGather of the sampled logits rows along the vocabulary
 axis and a Slice that drops the padding; an untied head saves hidden x vocab x (N-1)/N weights per rank for one
-all-gather per step (docs/architecture.md §7b). Tied embeddings stay correct either way: the embedding Gather keeps the whole
-table, and a vocab-parallel head tied to it gets its own per-rank initializer (the transposed table's columns).
+all-gather per step (docs/architecture.md §7b). Tied embeddings stay correct either way: the embedding Gather keeps
+the whole table, and a vocab-parallel head tied to it gets its own per-rank initializer (the transposed table's
+columns).
 
-The pass works on the graph structure, not on names: a projection is a MatMul (or trtopt.MatMulAdd) with a constant
-2-D weight; a projection feeds a PagedAttention input when the path between them (followed only through values
-that depend on input_ids) holds head-agnostic ops only (Reshape to [.., -1, D], Transpose, the RoPE arithmetic).
-An MLP is a projection whose input is an elementwise function (scalar constants only) of projections of one
-width. Attention that cannot be sharded is a FusionError (the KV pools of all layers must split alike); an MLP
-that cannot be sharded stays replicated, and ``--explain`` lists why.
+The analysis works on the graph structure, not on names: a projection is a MatMul (or trtopt.MatMulAdd) with a
+constant 2-D weight; a projection feeds a PagedAttention input when the path between them (followed only through
+values that depend on input_ids) holds head-agnostic ops only (Reshape to [.., -1, D], Transpose, the RoPE
+arithmetic). An MLP is a projection whose input is an elementwise function (scalar constants only) of projections of
+one width. Every check that fails is a value with its reason (a ``MatchFailure`` of rule ``tensor_parallel``, as
+the fusion passes record them, STYLE.md 7): attention that cannot be sharded is a FusionError naming them (the KV
+pools of all layers must split alike); an MLP that cannot be sharded stays replicated, and ``--explain`` lists why.
 
 ``shard_structure`` rewrites the graph once (new per-rank initializers hold rank 0's slices); ``rank_weights``
 gives any rank's slices of the same initializers, so one rewritten graph serves every rank.
@@ -40,10 +43,12 @@ from trtopt import signature
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.ir_helpers import is_op, projection_weight
 from trtopt.fusion_passes.ops import DOMAIN
+from trtopt.fusion_passes.trace import MatchFailure, NoMatch
 
 RULE = "tensor_parallel"
 LM_HEAD_MODES = ("replicated", "vocab-parallel")
 SHARD_SUFFIX = ".tp_shard"  # per-rank initializers: same name in every rank's plan, rank r's slice as data
+LM_HEAD_REPLICATED = "LM head: replicated (the driver samples full-vocabulary rows)"
 
 # Ops a Q/K/V projection's output may pass through on its way to attention (per-head, head-count-agnostic).
 _QKV_PATH_OPS = frozenset({"Reshape", "Transpose", "Mul", "Add", "Sub", "Neg", "Slice", "Concat", "Cast",
@@ -60,13 +65,7 @@ _MLP_PATH_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu"
 # heads (checked like a Mul's operands in _check_head_agnostic).
 _POINTWISE_TRTOPT_OPS = {_MLP_PATH_OPS: frozenset({"SiluMul", "GeluMul"}), _QKV_PATH_OPS: frozenset({"Rope"})}
 
-
-class _Skip(Exception):
-    """A region the pass cannot shard: the reason, and the node where the check looked."""
-
-    def __init__(self, reason: str, node: str = ""):
-        super().__init__(reason)
-        self.reason, self.node = reason, node
+Ranges = tuple[tuple[tuple[int, int], ...], ...]  # per rank: the ((start, stop), ...) index ranges it keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,29 +75,70 @@ class WeightSplit:
     source: str  # the unsplit initializer's name
     target: str  # the per-rank initializer's name (source + SHARD_SUFFIX + a counter when needed)
     axis: int  # of the (transposed, when ``transpose``) source
-    ranges: tuple[tuple[tuple[int, int], ...], ...]  # per rank: ((start, stop), ...)
+    ranges: Ranges  # per rank: ((start, stop), ...)
     transpose: bool = False  # split the source's transpose (a head tied to the [vocab, hidden] embedding)
     width: int = 0  # > 0: every rank's slice is padded with zeros to this length along ``axis`` (the last shard)
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelLayout:
-    """What the pass did; plan.json records the summary, fusion_report.json all of it."""
+class AttentionShard:
+    """One attention layer split by heads: its projections, by node name."""
 
-    size: int
-    num_heads: int  # global
-    num_kv_heads: int  # global
-    heads_per_rank: int
-    kv_heads_per_rank: int
+    attention: str  # the trtopt.PagedAttention node
+    q: str  # the query projection (split by columns: rank r's query heads)
+    k: str  # the key projection (split by columns, or replicated per KV head when num_kv_heads < size)
+    v: str  # the value projection (split like k)
+    o: str  # the output projection (split by rows, followed by an AllReduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpShard:
+    """One MLP split by its intermediate width."""
+
+    up: tuple[str, ...]  # the projections that compute the intermediate (gate and up; split by columns)
+    down: str  # the projection that reads it (split by rows, followed by an AllReduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedProjection:
+    """A projection every rank computes whole (the LM head, an MLP that could not be split)."""
+
+    node: str  # the projection node
+    why: str  # the reason it was left whole, in words (the failed check for an unsplit MLP)
+    at: str = ""  # the node where the failing check looked, when it is not ``node``
+
+
+@dataclasses.dataclass(frozen=True)
+class LmHeadSplit:
+    """A vocabulary-parallel LM head (``lm_head="vocab-parallel"``): what was split, and what it costs and saves."""
+
+    node: str  # the LM head's MatMul (or trtopt.MatMulAdd)
+    weight: str  # the initializer split by vocabulary columns (the embedding table when tied)
+    tied: bool  # the head read the [vocab, hidden] embedding through a Transpose; its shard is a new initializer
+    hidden: int  # the head's input width
+    vocab: int  # the head's output width (the vocabulary)
+    vocab_per_rank: int  # ceil(vocab / size): columns each rank holds
+    padding: int  # zero columns padding the last rank's shard (vocab_per_rank * size - vocab)
+    dtype_bytes: int  # bytes per weight element
+    weight_bytes_saved_per_rank: int  # against the replicated head; negative when tied (the shard is new bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """What the sharding did; plan.json records the summary, fusion_report.json all of it."""
+
+    size: int  # ranks the graph was sharded for
+    num_heads: int  # global query heads
+    num_kv_heads: int  # global KV heads
+    heads_per_rank: int  # num_heads / size
+    kv_heads_per_rank: int  # num_kv_heads / size, or 1 when the KV heads are replicated
     kv_heads_replicated: bool  # num_kv_heads < size: each KV head lives on size/num_kv_heads ranks
-    attention: tuple[dict, ...]  # per layer: {"attention", "q", "k", "v", "o"}: node names
-    mlp: tuple[dict, ...]  # per sharded MLP: {"up": [...], "down"}
-    replicated: tuple[dict, ...]  # {"node", "why"}: projections every rank computes whole (LM head, unsplit MLPs)
+    attention: tuple[AttentionShard, ...]  # per attention layer, in graph order
+    mlp: tuple[MlpShard, ...]  # per sharded MLP, in graph order
+    replicated: tuple[ReplicatedProjection, ...]  # projections every rank computes whole (LM head, unsplit MLPs)
     lm_head: str = "replicated"  # one of LM_HEAD_MODES
-    embedding: str = "replicated"
-    # vocab-parallel only: {"node", "weight", "tied", "hidden", "vocab", "vocab_per_rank", "padding", "dtype_bytes",
-    # "weight_bytes_saved_per_rank"}
-    lm_head_split: dict | None = None
+    embedding: str = "replicated"  # the embedding table is never split
+    lm_head_split: LmHeadSplit | None = None  # vocab-parallel only
 
     @property
     def num_all_reduces(self) -> int:
@@ -120,20 +160,25 @@ class ParallelLayout:
             "replicated_projections": len(self.replicated),
             "lm_head": self.lm_head,
             "all_gathers_per_step": self.num_all_gathers,
-            "lm_head_vocab_per_rank": self.lm_head_split["vocab_per_rank"] if self.lm_head_split else None,
+            "lm_head_vocab_per_rank": self.lm_head_split.vocab_per_rank if self.lm_head_split else None,
             "embedding": self.embedding,
         }
 
     def to_dict(self) -> dict:
-        return {**self.summary(), "attention": list(self.attention), "mlp": list(self.mlp),
-                "replicated": list(self.replicated), "lm_head_split": self.lm_head_split}
+        """fusion_report.json's "parallel" object."""
+        return {**self.summary(), "attention": [dataclasses.asdict(a) for a in self.attention],
+                "mlp": [{"up": list(m.up), "down": m.down} for m in self.mlp],
+                "replicated": [dataclasses.asdict(r) for r in self.replicated],
+                "lm_head_split": dataclasses.asdict(self.lm_head_split) if self.lm_head_split else None}
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardResult:
+    """The rewritten rank graph's layout, and what ``rank_weights`` needs to give any rank its slices."""
+
     layout: ParallelLayout
-    splits: tuple[WeightSplit, ...]
-    full_weights: dict  # source name -> np.ndarray of the unsplit weight (for rank_weights)
+    splits: tuple[WeightSplit, ...]  # every per-rank initializer of the rewritten graph
+    full_weights: dict[str, np.ndarray]  # source name -> the unsplit weight
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,7 +224,8 @@ def _shape_elements(value: ir.Value | None) -> list[int | None] | None:
         array = _const(piece)
         if array is not None:
             out.extend(int(x) for x in array.reshape(-1))
-        elif piece is not None and piece.shape is not None and len(piece.shape) == 1 and isinstance(piece.shape[0], int):
+        elif (piece is not None and piece.shape is not None and len(piece.shape) == 1
+              and isinstance(piece.shape[0], int)):
             out.extend([None] * int(piece.shape[0]))
         else:
             return None
@@ -187,35 +233,35 @@ def _shape_elements(value: ir.Value | None) -> list[int | None] | None:
 
 
 def _check_head_agnostic(node: ir.Node, tainted: set[ir.Value]) -> None:
-    """_Skip unless ``node`` computes the same per head whatever the number of heads."""
+    """NoMatch unless ``node`` computes the same per head whatever the number of heads."""
     if node.op_type == "Reshape":
         target = _shape_elements(node.inputs[1])
         if target is None:
-            raise _Skip("its target shape is not a constant or a Concat of known pieces", node.name or "")
+            raise NoMatch("its target shape is not a constant or a Concat of known pieces", node.name or "")
         if len(target) == 4 and target[2] != -1:
-            raise _Skip(f"it reshapes to a fixed head count {target[2]} (expected -1)", node.name or "")
+            raise NoMatch(f"it reshapes to a fixed head count {target[2]} (expected -1)", node.name or "")
         if len(target) == 3 and target[2] not in (-1,):
-            raise _Skip(f"it reshapes to a fixed width {target[2]} (expected -1)", node.name or "")
+            raise NoMatch(f"it reshapes to a fixed width {target[2]} (expected -1)", node.name or "")
         if len(target) not in (3, 4):
-            raise _Skip(f"it reshapes to rank {len(target)} (expected [B, T, -1, D] or [B, T, -1])", node.name or "")
+            raise NoMatch(f"it reshapes to rank {len(target)} (expected [B, T, -1, D] or [B, T, -1])", node.name or "")
     elif node.op_type in ("Slice",):
         axes = _const(node.inputs[3]) if len(node.inputs) > 3 else None
         if axes is None or any(int(a) not in (-1, 3) for a in axes.reshape(-1)):
-            raise _Skip("it slices an axis other than the head dim", node.name or "")
+            raise NoMatch("it slices an axis other than the head dim", node.name or "")
     elif node.op_type == "Concat":
         axis = node.attributes["axis"].value if "axis" in node.attributes else 0
         if axis not in (-1, 3):
-            raise _Skip(f"it concatenates along axis {axis}, not the head dim", node.name or "")
+            raise NoMatch(f"it concatenates along axis {axis}, not the head dim", node.name or "")
     elif node.op_type in ("Mul", "Add", "Sub", "Div", "Rope"):
         for operand in node.inputs:
             if operand is None or operand in tainted:
                 continue
             shape = operand.shape
             if shape is None:
-                raise _Skip(f"operand {operand.name} has no known shape", node.name or "")
+                raise NoMatch(f"operand {operand.name} has no known shape", node.name or "")
             # A table broadcast over heads (RoPE's cos/sin [1, 1, T, D]): everything before the last two axes is 1.
             if any(d != 1 for d in list(shape)[:-2]):
-                raise _Skip(f"operand {operand.name} {list(shape)} may vary per head", node.name or "")
+                raise NoMatch(f"operand {operand.name} {list(shape)} may vary per head", node.name or "")
 
 
 def _projection_above(value: ir.Value, tainted: set[ir.Value], allowed: frozenset[str],
@@ -228,19 +274,19 @@ def _projection_above(value: ir.Value, tainted: set[ir.Value], allowed: frozense
         v = frontier.pop()
         node = v.producer()
         if node is None:
-            raise _Skip(f"{v.name} is a graph input, not a projection's output")
+            raise NoMatch(f"{v.name} is a graph input, not a projection's output")
         if _is_projection(node):
             if node not in found:
                 found.append(node)
             continue
         trtopt_pointwise = node.domain == DOMAIN and node.op_type in _POINTWISE_TRTOPT_OPS.get(allowed, ())
         if not trtopt_pointwise and (node.domain not in ("", "ai.onnx") or node.op_type not in allowed):
-            raise _Skip(f"{node.domain + '.' if node.domain else ''}{node.op_type} lies on the path", node.name or "")
+            raise NoMatch(f"{node.domain + '.' if node.domain else ''}{node.op_type} lies on the path", node.name or "")
         if scalar_operands_only:
             for operand in node.inputs:
                 array = _const(operand)
                 if operand is not None and operand not in tainted and (array is None or array.size != 1):
-                    raise _Skip(f"operand {operand.name} is not a scalar constant", node.name or "")
+                    raise NoMatch(f"operand {operand.name} is not a scalar constant", node.name or "")
         else:
             _check_head_agnostic(node, tainted)
         between.append(node)
@@ -256,7 +302,7 @@ def _projection_above(value: ir.Value, tainted: set[ir.Value], allowed: frozense
 def _single_consumer(value: ir.Value) -> ir.Node:
     users = {use.node for use in value.uses()}
     if len(users) != 1 or value.is_graph_output():
-        raise _Skip(f"{value.name} is read by {len(users)} nodes; the per-head values would escape the shard")
+        raise NoMatch(f"{value.name} is read by {len(users)} nodes; the per-head values would escape the shard")
     return next(iter(users))
 
 
@@ -266,10 +312,10 @@ def _o_projection(out: ir.Value, tainted: set[ir.Value]) -> ir.Node:
         node = _single_consumer(value)
         if _is_projection(node):
             if node.inputs[0] is not value:
-                raise _Skip("attention's output is a projection's weight", node.name or "")
+                raise NoMatch("attention's output is a projection's weight", node.name or "")
             return node
         if node.op_type not in _O_PATH_OPS or node.domain not in ("", "ai.onnx"):
-            raise _Skip(f"{node.op_type} lies between attention and the O projection", node.name or "")
+            raise NoMatch(f"{node.op_type} lies between attention and the O projection", node.name or "")
         _check_head_agnostic(node, tainted)
         value = node.outputs[0]
 
@@ -279,84 +325,121 @@ def _o_projection(out: ir.Value, tainted: set[ir.Value]) -> ir.Node:
 
 
 @dataclasses.dataclass
-class _Plan:
-    column: dict  # node -> per-rank column ranges
-    row: dict  # node -> per-rank row ranges
-    attention: list
-    mlp: list
-    replicated: list
-    failures: list  # (anchor, reason, node)
+class _Analysis:
+    """What to split, found before anything is rewritten (filled by _analyze, applied by shard_structure)."""
+
+    column: dict[ir.Node, Ranges] = dataclasses.field(default_factory=dict)  # projection -> its output columns
+    row: dict[ir.Node, Ranges] = dataclasses.field(default_factory=dict)  # projection -> its input rows (AllReduce)
+    attention: list[AttentionShard] = dataclasses.field(default_factory=list)
+    mlp: list[MlpShard] = dataclasses.field(default_factory=list)
+    replicated: list[ReplicatedProjection] = dataclasses.field(default_factory=list)
+    failures: list[MatchFailure] = dataclasses.field(default_factory=list)  # attention layers that cannot split
     head: ir.Node | None = None  # the LM head to split by vocabulary (lm_head="vocab-parallel")
 
 
-def _ranges(size: int, width: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """A PagedAttention node's head counts, checked to split over ``size`` ranks."""
+
+    heads: int  # query heads
+    kv_heads: int  # key/value heads
+    head_dim: int
+    size: int  # ranks
+
+    @property
+    def kv_replicated(self) -> bool:
+        """Fewer KV heads than ranks: each KV head lives on size/kv_heads ranks."""
+        return self.kv_heads < self.size
+
+
+def _ranges(size: int, width: int) -> Ranges:
     step = width // size
     return tuple(((r * step, (r + 1) * step),) for r in range(size))
 
 
-def _attention_split(node: ir.Node, size: int) -> tuple[int, int, int, bool]:
+def _attention_split(node: ir.Node, size: int) -> _Heads:
     heads = int(node.attributes["num_heads"].value)
     kv_heads = int(node.attributes["num_kv_heads"].value)
     head_dim = int(node.attributes["head_dim"].value)
     if heads % size:
-        raise _Skip(f"num_heads {heads} is not a multiple of --tensor-parallel {size}")
+        raise NoMatch(f"num_heads {heads} is not a multiple of --tensor-parallel {size}")
     if kv_heads >= size and kv_heads % size:
-        raise _Skip(f"num_kv_heads {kv_heads} is not a multiple of --tensor-parallel {size}")
+        raise NoMatch(f"num_kv_heads {kv_heads} is not a multiple of --tensor-parallel {size}")
     if kv_heads < size and size % kv_heads:
-        raise _Skip(f"--tensor-parallel {size} is not a multiple of num_kv_heads {kv_heads} (KV heads are "
-                    "replicated only evenly)")
-    return heads, kv_heads, head_dim, kv_heads < size
+        raise NoMatch(f"--tensor-parallel {size} is not a multiple of num_kv_heads {kv_heads} (KV heads are "
+                      "replicated only evenly)")
+    return _Heads(heads, kv_heads, head_dim, size)
 
 
-def _kv_ranges(size: int, kv_heads: int, head_dim: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+def _kv_ranges(size: int, kv_heads: int, head_dim: int) -> Ranges:
     if kv_heads >= size:
         return _ranges(size, kv_heads * head_dim)
     per = size // kv_heads  # ranks sharing one KV head
     return tuple((((r // per) * head_dim, (r // per + 1) * head_dim),) for r in range(size))
 
 
-def _analyze(model: ir.Model, size: int, lm_head: str) -> _Plan:
+def _analyze(model: ir.Model, size: int, lm_head: str) -> _Analysis:
     graph = model.graph
     tainted = _tainted(graph)
-    plan = _Plan({}, {}, [], [], [], [])
+    found = _Analysis()
     if lm_head == "vocab-parallel":
         try:
-            plan.head = _lm_head(graph)
-            _head_weight(plan.head)
-        except _Skip as e:
+            found.head = _lm_head(graph)
+            _head_weight(found.head)
+        except NoMatch as e:
             raise FusionError(f"--lm-head vocab-parallel: the LM head cannot be split by vocabulary: {e.reason}"
-                              + (f" (at {e.node})" if e.node else "") + ". Build with --lm-head replicated.") from None
+                              + (f" (at {e.node_name})" if e.node_name else "")
+                              + ". Build with --lm-head replicated.") from None
     attention = [n for n in graph if n.domain == DOMAIN and n.op_type == "PagedAttention"]
     for layer, node in enumerate(attention):
         try:
-            heads, kv_heads, head_dim, _ = _attention_split(node, size)
-            projections = []
-            for i, (what, width) in enumerate((("q", heads), ("k", kv_heads), ("v", kv_heads))):
-                found, _ = _projection_above(node.inputs[i], tainted, _QKV_PATH_OPS)
-                if len(found) != 1:
-                    raise _Skip(f"{what} comes from {len(found)} projections, expected one")
-                proj = found[0]
-                if _weight_shape(proj)[1] != width * head_dim:
-                    raise _Skip(f"{what} projection {proj.name} has {_weight_shape(proj)[1]} outputs, expected "
-                                f"{width} heads x {head_dim}", proj.name or "")
-                projections.append(proj)
-            if len({id(p) for p in projections}) != 3:
-                raise _Skip("Q, K and V share a projection (a concatenated QKV weight is not split yet)")
-            o_proj = _o_projection(node.outputs[0], tainted)
-            if _weight_shape(o_proj)[0] != heads * head_dim:
-                raise _Skip(f"O projection {o_proj.name} has {_weight_shape(o_proj)[0]} inputs, expected "
-                            f"{heads * head_dim}", o_proj.name or "")
-        except _Skip as e:
-            plan.failures.append((node.name or f"attention {layer}", e.reason, e.node))
-            continue
-        q, k, v = projections
-        plan.column[q] = _ranges(size, heads * head_dim)
-        plan.column[k] = plan.column[v] = _kv_ranges(size, kv_heads, head_dim)
-        plan.row[o_proj] = _ranges(size, heads * head_dim)
-        plan.attention.append({"attention": node.name, "q": q.name, "k": k.name, "v": v.name, "o": o_proj.name})
+            _split_attention(found, node, size, tainted)
+        except NoMatch as e:
+            found.failures.append(MatchFailure(RULE, node.name or f"attention {layer}", e.reason, e.node_name))
+    why_not = _split_mlps(found, graph, size, tainted)
+    for node in graph:  # a head tied to the embedding multiplies by Transpose(embedding): no constant weight
+        if node.op_type == "MatMul" and not _is_projection(node) and node.inputs[0] in tainted \
+                and node.inputs[1] not in tainted and _feeds_logits(node) and node is not found.head:
+            found.replicated.append(ReplicatedProjection(node.name, "LM head (tied to the embedding): replicated (the "
+                                                         "driver samples full-vocabulary rows)"))
+    for node, failure in why_not.items():
+        if node is not found.head:
+            why = LM_HEAD_REPLICATED if _feeds_logits(node) else failure.reason
+            found.replicated.append(ReplicatedProjection(node.name, why, failure.node))
+    return found
 
-    claimed = set(plan.column) | set(plan.row)
-    why_not: dict[ir.Node, _Skip] = {}
+
+def _split_attention(found: _Analysis, node: ir.Node, size: int, tainted: set[ir.Value]) -> None:
+    """Record the split of one attention layer's q/k/v/o projections; NoMatch (nothing recorded) when it cannot."""
+    heads = _attention_split(node, size)
+    projections = []
+    for i, (what, width) in enumerate((("q", heads.heads), ("k", heads.kv_heads), ("v", heads.kv_heads))):
+        above, _ = _projection_above(node.inputs[i], tainted, _QKV_PATH_OPS)
+        if len(above) != 1:
+            raise NoMatch(f"{what} comes from {len(above)} projections, expected one")
+        proj = above[0]
+        if _weight_shape(proj)[1] != width * heads.head_dim:
+            raise NoMatch(f"{what} projection {proj.name} has {_weight_shape(proj)[1]} outputs, expected "
+                          f"{width} heads x {heads.head_dim}", proj.name or "")
+        projections.append(proj)
+    if len({id(p) for p in projections}) != 3:
+        raise NoMatch("Q, K and V share a projection (a concatenated QKV weight is not split yet)")
+    o_proj = _o_projection(node.outputs[0], tainted)
+    if _weight_shape(o_proj)[0] != heads.heads * heads.head_dim:
+        raise NoMatch(f"O projection {o_proj.name} has {_weight_shape(o_proj)[0]} inputs, expected "
+                      f"{heads.heads * heads.head_dim}", o_proj.name or "")
+    q, k, v = projections
+    found.column[q] = _ranges(size, heads.heads * heads.head_dim)
+    found.column[k] = found.column[v] = _kv_ranges(size, heads.kv_heads, heads.head_dim)
+    found.row[o_proj] = _ranges(size, heads.heads * heads.head_dim)
+    found.attention.append(AttentionShard(node.name, q.name, k.name, v.name, o_proj.name))
+
+
+def _split_mlps(found: _Analysis, graph: ir.Graph, size: int, tainted: set[ir.Value]) -> dict[ir.Node, MatchFailure]:
+    """Record the split of every MLP outside attention; returns each projection left whole and the check it failed
+    (a projection that failed as a down projection may still turn out to be another MLP's up projection)."""
+    claimed = set(found.column) | set(found.row)
+    why_not: dict[ir.Node, MatchFailure] = {}
     for node in graph:
         if not _is_projection(node) or node in claimed:
             continue
@@ -364,34 +447,25 @@ def _analyze(model: ir.Model, size: int, lm_head: str) -> _Plan:
         try:
             ups, between = _projection_above(node.inputs[0], tainted, _MLP_PATH_OPS, scalar_operands_only=True)
             if not ups:
-                raise _Skip("its input is not computed from other projections")
+                raise NoMatch("its input is not computed from other projections")
             if any(_weight_shape(up)[1] != width_in or up in claimed for up in ups):
-                raise _Skip("its input mixes projections of other widths or of attention")
+                raise NoMatch("its input mixes projections of other widths or of attention")
             inside = set(between) | {node}
             for up in ups:
                 if any(use.node not in inside for use in up.outputs[0].uses()) or up.outputs[0].is_graph_output():
-                    raise _Skip(f"{up.name}'s output is read outside the MLP", up.name or "")
+                    raise NoMatch(f"{up.name}'s output is read outside the MLP", up.name or "")
             if width_in % size:
-                raise _Skip(f"intermediate size {width_in} is not a multiple of --tensor-parallel {size}")
-        except _Skip as e:
-            why_not[node] = e  # it may still turn out to be another MLP's up projection
+                raise NoMatch(f"intermediate size {width_in} is not a multiple of --tensor-parallel {size}")
+        except NoMatch as e:
+            why_not[node] = MatchFailure(RULE, node.name or "", e.reason, e.node_name)
             continue
         for up in ups:
-            plan.column[up] = _ranges(size, width_in)
+            found.column[up] = _ranges(size, width_in)
             claimed.add(up)
-        plan.row[node] = _ranges(size, width_in)
+        found.row[node] = _ranges(size, width_in)
         claimed.add(node)
-        plan.mlp.append({"up": [u.name for u in ups], "down": node.name})
-    for node in graph:  # a head tied to the embedding multiplies by Transpose(embedding): no constant weight
-        if node.op_type == "MatMul" and not _is_projection(node) and node.inputs[0] in tainted \
-                and node.inputs[1] not in tainted and _feeds_logits(node) and node is not plan.head:
-            plan.replicated.append({"node": node.name, "why": "LM head (tied to the embedding): replicated (the "
-                                    "driver samples full-vocabulary rows)", "at": ""})
-    for node, e in why_not.items():
-        if node not in claimed and node is not plan.head:
-            why = "LM head: replicated (the driver samples full-vocabulary rows)" if _feeds_logits(node) else e.reason
-            plan.replicated.append({"node": node.name, "why": why, "at": e.node})
-    return plan
+        found.mlp.append(MlpShard(tuple(u.name for u in ups), node.name))
+    return {node: failure for node, failure in why_not.items() if node not in claimed}
 
 
 def _lm_head(graph: ir.Graph) -> ir.Node:
@@ -403,9 +477,9 @@ def _lm_head(graph: ir.Graph) -> ir.Node:
         node = node.inputs[0].producer()
     if node is None or not (is_op(node, "MatMul") or (node.domain == DOMAIN and node.op_type == "MatMulAdd")):
         found = f"{node.op_type} {node.name}" if node is not None else "a graph input"
-        raise _Skip(f"`logits` is computed by {found}, not by a MatMul through Cast/Squeeze")
+        raise NoMatch(f"`logits` is computed by {found}, not by a MatMul through Cast/Squeeze")
     if node.outputs[0].is_graph_output():
-        raise _Skip("the LM head's output is itself a graph output", node.name or "")
+        raise NoMatch("the LM head's output is itself a graph output", node.name or "")
     return node
 
 
@@ -422,7 +496,7 @@ def _head_weight(head: ir.Node) -> tuple[ir.Value, bool]:
         if (perm is None or list(perm) == [1, 0]) and source.const_value is not None \
                 and len(source.const_value.shape) == 2:
             return source, True
-    raise _Skip("its weight is neither a constant [hidden, vocab] matrix nor Transpose([vocab, hidden] constant)",
+    raise NoMatch("its weight is neither a constant [hidden, vocab] matrix nor Transpose([vocab, hidden] constant)",
                 head.name or "")
 
 
@@ -497,7 +571,7 @@ class _Rewriter:
         self.graph.register_initializer(value)
         return value
 
-    def vocab_parallel_head(self, head: ir.Node) -> dict:
+    def vocab_parallel_head(self, head: ir.Node) -> LmHeadSplit:
         """Split the LM head's weight by output columns, ceil(vocab/size) per rank (the last shard zero-padded), and
         put AllGather(axis=-1) [+ Slice off the padding] between the head and its users. Returns the record."""
         weight, transposed = _head_weight(head)
@@ -520,7 +594,8 @@ class _Rewriter:
         padding = per_rank * self.size - vocab
         if padding:
             name = f"{head.name}.vocab"
-            bounds = [self.constant(f"{name}_{what}", [v]) for what, v in (("starts", 0), ("ends", vocab), ("axes", -1))]
+            bounds = [self.constant(f"{name}_{what}", [v])
+                      for what, v in (("starts", 0), ("ends", vocab), ("axes", -1))]
             drop = ir.node("Slice", [result, *bounds], name=f"{head.name}.drop_padding")
             new_nodes.append(drop)
             result = drop.outputs[0]
@@ -534,9 +609,9 @@ class _Rewriter:
         # (it read the embedding table), so its shard is new bytes (negative saving).
         shard_bytes = hidden * per_rank * itemsize
         saved = -shard_bytes if transposed else hidden * vocab * itemsize - shard_bytes
-        return {"node": head.name, "weight": weight.name, "tied": transposed, "hidden": hidden, "vocab": vocab,
-                "vocab_per_rank": per_rank, "padding": padding, "dtype_bytes": itemsize,
-                "weight_bytes_saved_per_rank": saved}
+        return LmHeadSplit(node=head.name, weight=weight.name, tied=transposed, hidden=hidden, vocab=vocab,
+                           vocab_per_rank=per_rank, padding=padding, dtype_bytes=itemsize,
+                           weight_bytes_saved_per_rank=saved)
 
     def column(self, node: ir.Node, ranges) -> None:
         node.replace_input_with(1, self.shard(node.inputs[1], 1, ranges))
@@ -570,30 +645,30 @@ def shard_structure(model: ir.Model, size: int, lm_head: str = "replicated") -> 
     attention layer (or, with ``lm_head="vocab-parallel"``, the LM head) cannot be sharded (the reasons name the
     nodes)."""
     assert size >= 1 and lm_head in LM_HEAD_MODES, (size, lm_head)
-    plan = _analyze(model, size, lm_head)
+    found = _analyze(model, size, lm_head)
     attention = [n for n in model.graph if n.domain == DOMAIN and n.op_type == "PagedAttention"]
     if not attention:
         raise FusionError("--tensor-parallel needs a paged plan (a causal LM with a KV cache); this graph has no "
                           "attention layers to shard.")
-    if plan.failures:
-        lines = "\n".join(f"  {anchor}: {reason}" + (f" (at {at})" if at else "") for anchor, reason, at in plan.failures)
-        raise FusionError(f"{len(plan.failures)} attention layer(s) cannot be sharded over {size} ranks:\n{lines}\n"
+    if found.failures:
+        lines = "\n".join(f"  {f.anchor}: {f.reason}" + (f" (at {f.node})" if f.node else "") for f in found.failures)
+        raise FusionError(f"{len(found.failures)} attention layer(s) cannot be sharded over {size} ranks:\n{lines}\n"
                           "Build without --tensor-parallel, or choose a size that divides the head counts.")
-    heads, kv_heads, head_dim, replicated_kv = _attention_split(attention[0], size)
-    heads_per_rank = heads // size
-    kv_per_rank = max(kv_heads // size, 1)
+    split = _attention_split(attention[0], size)
+    heads_per_rank = split.heads // size
+    kv_per_rank = max(split.kv_heads // size, 1)
     rewriter = _Rewriter(model, size)
-    for node, ranges in plan.column.items():
+    for node, ranges in found.column.items():
         rewriter.column(node, ranges)
-    for node, ranges in plan.row.items():
+    for node, ranges in found.row.items():
         rewriter.row(node, ranges)
-    head_split = rewriter.vocab_parallel_head(plan.head) if plan.head is not None else None
+    head_split = rewriter.vocab_parallel_head(found.head) if found.head is not None else None
     for node in attention:
         node.attributes["num_heads"] = ir.AttrInt64("num_heads", heads_per_rank)
         node.attributes["num_kv_heads"] = ir.AttrInt64("num_kv_heads", kv_per_rank)
         alibi = node.inputs[8] if len(node.inputs) > 8 else None
         if alibi is not None and alibi.const_value is not None:
-            node.replace_input_with(8, rewriter.shard(alibi, 0, _ranges(size, heads)))
+            node.replace_input_with(8, rewriter.shard(alibi, 0, _ranges(size, split.heads)))
     _retype_kv_io(model, kv_per_rank)
     # Shapes recorded for intermediate values describe the unsplit graph; the converter folds static shapes, so
     # stale ones must go (graph inputs, outputs and initializers keep theirs).
@@ -605,9 +680,9 @@ def shard_structure(model: ir.Model, size: int, lm_head: str = "replicated") -> 
     for name in [n for n, v in model.graph.initializers.items() if not v.uses() and not v.is_graph_output()]:
         del model.graph.initializers[name]
     layout = ParallelLayout(
-        size=size, num_heads=heads, num_kv_heads=kv_heads, heads_per_rank=heads_per_rank,
-        kv_heads_per_rank=kv_per_rank, kv_heads_replicated=replicated_kv, attention=tuple(plan.attention),
-        mlp=tuple(plan.mlp), replicated=tuple(plan.replicated), lm_head=lm_head, lm_head_split=head_split,
+        size=size, num_heads=split.heads, num_kv_heads=split.kv_heads, heads_per_rank=heads_per_rank,
+        kv_heads_per_rank=kv_per_rank, kv_heads_replicated=split.kv_replicated, attention=tuple(found.attention),
+        mlp=tuple(found.mlp), replicated=tuple(found.replicated), lm_head=lm_head, lm_head_split=head_split,
     )
     return ShardResult(layout, tuple(rewriter.splits.values()), rewriter.full)
 
@@ -628,8 +703,7 @@ def rank_weights(result: ShardResult, rank: int) -> dict[str, np.ndarray]:
 
 def unsharded_reasons(layout: ParallelLayout) -> list[str]:
     """``--explain`` lines: each projection left whole, and why."""
-    return [f"{RULE} | {r['node']}: not sharded: {r['why']}" + (f" (at {r['at']})" if r.get("at") else "")
-            for r in layout.replicated]
+    return [f"{RULE} | {r.node}: not sharded: {r.why}" + (f" (at {r.at})" if r.at else "") for r in layout.replicated]
 
 
 def lm_head_reason(layout: ParallelLayout) -> str | None:
@@ -637,13 +711,13 @@ def lm_head_reason(layout: ParallelLayout) -> str | None:
     split = layout.lm_head_split
     if split is None:
         return None
-    padding = f" (the last shard padded by {split['padding']} zero columns, sliced off after the gather)" \
-        if split["padding"] else ""
-    mib = abs(split["weight_bytes_saved_per_rank"]) / 2**20
-    if split["tied"]:
+    padding = f" (the last shard padded by {split.padding} zero columns, sliced off after the gather)" \
+        if split.padding else ""
+    mib = abs(split.weight_bytes_saved_per_rank) / 2**20
+    if split.tied:
         memory = f"adds {mib:.1f} MiB per rank (tied: the shard is its own initializer, the embedding keeps the table)"
     else:
-        memory = (f"saves {mib:.1f} MiB of head weights per rank (hidden {split['hidden']} x vocab x "
-                  f"{split['dtype_bytes']} B x (N-1)/N)")
-    return (f"{RULE} | {split['node']}: LM head vocab-parallel: {split['vocab_per_rank']} of {split['vocab']} "
+        memory = (f"saves {mib:.1f} MiB of head weights per rank (hidden {split.hidden} x vocab x "
+                  f"{split.dtype_bytes} B x (N-1)/N)")
+    return (f"{RULE} | {split.node}: LM head vocab-parallel: {split.vocab_per_rank} of {split.vocab} "
             f"vocabulary columns per rank{padding}; one all-gather of the sampled logits rows per step; {memory}")

@@ -1,5 +1,4 @@
-"""`trtopt build --tensor-parallel N`: the rank plan dirs of a sharded plan (docs/architecture.md §1,
-docs/architecture.md).
+"""`trtopt build --tensor-parallel N`: the rank plan dirs of a sharded plan (docs/architecture.md §1, §7b).
 
     plan/plan.json            global ModelFacts + "parallel": {"size": N, "rank": null, ...}
     plan/fusion_report.json   fusions + the full parallel layout (which projection went which way, and why not)
@@ -7,24 +6,26 @@ docs/architecture.md).
     plan/rank{r}/model.onnx   rank r's graph: the same structure for every rank, rank r's weight slices
     plan/rank{r}/plan.json    rank r's ModelFacts (its head counts) + "parallel": {"rank": r, ...}
 
-Every rank graph is the one graph ``shard_structure`` rewrote; only the per-rank initializers (``*.tp_shard``)
-differ, so the proto is built once and its sharded tensors are swapped rank by rank (a vocab-parallel LM head's shard
-among them: every rank's is ceil(vocab/N) columns, the last one zero-padded, so all ranks' shapes agree).
+Every rank graph is the one graph ``shard_structure`` (analysis.py) rewrote; only the per-rank initializers
+(``*.tp_shard``) differ, so the proto is built once and its sharded tensors are swapped rank by rank (a
+vocab-parallel LM head's shard among them: every rank's is ceil(vocab/N) columns, the last one zero-padded, so all
+ranks' shapes agree).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
 
 import onnx
 
 from trtopt.builder.plan import ParallelConfig, PlanConfig, rank_dir, write_plan
-from trtopt.fusion_passes.tensor_parallel import ParallelLayout, ShardResult, rank_weights
+from trtopt.builder.plan_files import save_model
+from trtopt.builder.sharding.analysis import ParallelLayout, ShardResult, rank_weights
 
 
 def parallel_config(layout: ParallelLayout, rank: int | None) -> ParallelConfig:
+    """plan.json's "parallel" object for ``rank`` (None: the top-level plan.json)."""
     return ParallelConfig(
         size=layout.size, rank=rank, heads_per_rank=layout.heads_per_rank,
         kv_heads_per_rank=layout.kv_heads_per_rank, kv_heads_replicated=layout.kv_heads_replicated,
@@ -40,8 +41,7 @@ def _set_tensor(proto: onnx.ModelProto, name: str, data) -> None:
     tensor.raw_data = data.tobytes()
 
 
-def write_rank_plans(proto: onnx.ModelProto, shard: ShardResult, out_dir: Path, rank_config: PlanConfig,
-                     save: Callable[[onnx.ModelProto, Path], Path]) -> list[Path]:
+def write_rank_plans(proto: onnx.ModelProto, shard: ShardResult, out_dir: Path, rank_config: PlanConfig) -> list[Path]:
     """Write rank{r}/model.onnx and rank{r}/plan.json for every rank; ``proto`` holds rank 0's slices on entry and
     is changed in place (rank by rank, so no second copy of the weights is held)."""
     dirs = []
@@ -51,7 +51,7 @@ def write_rank_plans(proto: onnx.ModelProto, shard: ShardResult, out_dir: Path, 
         if rank > 0:
             for name, data in rank_weights(shard, rank).items():
                 _set_tensor(proto, name, data)
-        save(proto, path)
+        save_model(proto, path)
         # A plan over the external-data threshold is saved with its weights moved out of the proto (onnx converts
         # in place); read them back so the next rank's slices can be swapped in and its other weights are written.
         onnx.external_data_helper.load_external_data_for_model(proto, str(path))

@@ -1,6 +1,6 @@
-"""Async scheduling's placeholder fill as one Triton launch (runtime/placeholder_kernel.py) against the torch ops of
-runtime.batch.fill_placeholders. Without CUDA the kernel runs under the Triton interpreter (set before the kernel
-module is imported); the `gpu` test runs the engine's path, fill_placeholders_ on CUDA."""
+"""Async scheduling's placeholder fill as one Triton launch (runtime/kernels/placeholders_triton.py) against the torch
+ops of runtime.batch.fill_placeholders. Without CUDA the kernel runs under the Triton interpreter (set before the
+kernel module is imported); the `gpu` test runs the engine's path, fill_placeholders_ on CUDA."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from trtopt.runtime.batch import fill_placeholders, fill_placeholders_  # noqa: E402
-from trtopt.runtime.placeholder_kernel import BLOCK, fill_placeholders_triton  # noqa: E402
+from trtopt.runtime.kernels.placeholders_triton import BLOCK, fill_placeholders_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,0 +1,374 @@
+"""`trtopt build`: run the fusion pipeline on an exported model and write the plan dir (docs/architecture.md §1).
+
+Four steps, each a function with a typed value between them:
+
+    build_plan args ──validate_options──▶ BuildOptions ──fuse──▶ FusedGraph ──shard──▶ ShardedGraph | None
+                                                                                          │
+    plan dir ◀──write── model.onnx (+ .data) or rank{r}/, plan.json, fusion_report.json, tokenizer + config files
+
+``fuse`` loads the source (source.py), runs the fusion passes (fusion_passes/pipeline.py) and validates the plan
+graph; ``shard`` (--tensor-parallel only) rewrites it into the rank graph (sharding/analysis.py); ``write`` attaches
+the trtopt op functions and writes the files (plan_files.py, sharding/writer.py, plan.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from trtopt.builder.model_facts import (
+    config_disagreements,
+    context_length,
+    head_dims_from_config,
+    model_facts,
+    read_json,
+)
+from trtopt.builder.plan import REPORT_FILE, Limits, ModelFacts, PlanConfig, write_plan
+from trtopt.builder.plan_files import copy_side_files, save_model
+from trtopt.builder.sharding import (
+    LM_HEAD_MODES,
+    ParallelLayout,
+    ShardResult,
+    parallel_config,
+    shard_structure,
+    write_rank_plans,
+)
+from trtopt.builder.signature import check_signature
+from trtopt.builder.source import load_source, resolve_model_path
+from trtopt.errors import BuildError, ConfigError
+from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
+from trtopt.fusion_passes.trace import Trace
+from trtopt.plugins import attach_functions
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """The checked inputs of one build (validate_options -> fuse, shard, write)."""
+
+    onnx_path: Path  # the source model.onnx; its directory holds config.json and the tokenizer files
+    out_dir: Path  # the plan dir to write (checked: not the source dir, empty unless --force)
+    config_json: dict  # config.json beside the source ({} when absent)
+    generation_json: dict  # generation_config.json beside the source ({} when absent)
+    limits: Limits  # checked, max_model_len fitted to the model's context (fit_limits)
+    tensor_parallel: int | None  # ranks to shard for; None: an unsharded plan
+    lm_head: str  # one of LM_HEAD_MODES ("replicated" unless tensor_parallel)
+    disable_passes: tuple[str, ...]  # OPTIONAL_PASSES to skip
+    explain: bool  # recorded in fusion_report.json
+
+
+@dataclasses.dataclass
+class FusedGraph:
+    """The fused, validated plan graph (fuse -> shard, write)."""
+
+    model: ir.Model | None  # the plan graph; shard rewrites it in place, write consumes it (then None)
+    report: FusionReport  # the fusion counts, plan kind and unfused regions
+    facts: ModelFacts  # read off the fused graph (global head counts): the top-level plan.json's
+    notes: tuple[str, ...]  # where config.json and the graph disagreed (the graph won)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedGraph:
+    """The tensor-parallel rank graph's layout and per-rank weights (shard -> write)."""
+
+    result: ShardResult  # the layout, and what gives each rank its weight slices
+    rank_facts: ModelFacts  # read off the rank graph (per-rank head counts): each rank{r}/plan.json's
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """What `trtopt build` produced."""
+
+    plan_dir: Path
+    config: PlanConfig
+    report: FusionReport
+    seconds: float
+    parallel: ParallelLayout | None = None  # the tensor-parallel layout, when built with tensor_parallel
+    notes: tuple[str, ...] = ()  # where config.json and the graph disagree (the graph won)
+
+
+def validate_limits(limits: Limits) -> None:
+    """ConfigError for option values the runtime cannot honour."""
+    if limits.block_size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size {limits.block_size} is not supported; choose one of {list(BLOCK_SIZES)}.")
+    for name in ("max_num_tokens", "max_num_seqs", "max_model_len"):
+        value = getattr(limits, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+    if limits.max_num_seqs > limits.max_num_tokens:
+        raise ConfigError(
+            f"--max-num-seqs {limits.max_num_seqs} exceeds --max-num-tokens {limits.max_num_tokens}: every scheduled "
+            "sequence needs at least one token per step. Lower --max-num-seqs or raise --max-num-tokens."
+        )
+
+
+def _check_out_dir(out_dir: Path, source_dir: Path, force: bool) -> None:
+    """Refuse a bad plan dir before any work is done."""
+    if out_dir.resolve() == source_dir.resolve():
+        raise BuildError(f"the plan dir {out_dir} is the model's own directory; choose another -o.")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise BuildError(f"{out_dir} already exists and is not empty; pass --force to overwrite it.")
+
+
+def _prepare_out_dir(out_dir: Path) -> None:
+    """Empty (with --force, already checked) and create the plan dir; only called once the plan is ready."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if out_dir.is_dir():
+            shutil.rmtree(out_dir)
+        else:
+            out_dir.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+class _Steps:
+    """Rich progress for the long steps; silent when progress is off (tests, libraries)."""
+
+    def __init__(self, enabled: bool):
+        self._progress = None
+        if enabled:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False
+            )
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[_Steps]:
+        if self._progress is None:
+            yield self
+            return
+        with self._progress:
+            yield self
+
+    @contextlib.contextmanager
+    def step(self, description: str) -> Iterator[None]:
+        if self._progress is None:
+            yield
+            return
+        task = self._progress.add_task(description, total=1)
+        yield
+        self._progress.update(task, completed=1)
+
+
+def _op_summary(model: ir.Model, limit: int = 8) -> str:
+    counts = collections.Counter(node.op_type for node in model.graph.all_nodes())
+    top = ", ".join(f"{op}×{n}" for op, n in counts.most_common(limit))
+    return top + (f" and {len(counts) - limit} more op types" if len(counts) > limit else "")
+
+
+def _refuse_non_transformer(model: ir.Model, report: FusionReport, onnx_path: Path) -> None:
+    """BuildError for a graph with neither KV-cache I/O nor one fused attention: it is not an LLM or an encoder.
+
+    A plan without attention would be a 0-layer plan that the runtime cannot serve; saying what the graph holds
+    instead tells the user at once that they pointed at the wrong model (or at an attention form to report).
+    """
+    if report.kind != "flash" or report.counts.get("flash_attention", 0):
+        return
+    inputs = ", ".join(v.name for v in model.graph.inputs) or "none"
+    if report.unfused:
+        found = (f"{len(report.unfused)} Softmax region(s) examined as attention, none of which fused:\n  "
+                 + "\n  ".join(Trace(list(report.unfused)).summary()) + "\n(run with --explain for each one)")
+    else:
+        found = f"no attention (Softmax over q·kᵀ) at all; its ops are {_op_summary(model)}"
+    raise BuildError(
+        f"{onnx_path} is not a causal LM or a transformer encoder: it has no KV-cache inputs "
+        f"(past_key_values.*; inputs: {inputs}) and {found}. trtopt builds decoder-only LMs exported with "
+        "`trtopt export` (or optimum's text-generation-with-past) and encoders whose attention it can fuse."
+    )
+
+
+def _probe_len(limits: Limits, config: dict) -> int:
+    """The longest (past + new) length the mask probe evaluates: every length the plan serves, and past the
+    sliding window config.json states (so a window is seen, not mistaken for plain causal attention when it is
+    wider than --max-model-len; the graph's own mask decides what the window is). The probe evaluates only a few
+    query rows at this length, so even a 32K context costs a [3, 32K] mask."""
+    window = int(config.get("sliding_window") or 0)
+    return max(limits.max_model_len, window + 8 if window else 0, 16)
+
+
+def fit_limits(limits: Limits | None, max_model_len: int | None, context: int) -> Limits:
+    """The context-length rule, written once: ``limits`` (default Limits()) with max_model_len set to
+    ``max_model_len`` when given, else capped at the model's ``context`` (its max_position_embeddings as
+    model_facts.context_length reads config.json; 0 = unknown, no cap).
+
+    An explicit max_model_len beyond a known context is a ConfigError.
+    """
+    limits = limits or Limits()
+    if max_model_len is not None:
+        if context and max_model_len > context:
+            raise ConfigError(
+                f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {context}; lower it."
+            )
+        return dataclasses.replace(limits, max_model_len=max_model_len)
+    if context and limits.max_model_len > context:
+        return dataclasses.replace(limits, max_model_len=context)
+    return limits
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The steps: validate -> fuse -> shard -> write.
+
+
+def validate_options(
+    model_path: str | Path,
+    out_dir: str | Path,
+    *,
+    limits: Limits | None,
+    max_model_len: int | None,
+    force: bool,
+    explain: bool,
+    tensor_parallel: int | None,
+    lm_head: str,
+    disable_passes: Sequence[str],
+) -> BuildOptions:
+    """Check every option and the source and plan paths before any work is done (build_plan's arguments)."""
+    onnx_path = resolve_model_path(Path(model_path))
+    source_dir = onnx_path.parent
+    out_dir = Path(out_dir)
+    config_json = read_json(source_dir / "config.json")
+    generation_json = read_json(source_dir / "generation_config.json")
+    limits = fit_limits(limits, max_model_len, context_length(config_json))
+    validate_limits(limits)
+    if tensor_parallel is not None and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+        raise ConfigError(f"--tensor-parallel must be a positive integer, got {tensor_parallel!r}.")
+    if lm_head not in LM_HEAD_MODES:
+        raise ConfigError(f"--lm-head {lm_head!r}: choose one of {', '.join(LM_HEAD_MODES)}.")
+    if lm_head != "replicated" and tensor_parallel is None:
+        raise ConfigError(f"--lm-head {lm_head} splits the LM head over tensor-parallel ranks; "
+                          "add --tensor-parallel N.")
+    unknown = sorted(set(disable_passes) - set(OPTIONAL_PASSES))
+    if unknown:
+        raise ConfigError(f"--disable-pass {', '.join(unknown)}: no such optional pass; choose from "
+                          f"{', '.join(OPTIONAL_PASSES)}.")
+    _check_out_dir(out_dir, source_dir, force)
+    return BuildOptions(onnx_path=onnx_path, out_dir=out_dir, config_json=config_json,
+                        generation_json=generation_json, limits=limits, tensor_parallel=tensor_parallel,
+                        lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain)
+
+
+def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
+    """Load the source, run the fusion pipeline, and check the result is a plan graph the runtime can serve."""
+    config_json = options.config_json
+    with steps.step(f"loading {options.onnx_path.name}"):
+        model = load_source(options.onnx_path)
+    with steps.step("fusing (cleanup, attention, norms, MatMul+Add)"):
+        report = optimize(
+            model,
+            dims=head_dims_from_config(config_json),
+            block_size=options.limits.block_size,
+            vocab_size=config_json.get("vocab_size"),
+            probe_len=_probe_len(options.limits, config_json),
+            horizontal=options.tensor_parallel is None,
+            disable=options.disable_passes,
+            max_positions=options.limits.max_model_len,
+        )
+    with steps.step("validating the plan graph"):
+        _refuse_non_transformer(model, report, options.onnx_path)
+        facts = model_facts(model, report.kind, config_json, options.generation_json)
+        notes = tuple(config_disagreements(facts, config_json))
+        check_signature(model, report.kind)
+    return FusedGraph(model=model, report=report, facts=facts, notes=notes)
+
+
+def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGraph | None:
+    """With --tensor-parallel N: rewrite ``fused.model`` in place into the rank graph (rank 0's weights)."""
+    if options.tensor_parallel is None:
+        return None
+    assert fused.model is not None, "shard runs before write consumes the graph"
+    with steps.step(f"sharding for {options.tensor_parallel} tensor-parallel rank(s)"):
+        if fused.report.kind != "paged":
+            raise ConfigError("--tensor-parallel shards paged (causal LM) plans only; build without it.")
+        result = shard_structure(fused.model, options.tensor_parallel, lm_head=options.lm_head)
+        rank_facts = model_facts(fused.model, fused.report.kind, options.config_json, options.generation_json)
+        check_signature(fused.model, fused.report.kind)
+    return ShardedGraph(result=result, rank_facts=rank_facts)
+
+
+def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None, steps: _Steps, *,
+          start: float) -> BuildResult:
+    """Write the plan dir: model.onnx (or rank{r}/ per rank), plan.json, the side files and fusion_report.json.
+    ``fused.model`` is consumed (converted to the proto that is written)."""
+    source_dir, out_dir = options.onnx_path.parent, options.out_dir
+    assert fused.model is not None, "write consumes the graph once"
+    with steps.step("attaching the trtopt op functions"):
+        proto = attach_functions(ir.to_proto(fused.model))
+        fused.model = None  # the proto holds the graph now; drop the IR copy before the weights are loaded
+        # Weights the passes did not touch still point at the source's data file; pull them in so the plan
+        # dir is self-contained (the locations were checked to stay inside the source dir on load).
+        onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
+    with steps.step(f"writing {out_dir}"):
+        _prepare_out_dir(out_dir)
+        config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind)
+        if sharded is None:
+            save_model(proto, out_dir)
+        else:
+            rank_config = PlanConfig(model=sharded.rank_facts, limits=options.limits, kind=fused.report.kind)
+            write_rank_plans(proto, sharded.result, out_dir, rank_config)
+            config = dataclasses.replace(config, parallel=parallel_config(sharded.result.layout, None))
+        write_plan(out_dir, config)
+        copied = copy_side_files(source_dir, out_dir)
+        seconds = time.perf_counter() - start
+        body = {
+            **fused.report.to_dict(),
+            **({"parallel": sharded.result.layout.to_dict()} if sharded is not None else {}),
+            "source": str(options.onnx_path),
+            "copied_files": copied,
+            "seconds": round(seconds, 3),
+            "explain": options.explain,
+            "notes": list(fused.notes),
+        }
+        (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
+    layout = sharded.result.layout if sharded is not None else None
+    return BuildResult(plan_dir=out_dir, config=config, report=fused.report, seconds=seconds, parallel=layout,
+                       notes=fused.notes)
+
+
+def build_plan(
+    model_path: str | Path,
+    out_dir: str | Path,
+    *,
+    limits: Limits | None = None,
+    max_model_len: int | None = None,
+    force: bool = False,
+    explain: bool = False,
+    progress: bool = True,
+    tensor_parallel: int | None = None,
+    lm_head: str = "replicated",
+    disable_passes: Sequence[str] = (),
+) -> BuildResult:
+    """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
+
+    ``limits`` default to Limits() with max_model_len capped at the model's context; ``max_model_len`` overrides
+    that field explicitly (and is then checked against the model's context).
+
+    Raises ConfigError for bad limits, BuildError for unreadable/unsafe inputs and FusionError when a cache graph
+    cannot be rewritten. ``explain`` keeps every unfused region in the report (they are always in
+    fusion_report.json; the CLI prints them with --explain).
+
+    ``tensor_parallel`` N: shard the fused graph for N ranks after every fusion (trtopt/builder/sharding/writer.py
+    says what the plan dir then holds); FusionError when an attention layer cannot be split N ways. ``lm_head`` (with
+    ``tensor_parallel`` only): "replicated" (default) or "vocab-parallel" (the head's weight split by vocabulary
+    columns, its sampled rows all-gathered; docs/architecture.md §7b weighs the two).
+
+    ``disable_passes`` names fusion passes to skip (``OPTIONAL_PASSES``: the performance fusions, for ablations);
+    ConfigError for a name that is not one of them.
+    """
+    start = time.perf_counter()
+    options = validate_options(model_path, out_dir, limits=limits, max_model_len=max_model_len, force=force,
+                               explain=explain, tensor_parallel=tensor_parallel, lm_head=lm_head,
+                               disable_passes=disable_passes)
+    steps = _Steps(progress)
+    with steps.run():
+        fused = fuse(options, steps)
+        sharded = shard(options, fused, steps)
+        return write(options, fused, sharded, steps, start=start)
