@@ -18,7 +18,7 @@ NEW_TOKENS = 10
 def plan_for(module_tmp, tiny_hf_dir, exported):
     """(HF dir, built plan) of the tiny ``arch``; the HF dir and the export are the session's (shared with the
     fusion tests, e.g. tests/fusion_passes/test_gelu_mul.py on Gemma-3)."""
-    from trtopt.builder.builder import build_plan
+    from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
 
     cache = {}
@@ -66,12 +66,13 @@ def check_parity(hf_dir, built) -> None:
     assert len({t for ids in got for t in ids}) > 4  # the continuations vary: a wrong model cannot hide
 
 
-# Each tiny dynamo export costs ~40 s on CI's 2 cores, so CI runs the families that broke before this issue: the
-# sliding windows (Mistral; Gemma-3's local and global layers) by default, and llama3 rope scaling, GPT-NeoX's
-# partial rotary, Phi-3's fused projections and multi-query Falcon (its single KV head broadcast over the query
-# heads) as slow tests. The remaining families (Qwen2, StableLM, OPT, new-architecture Falcon, BLOOM, GPT-2) are in the coverage run (benchmarks/coverage.py, docs/coverage.md); TRTOPT_ALL_ARCHS=1 runs them
-# here too. Qwen2, BLOOM and GPT-2 have their own build/generate tests elsewhere.
-_DEFAULT = {"mistral", "gemma3"}
+# Each tiny dynamo export costs ~40 s on CI's 2 cores, so CI runs the families that broke before: the sliding
+# windows (Mistral; Gemma-3's local and global layers) and Granite's scaled logits by default, and llama3 rope
+# scaling, GPT-NeoX's partial rotary, Phi-3's fused projections and multi-query Falcon (its single KV head
+# broadcast over the query heads) as slow tests. The remaining families (Qwen2, StableLM, OPT, new-architecture
+# Falcon, BLOOM, GPT-2) are in the coverage run (benchmarks/coverage.py, docs/coverage.md); TRTOPT_ALL_ARCHS=1 runs
+# them here too. Qwen2, BLOOM and GPT-2 have their own build/generate tests elsewhere.
+_DEFAULT = {"mistral", "gemma3", "granite"}
 _SLOW = {"llama", "gpt_neox", "phi3", "falcon-mq"}
 _ALL = os.environ.get("TRTOPT_ALL_ARCHS") == "1"
 

@@ -54,11 +54,14 @@ def _config(arch: str):
     if arch == "gpt2":  # learned absolute positions, Conv1D projections
         return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                             bos_token_id=1, eos_token_id=2)
+    if arch == "granite":  # logits_scaling divides the logits after the LM head; embedding/residual/attention scales
+        return t.GraniteConfig(**llama_like, logits_scaling=4.0, embedding_multiplier=6.0, residual_multiplier=0.5,
+                               attention_multiplier=0.2)
     raise KeyError(arch)
 
 
 ARCHS = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "stablelm", "opt", "gemma3", "falcon-mq", "falcon-new",
-         "bloom", "gpt2")
+         "bloom", "gpt2", "granite")
 
 
 # Gemma-3 multiplies embeddings by sqrt(hidden) and norms by (1 + w): a smaller scale keeps its greedy output varied.

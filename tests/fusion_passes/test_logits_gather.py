@@ -14,17 +14,35 @@ EMB = RNG.standard_normal((10, 8)).astype(np.float32)
 HEAD = RNG.standard_normal((8, 10)).astype(np.float32)
 
 
-def _lm(head_op: str = "MatMul"):
+def _lm(head_op: str = "MatMul", tail: tuple[str, ...] = ()):
+    """emb → Relu → LM head, then the row-wise ops in ``tail``: "scale" (Granite's Div by logits_scaling),
+    "softcap" (Div, Tanh, Mul: Gemma-2's final soft-capping), "mix" (an Add of a full [vocab] vector: not row-wise
+    by a scalar, so the head is not found through it)."""
     nodes = [helper.make_node("Gather", ["emb", "input_ids"], ["h"]), helper.make_node("Relu", ["h"], ["hr"])]
     if head_op == "MatMul":
-        nodes.append(helper.make_node("MatMul", ["hr", "head"], ["logits"]))
+        nodes.append(helper.make_node("MatMul", ["hr", "head"], ["l0"]))
     else:
-        nodes.append(helper.make_node("Einsum", ["hr", "head"], ["logits"], equation="btd,dv->btv"))
+        nodes.append(helper.make_node("Einsum", ["hr", "head"], ["l0"], equation="btd,dv->btv"))
+    inits = [("emb", EMB), ("head", HEAD), ("four", np.array(4.0, np.float32)), ("cap", np.array([3.0], np.float32)),
+             ("bias", RNG.standard_normal(10).astype(np.float32))]
+    last = "l0"
+    for i, op in enumerate(tail):
+        out = f"l{i + 1}"
+        if op == "scale":
+            nodes.append(helper.make_node("Div", [last, "four"], [out]))
+        elif op == "softcap":
+            nodes += [helper.make_node("Div", [last, "cap"], [f"{out}a"]),
+                      helper.make_node("Tanh", [f"{out}a"], [f"{out}b"]),
+                      helper.make_node("Mul", ["cap", f"{out}b"], [out])]
+        else:
+            nodes.append(helper.make_node("Add", [last, "bias"], [out]))
+        last = out
+    nodes.append(helper.make_node("Identity", [last], ["logits"]))
     return model(
         nodes,
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"])],
         [helper.make_tensor_value_info("logits", FLOAT, [1, "T", 10])],
-        [("emb", EMB), ("head", HEAD)],
+        inits,
     )
 
 
@@ -33,7 +51,7 @@ def test_lm_head_sees_only_the_gathered_rows():
     m = ir.from_proto(proto)
     assert gather_logits(m, vocab_size=10) == 1
     fused = ir.to_proto(m)
-    assert [n.op_type for n in fused.graph.node] == ["Gather", "Relu", "Gather", "MatMul", "Squeeze"]
+    assert [n.op_type for n in fused.graph.node] == ["Gather", "Relu", "Gather", "MatMul", "Identity", "Squeeze"]
     assert [i.name for i in fused.graph.input] == ["input_ids", "logits_indices"]
     ids = np.array([[1, 4, 2, 9, 7]])
     rows = np.array([4, 1])
@@ -46,3 +64,25 @@ def test_lm_head_sees_only_the_gathered_rows():
 def test_unknown_lm_head_is_a_fusion_error():
     with pytest.raises(FusionError, match="LM-head MatMul"):
         gather_logits(ir.from_proto(_lm("Einsum")), vocab_size=10)
+
+
+@pytest.mark.parametrize("tail", [("scale",), ("softcap",), ("scale", "softcap")])
+def test_row_wise_scaling_after_the_head_is_kept_and_gathered(tail):
+    """Granite divides the logits by `logits_scaling`, Gemma-2 soft-caps them: the rows are gathered before the
+    head, the scaling stays after it, and the plan's logits equal the original's rows."""
+    proto = _lm(tail=tail)
+    m = ir.from_proto(proto)
+    assert gather_logits(m, vocab_size=10) == 1
+    fused = ir.to_proto(m)
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops[2:4] == ["Gather", "MatMul"] and ops[-1] == "Squeeze"
+    ids = np.array([[1, 4, 2, 9, 7]])
+    rows = np.array([3, 0, 3])
+    (want,) = run(proto, {"input_ids": ids})
+    (got,) = run(fused, {"input_ids": ids, "logits_indices": rows})
+    np.testing.assert_allclose(got, want[0, rows], atol=1e-6)
+
+
+def test_a_vector_operand_after_the_head_is_not_walked_through():
+    with pytest.raises(FusionError, match="computed by Add"):
+        gather_logits(ir.from_proto(_lm(tail=("mix",))), vocab_size=10)

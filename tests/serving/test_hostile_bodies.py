@@ -45,6 +45,8 @@ CORPUS: dict[str, tuple[str, object]] = {
     "ignore_eos string": (C, _c(ignore_eos="false")),
     "frequency_penalty string": (C, _c(frequency_penalty="1")),
     "stream_options wrong": (C, _c(stream=True, stream_options={"include_usage": "yes"})),
+    "stream_options without stream": (C, _c(stream_options={"include_usage": True})),
+    "chat stream_options without stream": (CHAT, _chat(stream=False, stream_options={"include_usage": False})),
     "model int": (C, _c(model=5)),
     "model missing": (C, {"prompt": "hi"}),
     "chat logprobs string": (CHAT, _chat(logprobs="true")),
@@ -236,6 +238,8 @@ def test_messages_name_the_problem(server):
     assert "content" in message("content missing")
     assert "stream" in message("stream yes")
     assert "finite" in message("temperature Infinity")
+    assert "only allowed when 'stream' is enabled" in message("stream_options without stream")
+    assert "only allowed when 'stream' is enabled" in message("chat stream_options without stream")
 
 
 def test_auth_runs_before_body_parsing(server):

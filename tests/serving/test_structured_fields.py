@@ -66,3 +66,47 @@ def test_tool_choices():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls(required, text)] == [
         ("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Oslo"})]
     assert tool_calls(required, '[{"name": "get_ti') == []  # cut short by max_tokens: no calls
+
+
+# pydantic's schema of `class Address(BaseModel): street: str; city: str` inside `class Person: name: str;
+# address: Address; friends: list[Person]`: references through $defs and to the root ("#").
+PERSON = {"$defs": {"Address": {"type": "object", "properties": {"street": {"type": "string"},
+                                                                 "city": {"type": "string"}},
+                                "required": ["street", "city"]}},
+          "type": "object",
+          "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/Address"},
+                         "friends": {"type": "array", "items": {"$ref": "#"}}},
+          "required": ["name", "address"]}
+LEGACY = {"definitions": {"Unit": {"enum": ["C", "F"]}}, "type": "object",
+          "properties": {"unit": {"$ref": "#/definitions/Unit"}}, "required": ["unit"]}
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_required_tool_choice_keeps_refs_resolvable():
+    """Regression: the "required" array schema nests each function's parameters, so "#/$defs/..." stopped
+    resolving (xgrammar: "Cannot find field $defs"). The hoisted schema compiles and accepts exactly the calls the
+    functions' own schemas accept."""
+    import jsonschema
+    import xgrammar as xgr
+
+    schema = tool_call_plan([_tool("add_person", PERSON), _tool("set_unit", LEGACY)], "required").constraint.json
+    xgr.Grammar.from_json_schema(json.dumps(schema))  # raised before the fix
+    jsonschema.Draft202012Validator.check_schema(schema)
+    person = {"name": "Ada", "address": {"street": "1 Main", "city": "Oslo"},
+              "friends": [{"name": "Bob", "address": {"street": "2 Side", "city": "Rome"}}]}
+    good = [[{"name": "add_person", "parameters": person}], [{"name": "set_unit", "parameters": {"unit": "F"}}]]
+    bad = [[{"name": "add_person", "parameters": {**person, "address": {"street": "1 Main"}}}],
+           [{"name": "add_person", "parameters": {**person, "friends": [{"name": "Bob"}]}}],
+           [{"name": "set_unit", "parameters": {"unit": "K"}}]]
+    for calls in good:
+        jsonschema.validate(calls, schema)
+        for call in calls:  # the same instance is valid under the function's own schema
+            jsonschema.validate(call["parameters"], PERSON if call["name"] == "add_person" else LEGACY)
+    for calls in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(calls, schema)
+    # Plain schemas are left as they were (no $defs added).
+    assert "$defs" not in tool_call_plan([WEATHER], "required").constraint.json

@@ -12,22 +12,44 @@ import onnx_ir as ir
 
 from trtopt import signature
 from trtopt.errors import FusionError
+from trtopt.fusion_passes.ir_helpers import scalar_constant
 
 RULE = "logits_gather"
 
 
+# Ops between the LM head and `logits` that act on each row alone, so gathering rows before the head is exact:
+# Granite's `logits_scaling` (Div by a constant), soft-capping (Div, Tanh, Mul), dtype casts.
+_ROW_WISE_UNARY = ("Cast", "Identity", "Tanh")
+_ROW_WISE_BINARY = ("Mul", "Div", "Add", "Sub")
+
+
+def _row_wise_input(node: ir.Node) -> ir.Value | None:
+    """The data input of a node that maps each logits row on its own (a unary op, or a binary op with a scalar
+    constant), else None."""
+    if node.op_type in _ROW_WISE_UNARY:
+        return node.inputs[0]
+    if node.op_type in _ROW_WISE_BINARY and len(node.inputs) == 2:
+        a, b = node.inputs
+        if scalar_constant(b) is not None:
+            return a
+        if node.op_type in ("Mul", "Add") and scalar_constant(a) is not None:
+            return b
+    return None
+
+
 def _lm_head(logits: ir.Value) -> tuple[ir.Node, list[ir.Node]]:
-    """The MatMul that produces ``logits`` and the element-wise nodes between it and the output."""
+    """The MatMul that produces ``logits`` and the row-wise nodes between it and the output."""
     between = []
     node = logits.producer()
-    while node is not None and node.op_type in ("Cast", "Identity"):
+    while node is not None and node.op_type != "MatMul" and (data := _row_wise_input(node)) is not None:
         between.append(node)
-        node = node.inputs[0].producer()
+        node = data.producer()
     if node is None or node.op_type != "MatMul":
         found = node.op_type if node is not None else "a graph input"
         raise FusionError(
-            f"the `logits` output is computed by {found}, not by an LM-head MatMul, so the build cannot gather "
-            "the rows in logits_indices. Export the model with a plain MatMul LM head (trtopt export does)."
+            f"the `logits` output is computed by {found}, not by an LM-head MatMul followed by row-wise scaling, so "
+            "the build cannot gather the rows in logits_indices. Export the model with a MatMul LM head "
+            "(trtopt export writes one)."
         )
     return node, between
 

@@ -88,6 +88,8 @@ class _SamplingFields(BaseModel):
 
     def _common_params(self, max_tokens: int | None, logprobs: int | None,
                        structured: StructuredOutputsParams | None = None, **extra: Any) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's rule and message
+            raise RequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.")
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,

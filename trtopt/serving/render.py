@@ -155,8 +155,9 @@ class CompletionRenderer(Renderer):
 
     def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
+        # vLLM sends prompt_logprobs: null when they were not asked for; clients read the key unconditionally.
         choice = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
+                  "stop_reason": c.stop_reason, "prompt_logprobs": None}
         self.add_prefix(choice, out)
         return choice
 

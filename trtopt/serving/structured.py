@@ -93,10 +93,14 @@ def tool_call_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[s
             "which constrain the output to a valid call.")
     functions = _functions(tools)
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                   "parameters": _hoist_refs(name, params, defs)},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         return ToolCallPlan(None, StructuredOutputsParams(json=schema))
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if name is None:
@@ -117,6 +121,41 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not isinstance(params, dict):
             raise RequestError(f"tool {fn['name']!r}: parameters must be a JSON schema object.")
         out[fn["name"]] = params
+    return out
+
+
+def _hoist_refs(function: str, params: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``params`` rewritten to sit inside the "required" array schema: a local ``$ref`` ("#/$defs/X",
+    "#/definitions/X", "#", "#/properties/...") resolves against the document root, which is no longer the
+    function's schema, so its definitions move to the root's ``$defs`` under a per-function prefix and every local
+    reference is rewritten to match (pydantic writes ``$defs`` for every nested model)."""
+    prefix = f"{function}__"
+    body = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    own = {**(params.get("definitions") or {}), **(params.get("$defs") or {})}
+    needs_root = False
+
+    def ref(target: str) -> str:
+        nonlocal needs_root
+        for head in ("#/$defs/", "#/definitions/"):
+            if target.startswith(head):
+                return f"#/$defs/{prefix}{target[len(head):]}"
+        needs_root = True  # "#" or a path into the function's own schema
+        return f"#/$defs/{prefix}_root{target[1:]}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) and v.startswith("#") else rewrite(v)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    out = rewrite(body)
+    for key, value in own.items():
+        defs[prefix + key] = rewrite(value)
+    if needs_root:
+        defs[prefix + "_root"] = out
+        return {"$ref": f"#/$defs/{prefix}_root"}
     return out
 
 
