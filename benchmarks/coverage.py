@@ -78,7 +78,7 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).eval()
         hf.generation_config.eos_token_id = None
         tolerance = tolerance_for(built.config.model.dtype)
-        same, divergences = 0, []
+        same, divergences, with_logprobs = 0, [], None
         for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
             got = out.outputs[0].token_ids
             ref, hf_logits = _hf_greedy(hf, prompt)
@@ -87,10 +87,13 @@ def run_one(arch: str, exporter: str, dtype: str, root: Path) -> dict:
                 continue
             step = next(k for k, (a, b) in enumerate(zip(ref, got)) if a != b)
             # The plan's logprobs at that step, from a second run asking for them (the first run's greedy path
-            # is the fast one that returns no logprobs; both paths take the argmax of the same logits).
-            again = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
-                temperature=0, max_tokens=step + 1, ignore_eos=True, logprobs=LOGPROB_ALTERNATIVES))[0].outputs[0]
-            assert again.token_ids == got[:step + 1], "a logprobs run of the plan chose other greedy tokens"
+            # is the fast one that returns no logprobs; both paths take the argmax of the same logits). It runs the
+            # same batch as the first, step for step: in fp16/bf16 another batch composition rounds differently.
+            if with_logprobs is None:
+                with_logprobs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(
+                    temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_ALTERNATIVES))
+            again = with_logprobs[i].outputs[0]
+            assert again.token_ids == got, "a logprobs run of the plan chose other greedy tokens"
             divergence = _divergence(step, ref[step], got[step], hf_logits[step], again.logprobs[step], tolerance)
             # The exact model's view of the same choice (HF in fp32, same context): information for the reader.
             exact = _next_logits(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(),
