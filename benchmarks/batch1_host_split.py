@@ -5,7 +5,7 @@ per step: the wall time of step(), of the executor's execute (packing, the input
 graph replay's launch), of _process (mostly the wait for the previous step's tokens) and of sampling (argmax
 launches, the copy to the host, bookkeeping), and how often the next step had already finished when the previous
 one's tokens arrived (a sign that the host, not the GPU, set the pace). Engines alternate between the placeholder
-fill and greedy argmax inside the step graphs (cuda_graphs.argmax_in_graph, the default) and launched from Python
+fill and greedy argmax inside the step graphs (the executor's argmax_in_graph, the default) and launched from Python
 between replays, so both are measured on one host in one run; each is also timed by gpu_e2e's own batch1_decode.
 Then the host time of each piece of a step alone (median of 400 calls, the stream idle before each).
 
@@ -110,15 +110,13 @@ def pieces(engine, device) -> None:
 
 
 def main() -> None:
-    from trtopt.runtime.executors import cuda_graphs
-
     device = torch.device("cuda")
     shape = g.Shape()
     _, plan_dir, _, _ = g.build(Path("/tmp/trtopt-batch1-host"), shape, device, 256, ())
     plan = read_plan(plan_dir)
     executor = create_executor("torch", plan_dir, plan, device="cuda", cuda_graphs=True)
     for i, in_graph in enumerate((True, False, True, False)):
-        cuda_graphs.argmax_in_graph = in_graph
+        executor.argmax_in_graph = in_graph  # read when each engine captures its graphs
         tag = "in graph" if in_graph else "from Python"
         instrumented(executor, plan, shape, device, f"engine {i} (fill + argmax {tag})")
         e = g.make_engine(executor, plan, max_num_seqs=256, kv_gb=4.0, async_scheduling=True)
@@ -126,7 +124,7 @@ def main() -> None:
         print(f"  batch1_decode (fill + argmax {tag}): {b['decode_tok_s']:.0f} tok/s, GPU {b['gpu_ms_per_token']:.3f} "
               f"ms, exposed host {b['host_ms_per_token']:.3f} ms", flush=True)
         del e
-    cuda_graphs.argmax_in_graph = True
+    executor.argmax_in_graph = True
     e = g.make_engine(executor, plan, max_num_seqs=256, kv_gb=4.0, async_scheduling=True)
     g.batch1_decode(e, shape.vocab, device, new_tokens=16)
     pieces(e, device)

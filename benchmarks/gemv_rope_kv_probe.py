@@ -89,11 +89,10 @@ def speed() -> None:
             x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d, config=cfg)))
 
     def contracted():
-        saved, gemv_triton.no_fp_fusion = gemv_triton.no_fp_fusion, lambda: {}
-        try:
+        from unittest import mock
+
+        with mock.patch.object(gemv_triton, "no_fp_fusion", lambda: {}):  # the kernel compiled with FMA contraction
             return gemv_triton.gemv_rope_kv(x, w, cos, sin, pool, slot, num_heads=hq, num_kv_heads=hkv, head_dim=d)
-        finally:
-            gemv_triton.no_fp_fusion = saved
 
     rows.append(("gemv_rope_kv fp-fusion-on", contracted))
     for name, fn in rows:

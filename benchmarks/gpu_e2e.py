@@ -126,22 +126,21 @@ def build_without(onnx_dir: Path, plan_dir: Path, rule: str, limits) -> None:
     build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits, disable_passes=tuple(rule.split("+")))
 
 
-# Ablations that flip a switch (same plan, same executor): the sampler's greedy argmax kernel (torch.argmax
-# instead), PagedAttention's split-KV merge inside the attention launch (a second merge launch instead: the
-# executor's PagedLaunchState), and the placeholder fill and greedy argmax inside each step graph (launched from
-# Python between replays instead).
+# Ablations that flip an option of the object that owns it (same plan, same executor): the greedy argmax kernel
+# (torch.argmax instead: the executor's `argmax_kernel` for its graphs, the engine sampler's for eager steps),
+# PagedAttention's split-KV merge inside the attention launch (a second merge launch instead: the executor's
+# PagedLaunchState), and the placeholder fill and greedy argmax inside each step graph (the executor's
+# `argmax_in_graph`: launched from Python between replays instead).
 RUNTIME_SWITCHES = ("argmax", "merge_in_kernel", "argmax_in_graph")
 
 
-def set_switch(rule: str, on: bool, executor=None) -> None:
+def set_switch(rule: str, on: bool, executor) -> None:
+    """Turn `rule` on or off in `executor` (the argmax options are read when the next engine captures its graphs;
+    the argmax kernel of an engine's sampler is that engine's own: see the ablation loop)."""
     if rule == "argmax":
-        from trtopt.runtime.kernels import argmax
-
-        argmax.use_kernel = on
+        executor.argmax_kernel = on
     elif rule == "argmax_in_graph":
-        from trtopt.runtime.executors import cuda_graphs
-
-        cuda_graphs.argmax_in_graph = on  # read by the StepGraphs each new engine captures
+        executor.argmax_in_graph = on
     else:
         state = executor.paged_state  # the torch executor's (None off CUDA: no Triton attention to switch)
         if state is not None:
@@ -310,11 +309,11 @@ def timed_workload(executor, plan, requests, *, max_batch: int, wave: int | None
     "decode_only" graphs only steps of one token per sequence; "pad_step" stages inputs the unpinned way;
     "argmax_outside" leaves the placeholder fill and the greedy argmax out of the step graphs (launched from Python)."""
     if variant == "argmax_outside":
-        set_switch("argmax_in_graph", False)  # read by the StepGraphs the engine captures
+        set_switch("argmax_in_graph", False, executor)  # read by the StepGraphs the engine captures
     try:
         engine = make_engine(executor, plan, max_num_seqs=max_batch, kv_gb=kv_gb, async_scheduling=async_scheduling)
     finally:
-        set_switch("argmax_in_graph", True)
+        set_switch("argmax_in_graph", True, executor)
     graphs = executor.graphs
     if graphs is not None:
         graphs.decode_only = variant == "decode_only"
@@ -661,7 +660,7 @@ def main() -> None:
         ablations["with_all"]["kernels_per_step"] = (b1["profile_eager"] or {}).get("kernels_per_step")
         for rule in args.ablate:
             row = f"without_{rule}"
-            if rule in RUNTIME_SWITCHES:  # a module switch off, same plan and executor
+            if rule in RUNTIME_SWITCHES:  # an executor option off, same plan and executor
                 set_switch(rule, False, executor)
                 plan_x, executor_x = plan, executor
             elif rule in EXECUTOR_VARIANTS:
@@ -676,6 +675,8 @@ def main() -> None:
                 executor_x = create_executor("torch", args.work / f"plan-without-{rule}", plan_x, device=str(device),
                                              cuda_graphs=device.type == "cuda")
             engine = make_engine(executor_x, plan_x, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0))
+            if rule == "argmax":  # this engine's sampler too: the argmax of its eager steps
+                engine.sampler.argmax_kernel = False
             bx = batch1_decode(engine, shape.vocab, device)
             bx["graph_replay_ms"] = graph_replay_ms(engine, device)
             bx["profile_eager"] = profile_decode(engine, shape.vocab, device)  # which kernels (cuBLAS's choice too)

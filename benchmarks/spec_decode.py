@@ -99,12 +99,8 @@ def main() -> None:
                     "without a tokenizer (the random-weight 1.24B plan of gpu_e2e.py; its vocabulary must cover them)")
     ap.add_argument("--argmax-outside-graph", action="store_true",
                     help="launch the placeholder fill and the greedy argmax from Python between replays (the A/B of "
-                    "cuda_graphs.argmax_in_graph, on by default)")
+                    "the engine's argmax_in_graph, on by default; the draft's follows)")
     args = ap.parse_args()
-    if args.argmax_outside_graph:
-        from trtopt.runtime.executors import cuda_graphs
-
-        cuda_graphs.argmax_in_graph = False
     for n in args.self_draft_layers:
         if not (self_draft_dir(args.plan, n) / "plan.json").is_file():
             build_draft_plan(args.plan, n)
@@ -116,7 +112,8 @@ def main() -> None:
     results, captures = [], {}
     for name, spec in methods(args).items():
         started = time.perf_counter()
-        engine = LLMEngine.from_plan(args.plan, device=args.device, max_model_len=args.max_model_len, speculative_config=spec)
+        engine = LLMEngine.from_plan(args.plan, device=args.device, max_model_len=args.max_model_len,
+                                     argmax_in_graph=not args.argmax_outside_graph, speculative_config=spec)
         report = engine.spec.capture_report if engine.spec else None
         captures[name] = {"engine_start_s": round(time.perf_counter() - started, 2),
                           "draft_graphs": report.num_graphs if report else None,

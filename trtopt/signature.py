@@ -9,7 +9,8 @@ use it without an upward arrow.
 
 Dims are symbolic: T tokens this step, S sequences, N rows projected to logits, ``max_blocks`` blocks per sequence
 (the block-table width), ``num_blocks`` the pool's blocks. Dtypes are numpy names; the KV pools and their outputs
-have the model's dtype.
+have the plan's pool dtype (``kv_pool_dtype``): the model's dtype, or float8_e4m3fn for a plan built with
+``--kv-cache-dtype fp8`` (architecture.md §3).
 """
 
 from __future__ import annotations
@@ -83,6 +84,20 @@ def is_kv_output(name: str) -> bool:
 def kv_dims(num_blocks: Dim, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[Dim, ...]:
     """A pool's dims: [num_blocks, 2 (K, V), Hkv, block_size, D], heads-major inside a block; block 0 is null."""
     return (num_blocks, 2, num_kv_heads, block_size, head_dim)
+
+
+# `trtopt build --kv-cache-dtype`: "auto" keeps the model's dtype in the pools; "fp8" stores K and V as float8 E4M3
+# (e4m3fn: no infinities, finite range ±448), quantized on the write (x / scale, saturated, rounded to nearest even)
+# and dequantized on the read (× scale), with one float32 K and one V scale per layer (1.0 without calibration).
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_DTYPE = "float8_e4m3fn"  # the pool dtype of an "fp8" plan (torch.float8_e4m3fn, ONNX FLOAT8E4M3FN)
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn; the write saturates to ±this
+
+
+def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:
+    """The pools' dtype name for a plan of ``model_dtype`` built with ``--kv-cache-dtype kv_cache_dtype``."""
+    assert kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}"
+    return FP8_KV_DTYPE if kv_cache_dtype == "fp8" else model_dtype
 
 
 def input_names(num_layers: int) -> list[str]:

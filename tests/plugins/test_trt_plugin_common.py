@@ -25,7 +25,8 @@ from trtopt.plugins.trt_common import (
 
 PLUGIN_OPS = {"PagedAttention", "FlashAttention"}  # ops with a Triton kernel, hence an AOT plugin
 # ops TensorRT should import through their ONNX function body
-BODY_OPS = {"RMSNorm", "MatMulAdd", "AllReduce", "AllGather", "SiluMul", "GeluMul", "AddRMSNorm", "Rope"}
+BODY_OPS = {"RMSNorm", "MatMulAdd", "AllReduce", "AllGather", "SiluMul", "GeluMul", "AddRMSNorm", "Rope",
+            "QMatMul"}  # QMatMul: TensorRT sees plain Q/DQ and picks its own quantized kernels
 
 
 def test_every_op_is_classified() -> None:

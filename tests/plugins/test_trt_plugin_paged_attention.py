@@ -140,7 +140,8 @@ def check_plugin_source(schema_module) -> None:
     (outputs, tactic)."""
     path, spec = trt_plugin_path(schema_module), schema_module.SCHEMA
     plugin_id = repr(f"trtopt::{spec.op_type}")  # ast.unparse writes single quotes
-    expected = [(n, "trtp.TensorDesc") for n in spec.inputs] + [(a.name, a.kind.__name__) for a in spec.attributes]
+    expected = [(n, "trtp.TensorDesc") for n in spec.inputs] + [(a.name, a.kind.__name__) for a in spec.attributes
+                                                                 if not a.omittable]
     assert [n for n, _ in expected] == register_parameter_names(spec)
     assert decorated_parameters(path, f"trtp.register({plugin_id})") == expected
     aot = decorated_parameters(path, f"trtp.aot_impl({plugin_id})")

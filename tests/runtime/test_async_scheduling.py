@@ -224,16 +224,11 @@ def test_async_equals_sync_on_cuda_with_graphs(built_plan):
     free = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, async_scheduling=False)
     free.add_request("free", "The capital of France", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     stop = free.tokenizer.decode(_run(free, [])[0]["free"][0][0])[10:16]
-    from trtopt.runtime.executors import cuda_graphs
 
     results = {}
     for mode, in_graph in ((False, True), (True, True), (True, False)):  # and the argmax and fill outside the graph
-        cuda_graphs.argmax_in_graph = in_graph
-        try:
-            engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, max_num_batched_tokens=32,
-                                         num_blocks=14, async_scheduling=mode)
-        finally:
-            cuda_graphs.argmax_in_graph = True
+        engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, max_num_batched_tokens=32,
+                                     num_blocks=14, async_scheduling=mode, argmax_in_graph=in_graph)
         assert engine.async_scheduling is mode and engine.executor.graphs.argmax_in_graph is in_graph
         results[mode, in_graph], _ = _run(engine, _real_workload(stop))
         assert engine.executor.graphs.num_replayed > 0
@@ -266,8 +261,8 @@ def test_greedy_steps_take_argmax_and_placeholders_from_the_graphs(built_plan, m
 
     tokens = {}
     for in_graph in (True, False):
-        monkeypatch.setattr(cuda_graphs, "argmax_in_graph", in_graph)
-        engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, async_scheduling=async_scheduling)
+        engine = LLMEngine.from_plan(plan_dir, device="cuda", max_model_len=128, async_scheduling=async_scheduling,
+                                     argmax_in_graph=in_graph)
         monkeypatch.setattr(sampler, "greedy_argmax", counted("argmax", sampler.greedy_argmax))
         monkeypatch.setattr(cuda_graphs, "fill_placeholders_", counted("fill", cuda_graphs.fill_placeholders_))
         calls.update(argmax=0, fill=0)  # start-up capture ran both inside the graphs

@@ -140,3 +140,17 @@ def test_llm_generate_without_a_callback_makes_only_final_outputs(built_plan):
     assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in plain] == \
         [(o.outputs[0].token_ids, o.outputs[0].text) for o in with_callback]
     assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_tokenize_is_public_and_sees_prompts_as_add_request_does(engine_for):
+    """LLMEngine.tokenize is public API (scripts call it): every prompt form gives the ids the request is run with."""
+    engine = engine_for(MODEL, "torch", max_model_len=128)
+    chat = [{"role": "user", "content": "Hi!"}]
+    for i, prompt in enumerate(["Hello there", chat, {"prompt_token_ids": [5, 6, 7]}, [9, 10]]):
+        text, ids = engine.tokenize(prompt)
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        assert run_all(engine)[str(i)].prompt_token_ids == ids
+        assert (text is None) == (not isinstance(prompt, str) and prompt is not chat)
+    assert engine.tokenize(chat)[0].startswith("<|im_start|>")
+    with pytest.raises(RequestError):
+        engine.tokenize(3.5)

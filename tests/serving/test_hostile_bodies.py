@@ -42,14 +42,15 @@ CORPUS: dict[str, tuple[str, object]] = {
     "max_tokens bool": (C, _c(max_tokens=True)),
     "n string": (C, _c(n="2")),
     "temperature string": (C, _c(temperature="0.5")),
-    "ignore_eos string": (C, _c(ignore_eos="false")),
+    "ignore_eos string": (C, _c(ignore_eos="no")),
     "frequency_penalty string": (C, _c(frequency_penalty="1")),
     "stream_options wrong": (C, _c(stream=True, stream_options={"include_usage": "yes"})),
     "stream_options without stream": (C, _c(stream_options={"include_usage": True})),
     "chat stream_options without stream": (CHAT, _chat(stream=False, stream_options={"include_usage": False})),
     "model int": (C, _c(model=5)),
     "model missing": (C, {"prompt": "hi"}),
-    "chat logprobs string": (CHAT, _chat(logprobs="true")),
+    "chat logprobs string": (CHAT, _chat(logprobs="yes")),
+    "chat logprobs int": (CHAT, _chat(logprobs=1)),
     # ---- non-finite numbers via raw JSON
     "temperature Infinity": (C, _raw(_c(), temperature="Infinity")),
     "temperature NaN": (C, _raw(_c(), temperature="NaN")),
@@ -61,7 +62,7 @@ CORPUS: dict[str, tuple[str, object]] = {
     "temperature negative": (C, _c(temperature=-0.5)),
     "seed 2**64": (C, _c(seed=2**64)),
     "seed 2**63": (C, _c(seed=2**63)),
-    "seed negative": (C, _c(seed=-1)),
+    "seed below int64": (C, _c(seed=-(2**63) - 1)),
     "top_k 2**63": (C, _c(top_k=2**63)),
     "top_k over vocab": (C, _c(top_k=10**6)),
     "top_k -2": (C, _c(top_k=-2)),
@@ -85,6 +86,8 @@ CORPUS: dict[str, tuple[str, object]] = {
     "chat n 10**7": (CHAT, _chat(n=10**7)),
     "chat top_logprobs 21": (CHAT, _chat(logprobs=True, top_logprobs=21)),
     "chat top_logprobs without logprobs": (CHAT, _chat(top_logprobs=2)),
+    "chat top_logprobs -1 (the whole vocabulary)": (CHAT, _chat(logprobs=True, top_logprobs=-1)),
+    "chat top_logprobs -2": (CHAT, _chat(logprobs=True, top_logprobs=-2)),
     # ---- stop strings and stop ids
     "17 stop strings": (C, _c(stop=[f"s{i}" for i in range(17)])),
     "stop string 10k chars": (C, _c(stop=["x" * 10_000])),
@@ -134,6 +137,24 @@ CORPUS: dict[str, tuple[str, object]] = {
     "tool_choice required": (CHAT, _chat(tool_choice="required")),
     "json_schema": (CHAT, _chat(response_format={"type": "json_schema", "json_schema": {}})),
     "chat over the context": (CHAT, _chat({"role": "user", "content": " hello" * 600})),
+    "continue_final_message with add_generation_prompt": (CHAT, _chat(continue_final_message=True)),
+    "chat_template without trust": (CHAT, _chat(chat_template="{{ messages }}")),
+    "chat_template in kwargs without trust": (CHAT, _chat(chat_template_kwargs={"chat_template": "x"})),
+    "chat_template_kwargs tokenize": (CHAT, _chat(chat_template_kwargs={"tokenize": True})),
+    "chat_template_kwargs return_dict": (CHAT, _chat(chat_template_kwargs={"return_dict": True})),
+    "chat_template_kwargs not an object": (CHAT, _chat(chat_template_kwargs=["x"])),
+    "chat_template_kwargs deeply nested": (CHAT, json.dumps(_chat())[:-1] + ', "chat_template_kwargs": {"a": '
+                                           + "[" * 5000 + "]" * 5000 + ', "tokenize": 1}}'),
+    "return_token_ids string": (C, _c(return_token_ids="maybe")),
+    "continuous_usage_stats int": (C, _c(stream=True, stream_options={"include_usage": True,
+                                                                       "continuous_usage_stats": 1})),
+    # ---- SageMaker's /invocations: the same rules as the endpoints it routes to
+    "invocations neither chat nor completion": ("/invocations", {"model": MODEL, "input": "hi"}),
+    "invocations json array": ("/invocations", "[1]"),
+    "invocations not utf-8": ("/invocations", b"\xff\xfe{"),
+    "invocations deeply nested": ("/invocations", '{"prompt": ' + "[" * 100_00 + "]" * 100_00 + "}"),
+    "invocations bad chat": ("/invocations", _chat({"role": "hacker", "content": "hi"})),
+    "invocations bad completion": ("/invocations", _c(max_tokens=2**64)),
     # ---- unsupported OpenAI fields
     "suffix": (C, _c(suffix="x")),
     # ---- token controls, echo and best_of with bad values
@@ -163,6 +184,11 @@ CORPUS: dict[str, tuple[str, object]] = {
 
 # Bodies that are fine (and must stay fine) but look odd: the server answers 200.
 ACCEPTED = {
+    # vLLM's policies, taken on deliberately: its pydantic models coerce "true"/"false" for booleans (other spellings
+    # stay refused above), and any int64 seed is valid (a negative one maps to its low 63 bits).
+    "string booleans": (CHAT, _chat(logprobs="true", ignore_eos="false", temperature=0)),
+    "seed negative": (C, _c(seed=-1)),
+    "top_logprobs 0 without logprobs (vLLM's default)": (CHAT, _chat(top_logprobs=0)),
     "unknown fields are ignored": (C, _c(frobnicate=True, temperature=0, **{"\u00e9": 1})),
     "max_tokens that exactly fills the context": (C, _c(prompt=list(range(5, 505)), max_tokens=12, ignore_eos=True,
                                                         temperature=0)),

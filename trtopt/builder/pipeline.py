@@ -45,9 +45,12 @@ from trtopt.builder.sharding import (
 from trtopt.builder.signature import check_signature
 from trtopt.builder.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
+from trtopt.fusion_passes.paged_attention import use_fp8_kv_cache
 from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
 from trtopt.fusion_passes.trace import Trace
 from trtopt.plugins import attach_functions
+from trtopt.plugins.paged_attention.function import attach_fp8_kv_function
+from trtopt.signature import KV_CACHE_DTYPES
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
 
@@ -65,6 +68,7 @@ class BuildOptions:
     lm_head: str  # one of LM_HEAD_MODES ("replicated" unless tensor_parallel)
     disable_passes: tuple[str, ...]  # OPTIONAL_PASSES to skip
     explain: bool  # recorded in fusion_report.json
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "fp8" stores the KV pools as float8_e4m3fn
 
 
 @dataclasses.dataclass
@@ -230,6 +234,7 @@ def validate_options(
     tensor_parallel: int | None,
     lm_head: str,
     disable_passes: Sequence[str],
+    kv_cache_dtype: str = "auto",
 ) -> BuildOptions:
     """Check every option and the source and plan paths before any work is done (build_plan's arguments)."""
     onnx_path = resolve_model_path(Path(model_path))
@@ -250,10 +255,14 @@ def validate_options(
     if unknown:
         raise ConfigError(f"--disable-pass {', '.join(unknown)}: no such optional pass; choose from "
                           f"{', '.join(OPTIONAL_PASSES)}.")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; choose one of "
+                          f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8: float8 E4M3 pools).")
     _check_out_dir(out_dir, source_dir, force)
     return BuildOptions(onnx_path=onnx_path, out_dir=out_dir, config_json=config_json,
                         generation_json=generation_json, limits=limits, tensor_parallel=tensor_parallel,
-                        lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain)
+                        lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
@@ -277,6 +286,11 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
         facts = model_facts(model, report.kind, config_json, options.generation_json)
         notes = tuple(config_disagreements(facts, config_json))
         check_signature(model, report.kind)
+    if options.kv_cache_dtype == "fp8":
+        if report.kind != "paged":
+            raise ConfigError(f"--kv-cache-dtype fp8 sets the dtype of a KV cache, and {options.onnx_path} builds a "
+                              f"{report.kind!r} plan without one; build it without --kv-cache-dtype.")
+        use_fp8_kv_cache(model)
     return FusedGraph(model=model, report=report, facts=facts, notes=notes)
 
 
@@ -302,17 +316,21 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
     assert fused.model is not None, "write consumes the graph once"
     with steps.step("attaching the trtopt op functions"):
         proto = attach_functions(ir.to_proto(fused.model))
+        if options.kv_cache_dtype == "fp8":
+            attach_fp8_kv_function(proto)
         fused.model = None  # the proto holds the graph now; drop the IR copy before the weights are loaded
         # Weights the passes did not touch still point at the source's data file; pull them in so the plan
         # dir is self-contained (the locations were checked to stay inside the source dir on load).
         onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
     with steps.step(f"writing {out_dir}"):
         _prepare_out_dir(out_dir)
-        config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind)
+        config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind,
+                            kv_cache_dtype=options.kv_cache_dtype)
         if sharded is None:
             save_model(proto, out_dir)
         else:
-            rank_config = PlanConfig(model=sharded.rank_facts, limits=options.limits, kind=fused.report.kind)
+            rank_config = PlanConfig(model=sharded.rank_facts, limits=options.limits, kind=fused.report.kind,
+                                     kv_cache_dtype=options.kv_cache_dtype)
             write_rank_plans(proto, sharded.result, out_dir, rank_config)
             config = dataclasses.replace(config, parallel=parallel_config(sharded.result.layout, None))
         write_plan(out_dir, config)
@@ -345,6 +363,7 @@ def build_plan(
     tensor_parallel: int | None = None,
     lm_head: str = "replicated",
     disable_passes: Sequence[str] = (),
+    kv_cache_dtype: str = "auto",
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
 
@@ -362,11 +381,15 @@ def build_plan(
 
     ``disable_passes`` names fusion passes to skip (``OPTIONAL_PASSES``: the performance fusions, for ablations);
     ConfigError for a name that is not one of them.
+
+    ``kv_cache_dtype``: "auto" (the pools have the model's dtype) or "fp8" (float8_e4m3fn pools, per-layer K/V
+    scales of 1.0 on the PagedAttention nodes; fusion_passes/paged_attention.py use_fp8_kv_cache); ConfigError for
+    another value, or for "fp8" on a plan without a KV cache.
     """
     start = time.perf_counter()
     options = validate_options(model_path, out_dir, limits=limits, max_model_len=max_model_len, force=force,
                                explain=explain, tensor_parallel=tensor_parallel, lm_head=lm_head,
-                               disable_passes=disable_passes)
+                               disable_passes=disable_passes, kv_cache_dtype=kv_cache_dtype)
     steps = _Steps(progress)
     with steps.run():
         fused = fuse(options, steps)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from trtopt.errors import BuildError
+from trtopt.signature import KV_CACHE_DTYPES, kv_pool_dtype
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -27,7 +28,7 @@ class ModelFacts:
     num_kv_heads: int  # key/value heads (GQA when < num_heads)
     head_dim: int
     vocab_size: int
-    dtype: str  # "float32" | "float16" | "bfloat16": dtype of the KV pools
+    dtype: str  # "float32" | "float16" | "bfloat16": the model's dtype (its pools' unless PlanConfig.kv_cache_dtype)
     eos_token_ids: tuple[int, ...]  # any of these ends a sequence
     bos_token_id: int | None = None
     model_type: str = ""  # e.g. "llama", "gpt2", "qwen2", "bert"; informational
@@ -77,13 +78,25 @@ class PlanConfig:
     kind: str = "paged"  # "paged" (LLM with the §3 signature) or "flash" (no cache, e.g. an encoder)
     version: int = PLAN_VERSION
     parallel: ParallelConfig | None = None  # None: an unsharded plan
+    # `trtopt build --kv-cache-dtype`: "auto" (the pools have the model's dtype) or "fp8" (float8_e4m3fn pools with
+    # per-layer K/V scales on the PagedAttention nodes). Written to plan.json only when not "auto", so plans built
+    # before it (and default plans) read and write the same file.
+    kv_cache_dtype: str = "auto"
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.limits.max_model_len // self.limits.block_size)
 
+    @property
+    def kv_pool_dtype(self) -> str:
+        """The KV pools' dtype name: the model's, or float8_e4m3fn (trtopt/signature.py kv_pool_dtype)."""
+        return kv_pool_dtype(self.model.dtype, self.kv_cache_dtype)
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        d = dataclasses.asdict(self)
+        if d["kv_cache_dtype"] == "auto":
+            del d["kv_cache_dtype"]
+        return json.dumps(d, indent=2)
 
     @classmethod
     def from_dict(cls, d: dict) -> PlanConfig:
@@ -97,8 +110,12 @@ class PlanConfig:
         model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
         model["layer_sliding_windows"] = tuple(model.get("layer_sliding_windows", ()))
         parallel = ParallelConfig(**d["parallel"]) if d.get("parallel") else None
+        kv_cache_dtype = d.get("kv_cache_dtype", "auto")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BuildError(f"plan.json has kv_cache_dtype {kv_cache_dtype!r}, which this trtopt does not know "
+                             f"({', '.join(KV_CACHE_DTYPES)}); rebuild the plan with `trtopt build`.")
         return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"),
-                   version=version, parallel=parallel)
+                   version=version, parallel=parallel, kv_cache_dtype=kv_cache_dtype)
 
 
 def write_plan(plan_dir: str | Path, config: PlanConfig) -> Path:

@@ -20,6 +20,7 @@ def _print_report(result, explain: bool) -> None:
     console.print(
         f"[green]built[/] {result.plan_dir}: {facts.num_layers} layers, {facts.num_heads}/{facts.num_kv_heads} heads "
         f"× {facts.head_dim}, vocab {facts.vocab_size}, {facts.dtype}"
+        + (f", KV cache {result.config.kv_pool_dtype}" if result.config.kv_cache_dtype != "auto" else "")
     )
     for note in result.notes:
         console.print(f"[yellow]note[/]: {note}", highlight=False)
@@ -78,6 +79,11 @@ def build(
         help="Skip one performance fusion (rope, rope_table, layer_norm, rms_norm, add_rms_norm, horizontal_matmul, "
         "silu_mul, gelu_mul, matmul_add), to measure what it is worth; repeatable.",
     ),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype",
+        help="KV pool dtype: `auto` (the model's) or `fp8` (float8 E4M3, per-layer K/V scales of 1.0): half the "
+        "bytes of a bf16 cache, so twice the blocks in the same memory. On CUDA it needs compute capability 8.9+.",
+    ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
                                            "(speculative decoding, method self_draft); repeatable."),
@@ -99,6 +105,7 @@ def build(
     result = build_plan(
         model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
         tensor_parallel=tensor_parallel, lm_head=lm_head, disable_passes=tuple(disable_pass or ()),
+        kv_cache_dtype=kv_cache_dtype,
     )
     _print_report(result, explain)
     if draft_layers:

@@ -37,9 +37,24 @@ def serve(
                                            "once and the process exits within about this long."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     speculative_config: str = speculative_config_option(),
+    root_path: str = typer.Option("", "--root-path", help="Path prefix a proxy routes to this server (e.g. /llm); "
+                                  "routes answer with and without it (vLLM's flag)."),
+    enable_server_load_tracking: bool = typer.Option(False, "--enable-server-load-tracking",
+                                                     help="GET /load counts in-flight generation requests."),
+    enable_tokenizer_info_endpoint: bool = typer.Option(False, "--enable-tokenizer-info-endpoint",
+                                                        help="Serve GET /tokenizer_info (shows the chat template and "
+                                                        "special tokens)."),
+    enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage",
+                                                    help="Every stream carries usage, on every chunk and at the end."),
+    trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
+                                                     help="Let requests send their own chat_template (Jinja)."),
+    return_tokens_as_token_ids: bool = typer.Option(False, "--return-tokens-as-token-ids",
+                                                    help='Logprob tokens are "token_id:N" unless a request says '
+                                                    "otherwise."),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
-    `stream: true`), /health and /metrics (Prometheus). Requests are batched continuously by one engine.
+    `stream: true`), /health and /metrics (Prometheus), plus vLLM's /tokenize, /detokenize, /version, /load,
+    /ping, /invocations and /tokenizer_info. Requests are batched continuously by one engine.
 
     Examples:
 
@@ -53,7 +68,7 @@ def serve(
     import uvicorn
 
     from trtopt.runtime.engine import LLMEngine
-    from trtopt.serving.server import create_app, run_server
+    from trtopt.serving.server import ServerOptions, create_app, run_server
 
     engine = LLMEngine.from_plan(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
@@ -66,7 +81,13 @@ def serve(
     gc.collect()
     gc.freeze()
     name = model_name or Path(plan).resolve().name
-    app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics)
+    options = ServerOptions(root_path=root_path.rstrip("/"), enable_server_load_tracking=enable_server_load_tracking,
+                            enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+                            enable_force_include_usage=enable_force_include_usage,
+                            trust_request_chat_template=trust_request_chat_template,
+                            return_tokens_as_token_ids=return_tokens_as_token_ids)
+    app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics,
+                     options=options)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
     try:
         dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine,

@@ -61,8 +61,17 @@ def same_shape(a: ir.Value, b: ir.Value) -> bool:
         sizes = int_list_constant(pa.inputs[1]) if len(pa.inputs) > 1 else None
         axis = pa.attributes["axis"].value if "axis" in pa.attributes else 0
         return axis == -1 and sizes is not None and sizes[a.index()] == sizes[b.index()]
-    wa, wb = projection_weight(pa), projection_weight(pb)  # x @ W: [K, N] weights, N the width
-    return wa is not None and wb is not None and int(wa.shape[1]) == int(wb.shape[1]) and pa.inputs[0] is pb.inputs[0]
+    na, nb = _projection_width(pa), _projection_width(pb)
+    return na is not None and na == nb and pa.inputs[0] is pb.inputs[0]
+
+
+def _projection_width(node: ir.Node) -> int | None:
+    """N of a projection x @ W by a constant [K, N] weight: a MatMul, a trtopt.MatMulAdd, or a trtopt.QMatMul (whose
+    quantized weight codes are [K, N] too); else None."""
+    w = projection_weight(node)
+    if w is None and node.domain == DOMAIN and node.op_type == "QMatMul" and node.inputs[1] is not None:
+        w = node.inputs[1].const_value
+    return int(w.shape[1]) if w is not None and len(w.shape) == 2 else None
 
 
 def replace_gated(graph: ir.Graph, mul: ir.Node, op_type: str, rule: str, g: ir.Value, up: ir.Value,

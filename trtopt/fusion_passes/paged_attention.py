@@ -18,10 +18,12 @@ from trtopt.errors import FusionError
 from trtopt.fusion_passes.context import PassContext
 from trtopt.fusion_passes.ir_helpers import infer_missing_shapes, int64_initializer
 from trtopt.fusion_passes.ops import cast_like_original, declare_domain, trtopt_node
+from trtopt.plugins.common import DOMAIN
+from trtopt.plugins.paged_attention.function import FP8_MIN_OPSET
 from trtopt.fusion_passes.paged_layers import PagedLayer, has_cache_io, prove_layers
 from trtopt.fusion_passes.shape_rebind import rebind_cache_shapes
 
-__all__ = ["SOURCE_OUTPUT_KEY", "fuse_paged_attention", "has_cache_io"]
+__all__ = ["SOURCE_OUTPUT_KEY", "fuse_paged_attention", "has_cache_io", "use_fp8_kv_cache"]
 
 # Node metadata on each PagedAttention: the name of the original graph's attention output that the node replaces
 # (MatMul(probs, v) or the Attention op's output, [B, Hq, T, D] or [B·Hq, T, D]). `trtopt check --layerwise`
@@ -205,3 +207,35 @@ def fuse_paged_attention(model: ir.Model, ctx: PassContext, *, block_size: int) 
             raise first from None
     _rewrite(model, layers, block_size)
     return len(layers)
+
+
+FP8_MIN_IR_VERSION = 9  # float8 tensor types came with IR version 9 (and float8 Cast with opset 19)
+
+
+def use_fp8_kv_cache(model: ir.Model, *, k_scales: Sequence[float] | None = None,
+                     v_scales: Sequence[float] | None = None) -> int:
+    """Store the KV pools of a paged graph as float8_e4m3fn (`trtopt build --kv-cache-dtype fp8`); returns the number
+    of PagedAttention nodes. Mutates ``model``.
+
+    Every kv_cache.{i} input and kv_cache_out.{i} output becomes float8_e4m3fn, and each PagedAttention node gets
+    kv_cache_dtype="fp8" and its layer's k_scale and v_scale (float32; 1.0 each without calibration, as vLLM uses
+    without checkpoint scales). The standard opset is raised to 19 where it is lower (the op's body casts to float8):
+    opset 19 changed its ops only by adding types and attributes whose defaults keep the opset-18 meaning.
+    """
+    nodes = [n for n in model.graph if n.domain == DOMAIN and n.op_type == "PagedAttention"]
+    k_scales = [1.0] * len(nodes) if k_scales is None else list(k_scales)
+    v_scales = [1.0] * len(nodes) if v_scales is None else list(v_scales)
+    assert len(k_scales) == len(v_scales) == len(nodes), (
+        f"{len(nodes)} PagedAttention layers but {len(k_scales)} K and {len(v_scales)} V scales")
+    fp8 = ir.DataType.from_numpy(np.dtype(signature.FP8_KV_DTYPE))
+    for node, k_scale, v_scale in zip(nodes, k_scales, v_scales):
+        for value in (node.inputs[3], node.outputs[1]):  # kv_cache, kv_cache_out (schema.py's order)
+            assert value is not None and (signature.is_kv_input(value.name) or signature.is_kv_output(value.name)), (
+                f"{node.name}: the pool I/O is {value and value.name!r}, not a graph pool")
+            value.type = ir.TensorType(fp8)
+        for attr in (ir.AttrString("kv_cache_dtype", "fp8"), ir.AttrFloat32("k_scale", float(k_scale)),
+                     ir.AttrFloat32("v_scale", float(v_scale))):
+            node.attributes[attr.name] = attr
+    model.opset_imports[""] = max(model.opset_imports.get("", FP8_MIN_OPSET), FP8_MIN_OPSET)
+    model.ir_version = max(model.ir_version or FP8_MIN_IR_VERSION, FP8_MIN_IR_VERSION)
+    return len(nodes)

@@ -62,6 +62,7 @@ def optimize(
     from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
     from trtopt.fusion_passes.layer_norm import fuse_layer_norm
     from trtopt.fusion_passes.matmul_add import fuse_matmul_add
+    from trtopt.fusion_passes.qmatmul import fuse_qmatmul
     from trtopt.fusion_passes.rms_norm import fuse_rms_norm
 
     assert set(disable) <= set(OPTIONAL_PASSES), f"unknown passes {set(disable) - set(OPTIONAL_PASSES)}"
@@ -84,6 +85,9 @@ def optimize(
     counts["layer_norm"] = fuse_layer_norm(model) if "layer_norm" in on else 0
     counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0
     counts["add_rms_norm"] = fuse_add_rms_norm(model, ctx.trace) if "add_rms_norm" in on else 0
+    # Q/DQ projections → QMatMul (0 on unquantized graphs), before the rules that read MatMuls with constant weights
+    # (horizontal_matmul, matmul_add): they leave QMatMul alone.
+    counts["qmatmul"] = fuse_qmatmul(model, ctx.trace)
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
     # Off for tensor-parallel builds: the sharding (builder/sharding/) does not split concatenated q/k/v or gate/up
     # weights yet.

@@ -27,6 +27,8 @@ from trtopt.plugins.matmul_add import function as matmul_add_function
 from trtopt.plugins.matmul_add import schema as matmul_add_schema
 from trtopt.plugins.paged_attention import function as paged_attention_function
 from trtopt.plugins.paged_attention import schema as paged_attention_schema
+from trtopt.plugins.qmatmul import function as qmatmul_function
+from trtopt.plugins.qmatmul import schema as qmatmul_schema
 from trtopt.plugins.rms_norm import function as rms_norm_function
 from trtopt.plugins.rms_norm import schema as rms_norm_schema
 from trtopt.plugins.rope import function as rope_function
@@ -46,6 +48,7 @@ OP_SCHEMAS: dict[str, OpSchema] = {
     add_rms_norm_schema.OP_TYPE: add_rms_norm_schema.SCHEMA,  # residual add + RMSNorm (fusion_passes/add_rms_norm.py)
     rope_schema.OP_TYPE: rope_schema.SCHEMA,  # rotary embedding (fusion_passes/rope.py)
     gelu_mul_schema.OP_TYPE: gelu_mul_schema.SCHEMA,  # GeGLU (fusion_passes/gelu_mul.py)
+    qmatmul_schema.OP_TYPE: qmatmul_schema.SCHEMA,  # Q/DQ weight (+ activation) → MatMul (fusion_passes/qmatmul.py)
 }
 
 # op_type → make_function(opset): the op's ONNX function body for a model of that standard opset.
@@ -60,6 +63,7 @@ FUNCTION_BUILDERS: dict[str, Callable[[int], onnx.FunctionProto]] = {
     add_rms_norm_schema.OP_TYPE: add_rms_norm_function.make_function,  # fusion_passes/add_rms_norm.py
     rope_schema.OP_TYPE: rope_function.make_function,  # fusion_passes/rope.py
     gelu_mul_schema.OP_TYPE: gelu_mul_function.make_function,  # GeGLU (fusion_passes/gelu_mul.py)
+    qmatmul_schema.OP_TYPE: qmatmul_function.make_function,  # fusion_passes/qmatmul.py
 }
 
 __all__ = ["DOMAIN", "OPSET_VERSION", "OP_SCHEMAS", "FUNCTION_BUILDERS", "OpSchema", "attach_functions", "make_node",

@@ -45,6 +45,9 @@ class AttrSpec:
     kind: type  # int, float or str: the ONNX attribute type it is written as
     default: int | float | str | None = None
     doc: str = ""
+    # True: a node may leave it off, and it is then not written (the op reads ``default``): an attribute added after
+    # plans were built (PagedAttention's FP8 KV scales) leaves the nodes of every plan that does not use it unchanged.
+    omittable: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,16 @@ def normalize_attributes(schema: OpSchema, attrs: Mapping[str, Any], *, where: s
         )
     out: dict[str, Any] = {}
     for spec in schema.attributes:
+        if spec.omittable and spec.name not in attrs:
+            continue
         value = attrs.get(spec.name, spec.default)
         if value is None:
             raise BuildError(
                 f"{where}: {schema.op_type} needs attribute {spec.name!r} ({spec.doc or spec.kind.__name__}). "
                 "Set it on the node."
             )
+        if isinstance(value, bytes):  # a STRING attribute as onnx.helper.get_attribute_value reads it
+            value = value.decode()
         # A Python int scale would otherwise be written as an INT attribute and break the body's FLOAT reference.
         out[spec.name] = spec.kind(value)
     for name, kind in TENSORRT_ATTRIBUTES.items():

@@ -168,8 +168,10 @@ def ptx_param_count(ptx: str, kernel_name: str) -> int:
 
 def register_parameter_names(schema: OpSchema) -> list[str]:
     """What ``@trtp.register`` must take, in order: every input (optional ones are always present), then every
-    attribute. The parser passes the node's attributes by name, so the names must match the node's exactly."""
-    return [*schema.inputs, *(a.name for a in schema.attributes)]
+    attribute. The parser passes the node's attributes by name, so the names must match the node's exactly. An
+    omittable attribute (AttrSpec.omittable) is left off: the plugin allows no defaults, so it cannot take one that
+    a node may lack (the plugin refuses what such an attribute enables, e.g. PagedAttention's FP8 pools)."""
+    return [*schema.inputs, *(a.name for a in schema.attributes if not a.omittable)]
 
 
 def check_register_signature(func: Callable[..., Any], schema: OpSchema) -> None:

@@ -180,7 +180,11 @@ class EngineStats:
     num_blocks_free: int  # ref count 0 (may still hold a prefix-cached block)
     num_preemptions: int  # since the engine started
     num_steps: int
-    num_prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    # Prompt tokens of the requests whose prefill is done (first token out), whole prompts as vLLM's
+    # prompt_tokens counts them: prefix-cache hits included, an n>1 request's prompt once.
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int  # prompt tokens the model computed (prefix-cache hits excluded; recomputation
+    #                                  after a preemption included)
     num_generated_tokens: int
     num_prefix_cache_hit_tokens: int  # prompt tokens served from the prefix cache
     # Speculative decoding (zeros when it is off): draft tokens verified, those accepted, and accepted counts by
@@ -188,6 +192,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_per_position: tuple[int, ...] = ()
+    kv_cache_dtype: str = ""  # the KV pools' dtype (PlanConfig.kv_pool_dtype): e.g. "bfloat16", "float8_e4m3fn"
 
     @property
     def num_blocks_used(self) -> int:

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from trtopt.builder.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
+from trtopt.signature import FP8_KV_DTYPE
 
 if TYPE_CHECKING:
     from trtopt.runtime.spec_decode import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8_KV_DTYPE: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,11 @@ class ResolvedLimits:
 
 
 def block_bytes(plan: PlanConfig, block_size: int | None = None) -> int:
-    """Bytes one KV block takes across every layer of `plan` (K and V)."""
+    """Bytes one KV block takes across every layer of `plan` (K and V), in the pools' dtype (plan.kv_pool_dtype:
+    an FP8 plan's block takes half a bf16 plan's, so the same kv_cache_memory_gb holds twice the blocks)."""
     m = plan.model
     block_size = block_size or plan.limits.block_size
-    return m.num_layers * 2 * m.num_kv_heads * block_size * m.head_dim * _DTYPE_BYTES.get(m.dtype, 4)
+    return m.num_layers * 2 * m.num_kv_heads * block_size * m.head_dim * _DTYPE_BYTES.get(plan.kv_pool_dtype, 4)
 
 
 def draft_plan_block_bytes(spec: SpeculativeConfig | None, plan: PlanConfig) -> int:

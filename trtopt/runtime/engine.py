@@ -103,12 +103,14 @@ class LLMEngine:
 
     @classmethod
     def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
-                  cuda_graphs: bool | None = None, tensor_parallel_size: int | None = None,
-                  **config: Any) -> LLMEngine:
+                  cuda_graphs: bool | None = None, argmax_in_graph: bool = True,
+                  tensor_parallel_size: int | None = None, **config: Any) -> LLMEngine:
         """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`.
 
         cuda_graphs: replay captured CUDA graphs for decode-only steps; None (the default) turns them on wherever
         they apply (the torch backend on a CUDA device). False runs every step eagerly (vLLM's enforce_eager).
+        argmax_in_graph: with those graphs, each also fills the placeholders and takes the greedy argmax (the
+        default); False launches both from Python between replays (create_executor; a speculative draft follows).
         tensor_parallel_size: ranks for a plan built with --tensor-parallel (None = the plan's own size); above 1
         the engine drives worker processes (runtime/executors/tensor_parallel.py). Call shutdown() when done.
         """
@@ -117,7 +119,7 @@ class LLMEngine:
         if cuda_graphs is None:
             cuda_graphs = default_cuda_graphs(backend, device)
         executor = create_executor(backend, plan_dir, device=device, cuda_graphs=cuda_graphs,
-                                   tensor_parallel_size=tensor_parallel_size)
+                                   tensor_parallel_size=tensor_parallel_size, argmax_in_graph=argmax_in_graph)
         return cls(executor, executor.plan, load_tokenizer(plan_dir), EngineConfig(**config), plan_dir=plan_dir,
                    backend=backend, device=device)
 
@@ -165,6 +167,11 @@ class LLMEngine:
                        grammar=grammar)
         self.scheduler.add_request(seqs[0], seqs[1:])
         self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, seqs)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) exactly as add_request would see them (chat messages rendered with the
+        plan's template, one BOS rule); RequestError if the prompt is unusable. Public since the first release."""
+        return self.input_processor.tokenize(prompt)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The request's compiled grammar (xgrammar), or None without structured_outputs; RequestError for a bad
@@ -344,7 +351,7 @@ class LLMEngine:
 
     def _greedy_tokens(self, n: int) -> torch.Tensor | None:
         """The greedy argmax of the last executed step's first n logits rows, if its CUDA graph computed it
-        (cuda_graphs.argmax_in_graph), else None (the sampler then takes it itself, if it needs it)."""
+        (StepGraphs.argmax_in_graph), else None (the sampler then takes it itself, if it needs it)."""
         tokens = self.executor.last_greedy_tokens
         return tokens[:n] if tokens is not None else None
 
@@ -384,10 +391,12 @@ class LLMEngine:
             num_blocks_free=self.pool.num_free_blocks,
             num_preemptions=s.num_preemptions,
             num_steps=self._num_steps,
-            num_prompt_tokens=self._num_batched_tokens - self._num_generated_tokens,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_computed_prompt_tokens=self._num_batched_tokens - self._num_generated_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=s.num_cached_tokens,
             num_draft_tokens=self.spec.stats.num_draft_tokens if self.spec else 0,
             num_accepted_tokens=self.spec.stats.num_accepted_tokens if self.spec else 0,
             num_accepted_per_position=tuple(self.spec.stats.accepted_per_position) if self.spec else (),
+            kv_cache_dtype=self.plan.kv_pool_dtype,
         )

@@ -5,8 +5,8 @@ on their own threads, before they submit to the step thread, so tokenizing never
 stateless after construction (a tokenizer and the engine's limits), so any thread may call `process()`.
 
 Prompt forms (vLLM's): text; chat messages (a list of {"role", "content", ...} dicts, rendered with the plan's chat
-template); token ids (a list of ints or a 1-D tensor); {"prompt_token_ids": [...]} (with an optional "prompt"
-text that is only reported back); {"prompt": "..."}. A ProcessedPrompt passes through unchanged.
+template and the generation prompt; a ChatPrompt carries them with vLLM's rendering options); token ids (a list of
+ints or a 1-D tensor); {"prompt_token_ids": [...]} (with an optional "prompt" text that is only reported back); {"prompt": "..."}. A ProcessedPrompt passes through unchanged.
 
 Rules, in the order they run (each failure is a RequestError that says what to change):
   - text (prompt, every string in chat messages) is at most `max_prompt_bytes` of UTF-8, checked before any
@@ -28,6 +28,7 @@ Rules, in the order they run (each failure is a RequestError that says what to c
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Sequence
 
 from trtopt.errors import RequestError
@@ -54,6 +55,21 @@ def prompt_byte_cap(tokenizer: Any, max_model_len: int, limit: int = DEFAULT_MAX
 
 # A prompt: text, chat messages, token ids, {"prompt_token_ids": [...]} / {"prompt": "..."}, or a ProcessedPrompt.
 PromptType = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with vLLM's chat-template options (a plain list of messages is ChatPrompt(messages))."""
+
+    messages: Sequence[dict]
+    add_generation_prompt: bool = True  # the template's prompt for the reply (e.g. "<|im_start|>assistant\n")
+    continue_final_message: bool = False  # the last message is left open, for the model to continue
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's (callers decide whether to trust)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:  # vLLM's message
+            raise RequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +164,11 @@ class InputProcessor:
             prompt = prompt["prompt"]
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             prompt = self.render_chat(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            prompt = self.render_chat(prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
+                                      continue_final_message=prompt.continue_final_message,
+                                      chat_template=prompt.chat_template,
+                                      chat_template_kwargs=prompt.chat_template_kwargs)
         elif not isinstance(prompt, str):
             return None, _token_list(prompt)
         self._check_text(prompt, "the prompt")
@@ -156,18 +177,34 @@ class InputProcessor:
         add_special = not _starts_with_bos(self.tokenizer, prompt)
         return prompt, list(self.tokenizer(prompt, add_special_tokens=add_special).input_ids)
 
-    def render_chat(self, messages: Sequence[dict]) -> str:
-        """The chat template's rendering of `messages`, with the generation prompt appended."""
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template's rendering of `messages` (HF apply_chat_template's options, vLLM's defaults: the
+        generation prompt appended). chat_template_kwargs become template variables; they may not set one of
+        apply_chat_template's own parameters (tokenize=True or return_dict=True would change what it returns)."""
         limit = budget = self.limits.max_prompt_bytes
         for i, message in enumerate(messages):
             budget -= _check_strings(message, f"messages[{i}]", budget, limit)
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        budget -= _check_strings(chat_template, "chat_template", budget, limit)
+        _check_strings(chat_template_kwargs, "chat_template_kwargs", budget, limit)
+        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise RequestError("this plan's tokenizer has no chat template; send a plain text prompt instead of messages.")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & (set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+                                         | {"messages", "kwargs"}))
+        if reserved:
+            raise RequestError(f"chat_template_kwargs may not set {reserved}; use the request's own fields.")
         try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors for messages the template cannot render
             raise RequestError(f"chat messages could not be rendered by the chat template ({e}); each needs "
                                "'role' and 'content'.") from e
+        if not isinstance(text, str):
+            raise RequestError("the chat template did not render text; check chat_template and chat_template_kwargs.")
+        return text
 
     # ---- checks ------------------------------------------------------------------------------------------
 

@@ -73,7 +73,12 @@ class PendingTokens:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    """argmax_kernel (default on): greedy rows take their argmax through the Triton kernel on CUDA (kernels/argmax.py
+    `greedy_argmax`, as speculative decoding's argmax does with this sampler); off, through torch.argmax (benchmarks'
+    ablation, gpu_e2e.py's argmax row)."""
+
+    def __init__(self, seed: int | None = None, *, argmax_kernel: bool = True) -> None:
+        self.argmax_kernel = argmax_kernel
         # Draws for requests without a seed of their own.
         self._generator = torch.Generator()
         if seed is None:
@@ -102,17 +107,19 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         logits = logits.float()
         if all(_plain_greedy(r) for r in requests):  # the common serving case: one argmax, one device->host read
-            return list(map(SampledToken, (greedy_argmax(logits) if argmax is None else argmax).tolist()))
+            ids = greedy_argmax(logits, kernel=self.argmax_kernel) if argmax is None else argmax
+            return list(map(SampledToken, ids.tolist()))
         u = self._uniforms(requests)
         if self._grammar_masker is None and any(r.grammar is not None for r in requests):
             self._grammar_masker = GrammarMasker()  # on the first constrained step (imports xgrammar)
         try:
-            return list(_sample(logits, requests, u, self._grammar_masker))
+            return list(_sample(logits, requests, u, self._grammar_masker, argmax_kernel=self.argmax_kernel))
         except Exception:
             rows: list[SampledToken | Exception] = []
             for i, r in enumerate(requests):
                 try:
-                    rows.append(_sample(logits[i : i + 1], [r], u[i : i + 1], self._grammar_masker)[0])
+                    rows.append(_sample(logits[i : i + 1], [r], u[i : i + 1], self._grammar_masker,
+                                        argmax_kernel=self.argmax_kernel)[0])
                 except Exception as e:  # this request's own fault; the engine ends it with finish_reason="error"
                     rows.append(e)
             return rows
@@ -128,7 +135,7 @@ class Sampler:
         CUDA graph: executors' `last_greedy_tokens`); a plain greedy batch then launches nothing."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), f"logits {tuple(logits.shape)} for {len(requests)} requests"
         if all(_plain_greedy(r) for r in requests):
-            ids = greedy_argmax(logits) if argmax is None else argmax
+            ids = greedy_argmax(logits, kernel=self.argmax_kernel) if argmax is None else argmax
             if ids.device.type != "cuda":
                 return PendingTokens(ids)
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -156,9 +163,9 @@ class Sampler:
 
 
 def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
-            grammar_masker: GrammarMasker | None = None) -> list[SampledToken]:
+            grammar_masker: GrammarMasker | None = None, *, argmax_kernel: bool = True) -> list[SampledToken]:
     """The vectorised sampler: logits float32 [N, vocab], u [N] uniforms for the rows that draw; grammar_masker
-    is given when some row has a grammar (structured output)."""
+    is given when some row has a grammar (structured output); argmax_kernel as the Sampler's."""
     vocab = logits.shape[1]
     t = SamplingTensors.from_requests(requests, vocab, logits.device)
     want_logprobs = [r.params.logprobs for r in requests]
@@ -177,7 +184,7 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request], u: torch.Tensor,
         if constrained:  # structured output: tokens the grammar forbids are -inf before any filtering or draw
             assert grammar_masker is not None, "a constrained row needs the sampler's GrammarMasker"
             grammar_masker(logits, requests)
-    tokens = greedy_argmax(logits)  # greedy rows keep this
+    tokens = greedy_argmax(logits, kernel=argmax_kernel)  # greedy rows keep this
     rows = torch.nonzero(t.temperature > 0).flatten()
     if rows.numel():
         x = logits[rows] / t.temperature[rows, None]

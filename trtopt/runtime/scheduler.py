@@ -50,6 +50,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished sequence, including n>1 siblings not yet forked
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+        self.num_prompt_tokens = 0  # whole prompts of the requests that produced a first token (n>1: once)
 
     # ---- queue management ------------------------------------------------------------------------------
 
@@ -325,6 +326,8 @@ class Scheduler:
             req.cumulative_logprob += token.logprob or 0.0
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
+            if req.index == 0:
+                self.num_prompt_tokens += req.num_prompt_tokens
         req.metrics.last_token_time = now
 
     def _fork_siblings(self, leader: Request) -> None:

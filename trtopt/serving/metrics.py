@@ -2,6 +2,12 @@
 from the step thread's latest EngineStats at scrape time.
 
 Each server gets its own CollectorRegistry, so several apps in one process (tests) never clash.
+
+Every trtopt_ metric that has a vLLM counterpart of the same meaning is also exposed under vLLM's name (VLLM_NAMES:
+vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), with vLLM's labels model_name and engine, so
+vLLM's Grafana dashboards and alerts work unchanged. Always on, not behind a flag: the aliases are rendered from the
+same samples at scrape time (they cannot disagree), cost a few dozen series, and a flag would be one more thing to
+get wrong when switching a deployment from vLLM.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from trtopt.runtime.batch import EngineStats, RequestOutput
@@ -47,12 +53,17 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("trtopt_kv_blocks_free", "KV cache blocks with no holder (prefix-cached ones included)",
                                 value=s.num_blocks_free)
         yield GaugeMetricFamily("trtopt_kv_blocks_total", "usable KV cache blocks", value=s.num_blocks_total)
+        yield InfoMetricFamily("trtopt_kv_cache_dtype", "dtype of the KV cache pools (build --kv-cache-dtype)",
+                               value={"dtype": s.kv_cache_dtype})
         yield GaugeMetricFamily("trtopt_num_requests_running", "sequences scheduled every step", value=s.num_running)
         yield GaugeMetricFamily("trtopt_num_requests_waiting", "sequences waiting for admission", value=s.num_waiting)
         yield CounterMetricFamily("trtopt_num_preemptions", "requests preempted (freed and recomputed)",
                                   value=s.num_preemptions)
         yield CounterMetricFamily("trtopt_engine_steps", "engine steps run", value=s.num_steps)
-        yield CounterMetricFamily("trtopt_prompt_tokens", "prompt tokens computed", value=s.num_prompt_tokens)
+        yield CounterMetricFamily("trtopt_prompt_tokens", "prompt tokens of prefilled requests (whole prompts, as "
+                                  "vLLM counts them)", value=s.num_prompt_tokens)
+        yield CounterMetricFamily("trtopt_computed_prompt_tokens", "prompt tokens the model computed (prefix-cache "
+                                  "hits excluded)", value=s.num_computed_prompt_tokens)
         yield CounterMetricFamily("trtopt_generation_tokens", "tokens generated", value=s.num_generated_tokens)
         yield CounterMetricFamily("trtopt_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                   value=s.num_prefix_cache_hit_tokens)
@@ -61,7 +72,7 @@ class _EngineCollector(Collector):
                                 value=s.num_blocks_used / max(s.num_blocks_total, 1))
         yield CounterMetricFamily("trtopt_prefix_cache_queries", "prompt tokens looked up in the prefix cache "
                                   "(computed + hit; recomputation after preemption counts again)",
-                                  value=s.num_prompt_tokens + s.num_prefix_cache_hit_tokens)
+                                  value=s.num_computed_prompt_tokens + s.num_prefix_cache_hit_tokens)
         yield CounterMetricFamily("trtopt_prefix_cache_hits", "prompt tokens found in the prefix cache",
                                   value=s.num_prefix_cache_hit_tokens)
         # Speculative decoding (vLLM's spec_decode counters): zeros when it is off.
@@ -76,10 +87,56 @@ class _EngineCollector(Collector):
         yield per_pos
 
 
+# trtopt family name -> vLLM's names (vllm/v1/metrics/loggers.py). Counters are named without _total, as
+# prometheus_client keeps them. time_per_output_token_seconds is vLLM's older name of the inter-token latency, which
+# its shipped dashboard still plots.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "trtopt_num_requests_running": ("vllm:num_requests_running",),
+    "trtopt_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "trtopt_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc",),
+    "trtopt_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "trtopt_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "trtopt_num_preemptions": ("vllm:num_preemptions",),
+    "trtopt_prompt_tokens": ("vllm:prompt_tokens",),
+    "trtopt_generation_tokens": ("vllm:generation_tokens",),
+    "trtopt_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "trtopt_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "trtopt_spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+    "trtopt_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "trtopt_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "trtopt_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "trtopt_request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "trtopt_request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "trtopt_request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "trtopt_request_time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "trtopt_request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "trtopt_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "trtopt_request_success": ("vllm:request_success",),
+}
+
+
+class _VLLMAliases(Collector):
+    """The sources' families in VLLM_NAMES again, under vLLM's names and with its labels."""
+
+    def __init__(self, sources: Sequence[Collector], labels: dict[str, str]) -> None:
+        self._sources = sources
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self._sources:
+            for family in source.collect():
+                for name in VLLM_NAMES.get(family.name, ()):
+                    alias = Metric(name, family.documentation, family.type)
+                    for sample in family.samples:
+                        alias.add_sample(name + sample.name[len(family.name):], {**self._labels, **sample.labels},
+                                         sample.value, sample.timestamp, sample.exemplar)
+                    yield alias
+
+
 class ServingMetrics:
     """The metrics of one server and the registry /metrics renders."""
 
-    def __init__(self, stats: Callable[[], EngineStats], max_model_len: int = 8192) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], max_model_len: int = 8192, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("trtopt_requests", "HTTP generation requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=self.registry)
@@ -98,16 +155,24 @@ class ServingMetrics:
                                      buckets=_PHASE_BUCKETS, registry=self.registry)
         self.tpot = Histogram("trtopt_request_time_per_output_token_seconds", "decode time / (output tokens - 1)",
                               buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.request_success = Counter("trtopt_request_success", "finished requests by the finish reason of their "
+                                       "first completion (stop, length, error)", ["finished_reason"],
+                                       registry=self.registry)
         token_buckets = _buckets_1_2_5(max_model_len)
         self.prompt_tokens = Histogram("trtopt_request_prompt_tokens", "prompt tokens of a finished request",
                                        buckets=token_buckets, registry=self.registry)
         self.generation_tokens = Histogram("trtopt_request_generation_tokens", "tokens generated for a finished "
                                            "request (all n completions)", buckets=token_buckets, registry=self.registry)
-        self.registry.register(_EngineCollector(stats))
+        engine = _EngineCollector(stats)
+        self.registry.register(engine)
+        histograms = [self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time, self.tpot,
+                      self.prompt_tokens, self.generation_tokens, self.request_success]
+        self.registry.register(_VLLMAliases([engine, *histograms], {"model_name": model_name, "engine": "0"}))
 
     def observe_finished(self, out: RequestOutput) -> None:
         """The phase and size histograms of one finished request (its metrics are those of completion 0)."""
         m = out.metrics
+        self.request_success.labels(out.outputs[0].finish_reason or "stop").inc()
         self.prompt_tokens.observe(len(out.prompt_token_ids))
         self.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
         if m.first_scheduled_time is not None:

@@ -2,8 +2,10 @@
 
 Range checks live in SamplingParams and the InputProcessor (one place, one message per field); pydantic here
 only checks types, so a bad value reaches the user as the same RequestError text whether it came over HTTP or
-from Python. Types are strict: JSON `"yes"` is not a bool and `"8"` is not an int (a client that sends them has
-a bug it should hear about), and floats must be finite (JSON's NaN/Infinity extensions are refused).
+from Python. Types are strict: `"8"` is not an int and `"yes"` is not a bool (a client that sends them has a bug
+it should hear about), and floats must be finite (JSON's NaN/Infinity extensions are refused). The one leniency is
+vLLM's: a boolean field also takes the strings "true" and "false" (any case), which clients written in loosely typed
+languages send.
 The field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, ...). Unknown
 fields are accepted and ignored, as vLLM and the OpenAI API do for forward compatibility; the server logs a
 warning the first time it sees each unknown field name.
@@ -12,22 +14,36 @@ warning the first time it sees each unknown field name.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from trtopt.errors import RequestError
-from trtopt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from trtopt.runtime.input_processor import ChatPrompt
+from trtopt.runtime.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutputsParams
 from trtopt.serving.structured import ToolCallPlan, structured_outputs_of, tool_call_plan
 
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+def _string_bool(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value  # anything else meets the strict bool check
+
+
+# A JSON boolean, or the string "true"/"false" (vLLM's pydantic models coerce these; trtopt takes no other spelling).
+Bool = Annotated[bool, BeforeValidator(_string_bool)]
+
+_INT64_MIN = -(2**63)
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
 
-    include_usage: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
 
 
 class _SamplingFields(BaseModel):
@@ -41,8 +57,8 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    stream: bool = False
+    seed: int | None = None  # any int64, as vLLM takes (see _seed)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -54,12 +70,16 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's token-id outputs: prompt_token_ids and each choice's token_ids; logprob tokens as "token_id:N"
+    # (None: the server's --return-tokens-as-token-ids).
+    return_token_ids: Bool | None = None
+    return_tokens_as_token_ids: Bool | None = None
     # Structured output (trtopt.serving.structured): OpenAI's response_format, vLLM's structured_outputs object
     # and its older guided_* spellings; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -97,7 +117,7 @@ class _SamplingFields(BaseModel):
         }
         return SamplingParams(
             **{k: v for k, v in given.items() if v is not None},
-            seed=self.seed,
+            seed=_seed(self.seed),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=_stop_list(self.stop),
@@ -114,9 +134,13 @@ class _SamplingFields(BaseModel):
             **extra,
         )
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def usage_options(self, force: bool = False) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk) of a stream, by vLLM's rule: --enable-force-include-usage
+        (`force`) turns both on; else stream_options.include_usage, and continuous_usage_stats with it."""
+        if force:
+            return True, True
+        include = bool(self.stream_options and self.stream_options.include_usage)
+        return include, include and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -125,7 +149,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions API
     logprobs: int | None = None  # top alternatives per token (0..20); None = no logprobs
-    echo: bool = False  # the prompt text is prepended to each choice (and its logprobs, when logprobs is set)
+    echo: Bool = False  # the prompt text is prepended to each choice (and its logprobs, when logprobs is set)
     suffix: str | None = None
     best_of: int | None = None  # best_of >= n completions are generated; the n of highest cumulative logprob return
     prompt_logprobs: int | None = None  # vLLM's extra: each choice carries the prompt's logprobs (top-k per token)
@@ -188,15 +212,41 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: Bool = False
+    top_logprobs: int | None = None  # -1: the whole vocabulary (vLLM's), more than MAX_LOGPROBS, so refused
     # tool_choice "required" or a named function constrains the output to valid calls; "auto" is refused
     # (trtopt.serving.structured says why).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    # vLLM's chat extras. echo: the reply starts with the last message's content when that message has the reply's
+    # role; continue_final_message: the last message is left open and the model continues it (not with
+    # add_generation_prompt); chat_template: a Jinja template instead of the plan's (only with
+    # --trust-request-chat-template); chat_template_kwargs: extra variables for the template.
+    echo: Bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return _template_messages(self.messages)
+    def template_messages(self) -> ChatPrompt:
+        kwargs = dict(self.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None)  # vLLM takes the template from the kwargs too
+        return ChatPrompt(_template_messages(self.messages), add_generation_prompt=self.add_generation_prompt,
+                          continue_final_message=self.continue_final_message,
+                          chat_template=self.chat_template if self.chat_template is not None else template,
+                          chat_template_kwargs=kwargs)
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's: "assistant" after a generation prompt, else the role of the message being continued."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """What echo prepends to each reply: the last message's text if it has the reply's role, else ""."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.response_role:
+            return ""
+        return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
 
     def tool_plan(self) -> ToolCallPlan | None:
         return tool_call_plan(self.tools, self.tool_choice)
@@ -208,8 +258,12 @@ class ChatCompletionRequest(_SamplingFields):
             if structured is not None:
                 raise RequestError("tools with tool_choice constrain the output already; drop response_format/structured_outputs.")
             structured = plan.constraint
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true; set both.")
+        if self.top_logprobs == -1:
+            raise RequestError(f"top_logprobs=-1 asks for the whole vocabulary; this server returns at most "
+                               f"{MAX_LOGPROBS} alternatives per token (as vLLM does by default): ask for at most "
+                               f"{MAX_LOGPROBS}.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._common_params(max_tokens, logprobs, structured)
@@ -237,12 +291,17 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    return_token_strs: bool = False
+    return_token_strs: Bool = False
+    add_generation_prompt: Bool = True  # for messages, as in a chat request
+    continue_final_message: Bool = False
 
-    def engine_prompt(self) -> str | list[dict[str, Any]]:
+    def engine_prompt(self) -> str | ChatPrompt:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("send exactly one of 'prompt' (text) or 'messages' (chat) to /tokenize.")
-        return self.prompt if self.prompt is not None else _template_messages(self.messages)
+        if self.prompt is not None:
+            return self.prompt
+        return ChatPrompt(_template_messages(self.messages), add_generation_prompt=self.add_generation_prompt,
+                          continue_final_message=self.continue_final_message)
 
 
 class DetokenizeRequest(BaseModel):
@@ -252,6 +311,16 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _seed(seed: int | None) -> int | None:
+    """vLLM takes any int64 seed; trtopt's seeds are [0, 2**63): a negative seed maps to its low 63 bits
+    (seed + 2**63), one to one. Outside int64 is a RequestError."""
+    if seed is None or seed >= 0:
+        return seed  # SamplingParams checks the upper bound
+    if seed < _INT64_MIN:
+        raise RequestError(f"seed={seed} is outside int64; send an integer in [-2**63, 2**63).")
+    return seed + SEED_LIMIT
 
 
 def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -2,6 +2,9 @@
 
 A renderer belongs to one request. For streaming it remembers, per completion, how many tokens' logprobs it
 has sent and whether it has sent the finish, because every RequestOutput carries all n completions.
+
+vLLM's extras (RenderOptions): token ids (the prompt's and each choice's, as vLLM names them), logprob tokens as
+"token_id:N", and usage on every streamed chunk.
 """
 
 from __future__ import annotations
@@ -14,7 +17,16 @@ from typing import Any
 
 from trtopt.runtime.batch import CompletionOutput, RequestOutput
 from trtopt.serving.protocol import usage
-from trtopt.serving.structured import ToolCallPlan, tool_calls
+from trtopt.serving.structured import ToolCallPlan, partial_call, tool_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderOptions:
+    """vLLM's per-request output extras."""
+
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids (streamed: the new ids per chunk)
+    tokens_as_token_ids: bool = False  # logprob tokens (and their bytes) as "token_id:N" (return_tokens_as_token_ids)
+    continuous_usage: bool = False  # every streamed chunk carries usage: its prompt and its choice's tokens so far
 
 
 class Renderer(abc.ABC):
@@ -23,8 +35,10 @@ class Renderer(abc.ABC):
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1) -> None:
+    def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1,
+                 options: RenderOptions = RenderOptions()) -> None:
         self.request_id = request_id
+        self.options = options
         self.n = n  # choices per prompt: prompt k's completion i is choice k * n + i
         self.model_name = model_name
         self.created = int(time.time())
@@ -52,7 +66,8 @@ class Renderer(abc.ABC):
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         """The logprobs of generated tokens start..end-1, in this endpoint's format."""
 
-    def stream_start(self) -> list[dict[str, Any]]:
+    def stream_start(self, prompt_token_ids: list[list[int]]) -> list[dict[str, Any]]:
+        """Chunks sent before any output (prompt_token_ids: each prompt's ids, in order)."""
         return []
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
@@ -89,14 +104,28 @@ class Renderer(abc.ABC):
             if first and self.has_prefix:
                 self.add_prefix(choice, out)
             choice["finish_reason"] = self.finish_reason(c) if newly_finished else None
-            chunks.append({**self._envelope(self.object_chunk), "choices": [choice]})
+            if self.options.return_token_ids:
+                choice["token_ids"] = list(c.token_ids[start:end])
+                if first:
+                    self.add_prompt_token_ids(choice, out)
+            chunk = {**self._envelope(self.object_chunk), "choices": [choice]}
+            if self.options.continuous_usage:
+                chunk["usage"] = usage(len(out.prompt_token_ids), end)
+            chunks.append(chunk)
         return chunks
+
+    def add_prompt_token_ids(self, choice: dict[str, Any], out: RequestOutput) -> None:
+        """Put the prompt's ids into a choice's first streamed chunk (completions; chat sends them up front)."""
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk), "choices": [], "usage": counts}
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model_name}
+
+    def logprob_token(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.options.tokens_as_token_ids else self.token_text(token_id)
 
     def token_text(self, token_id: int) -> str:
         if token_id not in self._token_text:
@@ -136,8 +165,9 @@ class CompletionRenderer(Renderer):
     object_chunk = "text_completion"
 
     def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, echo: bool = False,
-                 logprobs: bool = False, prompt_logprobs: bool = False, best_of: int | None = None) -> None:
-        super().__init__(request_id, model_name, tokenizer, n=n)
+                 logprobs: bool = False, prompt_logprobs: bool = False, best_of: int | None = None,
+                 options: RenderOptions = RenderOptions()) -> None:
+        super().__init__(request_id, model_name, tokenizer, n=n, options=options)
         self.echo = echo
         self.want_logprobs = logprobs
         self.want_prompt_logprobs = prompt_logprobs
@@ -159,7 +189,13 @@ class CompletionRenderer(Renderer):
         choice = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason, "prompt_logprobs": None}
         self.add_prefix(choice, out)
+        if self.options.return_token_ids:  # vLLM's: per choice, since each prompt of a batch has its own
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choice["token_ids"] = list(c.token_ids)
         return choice
+
+    def add_prompt_token_ids(self, choice: dict[str, Any], out: RequestOutput) -> None:
+        choice["prompt_token_ids"] = list(out.prompt_token_ids)
 
     def add_prefix(self, choice: dict[str, Any], out: RequestOutput) -> None:
         if self.want_prompt_logprobs:
@@ -188,9 +224,9 @@ class CompletionRenderer(Renderer):
         ids = out.prompt_token_ids
         rows = out.prompt_logprobs or [None] * len(ids)
         return _legacy_logprobs(
-            [self.token_text(t) for t in ids],
+            [self.logprob_token(t) for t in ids],
             [None if row is None else row[t] for t, row in zip(ids, rows)],
-            [None if row is None else {self.token_text(a): v for a, v in sorted(row.items(), key=lambda kv: -kv[1])}
+            [None if row is None else {self.logprob_token(a): v for a, v in sorted(row.items(), key=lambda kv: -kv[1])}
              for row in rows],
         )
 
@@ -206,39 +242,80 @@ class CompletionRenderer(Renderer):
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         rows = self._token_logprobs(c, start, end)
         return _legacy_logprobs(
-            [self.token_text(tid) for tid, _, _ in rows],
+            [self.logprob_token(tid) for tid, _, _ in rows],
             [lp for _, lp, _ in rows],
-            [{self.token_text(t): v for t, v in ranked} for _, _, ranked in rows],
+            [{self.logprob_token(t): v for t, v in ranked} for _, _, ranked in rows],
         )
 
 
 class ChatRenderer(Renderer):
-    """The /v1/chat/completions format."""
+    """The /v1/chat/completions format.
+
+    role: the reply's role (vLLM's: "assistant", or the last message's role when there is no generation prompt).
+    echo_text: vLLM's chat echo: the content every reply starts with (streamed as its own chunk after the role).
+    """
 
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, top_logprobs: int = 0,
-                 tool_plan: ToolCallPlan | None = None) -> None:
-        super().__init__(request_id, model_name, tokenizer, n=n)
+                 tool_plan: ToolCallPlan | None = None, role: str = "assistant", echo_text: str = "",
+                 options: RenderOptions = RenderOptions()) -> None:
+        super().__init__(request_id, model_name, tokenizer, n=n, options=options)
         self.top_logprobs = top_logprobs
+        self.role = role
+        self.echo_text = echo_text
         self.tool_plan = tool_plan  # the output is tool calls (constrained by the plan's grammar)
         self._call_ids: dict[int, str] = {}  # choice index -> id of its streamed named call
 
-    def stream_start(self) -> list[dict[str, Any]]:
-        # OpenAI opens every streamed choice with the role and empty content.
-        return [{**self._envelope(self.object_chunk),
-                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]} for i in range(self.n)]
+    def stream_start(self, prompt_token_ids: list[list[int]]) -> list[dict[str, Any]]:
+        # OpenAI opens every streamed choice with the role and empty content; vLLM adds the prompt's ids to these
+        # chunks, and an echo chunk after them.
+        (prompt,) = prompt_token_ids
+        extra: dict[str, Any] = {}
+        if self.options.return_token_ids:
+            extra["prompt_token_ids"] = list(prompt)
+        if self.options.continuous_usage:
+            extra["usage"] = usage(len(prompt), 0)
+        chunks = [{**self._envelope(self.object_chunk), **extra,
+                   "choices": [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
+                                "finish_reason": None}]} for i in range(self.n)]
+        extra.pop("prompt_token_ids", None)
+        if self.echo_text:
+            chunks += [{**self._envelope(self.object_chunk), **extra,
+                        "choices": [{"index": i, "delta": {"content": self.echo_text}, "logprobs": None,
+                                     "finish_reason": None}]} for i in range(self.n)]
+        return chunks
+
+    def full_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        response = super().full_response(outs)
+        if self.options.return_token_ids:
+            response["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+        return response
 
     def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        calls = tool_calls(self.tool_plan, c.text) if self.tool_plan is not None else []
-        if calls:
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
-        return {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason(c),
-                "stop_reason": c.stop_reason}
+        message: dict[str, Any] = {"role": self.role, "content": c.text}
+        if self.tool_plan is not None:
+            message = self._tool_message(c)
+        if self.echo_text:  # vLLM's: prepended whatever the reply is
+            message["content"] = self.echo_text + (message["content"] or "")
+        choice = {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason(c),
+                  "stop_reason": c.stop_reason}
+        if self.options.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        return choice
+
+    def _tool_message(self, c: CompletionOutput) -> dict[str, Any]:
+        """The message of a forced tool call, the same in both modes. A call cut short (max_tokens) is never
+        content: a named call keeps its partial arguments (as they were streamed), "required" gives no calls and
+        empty content (nothing of it was streamed; vLLM's answer)."""
+        calls = tool_calls(self.tool_plan, c.text)
+        if not calls and self.tool_plan.named is not None:
+            calls = [partial_call(self.tool_plan.named, c.text)]
+        if not calls:
+            return {"role": "assistant", "content": "", "tool_calls": []}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
     def finish_reason(self, c: CompletionOutput) -> str | None:
         # A completed call is "tool_calls" (or "stop" for a named function, as OpenAI answers); "length" stays.
@@ -272,5 +349,5 @@ class ChatRenderer(Renderer):
         return {"content": content}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
+        text = self.logprob_token(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: `create_app(engine, model_name)` → a FastAPI app.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`),
-GET /health, GET /metrics. Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}):
+GET /health, GET /metrics, and vLLM's: POST /tokenize and /detokenize, GET /version, GET /load, GET/POST /ping and
+POST /invocations (SageMaker), GET /tokenizer_info (with ServerOptions.enable_tokenizer_info_endpoint).
+Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}):
 bad input is a 4xx before any work (types by pydantic, ranges by SamplingParams and the InputProcessor), and a
 final handler turns anything unexpected into a 500 that carries an error id, logged with its traceback. The API
 key is checked before the body is read. A client that disconnects (streaming or not) has its request aborted
@@ -11,6 +13,7 @@ at once, which frees its KV blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -23,8 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from trtopt import __version__
 from trtopt.errors import RequestError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
@@ -34,7 +40,7 @@ from trtopt.serving.metrics import LatencyTracker, ServingMetrics
 from trtopt.serving.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorInfo, TokenizeRequest, usage,
 )
-from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer
+from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer, RenderOptions
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +55,33 @@ class APIError(Exception):
         self.info = info
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """vLLM's server switches (`vllm serve` flags of the same names)."""
+
+    root_path: str = ""  # the path prefix a proxy routes to this server ("/llm"); routes answer with and without it
+    enable_server_load_tracking: bool = False  # GET /load counts in-flight generation requests (else it stays 0)
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template and special tokens)
+    enable_force_include_usage: bool = False  # every stream carries usage (on every chunk, and a final usage chunk)
+    trust_request_chat_template: bool = False  # a request may send its own chat_template (a Jinja program)
+    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+
+
+_INVOCATION_TYPES = "['ChatCompletionRequest', 'CompletionRequest']"
+
+
 def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_metrics: bool = False,
+               options: ServerOptions = ServerOptions()) -> FastAPI:
     """An app serving `engine` under the model id `model_name`.
 
-    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>`, checked before the body is read.
-        /health stays open; /metrics too unless protect_metrics.
+    api_key: when set, /v1/*, /tokenize, /detokenize, /invocations and /tokenizer_info need
+        `Authorization: Bearer <api_key>`, checked before the body is read. /health, /ping, /version and /load stay
+        open; /metrics too unless protect_metrics.
     max_body_bytes: larger request bodies get 413 before any parsing.
     """
     aengine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
-    metrics = ServingMetrics(aengine.stats, aengine.max_model_len)
+    metrics = ServingMetrics(aengine.stats, aengine.max_model_len, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: FastAPI):
@@ -67,17 +90,40 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
         aengine.stop(app_.state.stop_timeout)
 
     app = FastAPI(title="trtopt", lifespan=lifespan)
+    app.root_path = options.root_path  # as vLLM sets it: Starlette routes /x and <root_path>/x alike
     app.state.engine = aengine
     app.state.metrics = metrics
+    app.state.server_load_metrics = 0  # vLLM's name: generation requests in flight (with load tracking)
     app.state.stop_timeout = DEFAULT_STOP_TIMEOUT_S  # how long the final stop may join the step thread
     # Starlette runs the last-added middleware first: the key is checked before the body is even received.
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key is not None:
-        # /tokenize and /detokenize take a body as large as a prompt's: the key guards them like /v1/*.
-        protected = ("/v1/", "/tokenize", "/detokenize") + (("/metrics",) if protect_metrics else ())
+        # /tokenize, /detokenize and /invocations take a body as large as a prompt's, /tokenizer_info shows the
+        # chat template: the key guards them like /v1/* (vLLM guards /v1 only).
+        protected = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
+        protected += ("/metrics",) if protect_metrics else ()
         app.add_middleware(_AuthMiddleware, api_key=api_key, protected=protected)
     _install_error_handlers(app)
-    handler = _Handlers(aengine, model_name, metrics)
+    handler = _Handlers(aengine, model_name, metrics, options)
+
+    async def tracked(serve: Callable[[], Any]) -> Response:
+        """vLLM's server load: a generation request counts from its arrival until its response is sent. The count
+        changes only on the event loop (an async background task runs there; a sync one would run on a worker)."""
+        if not options.enable_server_load_tracking:
+            return await serve()
+
+        async def done() -> None:
+            app.state.server_load_metrics -= 1
+
+        app.state.server_load_metrics += 1
+        try:
+            response = await serve()
+        except BaseException:
+            await done()
+            raise
+        assert response.background is None, "no response of ours has a background task of its own"
+        response.background = BackgroundTask(done)
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -85,6 +131,24 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
             reason = aengine.dead_reason or "the engine loop is not running"
             return _error_response(ErrorInfo(503, reason, type="server_error"))
         return Response(status_code=200)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:  # SageMaker's health check
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        return {"server_load": app.state.server_load_metrics}
+
+    if options.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> Response:
+            return JSONResponse(handler.tokenizer_info())
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -104,23 +168,76 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await handler.completions(body, request)
+        return await tracked(lambda: handler.completions(body, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await handler.chat(body, request)
+        return await tracked(lambda: handler.chat(body, request))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one endpoint: a body with "messages" is a chat completion, one with "prompt" a completion."""
+        body = await _json_object(request)
+        kind = ChatCompletionRequest if "messages" in body else CompletionRequest if "prompt" in body else None
+        if kind is None:
+            raise APIError(ErrorInfo(400, "Cannot find suitable handler for request. Expected one of: "
+                                          f"{_INVOCATION_TYPES} (a body with 'messages' or 'prompt')."))
+        try:
+            parsed = kind.model_validate_json(await request.body())  # as FastAPI parses the routes' bodies
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        serve = handler.chat if kind is ChatCompletionRequest else handler.completions
+        return await tracked(lambda: serve(parsed, request))
 
     return app
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    """The body of a request that FastAPI does not parse, held to the same rules as the routes' bodies."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":  # vLLM's status and message for /invocations
+        raise APIError(ErrorInfo(415, "Unsupported Media Type: Only 'application/json' is allowed"))
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(ErrorInfo(400, "the request body is not valid JSON; send a JSON object.")) from None
+    if not isinstance(body, dict):
+        raise APIError(ErrorInfo(400, "the request body is not a JSON object; send a JSON object."))
+    return body
 
 
 class _Handlers:
     """The generation endpoints, sharing one engine and its metrics."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServingMetrics) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServingMetrics,
+                 options: ServerOptions = ServerOptions()) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.options = options
         self.created = int(time.time())
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's init kwargs (file paths left out, special tokens as their text),
+        its class name as tokenizer_class, and the chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(ErrorInfo(404, "this plan has no tokenizer files."))
+        config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file")}
+        # AddedToken objects become their text (vLLM's rule); anything else JSON cannot hold, its str().
+        config = json.loads(json.dumps(config, default=lambda o: o.content if hasattr(o, "content") else str(o)))
+        config["tokenizer_class"] = type(tokenizer).__name__
+        if isinstance(getattr(tokenizer, "chat_template", None), str):
+            config["chat_template"] = tokenizer.chat_template
+        return config
+
+    def _render_options(self, body: CompletionRequest | ChatCompletionRequest) -> RenderOptions:
+        as_ids = body.return_tokens_as_token_ids
+        continuous = body.stream and body.usage_options(self.options.enable_force_include_usage)[1]
+        return RenderOptions(return_token_ids=bool(body.return_token_ids),
+                             tokens_as_token_ids=self.options.return_tokens_as_token_ids if as_ids is None else as_ids,
+                             continuous_usage=continuous)
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtopt",
@@ -158,20 +275,29 @@ class _Handlers:
 
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n,
                                       echo=body.echo, logprobs=body.logprobs is not None,
-                                      prompt_logprobs=body.prompt_logprobs is not None, best_of=body.best_of)
+                                      prompt_logprobs=body.prompt_logprobs is not None, best_of=body.best_of,
+                                      options=self._render_options(body))
         return await self._serve("completions", body, request, prepare, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         def prepare() -> list[PreparedRequest]:
             return [self.engine.prepare(body.template_messages(), body.to_sampling_params())]
 
+        kwargs_template = (body.chat_template_kwargs or {}).get("chat_template")
+        if not self.options.trust_request_chat_template and (body.chat_template, kwargs_template) != (None, None):
+            self.metrics.requests.labels("chat", "rejected").inc()
+            message = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                       "Refused request with untrusted chat template.")  # vLLM's
+            raise APIError(ErrorInfo(400, message, param="chat_template"))
         try:
             tool_plan = body.tool_plan()
         except RequestError as e:
             self.metrics.requests.labels("chat", "rejected").inc()
             raise APIError(ErrorInfo(400, str(e), param="tool_choice")) from None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
-                                n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan)
+                                n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan,
+                                role=body.response_role, echo_text=body.echo_text(),
+                                options=self._render_options(body))
         return await self._serve("chat", body, request, prepare, renderer)
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
@@ -198,8 +324,9 @@ class _Handlers:
         tracker = LatencyTracker(self.metrics, arrival)
         prompt_index = {rid: k for k, rid in enumerate(ids)}
         if body.stream:
-            num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
-            sse = self._sse(endpoint, stream, prompt_index, renderer, tracker, num_prompt_tokens, body.include_usage)
+            include_usage, _ = body.usage_options(self.options.enable_force_include_usage)
+            sse = self._sse(endpoint, stream, prompt_index, renderer, tracker,
+                            [p.prompt_token_ids for p in prompts], include_usage)
             return _SSEResponse(sse, media_type="text/event-stream")
         return await self._collect(endpoint, stream, prompt_index, renderer, tracker, request)
 
@@ -251,12 +378,13 @@ class _Handlers:
         return JSONResponse(renderer.full_response(outs))
 
     async def _sse(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
-                   tracker: LatencyTracker, num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+                   tracker: LatencyTracker, prompt_token_ids: list[list[int]],
+                   include_usage: bool) -> AsyncIterator[str]:
         outcome = "disconnected"  # unless the loop below completes: a cancelled generator is a client that left
         completion_tokens: dict[str, int] = {}
         finals: list[RequestOutput] = []
         try:
-            for chunk in renderer.stream_start():
+            for chunk in renderer.stream_start(prompt_token_ids):
                 yield _sse_event(chunk)
             async for out in stream:
                 tracker.on_tokens(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
@@ -268,6 +396,7 @@ class _Handlers:
             outcome = _outcome(finals)
             tracker.on_finish(time.monotonic(), finals)
             if include_usage:
+                num_prompt_tokens = sum(len(ids) for ids in prompt_token_ids)
                 yield _sse_event(renderer.usage_chunk(usage(num_prompt_tokens, sum(completion_tokens.values()))))
             yield "data: [DONE]\n\n"
         except RuntimeError as e:  # the model failed mid-stream: headers are sent, so the error goes in-band
@@ -365,6 +494,8 @@ class _SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.body_iterator.aclose()
+            if self.background is not None:  # the load tracker's decrement: after the stream, however it ended
+                await self.background()
 
 
 class _AuthMiddleware:
@@ -377,7 +508,8 @@ class _AuthMiddleware:
         self.protected = protected
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.protected) and not self._authorized(scope):
+        # The route path, as Starlette matches it: with a root_path, /llm/v1/... is /v1/... and must be guarded too.
+        if scope["type"] == "http" and _route_path(scope).startswith(self.protected) and not self._authorized(scope):
             info = ErrorInfo(401, "missing or wrong API key; send `Authorization: Bearer <key>`.", code="invalid_api_key")
             return await _error_response(info)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -462,3 +594,14 @@ def run_server(config: Any, aengine: AsyncLLMEngine, *, shutdown_timeout: float 
     threading.Thread(target=exit_when_dead, name="trtopt-engine-watch", daemon=True).start()
     server.run()
     return aengine.dead_reason
+
+
+def _route_path(scope: dict) -> str:
+    """The path the router matches: scope["path"] without the --root-path prefix (Starlette's rule; its own helper
+    is private)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path

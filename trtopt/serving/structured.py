@@ -171,6 +171,12 @@ def tool_calls(plan: ToolCallPlan, text: str) -> list[dict[str, Any]]:
     return [_call(c["name"], c["parameters"]) for c in value]
 
 
+def partial_call(name: str, arguments_text: str) -> dict[str, Any]:
+    """A named call cut short (max_tokens): its arguments as generated, the JSON unfinished, as they were streamed."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments_text}}
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}

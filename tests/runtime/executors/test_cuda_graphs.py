@@ -226,7 +226,7 @@ def test_speculative_steps_replay_graphs_after_warm_up(plan_dir, method):
 @pytest.mark.parametrize("capture", ["at_start", "lazily"])
 def test_graphs_fill_placeholders_and_take_the_greedy_argmax_inside(plan_dir, capture):
     """Each graph fills async scheduling's placeholders from the previous step's greedy tokens and leaves the argmax
-    of its own logits rows in last_greedy_tokens (cuda_graphs.argmax_in_graph): greedy decoding through those
+    of its own logits rows in last_greedy_tokens (argmax_in_graph, on by default): greedy decoding through those
     buffers alone gives the logits and tokens of ids filled on the host, whether the previous tokens are the
     graph's own or came from elsewhere (copied into the buffer first), and an eager step leaves None. Buckets
     captured lazily, mid-run, keep the previous step's tokens through their warm-up runs."""
@@ -297,3 +297,47 @@ def test_a_failed_capture_is_tried_once_more_then_graphs_go_off(failures):
         assert torch.equal(logits.cpu(), 5 * torch.arange(8.0)[None]) and graphs.last_tokens.tolist() == [7]
     else:
         assert not graphs.enabled and logits is None and graphs.num_eager == 1
+
+
+def test_argmax_options_are_the_executors(plan_dir):
+    """argmax_in_graph and argmax_kernel are options of the executor (create_executor and TorchExecutor keywords,
+    on by default), read whenever it makes its StepGraphs; off CUDA there are no graphs to give them to."""
+    from trtopt.runtime.executors import create_executor
+
+    built = plan_dir("tiny-llama")
+    plan = read_plan(built)
+    assert TorchExecutor(built, plan).argmax_in_graph and TorchExecutor(built, plan).argmax_kernel
+    ex = create_executor("torch", built, plan, argmax_in_graph=False)
+    assert ex.argmax_in_graph is False and ex.argmax_kernel and ex.graphs is None
+
+
+@pytest.mark.gpu
+def test_a_speculative_draft_follows_the_targets_argmax_in_graph(plan_dir):
+    """LLMEngine.from_plan(argmax_in_graph=False): the target's step graphs and a self-draft's leave the placeholder
+    fill and the greedy argmax to Python (at every capture), with the greedy tokens of the default."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    from trtopt.builder.draft import build_draft_plan, self_draft_dir
+    from trtopt.runtime.engine import LLMEngine
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    built = plan_dir("tiny-llama")
+    if not (self_draft_dir(built, 1) / "plan.json").is_file():
+        build_draft_plan(built, 1)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    tokens = {}
+    for in_graph in (True, False):
+        engine = LLMEngine.from_plan(built, device="cuda", max_model_len=256, argmax_in_graph=in_graph,
+                                     speculative_config={"method": "self_draft", "num_layers": 1,
+                                                         "num_speculative_tokens": 3})
+        target, draft = engine.executor, engine.spec.proposer.executor
+        assert target.graphs.argmax_in_graph is in_graph and draft.graphs.argmax_in_graph is in_graph
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        tokens[in_graph] = done
+        assert (target.graphs._tokens is None) is (not in_graph)  # no token buffer without the in-graph argmax
+    assert tokens[True] == tokens[False]

@@ -113,3 +113,77 @@ def test_compiled_executor_replays_graphs_with_eager_logits_on_cuda(plan_dir):
         runs[mode] = (torch.cat(logits).cpu(), tokens)
     assert runs["default"][1] == runs[None][1]
     torch.testing.assert_close(runs["default"][0], runs[None][0], atol=1e-4, rtol=0)
+
+
+def _spy_paged_attention(monkeypatch) -> list:
+    """Record the `state` every trtopt_ops.paged_attention call gets (the custom op calls it by module attribute)."""
+    from trtopt.runtime.executors import trtopt_ops
+
+    seen, real = [], trtopt_ops.paged_attention
+
+    def spy(*args, state=None, **kwargs):
+        seen.append(state)
+        return real(*args, state=state, **kwargs)
+
+    monkeypatch.setattr(trtopt_ops, "paged_attention", spy)
+    return seen
+
+
+def test_paged_attention_custom_op_takes_the_current_launch_state(monkeypatch):
+    """A custom op cannot be handed a Python object: trtopt::paged_attention passes on the PagedLaunchState the
+    running executor set (trtopt_ops.CURRENT_PAGED_STATE), the very object, and None outside any forward (the kernel
+    then makes a state of the call's own); the answer is the same either way."""
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
+    from trtopt.runtime.executors import torch_library, trtopt_ops  # noqa: F401  (registers the custom ops)
+
+    seen = _spy_paged_attention(monkeypatch)
+    hq, hkv, d, bs, t = 4, 2, 16, 16, 3
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, hq, t, d), torch.randn(1, hkv, t, d), torch.randn(1, hkv, t, d)
+    step = (torch.tensor([[1]], dtype=torch.int32), torch.tensor([t], dtype=torch.int32),
+            torch.tensor([0, t], dtype=torch.int32), torch.arange(bs, bs + t, dtype=torch.int64))
+    attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5)
+    op = torch.ops.trtopt.paged_attention.default
+    state, outs = PagedLaunchState(), []
+    for current in (state, None):
+        cache = torch.zeros(4, 2, hkv, bs, d)
+        token = trtopt_ops.CURRENT_PAGED_STATE.set(current)
+        try:
+            outs.append(op(q, k, v, cache, *step, None, **attrs))
+        finally:
+            trtopt_ops.CURRENT_PAGED_STATE.reset(token)
+    assert len(seen) == 2 and seen[0] is state and seen[1] is None
+    assert trtopt_ops.CURRENT_PAGED_STATE.get() is None
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_executor_hands_its_launch_state_to_every_paged_attention(plan_dir, monkeypatch):
+    """Under compile_mode the executor sets its own PagedLaunchState as the current one around each forward (the
+    eager run that specialises a step shape, the compiled run, a CUDA-graph capture): every PagedAttention of the
+    step gets that object, and none is left set after the step. (Off CUDA the executor has no state of its own;
+    the test gives it one.)"""
+    from trtopt.plugins.paged_attention.planning import PagedLaunchState
+    from trtopt.runtime.executors import trtopt_ops
+
+    built = plan_dir(MODEL)
+    plan = read_plan(built)
+    ex = TorchExecutor(built, plan, compile_mode="default")
+    assert ex.paged_state is None  # CPU: PagedAttention runs no Triton kernel here
+    assert not any(n.op == "get_attr" and n.target == "paged_state" for n in ex.graph.module.graph.nodes)
+    ex.paged_state = PagedLaunchState()
+    ex.allocate_kv_cache(8)
+    seen = _spy_paged_attention(monkeypatch)
+    source = BlockSource(8)
+    seqs = [Seq(list(range(3, 8))), Seq(list(range(4, 9)))]
+    ex.execute(make_step(seqs, [5, 5], plan.limits.block_size, source))
+    layers = plan.model.num_layers
+    # The eager run that specialised the shape, the compiled graph's first run (compiling), the step: a call per
+    # layer each.
+    assert len(seen) == 3 * layers and all(s is ex.paged_state for s in seen)
+    for step in range(2):  # a decode step, a new shape (compiled again); then that shape again (the step only)
+        for seq in seqs:
+            seq.tokens.append(7 + step)
+        ex.execute(make_step(seqs, [1, 1], plan.limits.block_size, source))
+    assert len(seen) == 7 * layers and all(s is ex.paged_state for s in seen)
+    assert trtopt_ops.CURRENT_PAGED_STATE.get() is None

@@ -60,6 +60,34 @@ def test_greedy_argmax_is_torch_argmax_off_cuda() -> None:
     assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("argmax_kernel", [True, False])
+def test_the_sampler_takes_greedy_rows_with_its_own_argmax_option(monkeypatch, argmax_kernel: bool) -> None:
+    """Sampler(argmax_kernel=...) is the switch of its argmax (benchmarks' torch.argmax ablation): every greedy
+    argmax it takes, plain greedy batches (sync and async) and rows it processes first, passes it on; the tokens
+    are torch.argmax's either way."""
+    from trtopt.runtime import sampler as sampler_module
+    from trtopt.runtime.request import Request
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    kernels = []
+
+    def spy(logits, out=None, *, kernel=True):
+        kernels.append(kernel)
+        return greedy_argmax(logits, out, kernel=kernel)
+
+    monkeypatch.setattr(sampler_module, "greedy_argmax", spy)
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(5))
+    plain = [Request(str(i), [3, 4], SamplingParams(temperature=0.0), eos_token_ids=(0,), max_model_len=100)
+             for i in range(2)]
+    penalised = [Request("p", [3, 4], SamplingParams(temperature=0.0, presence_penalty=0.5), eos_token_ids=(0,),
+                         max_model_len=100)]
+    s = sampler_module.Sampler(argmax_kernel=argmax_kernel)
+    assert [t.token_id for t in s(x, plain)] == x.argmax(-1).tolist()
+    assert [t.token_id for t in s.sample_async(x, plain).resolve()] == x.argmax(-1).tolist()
+    assert s(x[:1], penalised)[0].token_id >= 0
+    assert kernels == [argmax_kernel] * 3
+
+
 def test_writes_into_a_given_buffer() -> None:
     """out= (a CUDA graph's fixed token buffer): the answer lands in a view of it, nothing else is touched, and a
     buffer of the wrong shape or dtype is refused."""
@@ -89,3 +117,4 @@ def test_gpu_real_vocabularies(n: int, v: int) -> None:
         x[1, 4096 * 3 + 5] = float("nan")
     assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
     assert torch.equal(greedy_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    assert torch.equal(greedy_argmax(x, kernel=False), x.argmax(dim=-1))  # torch.argmax itself (the ablation)

@@ -22,6 +22,10 @@ rows past it are not written.
 Keys are walked in tiles of TILE_N positions; each key finds its physical block through block_tables, so the tile
 size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, block_size, D] (K at [:, 0], V at
 [:, 1]); block 0 is the null block and slot −1 means "do not write".
+
+An FP8 pool (float8_e4m3fn, kv_cache_dtype="fp8") is read with FP8_KV: each key and value tile is converted to fp32
+in registers, × K_SCALE / V_SCALE (constexprs, write_kv.py says why), and cast to q's dtype for the dots, which
+accumulate in fp32 as for every pool. Its write quantizes (write_kv.py); RoPE is then not fused into the write.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from trtopt.plugins.launcher import DriverLaunch, Launcher, current_stream
 from trtopt.plugins.paged_attention.planning import (
     PagedLaunch, PagedLaunchState, WorkspaceBudget, _device_sm_count, _MetadataMemo, plan_paged_launch,
 )
+from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
 from trtopt.plugins.paged_attention.write_kv import (
-    _rope_write_kv_kernel, _rope_write_kv_launch, _write_kv_launch, rope_write_kv_triton, write_kv_triton,
+    _rope_write_kv_kernel, _rope_write_kv_launch, _write_kv_launch, fp8_constexprs, rope_write_kv_triton,
+    write_kv_triton,
 )
+from trtopt.plugins.rope.kernel import rope_triton
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -119,7 +126,7 @@ def _attend_key_tiles(
     stride_cb, stride_ckv, stride_co, stride_cd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
 ):
     """Fold key tiles [start, end) (TILE_N-aligned) into the running softmax; keys >= key_end are never read."""
     offs_t = tl.arange(0, TILE_N)
@@ -142,6 +149,8 @@ def _attend_key_tiles(
             k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
         else:
             k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
+        if FP8_KV:  # dequantize in registers: × scale in fp32
+            k = (k.to(tl.float32) * K_SCALE).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
         if HAS_ALIBI:
             qk = qk * qk_scale + slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
@@ -165,6 +174,8 @@ def _attend_key_tiles(
             v = tl.load(kv_ptr + stride_ckv, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
         else:
             v = tl.load(kv_ptr + stride_ckv)
+        if FP8_KV:
+            v = (v.to(tl.float32) * V_SCALE).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -184,6 +195,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
+    FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0, V_SCALE: tl.constexpr = 1.0,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -219,11 +231,13 @@ def _paged_attn_kernel(
         acc, l_i, m_i, q, k_head, table, seg_lo, split, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
         stride_cb, stride_ckv, stride_co, stride_cd,
         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
+        FP8_KV, K_SCALE, V_SCALE,
     )
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, k_head, table, split, seg_hi, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
         stride_cb, stride_ckv, stride_co, stride_cd,
         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
+        FP8_KV, K_SCALE, V_SCALE,
     )
 
     if NUM_SEGMENTS == 1:
@@ -323,8 +337,9 @@ def _check_paged_inputs(q, k, v, kv_cache, block_tables, seq_lens, query_start_l
             or kv_cache.shape[4] != head_dim:
         raise ValueError(f"kv_cache must be [num_blocks, 2, {num_kv_heads}, block_size, {head_dim}]; "
                          f"got {tuple(kv_cache.shape)}")
-    if q.dtype not in _SUPPORTED_DTYPES or any(x.dtype != q.dtype for x in (k, v, kv_cache)):
-        raise ValueError(f"q/k/v/kv_cache must share one dtype of {_SUPPORTED_DTYPES}; "
+    if q.dtype not in _SUPPORTED_DTYPES or any(x.dtype != q.dtype for x in (k, v)) \
+            or kv_cache.dtype not in (q.dtype, FP8_POOL_DTYPE):
+        raise ValueError(f"q/k/v/kv_cache must share one dtype of {_SUPPORTED_DTYPES} (or kv_cache be float8_e4m3fn); "
                          f"got {q.dtype}, {k.dtype}, {v.dtype}, {kv_cache.dtype}")
     if alibi_slopes is not None and (alibi_slopes.shape != (num_heads,) or alibi_slopes.dtype != torch.float32
                                      or not alibi_slopes.is_contiguous() or alibi_slopes.device != q.device):
@@ -391,6 +406,8 @@ def paged_attention_triton(
     rope_sin: torch.Tensor | None = None,
     kv_written: bool = False,
     state: PagedLaunchState | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the new K/V at slot_mapping, then attend each new token over its sequence's cache.
 
@@ -410,15 +427,25 @@ def paged_attention_triton(
     and launches the prepared kernels with its own tensors. The plans, the merge counters and the launcher's switch
     are `state`'s (planning.py `PagedLaunchState`, the torch executor's); a call without one makes a state of its
     own that ends with it, and plans nothing.
+
+    An FP8 pool (float8_e4m3fn) stores k / k_scale and v / v_scale and is read × scale (reference.to_pool /
+    from_pool); with RoPE, q and k are then rotated by rope_triton and written by the plain write, unplanned (the
+    fused RoPE write stores q's dtype), and kv_written is refused (the GEMV's write does not quantize).
     """
     key = None
     owned = state is not None
     if not owned:
         state = PagedLaunchState()
-    if owned and launch is None and out is None and not state.launcher.dispatcher_only:
+    fp8 = fp8_constexprs(kv_cache, k_scale, v_scale)
+    if fp8 and kv_written:
+        raise ValueError("kv_written=True with an FP8 pool: the GEMV's KV write stores no float8; let this op write")
+    if owned and launch is None and out is None and not state.launcher.dispatcher_only \
+            and not (fp8 and rope_cos is not None):
         key = state.plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
                              num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin,
                              kv_written)
+        if fp8:
+            key = (*key, k_scale, v_scale)
         plan = state.plans.get(key)
         if plan is not None:
             result = plan(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
@@ -436,10 +463,13 @@ def paged_attention_triton(
     q_in = q
     if kv_written:
         _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim)
+    elif rope_cos is not None and fp8:
+        q, k = rope_triton(q, rope_cos, rope_sin), rope_triton(k, rope_cos, rope_sin)
+        write_kv_triton(k, v, kv_cache, slot_mapping, launcher=state.launcher, k_scale=k_scale, v_scale=v_scale)
     elif rope_cos is not None:
         q = rope_write_kv_triton(q, k, v, rope_cos, rope_sin, kv_cache, slot_mapping, launcher=state.launcher)
     else:
-        write_kv_triton(k, v, kv_cache, slot_mapping, launcher=state.launcher)
+        write_kv_triton(k, v, kv_cache, slot_mapping, launcher=state.launcher, k_scale=k_scale, v_scale=v_scale)
     out = _output_buffer(out, (1, num_heads, T, head_dim), q)
     if T == 0 or S == 0:
         return out, kv_cache
@@ -456,7 +486,7 @@ def paged_attention_triton(
     counters = state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads) if scratch else None
     attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
                                   part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch, block_d,
-                                  group=group, head_dim=head_dim, causal=causal)
+                                  group=group, head_dim=head_dim, causal=causal, fp8=fp8)
     state.launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
     merge = None
     if scratch and counters is None:
@@ -468,7 +498,7 @@ def paged_attention_triton(
         elif rope_cos is not None:
             kv_write = _rope_write_kv_launch(q_in, k, v, rope_cos, rope_sin, q, kv_cache, slot_mapping)
         else:
-            kv_write = _write_kv_launch(k, v, kv_cache, slot_mapping)
+            kv_write = _write_kv_launch(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         state.remember(key, _PagedPlan(kv_write, attention, merge, scratch, counters, device=q.device,
                                        launcher=state.launcher, budget=state.budget))
     return out, kv_cache
@@ -489,7 +519,8 @@ def _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim) 
 
 
 def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out, part_acc, part_max,
-                      part_sum, counters, scale, S, sliding_window, launch, block_d, *, group, head_dim, causal):
+                      part_sum, counters, scale, S, sliding_window, launch, block_d, *, group, head_dim, causal,
+                      fp8: dict | None = None):
     """(kernel, grid, args, constexprs) of the attention kernel; with counters (split-KV only) it merges the
     segments itself, else a split launch needs `_merge_launch` after it."""
     T = q.shape[2]
@@ -504,7 +535,7 @@ def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alib
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=kv_cache.shape[3], TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MERGE=counters is not None, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        MERGE=counters is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **(fp8 or {}),
     )
 
 

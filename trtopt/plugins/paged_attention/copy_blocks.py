@@ -9,6 +9,10 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
+from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
+
+# An FP8 pool is copied as its bytes (not every torch index op takes float8, and a copy needs no arithmetic).
+_COPY_DTYPES = {**TL_DTYPES, torch.uint8: tl.uint8}
 
 
 @triton.jit
@@ -36,11 +40,12 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
         raise ValueError(f"pairs must be int64 [P, 2] (src, dst); got {pairs.dtype} {tuple(pairs.shape)}")
     if pairs.shape[0] == 0 or not kv_caches:
         return
+    kv_caches = [c.view(torch.uint8) if c.dtype == FP8_POOL_DTYPE else c for c in kv_caches]
     first = kv_caches[0]
     uniform = all(c.shape == first.shape and c.dtype == first.dtype and c.device == first.device
                   and c.is_contiguous() for c in kv_caches)
     overlapping = pairs.device.type == "cpu" and bool(torch.isin(pairs[:, 1], pairs[:, 0]).any())
-    if first.device.type != "cuda" or not uniform or overlapping or first.dtype not in TL_DTYPES:
+    if first.device.type != "cuda" or not uniform or overlapping or first.dtype not in _COPY_DTYPES:
         for cache in kv_caches:
             idx = pairs.to(cache.device)
             # index_select copies the sources first, so a block that is also a destination is read before it is
@@ -53,5 +58,5 @@ def copy_blocks_triton(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> No
     chunk = min(4096, next_pow2(block_numel))
     grid = (len(kv_caches), pairs.shape[0], -(-block_numel // chunk))
     launcher.launch(_copy_blocks_kernel, grid, addresses, pairs.to(first.device).contiguous(), block_numel,
-                    DTYPE=TL_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
+                    DTYPE=_COPY_DTYPES[first.dtype], CHUNK=chunk, num_warps=4)
 

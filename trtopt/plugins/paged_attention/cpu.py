@@ -10,6 +10,7 @@ calls per sequence and layer; on a 2-core CPU those calls, not the FLOPs, domina
 - GQA goes through SDPA's enable_gqa (no repeat_interleave copies).
 
 ALiBi, sliding windows and non-causal attention are rare in the plans we run; they use the reference.
+FP8 pools: the gathered blocks are dequantized (reference.from_pool: × scale in fp32) to q's dtype before SDPA.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trtopt.plugins.paged_attention.reference import paged_attention_ref, write_kv
+from trtopt.plugins.paged_attention.reference import from_pool, paged_attention_ref, write_kv
 
 
 def _gather_blocks(kv_cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,19 +31,20 @@ def _gather_blocks(kv_cache: torch.Tensor, tables: torch.Tensor, num_blocks: int
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            max_len: int, scale: float) -> torch.Tensor:
+            max_len: int, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
     """One query per sequence (row s of the T = S tokens belongs to sequence s)."""
     block_size = kv_cache.shape[3]
     keys, values = _gather_blocks(kv_cache, block_tables, -(-max_len // block_size))  # [S, Hkv, L, D]
     visible = torch.arange(keys.shape[2]) < seq_lens[:, None].to(torch.int64)  # [S, L]: the query is the last pos
     query = q[0].transpose(0, 1).unsqueeze(2)  # [S, Hq, 1, D]
-    out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None, None],
+    keys, values = from_pool(keys, k_scale, q.dtype), from_pool(values, v_scale, q.dtype)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible[:, None, None],
                                          scale=scale, enable_gqa=True)  # [S, Hq, 1, D]
     return out.squeeze(2).transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
 
 
 def _per_sequence(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int],
-                  lens: list[int], scale: float) -> torch.Tensor:
+                  lens: list[int], scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
     out = torch.zeros_like(q)
     block_size = kv_cache.shape[3]
     for s, context_len in enumerate(lens):
@@ -52,7 +54,8 @@ def _per_sequence(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
             continue
         assert context_len >= n, f"sequence {s}: seq_lens={context_len} is shorter than its {n} new tokens"
         keys, values = _gather_blocks(kv_cache, block_tables[s : s + 1], -(-context_len // block_size))
-        keys, values = keys[:, :, :context_len].to(q.dtype), values[:, :, :context_len].to(q.dtype)
+        keys = from_pool(keys[:, :, :context_len], k_scale, q.dtype)
+        values = from_pool(values[:, :, :context_len], v_scale, q.dtype)
         query = q[:, :, lo:hi]  # [1, Hq, n, D]
         if n == 1:
             mask, is_causal = None, False  # the last position sees every key
@@ -68,26 +71,28 @@ def _per_sequence(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
 
 def paged_attention_cpu(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, *,
                         num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int = 1,
-                        sliding_window: int = 0, alibi_slopes: torch.Tensor | None = None):
+                        sliding_window: int = 0, alibi_slopes: torch.Tensor | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0):
     """Same contract as paged_attention_ref: writes kv_cache in place, returns (out [1, Hq, T, D], kv_cache)."""
     if alibi_slopes is not None and not bool(alibi_slopes.any()):
         alibi_slopes = None  # plans always wire the input; all-zero slopes add nothing
     if alibi_slopes is not None or sliding_window > 0 or not causal:
         return paged_attention_ref(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                                    num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
-                                   causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes)
+                                   causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                                   k_scale=k_scale, v_scale=v_scale)
     assert q.shape[1] == num_heads and k.shape[1] == num_kv_heads and q.shape[3] == head_dim, (
         f"q {tuple(q.shape)} / k {tuple(k.shape)} disagree with num_heads={num_heads}, "
         f"num_kv_heads={num_kv_heads}, head_dim={head_dim}"
     )
-    write_kv(k, v, kv_cache, slot_mapping)
+    write_kv(k, v, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if not lens:
         return torch.zeros_like(q), kv_cache
     if all(hi - lo == 1 for lo, hi in zip(starts, starts[1:])) and _padding_is_cheap(lens, kv_cache.shape[3]):
-        return _decode(q, kv_cache, block_tables, seq_lens, max(lens), scale), kv_cache
-    return _per_sequence(q, kv_cache, block_tables, starts, lens, scale), kv_cache
+        return _decode(q, kv_cache, block_tables, seq_lens, max(lens), scale, k_scale, v_scale), kv_cache
+    return _per_sequence(q, kv_cache, block_tables, starts, lens, scale, k_scale, v_scale), kv_cache
 
 
 def _padding_is_cheap(lens: list[int], block_size: int) -> bool:

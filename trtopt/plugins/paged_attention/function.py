@@ -12,6 +12,13 @@ How it works:
 2. Attend, padded per sequence: queries are gathered into [S, max_n] (max_n = the longest query of the step),
    each sequence's keys into [S, max_blocks·block_size] through its block table, scores are masked (context length,
    causal, sliding window) and ALiBi-biased in fp32, and each token's row is gathered back out.
+
+FP8 pools (kv_cache_dtype="fp8", opset >= 19 for float8 Cast; make_function(opset, kv_cache_dtype="fp8"), attached by
+attach_fp8_kv_function): k / k_scale and v / v_scale are cast to float8_e4m3fn (saturating, round to nearest even),
+and the keys and values read are × scale in fp32. ONNX Runtime's CPU ScatterND and Gather take no float8 tensors, so
+this body widens the pool to float16 (exact: every float8_e4m3fn value is a float16) to write and read it, and
+narrows the written pool back (exact again): two casts of the pool per layer and step, a price only the portable
+ORT path pays.
 """
 
 from __future__ import annotations
@@ -19,15 +26,20 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto
 
-from trtopt.plugins.common import LOWEST_FLOAT32, BodyBuilder
+from trtopt.plugins.common import DOMAIN, LOWEST_FLOAT32, BodyBuilder, default_opset
 from trtopt.plugins.paged_attention.schema import INPUTS, OP_TYPE, OUTPUTS, SCHEMA
 
+FP8_MIN_OPSET = 19  # Cast to and from float8 types came with opset 19
 
-def write_kv(b: BodyBuilder) -> str:
-    """Step 1: scatter k and v into the pool at slot_mapping. Returns kv_cache_out."""
+
+def write_kv(b: BodyBuilder, *, fp8: bool = False) -> tuple[str, str]:
+    """Step 1: scatter k and v into the pool at slot_mapping. Returns (kv_cache_out, the written pool as step 2
+    reads it): the same tensor, or for an FP8 pool its float16 widening."""
+    # An FP8 pool is read through its float16 widening (ORT's CPU Shape takes no float8 either).
+    pool = b.op("Cast", "kv_cache", to=TensorProto.FLOAT16) if fp8 else "kv_cache"
     num_kv_heads = b.dim("k", 1)  # [1]
-    block_size = b.dim("kv_cache", 3)  # [1]
-    head_dim = b.dim("kv_cache", 4)  # [1]
+    block_size = b.dim(pool, 3)  # [1]
+    head_dim = b.dim(pool, 4)  # [1]
 
     zero = b.int_scalar(0)
     slot = b.op("Where", b.op("Less", "slot_mapping", zero), zero, "slot_mapping")  # [T]: −1 → null block 0
@@ -44,14 +56,26 @@ def write_kv(b: BodyBuilder) -> str:
     row = b.op("Add", b.op("Mul", row, block_size), offset)  # [2, Hkv, T]
     indices = b.op("Unsqueeze", row, b.ints(-1))  # [2, Hkv, T, 1]
 
-    updates = b.op("CastLike", b.op("Concat", "k", "v", axis=0), "kv_cache")  # [2, Hkv, T, D]
-    rows = b.op("Reshape", "kv_cache", b.op("Concat", b.ints(-1), head_dim, axis=0))  # [NB·2·Hkv·bs, D]
+    if fp8:
+        # x / scale rounded to float8 (saturating), then widened like the pool (Concat takes no float8 either)
+        k16, v16 = (b.op("Cast", b.op("Cast", b.op("Div", b.op("Cast", x, to=TensorProto.FLOAT), b.attr(scale, float)),
+                                      to=TensorProto.FLOAT8E4M3FN, saturate=1), to=TensorProto.FLOAT16)
+                    for x, scale in (("k", "k_scale"), ("v", "v_scale")))
+        updates = b.op("Concat", k16, v16, axis=0)  # [2, Hkv, T, D]
+    else:
+        updates = b.op("CastLike", b.op("Concat", "k", "v", axis=0), "kv_cache")  # [2, Hkv, T, D]
+    rows = b.op("Reshape", pool, b.op("Concat", b.ints(-1), head_dim, axis=0))  # [NB·2·Hkv·bs, D]
     rows = b.op("ScatterND", rows, indices, updates)
-    return b.op("Reshape", rows, b.op("Shape", "kv_cache"), name="kv_cache_out")
+    if fp8:
+        written = b.op("Reshape", rows, b.op("Shape", pool))
+        return b.op("Cast", written, to=TensorProto.FLOAT8E4M3FN, saturate=1, name="kv_cache_out"), written
+    out = b.op("Reshape", rows, b.op("Shape", "kv_cache"), name="kv_cache_out")
+    return out, out
 
 
-def attend(b: BodyBuilder, kv_cache: str) -> str:
-    """Step 2: every new token attends over its sequence's cached keys (the pool AFTER the write). Returns out."""
+def attend(b: BodyBuilder, kv_cache: str, *, fp8: bool = False) -> str:
+    """Step 2: every new token attends over its sequence's cached keys (the pool AFTER the write; for an FP8 pool
+    its float16 widening, whose values are × k_scale / v_scale in fp32). Returns out."""
     num_kv_heads = b.dim("k", 1)  # [1]
     num_seqs = b.dim("seq_lens", 0)  # [1]
     head_dim = b.dim("q", 3)  # [1]
@@ -86,7 +110,8 @@ def attend(b: BodyBuilder, kv_cache: str) -> str:
         x = b.op("Gather", pool, "block_tables", axis=0)  # [S, MB, Hkv, bs, D]
         x = b.op("Transpose", x, perm=[2, 0, 1, 3, 4])  # [Hkv, S, MB, bs, D]
         shape = b.op("Concat", num_kv_heads, b.ints(1), num_seqs, b.ints(-1), head_dim, axis=0)
-        return b.op("Cast", b.op("Reshape", x, shape), to=TensorProto.FLOAT)  # [Hkv, 1, S, L, D]
+        x = b.op("Cast", b.op("Reshape", x, shape), to=TensorProto.FLOAT)  # [Hkv, 1, S, L, D]
+        return b.op("Mul", x, b.attr("v_scale" if kv else "k_scale", float)) if fp8 else x
 
     keys, values = context(0), context(1)
     scale = b.attr("scale", float)
@@ -127,12 +152,24 @@ def attend(b: BodyBuilder, kv_cache: str) -> str:
     return b.op("CastLike", b.op("Unsqueeze", out, b.ints(0)), "q", name="out")  # [1, Hq, T, D]
 
 
-def make_function(opset: int) -> onnx.FunctionProto:
-    """The trtopt::PagedAttention FunctionProto for a model whose standard opset is ``opset`` (17 or newer)."""
+def make_function(opset: int, *, kv_cache_dtype: str = "auto") -> onnx.FunctionProto:
+    """The trtopt::PagedAttention FunctionProto for a model whose standard opset is ``opset`` (17 or newer), with
+    pools of the model's dtype, or (kv_cache_dtype="fp8", opset 19 or newer) float8_e4m3fn pools."""
+    fp8 = kv_cache_dtype == "fp8"
+    assert not fp8 or opset >= FP8_MIN_OPSET, f"an FP8 pool needs opset >= {FP8_MIN_OPSET} (float8 Cast), got {opset}"
     b = BodyBuilder(opset)
-    kv_cache_out = write_kv(b)
-    attend(b, kv_cache_out)
+    _, written = write_kv(b, fp8=fp8)
+    attend(b, written, fp8=fp8)
     return b.function(
-        OP_TYPE, INPUTS, OUTPUTS, [a.name for a in SCHEMA.attributes],
+        OP_TYPE, INPUTS, OUTPUTS, [a.name for a in SCHEMA.attributes if fp8 or not a.omittable],
         doc="Paged attention over a block-table KV pool; see trtopt/plugins/paged_attention/schema.py.",
     )
+
+
+def attach_fp8_kv_function(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give a plan with FP8 pools the FP8 body: replace the PagedAttention function that attach_functions attached
+    (the model-dtype body) by make_function(opset, kv_cache_dtype="fp8"). Mutates and returns ``model``."""
+    kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
+    del model.functions[:]
+    model.functions.extend([*kept, make_function(default_opset(model), kv_cache_dtype="fp8")])
+    return model

@@ -5,6 +5,9 @@ that the torch executor runs on CPU. It favours clarity: one vectorised attentio
 
 It reads ``query_start_loc`` and ``seq_lens`` on the host to slice per sequence (a synchronous ``.tolist()``),
 so it is correct on CUDA too, just not capturable in a CUDA graph; the kernel is the path for that.
+
+FP8 pools (float8_e4m3fn, schema.py's kv_cache_dtype="fp8"): ``to_pool`` is the write's quantization and
+``from_pool`` the read's dequantization; every other face matches them.
 """
 
 from __future__ import annotations
@@ -13,21 +16,43 @@ import functools
 
 import torch
 
+from trtopt.signature import FP8_E4M3_MAX, FP8_KV_DTYPE
+
+FP8_POOL_DTYPE = getattr(torch, FP8_KV_DTYPE)
+
+
+def to_pool(x: torch.Tensor, pool_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """New keys or values as a pool of ``pool_dtype`` stores them: a cast, or for an FP8 pool x / scale in fp32,
+    saturated to ±448 (torch's cast alone would not promise it) and rounded to the nearest even float8_e4m3fn."""
+    if pool_dtype != FP8_POOL_DTYPE:
+        return x.to(pool_dtype)
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(pool_dtype)
+
+
+def from_pool(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached keys or values in ``dtype``: a cast, or for an FP8 pool x × scale computed in fp32."""
+    if x.dtype != FP8_POOL_DTYPE:
+        return x.to(dtype)
+    x = x.float()
+    return (x if scale == 1.0 else x * scale).to(dtype)
+
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write the K/V of every new token into the paged pool at its slot, in place; slot −1 is skipped.
 
     k, v: [1, Hkv, T, D]; kv_cache: [num_blocks, 2, Hkv, block_size, D]; slot_mapping: int64 [T].
+    k_scale, v_scale: an FP8 pool's scales (to_pool); other pools ignore them.
     """
     block_size = kv_cache.shape[3]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     # The advanced indices (blocks, 0, offsets) are split by a slice, so the selection is [n, Hkv, D].
-    kv_cache[blocks, 0, :, offsets, :] = k[0].transpose(0, 1)[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, :, offsets, :] = v[0].transpose(0, 1)[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 0, :, offsets, :] = to_pool(k[0].transpose(0, 1)[keep], kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, :, offsets, :] = to_pool(v[0].transpose(0, 1)[keep], kv_cache.dtype, v_scale)
 
 
 def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,12 +104,15 @@ def paged_attention_ref(
     causal: int = 1,
     sliding_window: int = 0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the new K/V into the pool, then attend each new token over its sequence's cached keys.
 
     q: [1, Hq, T, D]; k, v: [1, Hkv, T, D]; kv_cache: [num_blocks, 2, Hkv, block_size, D] (WRITTEN IN PLACE);
     block_tables: int32 [S, max_blocks]; seq_lens: int32 [S] (context length after this step);
-    query_start_loc: int32 [S+1]; slot_mapping: int64 [T] (−1 = do not write); alibi_slopes: float32 [Hq] or None.
+    query_start_loc: int32 [S+1]; slot_mapping: int64 [T] (−1 = do not write); alibi_slopes: float32 [Hq] or None;
+    k_scale, v_scale: an FP8 pool's scales (to_pool / from_pool), ignored by other pools.
     Returns (out [1, Hq, T, D] in q's dtype, kv_cache) — the same pool object, so callers can alias it.
     """
     assert q.shape[1] == num_heads and k.shape[1] == num_kv_heads and q.shape[3] == head_dim, (
@@ -94,7 +122,7 @@ def paged_attention_ref(
     assert num_heads % num_kv_heads == 0, f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
     group = num_heads // num_kv_heads
 
-    write_kv(k, v, kv_cache, slot_mapping)
+    write_kv(k, v, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -114,9 +142,9 @@ def paged_attention_ref(
         bias = attention_mask_bias(
             query_pos, key_pos, causal=causal, sliding_window=sliding_window, alibi_slopes=alibi_slopes
         )  # [Hq or 1, n, L]
-        scores = (query @ keys.float().transpose(1, 2)).view(num_heads, n, context_len) * scale + bias  # [Hq, n, L]
+        scores = (query @ from_pool(keys, k_scale, torch.float32).transpose(1, 2)).view(num_heads, n, context_len) * scale + bias  # [Hq, n, L]
         probs = scores.view(num_kv_heads, group * n, context_len).softmax(dim=-1)
-        out[0, :, lo:hi] = (probs @ values.float()).view(num_heads, n, head_dim).to(q.dtype)
+        out[0, :, lo:hi] = (probs @ from_pool(values, v_scale, torch.float32)).view(num_heads, n, head_dim).to(q.dtype)
     return out, kv_cache
 
 
@@ -155,4 +183,6 @@ def copy_blocks_ref(kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
     for cache in kv_caches:
         src = pairs[:, 0].to(device=cache.device, dtype=torch.long)
         dst = pairs[:, 1].to(device=cache.device, dtype=torch.long)
+        if cache.dtype == FP8_POOL_DTYPE:
+            cache = cache.view(torch.uint8)  # a byte copy: not every index op is implemented for float8
         cache[dst] = cache[src]  # the gather on the right materialises every source first

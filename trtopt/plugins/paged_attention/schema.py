@@ -3,7 +3,8 @@
 Inputs (node order):
     q               [1, Hq, T, D]                          model dtype
     k, v            [1, Hkv, T, D]                         model dtype
-    kv_cache        [num_blocks, 2, Hkv, block_size, D]    model dtype (block 0 is the reserved null block)
+    kv_cache        [num_blocks, 2, Hkv, block_size, D]    model dtype, or float8_e4m3fn when kv_cache_dtype="fp8"
+                                                           (block 0 is the reserved null block)
     block_tables    [S, max_blocks]                        int32, padded with 0 (the null block)
     seq_lens        [S]                                    int32, context length of each sequence after this step
     query_start_loc [S + 1]                                int32, sequence s owns rows qsl[s]..qsl[s+1] of the T
@@ -19,6 +20,12 @@ Outputs:
     kv_cache_out    as kv_cache: the pool after the write (executors alias it to kv_cache)
 Attributes: num_heads, num_kv_heads, head_dim (ints), scale (float), causal (int, default 1),
 sliding_window (int, default 0 = none); plus plugin_namespace="trtopt" on every node.
+FP8 KV cache (`trtopt build --kv-cache-dtype fp8`, docs/architecture.md §3): kv_cache_dtype="fp8" and the layer's
+float32 k_scale and v_scale, written only on such nodes (omittable: other plans' nodes do not carry them). The
+write stores saturate(x / scale) rounded to the nearest float8_e4m3fn, the read computes in fp32 with value × scale.
+Scales are attributes, not inputs: they are per-layer build-time constants, as ``scale`` is (TensorRT AOT bakes them
+into the kernel like it; an input would be a device load per program and an extra entry in the plugin's fixed input
+list), and an optional input would get attach_functions' zero initializer in every plan, where zero is no scale.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from trtopt.errors import BuildError
 from trtopt.plugins.common import AttrSpec, OpSchema, Shape, expect_dim, expect_rank
+from trtopt.signature import KV_CACHE_DTYPES
 
 OP_TYPE = "PagedAttention"
 INPUTS = ("q", "k", "v", "kv_cache", "block_tables", "seq_lens", "query_start_loc", "slot_mapping", "alibi_slopes")
@@ -58,6 +66,11 @@ def infer_shapes(input_shapes: Sequence[Shape | None], attrs: Mapping[str, Any])
     if isinstance(seq_lens[0], int):
         expect_dim(OP_TYPE, "query_start_loc's length", qsl[0], seq_lens[0] + 1)
     expect_dim(OP_TYPE, "slot_mapping's length", slot_mapping[0], q[2])
+    if attrs.get("kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        raise BuildError(f"{OP_TYPE}: kv_cache_dtype={attrs['kv_cache_dtype']!r}; choose one of {KV_CACHE_DTYPES}.")
+    for name in ("k_scale", "v_scale"):
+        if not attrs.get(name, 1.0) > 0:
+            raise BuildError(f"{OP_TYPE}: {name}={attrs[name]} must be a positive float.")
     if shapes.get("alibi_slopes") is not None:
         alibi = expect_rank(OP_TYPE, "alibi_slopes", shapes["alibi_slopes"], 1)
         expect_dim(OP_TYPE, "alibi_slopes' length", alibi[0], num_heads)
@@ -76,6 +89,10 @@ SCHEMA = OpSchema(
         AttrSpec("scale", float, doc="score scale, usually 1/sqrt(D); baked into TensorRT kernels at build time"),
         AttrSpec("causal", int, 1, doc="1: token at position p sees keys 0..p; 0: the whole context"),
         AttrSpec("sliding_window", int, 0, doc="W > 0 keeps only keys at positions > p − W; 0 = no window"),
+        AttrSpec("kv_cache_dtype", str, "auto", omittable=True,
+                 doc='"fp8": kv_cache is float8_e4m3fn (quantized with k_scale/v_scale); "auto": q\'s dtype'),
+        AttrSpec("k_scale", float, 1.0, omittable=True, doc="FP8 pools: K is stored as K / k_scale"),
+        AttrSpec("v_scale", float, 1.0, omittable=True, doc="FP8 pools: V is stored as V / v_scale"),
     ),
     infer_shapes=infer_shapes,
 )

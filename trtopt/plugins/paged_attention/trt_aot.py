@@ -157,11 +157,13 @@ def paged_attention_aot_kernel(
         acc, l_i, m_i, q, k_head, table, kv_lo, full_old, old_end, pos, row_ok, slope, QK_SCALE, SLIDING_WINDOW,
         stride_cb, stride_ckv, stride_co, 1,
         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, IS_CAUSAL, True, SLIDING_WINDOW > 0, DOT_PRECISION,
+        False, 1.0, 1.0,  # no FP8 pools on TensorRT yet (trt_plugin.py refuses them)
     )
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, k_head, table, full_old, masked_end, old_end, pos, row_ok, slope, QK_SCALE,
         SLIDING_WINDOW, stride_cb, stride_ckv, stride_co, 1,
         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, IS_CAUSAL, True, SLIDING_WINDOW > 0, DOT_PRECISION,
+        False, 1.0, 1.0,  # no FP8 pools on TensorRT yet (trt_plugin.py refuses them)
     )
     acc, l_i, m_i = _attend_new_keys(
         acc, l_i, m_i, q, k_new, v_new, k_head, table, SlotMapping, q_begin, context, tl.maximum(kv_lo, context),

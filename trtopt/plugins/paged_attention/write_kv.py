@@ -7,6 +7,10 @@ that fused it into the attention launch (commit 2680905) was exact but measured 
 removed; see docs/benchmarks/NOTES.md. When the model rotates q and k (RoPE) right before attention, the same small
 kernel also does the rotation of both (`_rope_write_kv_kernel`: the torch executor's fusion of the plan's two Rope
 nodes into this op, fx_fusions.py).
+
+An FP8 pool (float8_e4m3fn) is written by the plain kernel with FP8_KV: x / scale in fp32, saturated to ±448, and
+the store's conversion rounds to the nearest even (reference.to_pool). The scales are constexprs, as the score scale
+is in TensorRT's AOT kernel: per-layer build-time constants (1.0 without calibration, one compilation for all).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import triton.language as tl
 
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 from trtopt.plugins.launcher import Launcher, launch
-from trtopt.plugins.paged_attention.reference import rope_tables_fit
+from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE, rope_tables_fit
 from trtopt.plugins.rope.kernel import rotate_half_rows
+from trtopt.signature import FP8_E4M3_MAX
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
@@ -28,6 +35,7 @@ def _write_kv_kernel(
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0, V_SCALE: tl.constexpr = 1.0,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SlotMapping + t)
@@ -42,6 +50,9 @@ def _write_kv_kernel(
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     dst = Cache + block * stride_cb + offset * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    if FP8_KV:  # quantize: x / scale in fp32, saturated (−0 stays −0); the cast below rounds to nearest even
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
     tl.store(dst, k.to(Cache.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(Cache.dtype.element_ty), mask=mask)
 
@@ -97,7 +108,15 @@ def _rope_write_kv_kernel(
         tl.store(kv_dst + stride_ckv + offs[None, :] * stride_cd, v1.to(DTYPE), mask=mk)
         tl.store(kv_dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(DTYPE), mask=mk)
 
-def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+def fp8_constexprs(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> dict:
+    """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch on an FP8 pool; none (the defaults) for other pools."""
+    if kv_cache.dtype != FP8_POOL_DTYPE:
+        return {}
+    return dict(FP8_KV=True, K_SCALE=float(k_scale), V_SCALE=float(v_scale))
+
+
+def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     k_scale: float = 1.0, v_scale: float = 1.0):
     """(kernel, grid, args, constexprs) of the KV write."""
     _, Hkv, T, D = k.shape
     return _write_kv_kernel, (T,), (
@@ -106,17 +125,18 @@ def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, s
     ), dict(
         BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
         BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
-        num_warps=4 if Hkv * D >= 1024 else 1,
+        num_warps=4 if Hkv * D >= 1024 else 1, **fp8_constexprs(kv_cache, k_scale, v_scale),
     )
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                    launcher: Launcher | None = None) -> None:
+                    launcher: Launcher | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """pool[slot // bs, 0, :, slot % bs, :] = k[0, :, t, :] (and V at index 1) for every t with slot >= 0.
-    Launched through `launcher` (the caller's switch; PagedAttention passes its state's), else launcher.launch."""
+    Launched through `launcher` (the caller's switch; PagedAttention passes its state's), else launcher.launch.
+    An FP8 pool stores k / k_scale and v / v_scale quantized (reference.to_pool); other pools ignore the scales."""
     if k.shape[2] == 0:
         return
-    kernel, grid, args, constexprs = _write_kv_launch(k, v, kv_cache, slot_mapping)
+    kernel, grid, args, constexprs = _write_kv_launch(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     (launch if launcher is None else launcher.launch)(kernel, grid, *args, **constexprs)
 
 

@@ -19,7 +19,7 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None = None, *, device: str = "cpu",
                     num_blocks: int | None = None, cuda_graphs: bool = False, compile_mode: str | None = None,
-                    tensor_parallel_size: int | None = None) -> Executor:
+                    tensor_parallel_size: int | None = None, argmax_in_graph: bool = True) -> Executor:
     """Open the executor `backend` ("torch", "onnxruntime" or "tensorrt") for a plan dir; `executor.plan` is the
     plan it runs.
 
@@ -33,6 +33,8 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
     num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
     cuda_graphs: torch on CUDA only: replay every step from CUDA graphs at bucketed shapes (see cuda_graphs.py;
     LLMEngine.from_plan turns them on by default there).
+    argmax_in_graph: torch on one device: each step graph also fills the placeholders and takes the greedy argmax
+    (the default); False launches both from Python between replays (TorchExecutor; benchmarks' A/B).
     compile_mode: torch on one device only, opt-in: run the converted graph through torch.compile in this mode
     ("default" or "max-autotune-no-cudagraphs"), specialised per step shape (torch_library.py); None = as converted.
     Raises BuildError when the plan's model file is unreadable or its external data leaves the plan dir.
@@ -43,7 +45,7 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
         _check_tensor_parallel_backend(backend, size)
         if size > 1:
             return _open_tensor_parallel(top_dir, size, device=device, num_blocks=num_blocks, cuda_graphs=cuda_graphs,
-                                         compile_mode=compile_mode)
+                                         compile_mode=compile_mode, argmax_in_graph=argmax_in_graph)
     else:
         assert tensor_parallel_size is None, "tensor_parallel_size resolves a plan dir: pass it with plan=None"
     if backend not in BACKENDS:
@@ -61,7 +63,7 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
         from trtopt.runtime.executors.torch_executor import TorchExecutor
 
         executor: Executor = TorchExecutor(plan_dir, plan, device=device, cuda_graphs=cuda_graphs,
-                                           compile_mode=compile_mode)
+                                           compile_mode=compile_mode, argmax_in_graph=argmax_in_graph)
     elif backend == "onnxruntime":
         from trtopt.runtime.executors.ort_executor import OrtExecutor
 
@@ -77,9 +79,12 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
 
 
 def _open_tensor_parallel(plan_dir: str | Path, size: int, *, device: str, num_blocks: int | None,
-                          cuda_graphs: bool, compile_mode: str | None) -> Executor:
+                          cuda_graphs: bool, compile_mode: str | None, argmax_in_graph: bool) -> Executor:
     if compile_mode is not None:
         raise ConfigError(f"compile_mode={compile_mode!r} runs one device; leave it unset with "
+                          f"tensor_parallel_size={size}.")
+    if not argmax_in_graph:  # the ranks' executors keep the default
+        raise ConfigError(f"argmax_in_graph=False is a one-device option; leave it unset with "
                           f"tensor_parallel_size={size}.")
     from trtopt.runtime.executors.tensor_parallel import TensorParallelExecutor
 

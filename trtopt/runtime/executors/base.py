@@ -33,7 +33,7 @@ class Executor(abc.ABC):
         from StepInputs.sampled_ids on its device, so the engine hands it the previous step's tokens without waiting
         for them. False: the engine fills them on the host before execute().
       last_greedy_tokens: None → TorchExecutor. int64 [N] on the device: the greedy argmax of the last execute()'s
-        logits rows, when the step computed it itself (inside its CUDA graph: cuda_graphs.argmax_in_graph); valid
+        logits rows, when the step computed it itself (inside its CUDA graph: StepGraphs.argmax_in_graph); valid
         until the next execute(). It is the sampler's own function (kernels/argmax.py `greedy_argmax`), so the
         tokens are the ones the sampler would pick. None: the sampler takes the argmax itself if it needs it.
       graphs: None → TorchExecutor with cuda_graphs on CUDA; TensorParallelExecutor (rank 0's). The StepGraphs

@@ -23,11 +23,12 @@ per bucket into that one buffer (`input_layout`: each field 64-byte aligned), so
 copy of its bucket's bytes from a pinned mirror, not one per input. A plan that does sync fails at capture, which
 turns graphs off for the executor with a warning instead of failing the step.
 
-Each graph also holds the two small steps around the model that a served greedy step needs (`argmax_in_graph`,
-on by default): it first fills async scheduling's placeholder ids from the previous step's greedy tokens (one
-device buffer, `tokens`), and last writes the argmax of its logits rows into that same buffer, where the engine's
-sampler takes plain greedy rows from (`last_tokens`) and the next graph's fill reads them. Without it those are
-three launches from Python per step (the fill and the argmax's two, ~20 µs of host time each), between replays.
+Each graph also holds the two small steps around the model that a served greedy step needs (StepGraphs'
+`argmax_in_graph`, on by default): it first fills async scheduling's placeholder ids from the previous step's
+greedy tokens (one device buffer, `tokens`), and last writes the argmax of its logits rows into that same buffer,
+where the engine's sampler takes plain greedy rows from (`last_tokens`) and the next graph's fill reads them.
+Without it (benchmarks turn it off to time them in the same run) those are three launches from Python per step (the
+fill and the argmax's two, ~20 µs of host time each), between replays.
 A step whose placeholders name tokens that did not come from that buffer (an eager or host-sampled step before it)
 has them copied there first (one copy).
 
@@ -57,11 +58,6 @@ _IDS, _POS, _TABLES, _LENS, _QSL, _SLOTS, _ROWS = (spec.name for spec in (
     INPUT_IDS, POSITION_IDS, BLOCK_TABLES, SEQ_LENS, QUERY_START_LOC, SLOT_MAPPING, LOGITS_INDICES))
 
 log = logging.getLogger(__name__)
-
-# Capture the placeholder fill and the greedy argmax inside each step graph (module docstring). Read when a
-# StepGraphs is made; benchmarks turn it off to time the three launches from Python in the same run
-# (gpu_e2e.py's `argmax_in_graph` row).
-argmax_in_graph = True
 
 # run(feeds, logits_out) -> logits: one step of the model on device feeds, logits written into logits_out if given.
 StepFn = Callable[[dict[str, torch.Tensor], "torch.Tensor | None"], torch.Tensor]
@@ -201,10 +197,15 @@ class CaptureReport:
 
 
 class StepGraphs:
-    """Captures the step function per bucket (all at start-up, or lazily) and replays it for any step that fits."""
+    """Captures the step function per bucket (all at start-up, or lazily) and replays it for any step that fits.
+
+    argmax_in_graph (default on): each graph also fills the placeholders and takes the greedy argmax (module
+    docstring); off, both are launched from Python between replays. argmax_kernel: that argmax through the Triton
+    kernel (kernels/argmax.py; off: torch.argmax, an ablation)."""
 
     def __init__(self, run: StepFn, *, device: torch.device, max_num_seqs: int, max_num_tokens: int,
-                 max_blocks_per_seq: int, max_logits: int | None = None):
+                 max_blocks_per_seq: int, max_logits: int | None = None, argmax_in_graph: bool = True,
+                 argmax_kernel: bool = True):
         self.run = run
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -225,6 +226,7 @@ class StepGraphs:
         self._logits: torch.Tensor | None = None  # [largest N_b, vocab] fp32, written by every graph
         self._copied = torch.cuda.Event()  # recorded after each step's host-to-device copies
         self.argmax_in_graph = argmax_in_graph
+        self.argmax_kernel = argmax_kernel
         # int64 [largest N_b]: each graph reads the previous step's greedy tokens from it (placeholders), then writes
         # the argmax of its own logits rows there. None while argmax_in_graph is off.
         self._tokens: torch.Tensor | None = None
@@ -341,7 +343,7 @@ class StepGraphs:
             fill_placeholders_(inputs[_IDS], self._tokens)
         logits = self.run(inputs, logits_out)
         if self._tokens is not None:
-            greedy_argmax(logits, out=self._tokens[: logits.shape[0]])
+            greedy_argmax(logits, out=self._tokens[: logits.shape[0]], kernel=self.argmax_kernel)
         return logits
 
     def _capture(self, bucket: GraphBucket) -> torch.cuda.CUDAGraph | None:

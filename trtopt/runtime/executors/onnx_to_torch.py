@@ -76,8 +76,18 @@ class _Const:
 _Value = _Const | torch.fx.Node | None
 
 
+# Packed 4-bit initializers → the numpy dtype they are unpacked to (torch has no 4-bit tensors).
+_UNPACKED_DTYPES = {ir.DataType.INT4: np.int8, ir.DataType.UINT4: np.uint8}
+
+
 def ir_tensor_to_torch(tensor: ir.TensorProtocol) -> torch.Tensor:
-    """Copy an onnx-ir tensor (in memory or external data) into a torch tensor of the same dtype."""
+    """Copy an onnx-ir tensor (in memory or external data) into a torch tensor of the same dtype. Quantized
+    weights (trtopt.QMatMul's): FP8 E4M3 as torch.float8_e4m3fn, INT4/UINT4 unpacked to one int8/uint8 per value."""
+    if tensor.dtype in _UNPACKED_DTYPES:
+        return torch.from_numpy(np.array(tensor.numpy(), copy=True).astype(_UNPACKED_DTYPES[tensor.dtype]))
+    if tensor.dtype == ir.DataType.FLOAT8E4M3FN:
+        array = np.array(tensor.numpy(), copy=True, order="C")
+        return torch.from_numpy(array.view(np.uint8)).view(torch.float8_e4m3fn)
     dtype = ONNX_TO_TORCH_DTYPE.get(int(tensor.dtype))
     if dtype is None:
         raise UnsupportedOpError(

@@ -11,11 +11,14 @@ ScatterND of the function body is ORT's.
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
@@ -24,9 +27,9 @@ from trtopt.errors import BuildError, ConfigError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.signature import (
-    NUMPY_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
+    NUMPY_POOL_DTYPES, check_paged_plan, kv_shape, pool_dtype, step_tensors,
 )
-from trtopt.signature import LOGITS, kv_input, kv_output, output_names
+from trtopt.signature import FP8_KV_DTYPE, LOGITS, kv_input, kv_output, output_names
 
 
 def _cpu_count() -> int:
@@ -42,6 +45,11 @@ def session_options(*, threads: int | None = None) -> ort.SessionOptions:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads or _cpu_count()
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Q/DQ (trtopt.QMatMul bodies, or unfused): run as written, as trtopt/quantize/runner.py does; ORT's QDQ
+    # fusions compute something else (int8 activations in MatMulNBits, an invalid FP8 MatMulIntegerToFloat).
+    # No effect on a graph without Q/DQ.
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     return options
 
 
@@ -59,7 +67,7 @@ class OrtExecutor(Executor):
         unknown = [p for p in providers if p not in available]
         if unknown:
             raise ConfigError(f"onnxruntime providers {unknown} are not available here (available: {available}).")
-        self.kv_dtype = kv_dtype(plan, NUMPY_DTYPES)
+        self.kv_dtype = pool_dtype(plan, NUMPY_POOL_DTYPES)
         self.session = ort.InferenceSession(str(model_path), session_options(threads=threads), providers=providers)
         input_names = [i.name for i in self.session.get_inputs()]
         graph_outputs = [o.name for o in self.session.get_outputs()]
@@ -78,11 +86,25 @@ class OrtExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_shape(self.plan, num_blocks)
         layers = self.plan.model.num_layers
-        self._pools = [[np.zeros(shape, dtype=self.kv_dtype) for _ in range(layers)] for _ in range(2)]
-        # On CPU an OrtValue made from a numpy array shares its memory: both views stay valid as long as the array.
-        self._pool_values = [[ort.OrtValue.ortvalue_from_numpy(a) for a in pools] for pools in self._pools]
+        pools = [[self._new_pool(shape) for _ in range(layers)] for _ in range(2)]
+        self._pools = [[array for array, _ in row] for row in pools]
+        self._pool_values = [[value for _, value in row] for row in pools]
         self._current = 0
         self.num_blocks = num_blocks
+
+    def _new_pool(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ort.OrtValue]:
+        """A zeroed pool as a numpy array and the OrtValue bound to the session, sharing its memory."""
+        if self.plan.kv_pool_dtype != FP8_KV_DTYPE:
+            # On CPU an OrtValue made from a numpy array shares its memory: both views stay valid as long as the array.
+            array = np.zeros(shape, dtype=self.kv_dtype)
+            return array, ort.OrtValue.ortvalue_from_numpy(array)
+        # numpy has no float8 (nor can an OrtValue be made from ml_dtypes' arrays): ORT allocates the float8 tensor,
+        # and the array is a view of its bytes (valid as long as the OrtValue, which is kept beside it).
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), onnx.TensorProto.FLOAT8E4M3FN)
+        buffer = (ctypes.c_uint8 * math.prod(shape)).from_address(value.data_ptr())
+        array = np.ctypeslib.as_array(buffer).reshape(shape)
+        array[...] = 0
+        return array, value
 
     def execute(self, step: StepInputs) -> torch.Tensor:
         assert self._pools[0], "allocate_kv_cache() must run before execute()"

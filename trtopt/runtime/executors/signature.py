@@ -15,6 +15,11 @@ from trtopt.runtime.batch import StepInputs
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+# What the pools may also be (PlanConfig.kv_pool_dtype): float8_e4m3fn in a plan built with --kv-cache-dtype fp8.
+TORCH_POOL_DTYPES = {**TORCH_DTYPES, signature.FP8_KV_DTYPE: getattr(torch, signature.FP8_KV_DTYPE)}
+# numpy has no float8: the onnxruntime executor holds an FP8 pool as its bytes (in an ORT-allocated float8 OrtValue).
+NUMPY_POOL_DTYPES = {**NUMPY_DTYPES, signature.FP8_KV_DTYPE: np.uint8}
+FP8_MIN_CAPABILITY = (8, 9)  # CUDA compute capability with float8 E4M3 conversions (Ada, Hopper and newer)
 
 
 def check_paged_plan(plan: PlanConfig, plan_dir: str | Path, input_names: Sequence[str],
@@ -47,6 +52,30 @@ def kv_dtype(plan: PlanConfig, supported: dict) -> object:
             "use the torch backend or rebuild the plan in float32/float16."
         )
     return supported[dtype]
+
+
+def pool_dtype(plan: PlanConfig, supported: dict, *, device: torch.device | str = "cpu") -> object:
+    """The dtype of the plan's KV pools (plan.kv_pool_dtype) in ``supported``'s terms; ConfigError where this
+    executor, or a CUDA ``device`` older than compute capability 8.9, cannot hold an FP8 pool (the CPU always can)."""
+    if plan.kv_cache_dtype == "auto":
+        return kv_dtype(plan, supported)
+    name = plan.kv_pool_dtype
+    if name not in supported:
+        raise ConfigError(
+            f"the plan's KV pools are {name} (built with --kv-cache-dtype {plan.kv_cache_dtype}), which this executor "
+            f"cannot hold (it takes {sorted(supported)}); run it with the torch backend, or rebuild the plan with "
+            "--kv-cache-dtype auto."
+        )
+    device = torch.device(device)
+    if name == signature.FP8_KV_DTYPE and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ConfigError(
+                f"the plan's KV pools are float8 E4M3 (--kv-cache-dtype fp8), which needs a CUDA device of compute "
+                f"capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer; {device} is "
+                f"{'.'.join(map(str, capability))}. Rebuild the plan with --kv-cache-dtype auto, or run it on the CPU."
+            )
+    return supported[name]
 
 
 def kv_shape(plan: PlanConfig, num_blocks: int) -> tuple[int, int, int, int, int]:

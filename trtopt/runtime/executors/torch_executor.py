@@ -19,7 +19,7 @@ from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_
 from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
 from trtopt.runtime.executors.signature import (
-    TORCH_DTYPES, check_paged_plan, kv_dtype, kv_shape, step_tensors,
+    TORCH_DTYPES, TORCH_POOL_DTYPES, check_paged_plan, kv_dtype, kv_shape, pool_dtype, step_tensors,
 )
 from trtopt.signature import (
     BLOCK_TABLES, INPUT_IDS, LOGITS, NONNEGATIVE_INPUTS, STEP_INPUT_NAMES, kv_input, kv_output, output_names,
@@ -42,6 +42,12 @@ class TorchExecutor(Executor):
     the graph then runs through Inductor, specialised and compiled once per step shape (each CUDA-graph bucket),
     with the trtopt ops as torch.library custom ops. `compiled.records` says what each compile cost.
 
+    argmax_in_graph (default on; with cuda_graphs): each step graph also fills async scheduling's placeholders and
+    takes the greedy argmax of its logits rows (`last_greedy_tokens`); off, the engine launches both from Python
+    between replays (cuda_graphs.StepGraphs; benchmarks' A/B). argmax_kernel (default on): that argmax through the
+    Triton kernel (kernels/argmax.py), off through torch.argmax (an ablation). Both are read whenever graphs are
+    captured (capture_graphs), so a benchmark may change the attributes between engines on one executor.
+
     The module's KV inputs are this executor's pools; trtopt::PagedAttention writes them in place and returns the
     same tensor as kv_cache_out. If a layer's kv_cache_out is a new tensor instead (a plan whose attention runs as
     its ONNX function body), it is copied back so the pool stays the one source of truth.
@@ -55,20 +61,30 @@ class TorchExecutor(Executor):
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
                  compile_mode: str | None = None, fuse_rope_kv: bool = True, decode_gemv: bool | None = None,
-                 gemv_rope_kv: bool = True):
+                 gemv_rope_kv: bool = True, argmax_in_graph: bool = True, argmax_kernel: bool = True):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'.")
         self.kv_dtype: torch.dtype = kv_dtype(plan, TORCH_DTYPES)
+        # The pools': the model's, or float8_e4m3fn for a plan built with --kv-cache-dtype fp8.
+        self.pool_dtype: torch.dtype = pool_dtype(plan, TORCH_POOL_DTYPES, device=self.device)
+        if compile_mode is not None and plan.kv_cache_dtype != "auto":
+            raise ConfigError(f"compile_mode={compile_mode!r} does not run a plan built with --kv-cache-dtype "
+                              f"{plan.kv_cache_dtype} yet (its PagedAttention custom op takes no FP8 scales); leave "
+                              "compile_mode unset, or rebuild with --kv-cache-dtype auto.")
         self._check_dtype(dtype)
         started = time.perf_counter()
+        self.argmax_in_graph = argmax_in_graph
+        self.argmax_kernel = argmax_kernel
         # What PagedAttention's kernel keeps between calls (plans, merge counters, its launcher's switch): this
-        # executor's, passed to every call of its graph, CUDA-graph captures included. None off CUDA, and under
-        # compile_mode, whose custom op cannot take it (each call then makes its own).
-        self.paged_state = None if compile_mode else trtopt_ops.paged_launch_state(self.device)
+        # executor's, for every call of its graph, CUDA-graph captures included; None off CUDA. The converted graph
+        # passes it to each call (`state=`); under compile_mode, whose custom op cannot take a Python object, _run
+        # sets it as the current one around each forward (trtopt_ops.CURRENT_PAGED_STATE) and the op reads it there.
+        self.paged_state = trtopt_ops.paged_launch_state(self.device)
         self.graph: ConvertedGraph = onnx_to_torch(Path(plan_dir) / MODEL_FILE, device=self.device,
-                                                   body_ops=body_ops, paged_state=self.paged_state)
+                                                   body_ops=body_ops,
+                                                   paged_state=None if compile_mode else self.paged_state)
         # RoPE as one kernel on CUDA (bit-identical ops elsewhere): ~14 fewer launches per layer. Under torch.compile
         # Inductor fuses the unfused ops itself (torch_library.py).
         self.num_fused_rope = 0 if compile_mode else fuse_rope(self.graph.module)
@@ -85,7 +101,9 @@ class TorchExecutor(Executor):
             raise ConfigError("decode_gemv=True and compile_mode cannot be combined: the GEMVs are launched outside "
                               "Inductor's graph; leave decode_gemv unset with compile_mode.")
         self.num_gemv_weights, self.num_gemv_silu_mul, self.num_gemv_rope_kv = (
-            use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv) if decode_gemv else (0, 0, 0))
+            # (the GEMV's own KV write stores without FP8 scales: FP8 pools keep PagedAttention's write)
+            use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv and self.pool_dtype == self.kv_dtype)
+            if decode_gemv else (0, 0, 0))
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
@@ -110,6 +128,7 @@ class TorchExecutor(Executor):
         self.graphs = StepGraphs(
             self._run, device=self.device, max_num_seqs=plan.limits.max_num_seqs,
             max_num_tokens=plan.limits.max_num_tokens, max_blocks_per_seq=plan.max_blocks_per_seq,
+            argmax_in_graph=argmax_in_graph, argmax_kernel=argmax_kernel,
         ) if cuda_graphs and self.device.type == "cuda" else None
 
     def _check_dtype(self, dtype: torch.dtype | str | None) -> None:
@@ -125,7 +144,7 @@ class TorchExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_shape(self.plan, num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.pool_dtype, device=self.device)
                           for _ in range(self.plan.model.num_layers)]
         self.num_blocks = num_blocks
         if self.graphs is not None:
@@ -142,7 +161,8 @@ class TorchExecutor(Executor):
         assert self.kv_caches, "allocate_kv_cache() must run before the graphs capture the pools"
         self.graphs = StepGraphs(self._run, device=self.device, max_num_seqs=max_num_seqs,
                                  max_num_tokens=max_num_tokens, max_blocks_per_seq=self.plan.max_blocks_per_seq,
-                                 max_logits=max_logits)
+                                 max_logits=max_logits, argmax_in_graph=self.argmax_in_graph,
+                                 argmax_kernel=self.argmax_kernel)
         return self.graphs.capture_all()
 
     def execute(self, step: StepInputs) -> torch.Tensor:
@@ -169,7 +189,7 @@ class TorchExecutor(Executor):
     @property
     def last_greedy_tokens(self) -> torch.Tensor | None:
         """int64 [N] on the device: the greedy argmax of the last execute()'s logits rows, when its CUDA graph
-        computed it (cuda_graphs.argmax_in_graph); valid until the next execute(). None after an eager step."""
+        computed it (argmax_in_graph); valid until the next execute(). None after an eager step."""
         return self.graphs.last_tokens if self.graphs is not None else None
 
     def _run(self, feeds: dict[str, torch.Tensor], logits_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,7 +201,14 @@ class TorchExecutor(Executor):
         for layer, position in enumerate(self._kv_positions):
             args[position] = self.kv_caches[layer]
         with torch.inference_mode():
-            outputs = self._module(*args)
+            if self.compiled is None:
+                outputs = self._module(*args)
+            else:  # the custom op reads this executor's PagedLaunchState here (no Python object crosses it)
+                token = trtopt_ops.CURRENT_PAGED_STATE.set(self.paged_state)
+                try:
+                    outputs = self._module(*args)
+                finally:
+                    trtopt_ops.CURRENT_PAGED_STATE.reset(token)
             for layer, position in enumerate(self._kv_out_positions):
                 pool = self.kv_caches[layer]
                 if outputs[position] is not pool:

@@ -58,10 +58,13 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, block_tab
                     query_start_loc: Tensor, slot_mapping: Tensor, alibi_slopes: Optional[Tensor] = None, *,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int = 1,
                     sliding_window: int = 0) -> Tensor:
-    """trtopt::PagedAttention: writes kv_cache in place, returns out [1, Hq, T, D] (q's dtype, contiguous)."""
+    """trtopt::PagedAttention: writes kv_cache in place, returns out [1, Hq, T, D] (q's dtype, contiguous). Its
+    launch state is the running executor's (trtopt_ops.CURRENT_PAGED_STATE, read when the op runs: eagerly, in
+    Inductor's code, or while a CUDA graph captures it); a custom op's arguments cannot carry it."""
     out, _ = trtopt_ops.paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                                         alibi_slopes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                        head_dim=head_dim, scale=scale, causal=causal, sliding_window=sliding_window)
+                                        head_dim=head_dim, scale=scale, causal=causal, sliding_window=sliding_window,
+                                        state=trtopt_ops.CURRENT_PAGED_STATE.get())
     return out.contiguous()
 
 
@@ -161,6 +164,21 @@ def _(x, weight, bias):
     return matmul_add_ref(x, weight, bias).contiguous()
 
 
+@torch.library.custom_op("trtopt::qmatmul", mutates_args=())
+def qmatmul(x: Tensor, w_q: Tensor, w_scale: Tensor, w_zero_point: Tensor, act_scale: Tensor, act_zero_point: Tensor,
+            act_quantized: Tensor, act_static: Tensor, *, axis: int, block_size: int = 0, act_mode: int = 0,
+            act_block_size: int = 0, weight_dtype: int = 0) -> Tensor:
+    return trtopt_ops.qmatmul(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, axis=axis,
+                              block_size=block_size, act_mode=act_mode, act_block_size=act_block_size,
+                              weight_dtype=weight_dtype).contiguous()
+
+
+@qmatmul.register_fake
+def _(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, act_quantized, act_static, *, axis, block_size=0,
+      act_mode=0, act_block_size=0, weight_dtype=0):
+    return x.new_empty((*x.shape[:-1], w_q.shape[1]))
+
+
 @torch.library.custom_op("trtopt::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, *, world_size: int) -> Tensor:
     y = trtopt_ops.all_reduce(x, world_size=world_size)
@@ -195,6 +213,7 @@ CUSTOM_OPS: dict[Callable[..., Any], Any] = {
     trtopt_ops.gelu_mul: torch.ops.trtopt.gelu_mul.default,
     trtopt_ops.rope: torch.ops.trtopt.rope.default,
     trtopt_ops.matmul_add: torch.ops.trtopt.matmul_add.default,
+    trtopt_ops.qmatmul: torch.ops.trtopt.qmatmul.default,
     trtopt_ops.all_reduce: torch.ops.trtopt.all_reduce.default,
     trtopt_ops.all_gather: torch.ops.trtopt.all_gather.default,
 }

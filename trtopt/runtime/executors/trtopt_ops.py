@@ -8,11 +8,14 @@ slower. A trtopt op that is not listed here is executed through its ONNX functio
 What PagedAttention's kernel keeps between calls (its per-step-shape plans, the split-KV merge counters, its
 launcher's switch) is a `PagedLaunchState` (plugins/paged_attention/planning.py) that the torch executor owns
 (`paged_launch_state`) and the converter passes to every PagedAttention call of its graph (`state=`); a call
-without one gets a state of its own that ends with it.
+without one gets a state of its own that ends with it. Under torch.compile the call is a torch.library custom op
+(torch_library.py), which cannot take a Python object: there the executor sets its state as `CURRENT_PAGED_STATE`
+around each forward and the op reads it from there.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import logging
@@ -27,6 +30,11 @@ if TYPE_CHECKING:
     from trtopt.plugins.paged_attention.planning import PagedLaunchState
 
 log = logging.getLogger(__name__)
+
+# The PagedLaunchState of the forward running now, for calls that cannot be handed one (the custom op of
+# torch_library.py): the torch executor sets it around each forward of a compiled graph. Made once, never rebound.
+CURRENT_PAGED_STATE: contextvars.ContextVar[PagedLaunchState | None] = contextvars.ContextVar(
+    "trtopt_paged_state", default=None)
 
 
 @functools.cache
@@ -61,52 +69,64 @@ def paged_launch_state(device: torch.device) -> PagedLaunchState | None:
     return PagedLaunchState()
 
 
+def _fp8_scales(kv_cache_dtype: str, k_scale: float, v_scale: float) -> dict[str, float]:
+    """The FP8 pool's scales as the implementations take them; nothing for a pool of the model's dtype."""
+    return {} if kv_cache_dtype == "auto" else {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes=None,
                     *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int = 1,
-                    sliding_window: int = 0, state: PagedLaunchState | None = None):
+                    sliding_window: int = 0, state: PagedLaunchState | None = None, kv_cache_dtype: str = "auto",
+                    k_scale: float = 1.0, v_scale: float = 1.0):
     """trtopt::PagedAttention. Writes kv_cache in place and returns it as the second output (the alias). `state`:
-    the executor's (paged_launch_state), passed on to the Triton kernel (CUDA); the other paths keep nothing."""
+    the executor's (paged_launch_state), passed on to the Triton kernel (CUDA); the other paths keep nothing.
+    kv_cache_dtype/k_scale/v_scale: an FP8 pool's (plugins/paged_attention/schema.py)."""
     fn = _impl("paged_attention", q.device.type)
+    scales = _fp8_scales(kv_cache_dtype, k_scale, v_scale)
     if state is not None and q.is_cuda:
         return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                   num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
-                  sliding_window=sliding_window, alibi_slopes=alibi_slopes, state=state)
+                  sliding_window=sliding_window, alibi_slopes=alibi_slopes, state=state, **scales)
     return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
               num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
-              sliding_window=sliding_window, alibi_slopes=alibi_slopes)
+              sliding_window=sliding_window, alibi_slopes=alibi_slopes, **scales)
 
 
 def paged_attention_rope(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                          alibi_slopes=None, *, rope_cos, rope_sin, rope_half: int, num_heads: int, num_kv_heads: int,
                          head_dim: int, scale: float, causal: int = 1, sliding_window: int = 0,
-                         kv_written: bool = False, state: PagedLaunchState | None = None):
+                         kv_written: bool = False, state: PagedLaunchState | None = None,
+                         kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
     """trtopt::PagedAttention(Rope(q), Rope(k), ...) as the torch executor fuses it (fx_fusions.py): on CUDA one
     kernel rotates q and k and writes the pool (then the attention kernel), two launches fewer than the plan's ops;
     everywhere else, or when the fused kernel's preconditions fail, exactly the two Rope ops and then the op.
 
     kv_written: the Q/K/V projection already rotated q and k and wrote k and v into the pool (executors/gemv.py
     `projection_rope_kv`, a batch-1 decode step): on CUDA only the attention kernels run; elsewhere the op runs on
-    the rotated q and k as given (writing the same k and v again). `state` as for paged_attention."""
+    the rotated q and k as given (writing the same k and v again). `state` and the FP8 scales as for paged_attention."""
+    scales = _fp8_scales(kv_cache_dtype, k_scale, v_scale)
+    fp8 = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     if kv_written:
         fn = _impl("paged_attention", q.device.type)
         if q.is_cuda and fn is not _impl_reference("paged_attention"):
             return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
-                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, kv_written=True, state=state)
+                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, kv_written=True, state=state,
+                      **scales)
         return paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
                                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
-                               causal=causal, sliding_window=sliding_window, state=state)
+                               causal=causal, sliding_window=sliding_window, state=state, **fp8)
     if q.is_cuda and rope_tables_fit(q, rope_cos, rope_sin, rope_half):
         fn = _impl("paged_attention", "cuda")
         if fn is not _impl_reference("paged_attention"):
             return fn(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal,
                       sliding_window=sliding_window, alibi_slopes=alibi_slopes, rope_cos=rope_cos, rope_sin=rope_sin,
-                      state=state)
+                      state=state, **scales)
     q, k = (rope(x, rope_cos, rope_sin, half=rope_half) for x in (q, k))
     return paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
-                           causal=causal, sliding_window=sliding_window, state=state)
+                           causal=causal, sliding_window=sliding_window, state=state, **fp8)
 
 
 def flash_attention(q, k, v, attn_bias=None, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -122,6 +142,15 @@ def matmul_add(x, weight, bias):
     from trtopt.plugins.matmul_add.reference import matmul_add_ref
 
     return matmul_add_ref(x, weight, bias)
+
+
+def qmatmul(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, act_quantized=None, act_static=None, *,
+            axis: int, block_size: int = 0, act_mode: int = 0, act_block_size: int = 0, weight_dtype: int = 0):
+    """trtopt::QMatMul: on CUDA the Triton GEMV (dequantizing in registers) for steps of up to 16 rows, else the
+    reference (dequantize, matmul in fp32)."""
+    fn = _impl("qmatmul", x.device.type)
+    return fn(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, axis=axis, block_size=block_size,
+              act_mode=act_mode, act_block_size=act_block_size, weight_dtype=weight_dtype)
 
 
 def rms_norm(x, scale, *, epsilon: float):
@@ -181,6 +210,7 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "PagedAttention": OpSpec(paged_attention),
     "FlashAttention": OpSpec(flash_attention),
     "MatMulAdd": OpSpec(matmul_add),
+    "QMatMul": OpSpec(qmatmul),
     "RMSNorm": OpSpec(rms_norm),
     "AllReduce": OpSpec(all_reduce),
     "AllGather": OpSpec(all_gather),

@@ -18,19 +18,17 @@ import functools
 import torch
 
 
-# The kernel's switch: benchmarks turn it off to time torch.argmax in the same run (gpu_e2e.py's argmax row).
-use_kernel = True
-
-
-def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None, *, kernel: bool = True) -> torch.Tensor:
     """[N, V] → [N] int64, torch.argmax's answer: the two-launch kernel on CUDA for rows long enough to split,
     torch.argmax otherwise (the CPU, short rows, or no Triton). out: an int64 [N] tensor to write the answer into
-    (a CUDA graph's fixed buffer), returned."""
-    if use_kernel and logits.is_cuda and logits.dim() == 2 and logits.shape[-1] > _MIN_SPLIT \
+    (a CUDA graph's fixed buffer), returned. kernel=False: torch.argmax always (the callers' `argmax_kernel`
+    option: Sampler, StepGraphs, TorchExecutor; benchmarks turn it off to time torch.argmax in the same run,
+    gpu_e2e.py's argmax row)."""
+    if kernel and logits.is_cuda and logits.dim() == 2 and logits.shape[-1] > _MIN_SPLIT \
             and logits.stride(-1) == 1:
-        kernel = _kernel()
-        if kernel is not None:
-            return kernel(logits, out=out)
+        launch = _kernel()
+        if launch is not None:
+            return launch(logits, out=out)
     if out is None:
         return logits.argmax(dim=-1)
     return torch.argmax(logits, dim=-1, out=out)

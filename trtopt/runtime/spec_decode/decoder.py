@@ -99,7 +99,8 @@ class SpecDecoder:
         any_greedy = any(greedy_plain) or any(plain_greedy(r) for r, _, _ in spans)
         argmax = None
         if any_greedy:
-            argmax = (greedy_argmax(logits[:row]) if greedy_tokens is None else greedy_tokens[:row]).tolist()
+            argmax = (greedy_argmax(logits[:row], kernel=sampler.argmax_kernel) if greedy_tokens is None
+                      else greedy_tokens[:row]).tolist()
         output, errors = StepOutput(sampled={}), {}
         rest = [(r, req) for r, req, g in zip(plain_rows, plain_reqs, greedy_plain) if not g]
         for r, req, g in zip(plain_rows, plain_reqs, greedy_plain):
@@ -155,9 +156,10 @@ def create_spec_decoder(config: SpeculativeConfig, *, target: Executor, plan: Pl
             raise ConfigError(f"the draft plan {draft_dir} does not exist (no plan.json); build one with "
                               "`trtopt build` or point 'model' at an existing plan dir.")
     draft_plan = _check_draft_plan(draft_dir, plan, plan_dir, max_num_batched_tokens, max_model_len)
-    # The draft's K sequential forwards replay CUDA graphs wherever the target's steps do (torch on CUDA).
-    executor = create_executor(backend, draft_dir, draft_plan, device=device,
-                               cuda_graphs=target.graphs is not None)
+    # The draft's K sequential forwards replay CUDA graphs wherever the target's steps do (torch on CUDA), with the
+    # placeholder fill and greedy argmax inside them or not as the target's.
+    executor = create_executor(backend, draft_dir, draft_plan, device=device, cuda_graphs=target.graphs is not None,
+                               argmax_in_graph=target.graphs is None or target.graphs.argmax_in_graph)
     if config.method == "self_draft":
         share_weights(executor.graph.module, target.graph.module)
         return SpecDecoder(config, DraftModelProposer(executor, input_builder, target=target))

@@ -93,7 +93,8 @@ class DraftModelProposer:
             logits = logits[: len(active)]
             # The draft graph's own argmax of these rows where it took one (its rows are `active`, in order).
             tokens = self.executor.last_greedy_tokens
-            argmax = (greedy_argmax(logits) if tokens is None else tokens[: len(active)]).tolist()
+            argmax = (greedy_argmax(logits, kernel=sampler.argmax_kernel) if tokens is None
+                      else tokens[: len(active)]).tolist()
             sampled = [row for row, s in enumerate(active) if not greedy[s.request_id]]
             if sampled:
                 reqs = [requests[active[row].request_id] for row in sampled]
