@@ -14,6 +14,7 @@ as an executor does.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -60,6 +61,16 @@ def call(step, q, k, v, pool, rope, state, **extra):
                                      state=state, **extra)
 
 
+def assert_every_parameter_passed(prepared: launcher.Relaunch) -> None:
+    """Every kernel parameter is in the launch (positional or by name): the launcher keeps a compiled kernel, and
+    prepares a cuLaunchKernel launch from it, only for such calls; a defaulted constexpr left out sends every launch
+    through Triton's dispatcher (the GPU test's DriverLaunch assertion caught one; this checks it on the CPU)."""
+    fn = getattr(prepared.kernel, "fn", prepared.kernel)
+    names = list(inspect.signature(fn).parameters)
+    missing = [n for n in names[len(prepared.args):] if n not in prepared.kwargs]
+    assert not missing, f"{names[0]}...: launched without {missing}"
+
+
 def plan_calls(state) -> int:
     return sum(plan.calls for plan in state.plans.values())
 
@@ -86,9 +97,13 @@ def test_planned_layers_equal_the_full_path(name, rope, kernel_device):
     # The first layer plans (full path), the other two are served by the plan.
     assert assert_layers_equal_full_path(step, tables, kernel_device, state) == 2
     assert len(state.plans) == 1
+    (plan,) = state.plans.values()
     if kernel_device.type == "cuda":
-        (plan,) = state.plans.values()
         assert isinstance(plan.attention, launcher.DriverLaunch) and plan.cuda == step.q.device.index
+    else:  # the interpreter's Relaunches hold what a GPU's driver launch is prepared from
+        for prepared in (plan.kv_write, plan.attention, plan.merge):
+            if prepared is not None:
+                assert_every_parameter_passed(prepared)
     # The next step: new metadata tensors of the same shapes (other blocks, other slots): the same plan serves it.
     nxt = make_step(dataclasses.replace(case, seed=case.seed + 10), kernel_device)
     assert assert_layers_equal_full_path(nxt, tables, kernel_device, state) == 3

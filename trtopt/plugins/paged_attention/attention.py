@@ -436,7 +436,7 @@ def paged_attention_triton(
     owned = state is not None
     if not owned:
         state = PagedLaunchState()
-    fp8 = fp8_constexprs(kv_cache, k_scale, v_scale)
+    fp8 = kv_cache.dtype == FP8_POOL_DTYPE
     if fp8 and kv_written:
         raise ValueError("kv_written=True with an FP8 pool: the GEMV's KV write stores no float8; let this op write")
     if owned and launch is None and out is None and not state.launcher.dispatcher_only \
@@ -486,7 +486,8 @@ def paged_attention_triton(
     counters = state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads) if scratch else None
     attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
                                   part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch, block_d,
-                                  group=group, head_dim=head_dim, causal=causal, fp8=fp8)
+                                  group=group, head_dim=head_dim, causal=causal,
+                                  fp8=fp8_constexprs(kv_cache, k_scale, v_scale))
     state.launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
     merge = None
     if scratch and counters is None:
@@ -535,7 +536,8 @@ def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alib
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=kv_cache.shape[3], TILE_N=launch.tile_n,
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MERGE=counters is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **(fp8 or {}),
+        MERGE=counters is not None, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **(fp8 or dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)),  # every constexpr passed: see fp8_constexprs
     )
 
 

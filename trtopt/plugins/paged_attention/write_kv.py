@@ -109,9 +109,12 @@ def _rope_write_kv_kernel(
         tl.store(kv_dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(DTYPE), mask=mk)
 
 def fp8_constexprs(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> dict:
-    """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch on an FP8 pool; none (the defaults) for other pools."""
+    """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch: an FP8 pool's, or the kernels' defaults for any other
+    pool. Always all three: the launcher keeps a compiled kernel (and prepares cuLaunchKernel launches) only for
+    calls that pass every parameter, so leaving a defaulted constexpr out sends each launch through Triton's
+    dispatcher (plugins/launcher.py `_launch_kept`)."""
     if kv_cache.dtype != FP8_POOL_DTYPE:
-        return {}
+        return dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)
     return dict(FP8_KV=True, K_SCALE=float(k_scale), V_SCALE=float(v_scale))
 
 
