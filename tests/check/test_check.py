@@ -188,10 +188,15 @@ def test_elemwise_tolerance_needs_both_bounds_exceeded():
 
 @pytest.mark.slow
 def test_smollm2_plan_matches_its_export_on_torch_and_onnxruntime(built_plan, export_dir):
+    # The plan on ORT is held to the project's fp32 bar (1e-4, the same runtime as the original); torch-cpu is
+    # another runtime whose CPU matmuls sum in another order over 30 layers: its worst logit element was ~1.1e-4
+    # on one machine and 1.43e-4 (1 of 3.1M elements, mean 1.2e-5) on another, so it gets 2e-4.
     report = run_check(built_plan("smollm2-135m"), original=export_dir("smollm2-135m"),
-                       backends=["torch-cpu", "onnxruntime-cpu"], layerwise=True)
+                       backends=["torch-cpu", "onnxruntime-cpu"], layerwise=True, atol=2e-4)
     assert report.passed, report.to_dict()
     for name in ("torch-cpu", "onnxruntime-cpu"):
         result = report.by_name(name)
-        assert len(result.layers) == 30 and result.logits.passed  # elemwise: torch-cpu's max abs is ~1.1e-4, rel ~0.09
+        assert len(result.layers) == 30 and result.logits.passed
         assert report.tokens_agree(result)[0] == report.tokens_agree(result)[1]
+    ort = report.by_name("onnxruntime-cpu").logits
+    assert ort.max_abs <= 1e-4, ort  # measured 5.2e-5
