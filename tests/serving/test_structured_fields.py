@@ -41,7 +41,7 @@ def test_malformed_fields_are_request_errors(args, match):
 
 def test_tool_choices():
     assert tool_call_plan(None, None) is None and tool_call_plan([WEATHER], "none") is None
-    with pytest.raises(RequestError, match="'auto'.*not supported"):
+    with pytest.raises(RequestError, match="'auto'.*--enable-auto-tool-choice --tool-call-parser"):
         tool_call_plan([WEATHER], "auto")
     with pytest.raises(RequestError, match="'auto'"):
         tool_call_plan([WEATHER], None)  # OpenAI's default with tools is auto

@@ -51,6 +51,15 @@ def serve(
     return_tokens_as_token_ids: bool = typer.Option(False, "--return-tokens-as-token-ids",
                                                     help='Logprob tokens are "token_id:N" unless a request says '
                                                     "otherwise."),
+    reasoning_parser: str = typer.Option(None, "--reasoning-parser",
+                                         help="Split chat replies' <think>...</think> into reasoning_content: "
+                                         "deepseek_r1 or qwen3 (vLLM's parsers)."),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
+                                                 help='Accept tool_choice "auto" (the default when tools are sent): '
+                                                 "the model decides, --tool-call-parser reads its calls."),
+    tool_call_parser: str = typer.Option(None, "--tool-call-parser",
+                                         help="The model's tool-call syntax, for --enable-auto-tool-choice: hermes, "
+                                         "llama3_json, mistral or pythonic (vLLM's parsers)."),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
     `stream: true`), /health and /metrics (Prometheus), plus vLLM's /tokenize, /detokenize, /version, /load,
@@ -68,8 +77,13 @@ def serve(
     import uvicorn
 
     from trtopt.runtime.engine import LLMEngine
+    from trtopt.serving.reasoning import get_reasoning_parser
     from trtopt.serving.server import ServerOptions, create_app, run_server
+    from trtopt.serving.tool_parsers import check_tool_options
 
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)  # an unknown name fails now, before the plan loads
+    check_tool_options(enable_auto_tool_choice, tool_call_parser)  # so does a bad tool-call flag combination
     engine = LLMEngine.from_plan(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
         tensor_parallel_size=tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -85,7 +99,8 @@ def serve(
                             enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                             enable_force_include_usage=enable_force_include_usage,
                             trust_request_chat_template=trust_request_chat_template,
-                            return_tokens_as_token_ids=return_tokens_as_token_ids)
+                            return_tokens_as_token_ids=return_tokens_as_token_ids, reasoning_parser=reasoning_parser,
+                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics,
                      options=options)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")

@@ -66,6 +66,7 @@ class ChatPrompt:
     continue_final_message: bool = False  # the last message is left open, for the model to continue
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's (callers decide whether to trust)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    tools: Sequence[dict] | None = None  # OpenAI tool definitions, for templates that describe them (vLLM passes them)
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:  # vLLM's message
@@ -168,7 +169,7 @@ class InputProcessor:
             prompt = self.render_chat(prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
                                       continue_final_message=prompt.continue_final_message,
                                       chat_template=prompt.chat_template,
-                                      chat_template_kwargs=prompt.chat_template_kwargs)
+                                      chat_template_kwargs=prompt.chat_template_kwargs, tools=prompt.tools)
         elif not isinstance(prompt, str):
             return None, _token_list(prompt)
         self._check_text(prompt, "the prompt")
@@ -179,15 +180,17 @@ class InputProcessor:
 
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None, tools: Sequence[dict] | None = None) -> str:
         """The chat template's rendering of `messages` (HF apply_chat_template's options, vLLM's defaults: the
-        generation prompt appended). chat_template_kwargs become template variables; they may not set one of
-        apply_chat_template's own parameters (tokenize=True or return_dict=True would change what it returns)."""
+        generation prompt appended; `tools` as apply_chat_template's). chat_template_kwargs become template
+        variables; they may not set one of apply_chat_template's own parameters (tokenize=True or return_dict=True
+        would change what it returns)."""
         limit = budget = self.limits.max_prompt_bytes
         for i, message in enumerate(messages):
             budget -= _check_strings(message, f"messages[{i}]", budget, limit)
         budget -= _check_strings(chat_template, "chat_template", budget, limit)
-        _check_strings(chat_template_kwargs, "chat_template_kwargs", budget, limit)
+        budget -= _check_strings(chat_template_kwargs, "chat_template_kwargs", budget, limit)
+        _check_strings(tools, "tools", budget, limit)
         if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise RequestError("this plan's tokenizer has no chat template; send a plain text prompt instead of messages.")
         kwargs = dict(chat_template_kwargs or {})
@@ -198,7 +201,8 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages), add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template, tokenize=False, **kwargs)
+                continue_final_message=continue_final_message, chat_template=chat_template, tokenize=False,
+                tools=list(tools) if tools else None, **kwargs)
         except Exception as e:  # jinja errors for messages the template cannot render
             raise RequestError(f"chat messages could not be rendered by the chat template ({e}); each needs "
                                "'role' and 'content'.") from e

@@ -214,8 +214,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: Bool = False
     top_logprobs: int | None = None  # -1: the whole vocabulary (vLLM's), more than MAX_LOGPROBS, so refused
-    # tool_choice "required" or a named function constrains the output to valid calls; "auto" is refused
-    # (trtopt.serving.structured says why).
+    # tool_choice "required" or a named function constrains the output to valid calls; "auto" needs the server's
+    # --enable-auto-tool-choice (trtopt.serving.structured says why). The tools reach the chat template.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     # vLLM's chat extras. echo: the reply starts with the last message's content when that message has the reply's
@@ -227,6 +227,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt's logprobs (top-k per token) at the top of the response; not with stream (vLLM's rule:
+    # a stream has nowhere to put them, so only 0 is taken there, and ignored).
+    prompt_logprobs: int | None = None
 
     def template_messages(self) -> ChatPrompt:
         kwargs = dict(self.chat_template_kwargs or {})
@@ -234,7 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
         return ChatPrompt(_template_messages(self.messages), add_generation_prompt=self.add_generation_prompt,
                           continue_final_message=self.continue_final_message,
                           chat_template=self.chat_template if self.chat_template is not None else template,
-                          chat_template_kwargs=kwargs)
+                          chat_template_kwargs=kwargs, tools=self.tools)
 
     @property
     def response_role(self) -> str:
@@ -248,12 +251,13 @@ class ChatCompletionRequest(_SamplingFields):
             return ""
         return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
 
-    def tool_plan(self) -> ToolCallPlan | None:
-        return tool_call_plan(self.tools, self.tool_choice)
+    def tool_plan(self, *, auto_tool_choice: bool = False) -> ToolCallPlan | None:
+        return tool_call_plan(self.tools, self.tool_choice, auto_tool_choice=auto_tool_choice)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, *, auto_tool_choice: bool = False) -> SamplingParams:
+        """auto_tool_choice: the server's --enable-auto-tool-choice (tool_choice "auto" generates freely)."""
         structured = self._structured()
-        plan = self.tool_plan()
+        plan = self.tool_plan(auto_tool_choice=auto_tool_choice)
         if plan is not None:
             if structured is not None:
                 raise RequestError("tools with tool_choice constrain the output already; drop response_format/structured_outputs.")
@@ -266,7 +270,13 @@ class ChatCompletionRequest(_SamplingFields):
                                f"{MAX_LOGPROBS}.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._common_params(max_tokens, logprobs, structured)
+        prompt_logprobs = self.prompt_logprobs
+        if self.stream and prompt_logprobs is not None:
+            if prompt_logprobs > 0 or prompt_logprobs == -1:
+                raise RequestError("`prompt_logprobs` are not available when `stream=True`.")  # vLLM's message
+            if prompt_logprobs == 0:  # a stream has nowhere to put them (a negative one is SamplingParams' 400)
+                prompt_logprobs = None
+        return self._common_params(max_tokens, logprobs, structured, prompt_logprobs=prompt_logprobs)
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -17,7 +17,9 @@ from typing import Any
 
 from trtopt.runtime.batch import CompletionOutput, RequestOutput
 from trtopt.serving.protocol import usage
+from trtopt.serving.reasoning import ReasoningDelta, ReasoningRule, ReasoningStream
 from trtopt.serving.structured import ToolCallPlan, partial_call, tool_calls
+from trtopt.serving.tool_parsers import ToolCallStream, ToolParser
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,13 @@ class Renderer(abc.ABC):
             rows.append((tid, alts[tid], ranked))
         return rows
 
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, decoded_token}} per token."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if row is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in row.items()}
+                for row in out.prompt_logprobs]
+
 
 def _legacy_logprobs(tokens: list[str], token_logprobs: list[float | None],
                      top_logprobs: list[dict[str, float] | None]) -> dict[str, Any]:
@@ -230,12 +239,6 @@ class CompletionRenderer(Renderer):
              for row in rows],
         )
 
-    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
-        if out.prompt_logprobs is None:
-            return None
-        return [None if row is None else {str(t): {"logprob": v, "decoded_token": self.token_text(t)} for t, v in row.items()}
-                for row in out.prompt_logprobs]
-
     def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs}
 
@@ -253,6 +256,11 @@ class ChatRenderer(Renderer):
 
     role: the reply's role (vLLM's: "assistant", or the last message's role when there is no generation prompt).
     echo_text: vLLM's chat echo: the content every reply starts with (streamed as its own chunk after the role).
+    reasoning: the request's reasoning split (--reasoning-parser): each reply's reasoning goes to reasoning_content
+        (streamed as delta.reasoning_content), the rest is the content that tool calls and echo then see.
+    prompt_logprobs (vLLM's) sit at the top of the response, null when not asked for.
+    tool_parser: tool_choice "auto" (--enable-auto-tool-choice): the parser turns the model's own tool-call syntax
+        in each reply's content into tool_calls (streamed as tool-call deltas), finish_reason "tool_calls".
     """
 
     object_full = "chat.completion"
@@ -260,6 +268,7 @@ class ChatRenderer(Renderer):
 
     def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, top_logprobs: int = 0,
                  tool_plan: ToolCallPlan | None = None, role: str = "assistant", echo_text: str = "",
+                 reasoning: ReasoningRule | None = None, tool_parser: ToolParser | None = None,
                  options: RenderOptions = RenderOptions()) -> None:
         super().__init__(request_id, model_name, tokenizer, n=n, options=options)
         self.top_logprobs = top_logprobs
@@ -267,6 +276,11 @@ class ChatRenderer(Renderer):
         self.echo_text = echo_text
         self.tool_plan = tool_plan  # the output is tool calls (constrained by the plan's grammar)
         self._call_ids: dict[int, str] = {}  # choice index -> id of its streamed named call
+        self.reasoning = reasoning
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # choice index -> its streamed split
+        self.tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its streamed tool calls
+        self._auto_called: set[int] = set()  # choices whose reply made tool calls (tool_parser)
 
     def stream_start(self, prompt_token_ids: list[list[int]]) -> list[dict[str, Any]]:
         # OpenAI opens every streamed choice with the role and empty content; vLLM adds the prompt's ids to these
@@ -291,13 +305,21 @@ class ChatRenderer(Renderer):
         response = super().full_response(outs)
         if self.options.return_token_ids:
             response["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+        response["prompt_logprobs"] = self._prompt_logprobs(outs[0])  # vLLM's place: the response, not a choice
         return response
 
     def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
+        split = self.reasoning.split(c.text) if self.reasoning is not None else None
+        if split is not None:  # vLLM's order: reasoning first; what follows only sees the content
+            c = dataclasses.replace(c, text=split.content or "")
         message: dict[str, Any] = {"role": self.role, "content": c.text}
+        if split is not None:
+            message.update(content=split.content, reasoning_content=split.reasoning)
         if self.tool_plan is not None:
             message = self._tool_message(c)
+        elif self.tool_parser is not None:
+            message = self._auto_tool_message(c, message)
         if self.echo_text:  # vLLM's: prepended whatever the reply is
             message["content"] = self.echo_text + (message["content"] or "")
         choice = {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason(c),
@@ -317,15 +339,56 @@ class ChatRenderer(Renderer):
             return {"role": "assistant", "content": "", "tool_calls": []}
         return {"role": "assistant", "content": None, "tool_calls": calls}
 
+    def _auto_tool_message(self, c: CompletionOutput, message: dict[str, Any]) -> dict[str, Any]:
+        """tool_choice "auto": the calls the parser finds in the reply, and the rest as content (None when empty);
+        a reply without calls keeps its content."""
+        found = self.tool_parser.extract(c.text)
+        if not found.tool_calls:
+            return {**message, "tool_calls": []}
+        self._auto_called.add(c.index)
+        return {**message, "content": found.content, "tool_calls": found.tool_calls}
+
     def finish_reason(self, c: CompletionOutput) -> str | None:
+        if self.tool_parser is not None and c.index in self._auto_called and c.finish_reason == "stop":
+            return "tool_calls"  # vLLM's, when the model called tools; "length" stays (the reply was cut short)
         # A completed call is "tool_calls" (or "stop" for a named function, as OpenAI answers); "length" stays.
         if self.tool_plan is not None and c.finish_reason == "stop":
             return self.tool_plan.finish_reason
         return c.finish_reason
 
     def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        if self.reasoning is not None:
+            delta = self._reasoning_delta(c, index, text)
+            if self.tool_parser is not None:  # calls are parsed from the content, after the reasoning (vLLM's order)
+                delta.update(self._auto_tool_delta(c, index, delta.pop("content", "")))
+            return {"index": index, "delta": delta, "logprobs": logprobs}
+        if self.tool_parser is not None:
+            return {"index": index, "delta": self._auto_tool_delta(c, index, text), "logprobs": logprobs}
         delta = self._tool_delta(c, index, text) if self.tool_plan is not None else ({"content": text} if text else {})
         return {"index": index, "delta": delta, "logprobs": logprobs}
+
+    def _reasoning_delta(self, c: CompletionOutput, index: int, text: str) -> dict[str, Any]:
+        """A streamed reply's new text, split: reasoning_content and/or content (a tail that may still be a tag
+        waits for the next chunk, or for the reply's end)."""
+        stream = self._reasoning_streams.setdefault(index, self.reasoning.stream())
+        new = stream.feed(text)
+        if c.finished:
+            end = stream.finish()
+            new = ReasoningDelta(new.reasoning + end.reasoning, new.content + end.content)
+        delta: dict[str, Any] = {}
+        if new.reasoning:
+            delta["reasoning_content"] = new.reasoning
+        if new.content:
+            delta["content"] = new.content
+        return delta
+
+    def _auto_tool_delta(self, c: CompletionOutput, index: int, text: str) -> dict[str, Any]:
+        """tool_choice "auto", streamed: content and tool-call deltas, as ToolCallStream finds them in the text."""
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+        delta = stream.feed(text, final=c.finished)
+        if stream.called:
+            self._auto_called.add(c.index)
+        return delta
 
     def _tool_delta(self, c: CompletionOutput, index: int, text: str) -> dict[str, Any]:
         """OpenAI's streamed tool calls. A named function streams its arguments as they are generated (the first

@@ -40,7 +40,10 @@ from trtopt.serving.metrics import LatencyTracker, ServingMetrics
 from trtopt.serving.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorInfo, TokenizeRequest, usage,
 )
+from trtopt.serving.reasoning import ReasoningRule, get_reasoning_parser
 from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer, RenderOptions
+from trtopt.serving.structured import ToolCallPlan, is_auto_tool_choice
+from trtopt.serving.tool_parsers import check_tool_options
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,9 @@ class ServerOptions:
     enable_force_include_usage: bool = False  # every stream carries usage (on every chunk, and a final usage chunk)
     trust_request_chat_template: bool = False  # a request may send its own chat_template (a Jinja program)
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+    reasoning_parser: str | None = None  # a parser of trtopt.serving.reasoning: chat replies split off their reasoning
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, tool_call_parser reads its calls
+    tool_call_parser: str | None = None  # a parser of trtopt.serving.tool_parsers (with enable_auto_tool_choice)
 
 
 _INVOCATION_TYPES = "['ChatCompletionRequest', 'CompletionRequest']"
@@ -216,6 +222,12 @@ class _Handlers:
         self.metrics = metrics
         self.options = options
         self.created = int(time.time())
+        # An unknown name is a ConfigError here, at start-up, not on the first request.
+        self.reasoning_parser = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
+        self.tool_parser = check_tool_options(options.enable_auto_tool_choice, options.tool_call_parser)
+        # vLLM's adjust_request: a parser whose markers the tokenizer makes special decodes with them kept.
+        self.tool_parser_keeps_special = (self.tool_parser is not None
+                                          and self.tool_parser.needs_special_tokens(engine.tokenizer))
 
     def tokenizer_info(self) -> dict[str, Any]:
         """vLLM's /tokenizer_info: the tokenizer's init kwargs (file paths left out, special tokens as their text),
@@ -280,8 +292,13 @@ class _Handlers:
         return await self._serve("completions", body, request, prepare, renderer)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        auto_tools = self.tool_parser is not None and is_auto_tool_choice(body.tools, body.tool_choice)
+
         def prepare() -> list[PreparedRequest]:
-            return [self.engine.prepare(body.template_messages(), body.to_sampling_params())]
+            params = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None)
+            if auto_tools and self.tool_parser_keeps_special:
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            return [self.engine.prepare(body.template_messages(), params)]
 
         kwargs_template = (body.chat_template_kwargs or {}).get("chat_template")
         if not self.options.trust_request_chat_template and (body.chat_template, kwargs_template) != (None, None):
@@ -290,15 +307,29 @@ class _Handlers:
                        "Refused request with untrusted chat template.")  # vLLM's
             raise APIError(ErrorInfo(400, message, param="chat_template"))
         try:
-            tool_plan = body.tool_plan()
+            tool_plan = body.tool_plan(auto_tool_choice=self.tool_parser is not None)
         except RequestError as e:
             self.metrics.requests.labels("chat", "rejected").inc()
             raise APIError(ErrorInfo(400, str(e), param="tool_choice")) from None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan,
                                 role=body.response_role, echo_text=body.echo_text(),
-                                options=self._render_options(body))
+                                reasoning=self._reasoning_rule(body, tool_plan), options=self._render_options(body),
+                                tool_parser=self.tool_parser if auto_tools else None)
         return await self._serve("chat", body, request, prepare, renderer)
+
+    def _reasoning_rule(self, body: ChatCompletionRequest, tool_plan: ToolCallPlan | None) -> ReasoningRule | None:
+        """How this request's replies split into reasoning and content, if they do. A reply under a grammar
+        (structured output, a forced tool call) has no reasoning: the grammar holds from its first token (vLLM
+        instead leaves the reasoning free and constrains what follows it)."""
+        if self.reasoning_parser is None or tool_plan is not None:
+            return None
+        try:
+            params = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None)
+            constrained = params.structured_outputs is not None
+        except RequestError:
+            return None  # prepare answers the same error with a 400
+        return None if constrained else self.reasoning_parser.rule(body.chat_template_kwargs)
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
                      prepare: Callable[[], list[PreparedRequest]], renderer: Renderer) -> Response:

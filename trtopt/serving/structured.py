@@ -8,8 +8,9 @@ Sources, at most one per request (two would silently fight over the grammar):
   - `tools` with `tool_choice` "required" or {"type": "function", "function": {"name": ...}}: the output is
     constrained to a JSON array of {"name", "parameters"} objects (one of the tools each, at least one), or to the
     named function's parameters object, and returned as `tool_calls`. These calls are valid by construction: the
-    grammar admits nothing else. `tool_choice` "auto" is refused: it needs a model trained to decide when to call
-    a tool (SmolLM2 was not), and a parser for that model's tool-call syntax; "none" ignores the tools.
+    grammar admits nothing else. `tool_choice` "auto" (the default when tools are sent) needs the server's
+    --enable-auto-tool-choice --tool-call-parser NAME: the model then generates freely and the parser
+    (trtopt.serving.tool_parsers) finds its calls; without them "auto" is refused. "none" ignores the tools.
 """
 
 from __future__ import annotations
@@ -78,8 +79,16 @@ class ToolCallPlan:
         return "stop" if self.named else "tool_calls"
 
 
-def tool_call_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolCallPlan | None:
-    """None when the request has no tools or tool_choice "none"; RequestError for "auto" and malformed tools."""
+def is_auto_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> bool:
+    """Whether the model decides itself whether to call a tool: tools sent, and tool_choice "auto" or unset."""
+    return bool(tools) and tool_choice in (None, "auto")
+
+
+def tool_call_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, *,
+                   auto_tool_choice: bool = False) -> ToolCallPlan | None:
+    """None when the request has no tools, tool_choice "none", or "auto" with auto_tool_choice (the server's
+    --enable-auto-tool-choice: no grammar, a parser reads the calls); RequestError for "auto" without it and for
+    malformed tools."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise RequestError("tool_choice needs a non-empty tools list.")
@@ -87,10 +96,14 @@ def tool_call_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[s
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
+        if auto_tool_choice:
+            _functions(tools)  # well-formed tools, even though no grammar is built from them
+            return None
         raise RequestError(
-            "tool_choice 'auto' (the default when tools are given) is not supported: this model was not trained to "
-            "decide when to call a tool. Use tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}, "
-            "which constrain the output to a valid call.")
+            "tool_choice 'auto' (the default when tools are given) requires the server to run with "
+            "--enable-auto-tool-choice --tool-call-parser NAME (for a model trained to call tools; vLLM's flags). "
+            "Or use tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}, which constrain the "
+            "output to a valid call.")
     functions = _functions(tools)
     if tool_choice == "required":
         defs: dict[str, Any] = {}
