@@ -223,11 +223,13 @@ def test_fp32_cuda_graphs_every_step_equals_hf(model, plan_for, hf_for):
 
 
 def check_half_precision(model: str, dtype: str, plan_for, hf_for, logprob_atol: float, tie_margin: float,
-                         prompts=PROMPTS) -> None:
-    """trtopt in `dtype` against HF in `dtype`: logprobs within logprob_atol, tokens equal up to a near tie."""
-    _, outs = run_llm(model, plan_for(model, dtype), prompts)
+                         prompts=PROMPTS, plan_dir: Path | None = None) -> None:
+    """trtopt in `dtype` against HF in `dtype`: logprobs within logprob_atol, tokens equal up to a near tie.
+    `plan_dir` replaces plan_for's plan of (model, dtype) (e.g. the same export built with FP8 KV pools)."""
+    plan_dir = plan_dir or plan_for(model, dtype)
+    _, outs = run_llm(model, plan_dir, prompts)
     assert_kernels_on_cuda()
-    assert read_plan(plan_for(model, dtype)).model.dtype == {"fp16": "float16", "bf16": "bfloat16"}[dtype]
+    assert read_plan(plan_dir).model.dtype == {"fp16": "float16", "bf16": "bfloat16"}[dtype]
     hf_half, hf32 = hf_for(model, dtype), hf_for(model, "fp32")
     prompt_ids, ours_all = outputs_by_prompt(outs)
     refs = hf_greedy(hf_half, prompt_ids)

