@@ -1,49 +1,168 @@
-"""The QMatMul Triton GEMV vs the torch reference at odd shapes, for FP8 and INT4/UINT4 weights and every
-activation mode. Without CUDA it runs under the Triton interpreter (tests/plugins/conftest.py)."""
+"""The QMatMul decode GEMVs (plugins/qmatmul/kernel.py) and their packed weight layout (packing.py) vs the torch
+reference, at odd shapes, every group size, 1..MAX_ROWS rows, FP8 and INT4/UINT4 weights and every activation mode.
+Without CUDA the kernels run under the Triton interpreter (tests/plugins/conftest.py); the `gpu` tests repeat the
+cases at a decode step's real shapes on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trtopt.plugins.qmatmul.kernel import MAX_ROWS, qmatmul_triton
-from trtopt.plugins.qmatmul.reference import qmatmul_ref
+from trtopt.plugins.qmatmul.kernel import MAX_ROWS, default_config, qgemv, qmatmul_packed, qmatmul_triton
+from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight, packable
+from trtopt.plugins.qmatmul.reference import dequantize_weight, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC
 
 
-def _inputs(kind: str, m: int, k: int, n: int, group: int, act: int, device, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, m, k, generator=gen)
+def _weight(kind: str, k: int, n: int, group: int, gen: torch.Generator, dtype: torch.dtype = torch.float32):
+    """(w_q, scale, zero point, block_size) as the torch executor loads a QMatMul's weight. kind: fp8, int4 (symmetric,
+    zero points 0), int4z (signed zero points), uint4 (no zero points) or uint4z."""
     if kind == "fp8":
         w = (torch.randn(k, n, generator=gen) * 50).to(torch.float8_e4m3fn)
         scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
-        zp, block = torch.full((n,), -0.0).to(torch.float8_e4m3fn), 0  # -0 is a zero point of 0 too
-    else:
-        lo, hi, dtype = (-8, 8, torch.int8) if kind == "int4" else (0, 16, torch.uint8)
-        w = torch.randint(lo, hi, (k, n), generator=gen).to(dtype)
-        scale = torch.rand(k // group, n, generator=gen) * 0.1 - 0.05  # signed, as ORT's symmetric quantizer
-        zp = (torch.randint(lo, hi, (k // group, n), generator=gen) if kind == "uint4"
-              else torch.zeros(k // group, n)).to(dtype)
-        block = group
+        return w, scale.to(dtype), torch.full((n,), -0.0).to(torch.float8_e4m3fn), 0  # -0 is a zero point of 0
+    lo, hi, wdtype = (-8, 8, torch.int8) if kind.startswith("int4") else (0, 16, torch.uint8)
+    w = torch.randint(lo, hi, (k, n), generator=gen).to(wdtype)
+    scale = torch.rand(k // group, n, generator=gen) * 0.1 - 0.05  # signed, as ORT's symmetric quantizer writes
+    zp = torch.randint(lo, hi, (k // group, n), generator=gen) if kind.endswith("z") else torch.zeros(k // group, n)
+    return w, scale.to(dtype), zp.to(wdtype), group
+
+
+def _x(m: int, k: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(1, m, k, generator=gen).to(dtype)
+
+
+def _act_scale(x: torch.Tensor, act: int) -> torch.Tensor:
     if act == ACT_DYNAMIC:
-        act_scale = (x.abs().amax(-1, keepdim=True) / 448).clamp_min(2.0 ** -24)
+        return (x.float().abs().amax(-1, keepdim=True) / 448).clamp_min(2.0 ** -24)
+    return torch.tensor(0.02)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4", "int4z", "uint4", "uint4z"])
+@pytest.mark.parametrize("k,n,group", [(64, 24, 8), (96, 13, 32), (256, 7, 64), (384, 5, 128), (128, 3, 16)])
+def test_packing_keeps_the_dequantized_weight(kind, k, n, group):
+    gen = torch.Generator().manual_seed(k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen)
+    assert packable(w, scale, block_size=block)
+    packed = pack_weight(w, scale, zp, block_size=block)
+    assert torch.equal(dequantize_packed(packed), dequantize_weight(w, scale, zp, block_size=block))
+    if kind != "fp8":
+        assert packed.data.dtype == torch.int32 and packed.data.shape == (n, k // 8)  # 4 bits a value
+        assert (packed.zero is None) == (not kind.endswith("z"))
+        assert packed.zero is not None or packed.zero_const == (8 if kind == "int4" else 0)
     else:
-        act_scale = torch.tensor(0.02)
-    args = [t.to(device) for t in (x, w, scale, zp, act_scale)]
-    return args, dict(block_size=block, act_mode=act, act_block_size=k if act == ACT_DYNAMIC else 0)
+        assert packed.data.dtype == torch.uint8 and packed.data.shape == (n, k)
 
 
-@pytest.mark.parametrize("kind,act", [("fp8", ACT_NONE), ("fp8", ACT_STATIC), ("fp8", ACT_DYNAMIC), ("int4", ACT_NONE),
-                                      ("uint4", ACT_NONE)])
-@pytest.mark.parametrize("m,k,n,group", [(1, 64, 40, 32), (3, 96, 13, 32), (7, 256, 70, 128), (16, 128, 129, 64)])
-def test_kernel_matches_the_reference(kind, act, m, k, n, group, kernel_device):
-    args, attrs = _inputs(kind, m, k, n, group, act, kernel_device, seed=m * k + n)
-    got = qmatmul_triton(*args, None, **attrs)
-    want = qmatmul_ref(*args, None, **attrs)
+def test_what_is_not_packable():
+    w = torch.zeros(64, 8, dtype=torch.int8)
+    assert not packable(w, torch.ones(64 // 24, 8), block_size=24)  # not a power of two
+    assert not packable(w, torch.ones(16, 8), block_size=4)  # below one word of each plane
+    assert not packable(w, torch.ones(8), block_size=0)  # per-channel INT4 is not a layout the kernel reads
+    assert packable(w, torch.ones(2, 8), block_size=32)
+
+
+# (kind, rows, K, N, group): every group size, rows 1..8 and the chunked 9..16, odd N, odd K (FP8).
+CASES = [("fp8", 1, 64, 40, 0), ("fp8", 2, 97, 13, 0), ("fp8", 5, 200, 33, 0), ("fp8", 8, 128, 9, 0),
+         ("fp8", 11, 96, 17, 0), ("int4", 1, 256, 33, 32), ("int4", 3, 96, 13, 32), ("int4", 7, 128, 5, 16),
+         ("int4z", 4, 384, 11, 128), ("uint4", 2, 256, 21, 64), ("uint4z", 1, 512, 19, 128),
+         ("uint4z", 6, 192, 9, 64), ("uint4z", 8, 64, 31, 32), ("int4", 16, 128, 7, 64), ("uint4", 5, 64, 3, 8)]
+
+
+@pytest.mark.parametrize("kind,m,k,n,group", CASES)
+def test_kernel_matches_the_reference(kind, m, k, n, group, kernel_device):
+    gen = torch.Generator().manual_seed(m * k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen)
+    x = _x(m, k, gen)
+    args = [t.to(kernel_device) for t in (x, w, scale, zp, torch.tensor(1.0))]
+    want = qmatmul_ref(*args, block_size=block)
+    got = qmatmul_triton(*args, block_size=block)
     assert got.shape == want.shape == (1, m, n)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_more_rows_than_a_gemv_run_the_reference(kernel_device):
-    args, attrs = _inputs("int4", MAX_ROWS + 1, 64, 24, 32, ACT_NONE, kernel_device, seed=1)
-    torch.testing.assert_close(qmatmul_triton(*args, None, **attrs), qmatmul_ref(*args, None, **attrs))
+@pytest.mark.parametrize("act", [ACT_STATIC, ACT_DYNAMIC])
+@pytest.mark.parametrize("kind,m", [("fp8", 1), ("fp8", 3), ("int4", 2)])
+def test_activation_quantization(kind, m, act, kernel_device):
+    gen = torch.Generator().manual_seed(m + act)
+    w, scale, zp, block = _weight(kind, 128, 24, 32, gen)
+    x = _x(m, 128, gen)
+    args = [t.to(kernel_device) for t in (x, w, scale, zp, _act_scale(x, act))]
+    attrs = dict(block_size=block, act_mode=act, act_block_size=128 if act == ACT_DYNAMIC else 0)
+    torch.testing.assert_close(qmatmul_triton(*args, **attrs), qmatmul_ref(*args, **attrs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,config", [("fp8", (1, 32, 1)), ("fp8", (8, 64, 2)), ("int4", (1, 32, 1)),
+                                         ("int4", (2, 64, 2)), ("uint4z", (8, 128, 4))])
+def test_other_configs(kind, config, kernel_device):
+    """The configs benchmarks/quant_e2e.py sweeps compute the same product."""
+    gen = torch.Generator().manual_seed(7)
+    w, scale, zp, block = _weight(kind, 256, 19, 32, gen)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
+    for m in (1, 3):
+        x = _x(m, 256, gen).reshape(m, 256).to(kernel_device)
+        want = qmatmul_ref(x, *(t.to(kernel_device) for t in (w, scale, zp, torch.tensor(1.0))), block_size=block)
+        torch.testing.assert_close(qgemv(x, packed, config), want, atol=1e-4, rtol=1e-4)
+
+
+def test_more_rows_than_the_gemv_run_the_reference_math(kernel_device):
+    gen = torch.Generator().manual_seed(1)
+    w, scale, zp, block = _weight("uint4z", 64, 24, 32, gen)
+    x = _x(MAX_ROWS + 1, 64, gen).to(kernel_device)
+    args = [t.to(kernel_device) for t in (x, w, scale, zp, torch.tensor(1.0))]
+    want = qmatmul_ref(*args, block_size=block)
+    torch.testing.assert_close(qmatmul_triton(*args, block_size=block), want)
+    packed = pack_weight(*args[1:4], block_size=block)
+    assert torch.equal(qmatmul_packed(x, packed, args[4]), want)  # the same dequantized values, the same GEMM
+
+
+def test_launch_refusals():
+    gen = torch.Generator().manual_seed(2)
+    packed = pack_weight(*_weight("int4", 64, 8, 32, gen)[:3], block_size=32)
+    with pytest.raises(ValueError, match="M <= "):
+        qgemv(torch.zeros(MAX_ROWS + 1, 64), packed)
+    with pytest.raises(ValueError, match="multiple of the group"):
+        qgemv(torch.zeros(1, 64), packed, (1, 16, 1))
+
+
+def test_default_config_reads_whole_tiles():
+    assert default_config(1, 3072, 2048) == (4, 2048, 4)
+    assert default_config(1, 4096, 14336, 128) == (4, 2048, 4)  # 14336 = 7 · 2048: no masked tile
+    assert default_config(1, 2048, 8192, 128) == (2, 4096, 4)
+    assert default_config(1, 24, 96, 32) == (8, 128, 4)
+
+
+# A decode step's real shapes (the 1.24B plan's O and down projections, the 8B's Q/K/V) at bf16, on CUDA.
+GPU_SHAPES = [(8192, 2048), (4096, 6144)]  # (kept few: every case compiles its own kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,group", [("fp8", 0), ("int4", 128), ("uint4z", 32)])
+@pytest.mark.parametrize("k,n", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_kernel_on_cuda_at_decode_shapes(kind, group, k, n, m):
+    gen = torch.Generator().manual_seed(m + k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen, dtype=torch.bfloat16)
+    x = _x(m, k, gen, torch.bfloat16).cuda()
+    args = [x, *(t.cuda() for t in (w, scale, zp, torch.tensor(1.0)))]
+    want = qmatmul_ref(*args, block_size=block)  # fp32 math, rounded to bf16
+    packed = pack_weight(*args[1:4], block_size=block)
+    got = qmatmul_packed(x, packed, args[4])
+    # bf16 output: one rounding of an fp32 sum either way; different summation orders may straddle a bf16 step.
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    exact = qgemv(x.reshape(m, k).float(), packed).float()  # fp32 x and output: fp32 rounding only
+    want32 = x.reshape(m, k).float() @ dequantize_weight(*args[1:4], block_size=block)
+    torch.testing.assert_close(exact, want32, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int4", "uint4z"])
+@pytest.mark.parametrize("config", [(1, 1024, 4), (8, 512, 4), (2, 4096, 8)])
+def test_swept_configs_on_cuda(kind, config):
+    gen = torch.Generator().manual_seed(3)
+    w, scale, zp, block = _weight(kind, 4096, 1000, 128, gen, dtype=torch.bfloat16)
+    packed = pack_weight(*(t.cuda() for t in (w, scale, zp)), block_size=block)
+    want_w = dequantize_packed(packed)
+    for m in (1, 12):
+        x = torch.randn(m, 4096, generator=gen).cuda()
+        torch.testing.assert_close(qgemv(x, packed, config), x @ want_w, atol=2e-3, rtol=1e-4)

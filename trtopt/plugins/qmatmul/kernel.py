@@ -1,11 +1,31 @@
-"""QMatMul as a Triton GEMV for small M (face 4 of docs/architecture.md §4): the CUDA path of the torch executor
-for decode-sized steps (M <= MAX_ROWS rows of x); larger steps run the reference (dequantize once, one GEMM).
+"""QMatMul as Triton decode GEMVs (face 4 of docs/architecture.md §4): the CUDA path of the torch executor for steps
+of up to MAX_ROWS rows of x; larger steps (prefill) dequantize once and run one fp32 GEMM (the reference's math).
 
-Each program owns BLOCK_N output columns and walks K in BLOCK_K steps: it loads the quantized weight tile (FP8 as
-float8e4nv, INT4/UINT4 as the executor holds them, one int8/uint8 per value), dequantizes it in registers with its
-per-column or per-block scale and zero point, and accumulates x_tile @ w_tile in fp32 (IEEE, no TF32). The weight
-is read once, quantized: that is what makes decode faster than a float GEMV. The activation's FP8 Q/DQ (static or
-dynamic) is elementwise on the small x and runs first, in torch (the reference's fake_quantize_fp8).
+Why: a batch-1 decode step is bound by the bytes of its weights, so a quantized projection is only faster than the
+bf16 one if the kernel streams the *quantized* bytes once, at the rate runtime/kernels/gemv_triton.py streams bf16
+(its design is mirrored here), and dequantizes in registers. The weights are repacked once at load (packing.py):
+FP8 [N, K] float8e4nv bytes, INT4/UINT4 [N, K/8] int32 words of eight nibbles (half the bytes of one int8 a value,
+what the first version of this kernel read), scales [N] or [N, K/G] in the plan's dtype.
+
+- Each program owns BLOCK_N whole weight columns (rows of the packed [N, ·] tensor) and reads them in K_TILES
+  unrolled tiles, issued back to back; with small BLOCK_N the grid is thousands of programs, so every byte of the
+  weight is requested at once (gemv_triton's argument; no split-K, no reduce kernel).
+- The weight tile is dequantized once and reused for every row of x the program owns (a static loop over the
+  rows, each reduced before the next, so the registers held do not grow with the rows). Steps of more than
+  ROWS_PER_PROGRAM rows split their rows over adjacent programs of the same columns, which read the tile from L2.
+- FP8: y = s[n] · Σ_k x[k] · w[n, k], fp32 (the per-column scale applied once, after the sum).
+- INT4/UINT4: a nibble u becomes an exact fp32 in two integer ops and one add, without an int→float conversion:
+  ((word >> 4p) & 15) | 0x4B000000, read as fp32, is 2²³ + u, and subtracting 2²³ + z' (z' the group's
+  offset-binary zero point) leaves u − z' = q − z exactly. Per group, s[g, n] · Σ_{k∈g} x[k] · (q − z); the
+  nibble-plane layout puts each of a word's eight values against its own contiguous run of x. (One byte a load
+  unit, split into two nibbles, measured ~7.7 instructions a value in the SASS of an sm_90a build, more than HBM
+  leaves time for at one row; the planes take ~4.)
+
+The dequantized values are the reference's ((q − z) · s in fp32, reference.py), accumulated in fp32; the scale is
+applied to each group's (FP8: column's) sum instead of to each value, which reorders the rounding only (the result
+equals `qmatmul_ref` to fp32 rounding, tests/plugins/test_qmatmul_kernel.py). The output is rounded to x's dtype, as
+the reference rounds it. The activation's FP8 Q/DQ (static or dynamic) is elementwise on the small x and runs first,
+in torch (reference.py `fake_quantize_fp8`).
 """
 
 from __future__ import annotations
@@ -14,48 +34,191 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins.kernel_common import next_pow2
+from trtopt.plugins import launcher
+from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
+from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_NONE
 
-MAX_ROWS = 16  # tl.dot's smallest M; more rows run the reference's one GEMM
-BLOCK_N = 64
-BLOCK_K = 32  # cut to G when G < 32; a G that it does not divide (or G < 16, below tl.dot's K) runs the reference
+MAX_ROWS = 16  # rows of x a step may have to take the GEMV; more run dequantize + one GEMM
+ROWS_PER_PROGRAM = 8  # rows of x one program multiplies its dequantized tile with
+TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 registers a thread at 4 warps)
+MAX_TILE_K = 4096  # at most this many K values of one column per tile
 
 
 @triton.jit
-def _qmatmul_kernel(X, W, S, Z, Y, M, N, K, stride_xm, stride_wk, stride_sg, stride_ym, GROUP,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr,
-                    FP8: tl.constexpr):
+def _qgemv_fp8(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+               ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Program p: columns (p // CHUNKS)·BLOCK_N.., rows (p % CHUNKS)·ROWS.. of x. Columns past N are clamped to
+    N − 1 (read, never stored), so the weight loads need no column mask. One row: products accumulate in a
+    tile-shaped fp32 accumulator, reduced once after the last tile (one FMA a value, no per-tile shuffles)."""
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    zero = tl.zeros((BLOCK_N,), dtype=tl.float32)  # FP8's zero point is 0 by the rule (and may be written -0)
-    if not BLOCKED:  # per output channel: one scale (and zero point) row for all of K
-        scale = tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if not FP8:
-            zero = tl.load(Z + offs_n, mask=mask_n, other=0).to(tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)
-        w_ptr = W + offs_k[:, None] * stride_wk + offs_n[None, :]
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        if FP8:
-            w = tl.load(w_ptr, mask=w_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    row0 = (pid % CHUNKS) * ROWS
+    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_r = tl.arange(0, ROWS_PAD)
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    acc_tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w_ptr = W + safe_n[:, None] * stride_wn + offs_k[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptr)
         else:
-            w = tl.load(w_ptr, mask=w_mask, other=0).to(tl.float32)
-        if BLOCKED:  # BLOCK_K divides GROUP: the whole tile lies in one block row
-            g = k0 // GROUP
-            scale = tl.load(S + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if not FP8:
-                zero = tl.load(Z + g * stride_sg + offs_n, mask=mask_n, other=0).to(tl.float32)
-        w = (w - zero[None, :]) * scale[None, :]
-        acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+            w = tl.load(w_ptr, mask=k_ok[None, :], other=0)
+        w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        for r in tl.static_range(ROWS):
+            k_end = tl.where(row0 + r < M, K, 0)  # a row past M reads nothing
+            x = tl.load(X + (row0 + r) * stride_xm + offs_k[None, :], mask=offs_k[None, :] < k_end,
+                        other=0.0).to(tl.float32)
+            if ROWS == 1:
+                acc_tile += w * x
+            else:
+                acc += tl.where(offs_r[:, None] == r, tl.sum(w * x, axis=1)[None, :], 0.0)
+    if ROWS == 1:
+        acc = tl.sum(acc_tile, axis=1)[None, :]
+    scale = tl.load(S + safe_n).to(tl.float32)
+    rows = row0 + offs_r
+    out = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, (acc * scale[None, :]).to(OUT_DTYPE), mask=(rows < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _qgemv_int4(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
+                ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP: tl.constexpr, GROUPS: tl.constexpr, TILE_GROUPS: tl.constexpr, K_TILES: tl.constexpr,
+                ZERO: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """As _qgemv_fp8, over the nibble planes (packing.py): a tile is TILE_GROUPS whole groups of BLOCK_N columns,
+    [BLOCK_N, TILE_GROUPS, GROUP/8] int32 words, eight planes each. ZERO >= 0: every group's z' is ZERO (no
+    zero-point loads); ZERO < 0: z' from Z [N, GROUPS] (stride_sn, like S). One row: a tile-shaped accumulator of
+    scale · Σ_planes, reduced once at the end; more rows: each row's tile reduced per tile."""
+    WORDS: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    row0 = (pid % CHUNKS) * ROWS
+    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_j = tl.arange(0, WORDS)
+    offs_r = tl.arange(0, ROWS_PAD)
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    acc_tile = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    for t in tl.static_range(K_TILES):
+        offs_g = t * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+        g_ok = offs_g < GROUPS
+        w_ptr = W + safe_n[:, None, None] * stride_wn + offs_g[None, :, None] * WORDS + offs_j[None, None, :]
+        s_off = safe_n[:, None] * stride_sn + offs_g[None, :]
+        if GROUPS % TILE_GROUPS == 0:
+            b = tl.load(w_ptr)  # [BLOCK_N, TILE_GROUPS, WORDS] int32
+            s = tl.load(S + s_off).to(tl.float32)  # [BLOCK_N, TILE_GROUPS]
+        else:
+            b = tl.load(w_ptr, mask=g_ok[None, :, None], other=0)
+            s = tl.load(S + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32)
+        b = b.to(tl.uint32, bitcast=True)  # logical shifts: plane 7 needs no sign handling
+        if ZERO >= 0:
+            off = tl.full((BLOCK_N, TILE_GROUPS, 1), 8388608.0 + ZERO, tl.float32)
+        else:
+            off = (tl.load(Z + s_off, mask=g_ok[None, :], other=0).to(tl.float32) + 8388608.0)[:, :, None]
+        x_off = (offs_g[:, None] * GROUP + offs_j[None, :])[None, :, :]  # [1, TILE_GROUPS, WORDS]: plane 0's K
+        for r in tl.static_range(ROWS):
+            x_ok = offs_g[None, :, None] < tl.where(row0 + r < M, GROUPS, 0)  # a row past M reads nothing
+            x_row = X + (row0 + r) * stride_xm + x_off
+            dot = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+            for p in tl.static_range(8):
+                # 2²³ + u as fp32, minus 2²³ + z': q − z, exact.
+                v = (((b >> (4 * p)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - off
+                x = tl.load(x_row + p * WORDS, mask=x_ok, other=0.0).to(tl.float32)
+                dot += v * x
+            if ROWS == 1:
+                acc_tile += dot * s[:, :, None]
+            else:
+                part = tl.sum(tl.sum(dot, axis=2) * s, axis=1)
+                acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
+    if ROWS == 1:
+        acc = tl.sum(tl.sum(acc_tile, axis=2), axis=1)[None, :]
+    rows = row0 + offs_r
+    out = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, acc.to(OUT_DTYPE), mask=(rows < M)[:, None] & n_ok[None, :])
+
+
+def _tile_k(k: int) -> int:
+    """K values of one column per tile: the largest power of two <= MAX_TILE_K that divides K (whole tiles, no K
+    mask), unless that is below 512 (then the power of two covering K, capped, with a masked last tile)."""
+    tile = min(next_pow2(k), MAX_TILE_K)
+    while tile > 512 and k % tile:
+        tile //= 2
+    return tile if k % tile == 0 else min(next_pow2(k), MAX_TILE_K)
+
+
+def default_config(rows: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N, K values per tile, num_warps) for x [rows, k] against an [n, k] quantized weight (group 0: FP8).
+    A tile of TILE_VALUES values (K tiles as `_tile_k`, then as many columns as fit, at most 8), 4 warps: the
+    bf16 GEMV's product tile (gemv_triton.default_config), so the registers held are the same while the bytes
+    read per tile are a half (FP8) or a quarter (INT4) of its. Not tuned on a GPU yet: benchmarks/quant_e2e.py
+    sweeps alternatives and records them."""
+    tile_k = max(_tile_k(k), group)
+    block_n = max(1, min(8, TILE_VALUES // tile_k))
+    return block_n, tile_k, 4
+
+
+def _chunks(rows: int) -> tuple[int, int]:
+    """(programs per column block, rows each) for a step of `rows` rows."""
+    chunks = -(-rows // ROWS_PER_PROGRAM)
+    return chunks, -(-rows // chunks)
+
+
+def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (1 <= M <= MAX_ROWS, K contiguous, a float dtype) times the packed weight → a new [M, N] in x's
+    dtype. config: (BLOCK_N, K values per tile, num_warps), default_config's by default."""
+    if x.dim() != 2 or x.shape[1] != w.k or not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"qgemv needs x [M <= {MAX_ROWS}, {w.k}]; got {tuple(x.shape)}")
+    if x.dtype not in TL_DTYPES or x.stride(1) != 1 or x.device != w.data.device:
+        raise ValueError(f"qgemv needs x of a float dtype with K contiguous on the weight's device; got {x.dtype} "
+                         f"{x.stride()} on {x.device}")
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    if w.n == 0:
+        return y
+    block_n, tile_k, warps = config or default_config(m, w.n, w.k, w.group)
+    chunks, rows = _chunks(m)
+    grid = (-(-w.n // block_n) * chunks,)
+    common = dict(ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n, OUT_DTYPE=TL_DTYPES[x.dtype],
+                  num_warps=warps)
+    if w.fp8:
+        tiles = -(-w.k // tile_k)
+        launcher.launch(_qgemv_fp8, grid, x, w.data, w.scale, y, m, w.n, w.k, x.stride(0), w.data.stride(0),
+                        y.stride(0), BLOCK_K=tile_k, K_TILES=tiles, EVEN_K=tiles * tile_k == w.k, **common)
+        return y
+    if tile_k % w.group or tile_k & (tile_k - 1):
+        raise ValueError(f"qgemv's K tile must be a power of two and a multiple of the group {w.group}; got {tile_k}")
+    groups = w.k // w.group
+    tile_groups = tile_k // w.group
+    zero = w.zero if w.zero is not None else w.scale  # not read when ZERO >= 0
+    launcher.launch(_qgemv_int4, grid, x, w.data, w.scale, zero, y, m, w.n, x.stride(0), w.data.stride(0),
+                    w.scale.stride(0), y.stride(0), GROUP=w.group, GROUPS=groups, TILE_GROUPS=tile_groups,
+                    K_TILES=-(-groups // tile_groups), ZERO=-1 if w.zero is not None else w.zero_const, **common)
+    return y
+
+
+def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *, act_mode: int = ACT_NONE,
+                   config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype. The GEMV for steps of 1..MAX_ROWS rows;
+    otherwise the reference's math on the dequantized weight (fp32 GEMM, the same values as qmatmul_ref). Callers
+    route CUDA tensors here (the CPU runs the reference: trtopt_ops.py); on the CPU the GEMV needs the Triton
+    interpreter (TRITON_INTERPRET=1), which the tests and benchmarks/quant_e2e.py --smoke use."""
+    rows = x.numel() // w.k if w.k else 0
+    xf = x.reshape(rows, w.k)
+    if act_mode != ACT_NONE:  # the activation's Q/DQ, elementwise in fp32 (then rounded back: see below)
+        xf = fake_quantize_fp8(xf.float(), act_scale.float().reshape(-1, 1) if act_scale.dim() else
+                               act_scale.float())
+    if not 0 < rows <= MAX_ROWS:
+        return (xf.float() @ dequantize_packed(w)).to(x.dtype).reshape(*x.shape[:-1], w.n)
+    # A Q/DQ'd activation stays fp32 (the reference multiplies it in fp32); a plain one is read in its own dtype.
+    xk = xf if xf.stride(-1) == 1 else xf.contiguous()
+    y = qgemv(xk, w, config)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
 
 
 def qmatmul_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
@@ -63,28 +226,13 @@ def qmatmul_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_
                    act_quantized: torch.Tensor | None = None, act_static: torch.Tensor | None = None, *,
                    axis: int = 1, block_size: int = 0, act_mode: int = ACT_NONE, act_block_size: int = 0,
                    weight_dtype: int = 0) -> torch.Tensor:
-    """QMatMul for x [..., K] with at most MAX_ROWS rows; the reference otherwise (same arguments, same result up to
-    fp32 summation order)."""
-    k, n = w_q.shape
-    rows = x.numel() // k if k else 0
-    fits = (0 < rows <= MAX_ROWS and x.shape[-1] == k and w_q.is_contiguous() and w_q.dim() == 2
-            and (block_size == 0 or (block_size >= 16 and block_size % min(BLOCK_K, block_size) == 0)))
-    if not fits:
+    """QMatMul with the op's arguments (the plan's layout), for callers that did not pack the weight at load (the
+    torch.compile custom op, a graph the executor did not rewrite): packs it for this call, then `qmatmul_packed`.
+    Packing reads the weight several times, so this is correct but not fast: the torch executor packs once at load
+    (runtime/executors/qmatmul_packing.py). Steps the GEMV does not take run the reference itself."""
+    rows = x.numel() // w_q.shape[0] if w_q.dim() == 2 and w_q.shape[0] else 0
+    if not (0 < rows <= MAX_ROWS and packable(w_q, w_scale, block_size=block_size)):
         return qmatmul_ref(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, axis=axis,
                            block_size=block_size, act_mode=act_mode)
-    assert w_scale.shape == ((n,) if block_size == 0 else (k // block_size, n)), (w_scale.shape, w_q.shape)
-    xf = x.reshape(rows, k).float()
-    if act_mode != ACT_NONE:
-        xf = fake_quantize_fp8(xf, act_scale.float().reshape(-1, 1) if act_scale.dim() else act_scale.float())
-    xf = xf.contiguous()
-    fp8 = w_q.dtype == torch.float8_e4m3fn
-    w = w_q.view(torch.uint8) if fp8 else w_q
-    z = w_zero_point.view(torch.uint8) if w_zero_point.dtype == torch.float8_e4m3fn else w_zero_point
-    scale, zero = w_scale.contiguous(), z.contiguous()
-    y = torch.empty((rows, n), dtype=torch.float32, device=x.device)
-    block_k = min(BLOCK_K, block_size) if block_size else BLOCK_K
-    _qmatmul_kernel[(triton.cdiv(n, BLOCK_N),)](
-        xf, w, scale, zero, y, rows, n, k, xf.stride(0), w.stride(0), scale.stride(0) if block_size else 0,
-        y.stride(0), block_size or 1, BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        BLOCKED=bool(block_size), FP8=fp8)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    packed = pack_weight(w_q, w_scale, w_zero_point, block_size=block_size)
+    return qmatmul_packed(x, packed, act_scale, act_mode=act_mode)
