@@ -36,7 +36,7 @@ demo: setup
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass. TRTOPT_CHECK_COLLECTION makes
 # it fail when a test file under tests/ was never collected (tests/conftest.py).
 test: setup
-	@TRTOPT_CHECK_COLLECTION=1 $(PY) -m pytest -q -m "not gpu and not tensorrt and not multigpu" tests; rc=$$?; \
+	@TRTOPT_CHECK_COLLECTION=1 $(PY) -m pytest -q --durations=20 -m "not gpu and not tensorrt and not multigpu" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-gpu: setup

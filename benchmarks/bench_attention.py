@@ -1,22 +1,35 @@
 """Attention kernel benchmark: trtopt's Triton kernels vs torch SDPA baselines measured in the same run.
 
     python benchmarks/bench_attention.py --out docs/benchmarks/attention_<gpu>.json   # on a CUDA machine
+    python benchmarks/bench_attention.py --only decode_fp8 --out docs/benchmarks/attention_<gpu>.json  # one section
     python benchmarks/bench_attention.py --plot docs/benchmarks/attention_<gpu>.json  # anywhere with matplotlib
+    python benchmarks/bench_attention.py --smoke      # decode_fp8 at tiny shapes on the CPU (TRITON_INTERPRET=1)
 
 Prefill: FlashAttention TFLOP/s (causal FLOPs halved, the FA papers' convention) vs SDPA's cuDNN and flash backends.
 Decode: PagedAttention over a randomly permuted block pool vs SDPA over the same keys in a contiguous cache,
 reported as TB/s of KV read, next to the device-to-device copy bandwidth measured in the same run. Each kernel's
 output is also checked against the baseline before it is timed, so a fast wrong kernel cannot post a number.
+Decode FP8 (decode_fp8): the same decode steps through PagedAttention with bf16 pools and with float8_e4m3fn pools
+(per-tensor scales amax / 448) in one run, planned as the runtime plans them (a PagedLaunchState, no launch given);
+each output is checked against the torch reference over the dequantized pool first, and a cell that fails the check
+is not timed. Reported per pool: TB/s of KV read, effective tokens/s (batch × context tokens read per second, one
+layer) and the FP8 speedup over bf16 (issue #33's target: >= 1.7x).
+
+A run with --only/--skip writes into an existing --out of the same GPU: the sections it did not run keep the file's
+results (listed under "carried_over" with the date of the run that made them).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
+import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -35,6 +48,17 @@ DECODE_SHAPES = [  # (batch, q heads, kv heads, context, head_dim), bf16, one ne
     (16, 32, 8, 8192, 128),
 ]
 BLOCK_SIZE = 16
+# decode_fp8 under --smoke (CPU, Triton interpreter): DECODE_SHAPES scaled down, in float32 (the interpreter's bf16
+# dots are wrong: the kernel tests run bf16 on GPUs only). The interpreter plans at most 4 key segments for 4 "SMs"
+# (planning.py), so the long context at batch 1 is split-KV as B1·L32K is on a GPU.
+SMOKE_DECODE_SHAPES = [  # (batch, q heads, kv heads, context, head_dim)
+    (4, 4, 2, 64, 32),
+    (1, 4, 2, 1024, 32),
+    (2, 4, 2, 256, 32),
+]
+FP8_SPEEDUP_TARGET = 1.7  # issue #33: decode over FP8 pools vs bf16 pools
+FP8_CHECK_REL_TOL = 2e-2  # max |kernel − reference| / max |reference| (bf16 dots and output; the reference is fp32)
+SECTIONS = ("prefill", "decode", "decode_fp8", "paged_prefill", "copy_blocks")
 
 
 def bench_ms(fn) -> float:
@@ -57,11 +81,27 @@ def bench_graph_ms(fn) -> float:
     return bench_ms(graph.replay)
 
 
-def copy_bandwidth_tbs() -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def host_ms(fn, reps: int = 2) -> float:
+    """Median wall time of fn on the host: the timer of the CPU smoke run, which checks the code, not the speed."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def timer(device: torch.device):
+    """The ms timer for kernels on device: CUDA events (do_bench) on a GPU, wall time under the interpreter."""
+    return bench_ms if device.type == "cuda" else host_ms
+
+
+def copy_bandwidth_tbs(device: torch.device = torch.device("cuda")) -> float:
+    """Device-to-device copy of 1 GiB (64 MiB on the CPU): bytes read + written per second."""
+    src = torch.empty(1 << (30 if device.type == "cuda" else 26), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
+    ms = timer(device)(lambda: dst.copy_(src))
     return 2 * src.numel() / ms / 1e9
 
 
@@ -128,21 +168,28 @@ def bench_prefill() -> list[dict]:
     return rows
 
 
-def make_paged_decode(B: int, Hq: int, Hkv: int, L: int, D: int, dtype=torch.bfloat16):
-    """A decode step over a permuted pool, plus the same keys as a contiguous [B, Hkv, L, D] cache."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def make_paged_decode(B: int, Hq: int, Hkv: int, L: int, D: int, dtype=torch.bfloat16, *, device="cuda",
+                      table_blocks: int = 0):
+    """A decode step over a permuted pool, plus the same keys as a contiguous [B, Hkv, L, D] cache.
+
+    table_blocks: the block tables' width, padded with the null block 0 as the runtime's CUDA graphs pad them to
+    max_blocks_per_seq (cuda_graphs.pad_step); 0 = as wide as the context (the runtime's eager tables)."""
+    gen = torch.Generator(device=device).manual_seed(0)
     blocks_per_seq = -(-L // BLOCK_SIZE)
     num_blocks = B * blocks_per_seq + 1  # + the null block 0
-    pool = torch.randn(num_blocks, 2, Hkv, BLOCK_SIZE, D, device="cuda", dtype=dtype, generator=gen)
-    tables = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).to(torch.int32)
-    tables = tables.view(B, blocks_per_seq).contiguous()
-    seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    pool = torch.randn(num_blocks, 2, Hkv, BLOCK_SIZE, D, device=device, dtype=dtype, generator=gen)
+    tables = (torch.randperm(num_blocks - 1, device=device, generator=gen) + 1).to(torch.int32)
+    tables = tables.view(B, blocks_per_seq)
+    if table_blocks > blocks_per_seq:
+        tables = torch.nn.functional.pad(tables, (0, table_blocks - blocks_per_seq))
+    tables = tables.contiguous()
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
     last = L - 1
     slots = (tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).contiguous()
-    q = torch.randn(1, Hq, B, D, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(1, Hkv, B, D, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(1, Hkv, B, D, device="cuda", dtype=dtype, generator=gen)
+    q = torch.randn(1, Hq, B, D, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(1, Hkv, B, D, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(1, Hkv, B, D, device=device, dtype=dtype, generator=gen)
     return dict(q=q, k=k, v=v, kv_cache=pool, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
                 slot_mapping=slots)
 
@@ -231,6 +278,155 @@ def bench_decode(copy_tbs: float) -> list[dict]:
     return rows
 
 
+def fp8_pool(pool: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """The pool as a float8_e4m3fn pool stores it: K / k_scale and V / v_scale, saturated (reference.to_pool)."""
+    from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE, to_pool
+
+    out = torch.empty(pool.shape, dtype=FP8_POOL_DTYPE, device=pool.device)
+    for i, scale in ((0, k_scale), (1, v_scale)):  # one half at a time: the fp32 temporaries are the peak memory
+        out.view(torch.uint8)[:, i] = to_pool(pool[:, i], FP8_POOL_DTYPE, scale).view(torch.uint8)
+    return out
+
+
+def amax_scales(pool: torch.Tensor) -> tuple[float, float]:
+    """Per-tensor k_scale, v_scale = amax / 448: what a calibration of this pool would set (benchmarks/fp8_kv.py)."""
+    from trtopt.signature import FP8_E4M3_MAX
+
+    return tuple(float(pool[:, i].abs().amax().float()) / FP8_E4M3_MAX for i in (0, 1))
+
+
+def reference_rel_err(out: torch.Tensor, step: dict, attrs: dict, *, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> float:
+    """max |out − reference| / max |reference|: the torch reference in fp32 over the pool as the kernel left it
+    (its own write included), dequantized. The reference writes nothing (slots −1), so both read the same keys."""
+    from trtopt.plugins.paged_attention.reference import from_pool, paged_attention_ref
+
+    pool = step["kv_cache"]
+    plain = torch.empty(pool.shape, dtype=torch.float32, device=pool.device)
+    plain[:, 0] = from_pool(pool[:, 0], k_scale, torch.float32)
+    plain[:, 1] = from_pool(pool[:, 1], v_scale, torch.float32)
+    want, _ = paged_attention_ref(
+        step["q"].float(), step["k"].float(), step["v"].float(), plain, step["block_tables"], step["seq_lens"],
+        step["query_start_loc"], torch.full_like(step["slot_mapping"], -1), **attrs)
+    return float((out.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def time_decode_cell(call, kv_bytes: int, tokens: int, device: torch.device) -> dict:
+    """ms, TB/s of KV read and effective tokens/s (tokens = batch × context) of call: eager (each call through the
+    plan's prepared launches), and on a GPU replayed from a CUDA graph too (the runtime's decode path)."""
+    ms = timer(device)(call)
+    cell = {"ms": ms, "tbs": kv_bytes / ms / 1e9, "tokens_per_s": tokens / ms * 1e3}
+    if device.type == "cuda":
+        g_ms = bench_graph_ms(call)
+        cell.update(graph_ms=g_ms, graph_tbs=kv_bytes / g_ms / 1e9, graph_tokens_per_s=tokens / g_ms * 1e3)
+    return cell
+
+
+def fp8_speedups(row: dict, base: str) -> dict:
+    """fp8_speedup_vs_<base> (base pool's time / FP8 pool's time) from graph replays where there are (the runtime's
+    decode path), else eager; the eager ratio beside it; and whether it meets FP8_SPEEDUP_TARGET."""
+    ref, fp8 = row.get(base, {}), row.get("fp8", {})
+    if "ms" not in ref or "ms" not in fp8:
+        return {}
+    basis = "graph" if "graph_ms" in ref and "graph_ms" in fp8 else "eager"
+    key = "graph_ms" if basis == "graph" else "ms"
+    speedup = ref[key] / fp8[key]
+    return {f"fp8_speedup_vs_{base}": speedup, "speedup_basis": basis,
+            f"eager_fp8_speedup_vs_{base}": ref["ms"] / fp8["ms"], "target": FP8_SPEEDUP_TARGET,
+            "meets_target": speedup >= FP8_SPEEDUP_TARGET}
+
+
+def fp8_tiling_sweep(call, planned_out: torch.Tensor, plan, kv_bytes: int, device: torch.device) -> list[dict]:
+    """The FP8 pool's step under tilings around its plan (key tile × segments), replayed from CUDA graphs on a GPU (a
+    launch given is not planned: each call goes through Triton's dispatcher). Whether FP8 pools want other plans:
+    plan_paged_launch's thresholds come from bf16 sweeps."""
+    sweep = []
+    for tile_n in (32, 64, 128) if device.type == "cuda" else (16, 32):
+        for segments in sorted({max(1, plan.num_segments // 2), plan.num_segments, min(64, 2 * plan.num_segments)}):
+            launch = dataclasses.replace(plan, tile_n=tile_n, num_segments=segments)
+            fn = functools.partial(call, launch=launch)
+            try:
+                got, _ = fn()
+                diff = float((got.float() - planned_out.float()).abs().max() / planned_out.float().abs().max())
+                ms = (bench_graph_ms if device.type == "cuda" else host_ms)(fn)
+                sweep.append({**launch.__dict__, "ms": ms, "tbs": kv_bytes / ms / 1e9, "rel_diff_vs_planned": diff})
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
+                sweep.append({**launch.__dict__, "error": repr(exc)[:200]})
+    return sweep
+
+
+def bench_decode_fp8(copy_tbs: float, *, shapes=DECODE_SHAPES, device: torch.device = torch.device("cuda"),
+                     dtype: torch.dtype = torch.bfloat16, max_model_len: int = 0, sweep: bool = False) -> list[dict]:
+    """Decode through PagedAttention with a pool of the model's dtype (bf16) and the same pool in FP8, per shape.
+    Each row holds a cell per pool ("bf16", "fp8"; the smoke run's base is "fp32") and fp8_speedup_vs_bf16.
+
+    The calls go through one PagedLaunchState with no launch given, so the kernel plans each step as the runtime's
+    executor does (plan_paged_launch: split-KV for long contexts at small batch). max_model_len > 0 pads the block
+    tables to its blocks, as the runtime's CUDA graphs pad them (the plan reads the tables' width). sweep: time the
+    FP8 pool under other tilings too (fp8_tiling_sweep), graph replays against the planned call's graph replay."""
+    from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton, plan_paged_launch
+    from trtopt.plugins.paged_attention.planning import _device_sm_count
+
+    paged = functools.partial(paged_attention_triton, state=PagedLaunchState())
+    base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    rows = []
+    for B, Hq, Hkv, L, D in shapes:
+        table_blocks = -(-max_model_len // BLOCK_SIZE)
+        step = make_paged_decode(B, Hq, Hkv, L, D, dtype, device=device, table_blocks=table_blocks)
+        attrs = dict(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, scale=D**-0.5)
+        k_scale, v_scale = amax_scales(step["kv_cache"])
+        # The plan the call below makes for itself (attention.py passes these arguments to plan_paged_launch).
+        width = step["block_tables"].shape[1] * BLOCK_SIZE
+        plan = plan_paged_launch(B, B, Hkv, Hq // Hkv, width, _device_sm_count(device),
+                                 interpret=device.type != "cuda")
+        row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "batch": B, "q_heads": Hq, "kv_heads": Hkv, "context": L,
+               "head_dim": D, "block_size": BLOCK_SIZE, "planned_max_context": width, "launch": plan.__dict__,
+               "split_kv": plan.num_segments > 1, "k_scale": k_scale, "v_scale": v_scale, "copy_tbs": copy_tbs,
+               "baseline": base}
+        cells = {base: (step, {}),
+                 "fp8": ({**step, "kv_cache": fp8_pool(step["kv_cache"], k_scale, v_scale)},
+                         dict(k_scale=k_scale, v_scale=v_scale))}
+        outs = {}
+        for name, (s, scales) in cells.items():
+            call = functools.partial(paged, **s, **attrs, **scales)
+            outs[name], _ = call()
+            kv_bytes = 2 * B * Hkv * L * D * s["kv_cache"].element_size()
+            cell = {"pool_dtype": str(s["kv_cache"].dtype).removeprefix("torch."), "kv_bytes": kv_bytes,
+                    "rel_err_vs_ref": reference_rel_err(outs[name], s, attrs, **scales)}
+            if not cell["rel_err_vs_ref"] <= FP8_CHECK_REL_TOL:  # NaN fails too
+                cell["error"] = f"output off the reference by {cell['rel_err_vs_ref']:.3g} of its max: not timed"
+                print(f"decode_fp8 {row['shape']} {name}: {cell['error']}", flush=True)
+            else:
+                cell.update(time_decode_cell(call, kv_bytes, B * L, device))
+            row[name] = cell
+        # The quantization's own effect on the output (information, not a check).
+        row[f"fp8_rel_diff_vs_{base}"] = float((outs["fp8"].float() - outs[base].float()).abs().max()
+                                               / outs[base].float().abs().max().clamp_min(1e-30))
+        row.update(fp8_speedups(row, base))
+        if sweep and "ms" in row["fp8"]:
+            fp8_step, scales = cells["fp8"]
+            row["fp8_sweep"] = fp8_tiling_sweep(functools.partial(paged, **fp8_step, **attrs, **scales), outs["fp8"],
+                                                plan, row["fp8"]["kv_bytes"], device)
+            timed = [c for c in row["fp8_sweep"] if "ms" in c]
+            if timed:
+                row["fp8_best_sweep"] = min(timed, key=lambda c: c["ms"])
+                ref_ms = row[base].get("graph_ms", row[base].get("ms"))
+                if ref_ms:
+                    row[f"fp8_best_sweep_speedup_vs_{base}"] = ref_ms / row["fp8_best_sweep"]["ms"]
+        rows.append(row)
+        print(f"decode_fp8 {row['shape']}: plan {plan} (max context {width}); "
+              + "; ".join(f"{n} {row[n].get('tbs', float('nan')):.2f} TB/s {row[n].get('tokens_per_s', 0) / 1e6:.1f} "
+                          f"Mtok/s (graph {row[n].get('graph_tbs', float('nan')):.2f} TB/s), err "
+                          f"{row[n]['rel_err_vs_ref']:.2g}" for n in cells)
+              + f"; fp8 speedup {row.get(f'fp8_speedup_vs_{base}', float('nan')):.2f}x ({row.get('speedup_basis')}, "
+              f"eager {row.get(f'eager_fp8_speedup_vs_{base}', float('nan')):.2f}x, target {FP8_SPEEDUP_TARGET}x)",
+              flush=True)
+        del step, cells, outs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench_paged_prefill() -> list[dict]:
     """Prefill through the paged kernel (4 × 2048 new tokens) vs the FlashAttention kernel on the same data."""
     from trtopt.plugins.flash_attention.kernel import flash_attention_flops, flash_attention_triton
@@ -298,13 +494,70 @@ def bench_copy_blocks(copy_tbs: float) -> dict:
     return {"layers": 30, "pairs": 256, "ms": ms, "tbs": moved / ms / 1e9, "copy_tbs": copy_tbs}
 
 
-def environment() -> dict:
+def environment(device: torch.device = torch.device("cuda")) -> dict:
     import triton
 
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sm_count": props.multi_processor_count, "date": datetime.datetime.now(
-        datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "python": platform.python_version()}
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    if device.type != "cuda":
+        return {"gpu": f"{device.type} (TRITON_INTERPRET=1 smoke)", **env}
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "sm_count": props.multi_processor_count, **env, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()}
+
+
+def plot_prefill(ax, data: dict) -> None:
+    names = ["triton", "sdpa_cudnn", "sdpa_flash"]
+    width = 0.27
+    for i, name in enumerate(names):
+        vals = [r.get(name, {}).get("tflops", 0.0) for r in data["prefill"]]
+        ax.bar([x + (i - 1) * width for x in range(len(vals))], vals, width, label=name)
+    ax.set_xticks(range(len(data["prefill"])), [r["shape"] for r in data["prefill"]], fontsize=8)
+    ax.set_ylabel("TFLOP/s (causal, bf16)")
+    ax.set_title("Prefill: FlashAttention kernel vs SDPA")
+    ax.legend()
+
+
+def plot_decode(ax, data: dict) -> None:
+    # Backends that took none of the shapes (SDPA's efficient kernel rejects GQA decode) are left out.
+    names = [n for n in ("triton", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient")
+             if any("tbs" in r.get(n, {}) for r in data["decode"])]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        vals = [r.get(name, {}).get("tbs", 0.0) for r in data["decode"]]
+        ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(vals))], vals, width, label=name)
+    ax.axhline(data["copy_tbs"], color="k", linestyle="--", label="D2D copy (read+write)")
+    ax.set_xticks(range(len(data["decode"])), [r["shape"] for r in data["decode"]], fontsize=7)
+    ax.set_ylabel("TB/s of KV read")
+    ax.set_title("Decode: PagedAttention (paged pool) vs SDPA (contiguous)")
+    ax.set_ylim(0, data["copy_tbs"] * 1.25)
+    ax.legend(fontsize=8, loc="upper center", ncol=4)
+
+
+def plot_decode_fp8(ax, data: dict) -> None:
+    """Effective tokens/s of bf16 and FP8 pools per shape (graph replays where measured), each bar labelled with its
+    TB/s of KV read, and the FP8 speedup above each pair."""
+    rows = data["decode_fp8"]
+    base = rows[0]["baseline"]
+    for i, name in enumerate((base, "fp8")):
+        for x, r in enumerate(rows):
+            cell = r.get(name, {})
+            graph = "graph_tokens_per_s" in cell
+            tok = cell.get("graph_tokens_per_s" if graph else "tokens_per_s", 0.0) / 1e9
+            bar = ax.bar(x + (i - 0.5) * 0.4, tok, 0.4, color=f"C{i}", label=name if x == 0 else None)
+            if tok:
+                ax.bar_label(bar, [f"{cell['graph_tbs' if graph else 'tbs']:.2f} TB/s"], fontsize=7)
+    for x, r in enumerate(rows):
+        if f"fp8_speedup_vs_{base}" in r:
+            top = max(r[n].get("graph_tokens_per_s", r[n].get("tokens_per_s", 0.0)) for n in (base, "fp8")) / 1e9
+            ax.annotate(f"{r[f'fp8_speedup_vs_{base}']:.2f}x", (x, top * 1.08), ha="center", fontsize=9,
+                        color="k" if r["meets_target"] else "C3", weight="bold")
+    ax.set_xticks(range(len(rows)), [f"{r['shape']}\n{'split-KV' if r['split_kv'] else 'one segment'}"
+                                     for r in rows], fontsize=7)
+    ax.set_ylabel("G context tokens/s (batch × context / s, one layer)")
+    ax.set_title(f"Decode: PagedAttention, FP8 vs {base} KV pool (target {FP8_SPEEDUP_TARGET}x)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.2)
+    ax.legend(fontsize=8, loc="upper left")
 
 
 def plot(path: Path) -> Path:
@@ -314,29 +567,12 @@ def plot(path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     data = json.loads(path.read_text())
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    names = ["triton", "sdpa_cudnn", "sdpa_flash"]
-    width = 0.27
-    for i, name in enumerate(names):
-        vals = [r.get(name, {}).get("tflops", 0.0) for r in data["prefill"]]
-        ax1.bar([x + (i - 1) * width for x in range(len(vals))], vals, width, label=name)
-    ax1.set_xticks(range(len(data["prefill"])), [r["shape"] for r in data["prefill"]], fontsize=8)
-    ax1.set_ylabel("TFLOP/s (causal, bf16)")
-    ax1.set_title("Prefill: FlashAttention kernel vs SDPA")
-    ax1.legend()
-    # Backends that took none of the shapes (SDPA's efficient kernel rejects GQA decode) are left out.
-    names = [n for n in ("triton", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient")
-             if any("tbs" in r.get(n, {}) for r in data["decode"])]
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        vals = [r.get(name, {}).get("tbs", 0.0) for r in data["decode"]]
-        ax2.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(vals))], vals, width, label=name)
-    ax2.axhline(data["copy_tbs"], color="k", linestyle="--", label="D2D copy (read+write)")
-    ax2.set_xticks(range(len(data["decode"])), [r["shape"] for r in data["decode"]], fontsize=7)
-    ax2.set_ylabel("TB/s of KV read")
-    ax2.set_title("Decode: PagedAttention (paged pool) vs SDPA (contiguous)")
-    ax2.set_ylim(0, data["copy_tbs"] * 1.25)
-    ax2.legend(fontsize=8, loc="upper center", ncol=4)
+    panels = [(name, fn) for name, fn in (("prefill", plot_prefill), ("decode", plot_decode),
+                                          ("decode_fp8", plot_decode_fp8)) if data.get(name)]
+    assert panels, f"{path} holds none of the plotted sections (prefill, decode, decode_fp8)"
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (_, fn) in zip(axes[0], panels):
+        fn(ax, data)
     fig.suptitle(f"{data['env']['gpu']} · torch {data['env']['torch']} · triton {data['env']['triton']} · "
                  f"{data['env']['date']}", fontsize=9)
     fig.tight_layout()
@@ -345,31 +581,91 @@ def plot(path: Path) -> Path:
     return out
 
 
+def sections_to_run(only: str, skip: str) -> list[str]:
+    chosen = set(filter(None, only.split(","))) or set(SECTIONS)
+    skipped = set(filter(None, skip.split(",")))
+    unknown = (chosen | skipped) - set(SECTIONS)
+    if unknown:
+        sys.exit(f"unknown section(s) {sorted(unknown)}; the sections are {', '.join(SECTIONS)}")
+    return [s for s in SECTIONS if s in chosen - skipped]
+
+
+def write_results(out: Path, results: dict, ran: list[str]) -> None:
+    """Write results to out. The sections this run skipped keep what out already held for the same GPU (listed in
+    "carried_over" with the date of the run that made them); the others are left empty."""
+    old = json.loads(out.read_text()) if out.is_file() and len(ran) < len(SECTIONS) else {}
+    if old and old.get("env", {}).get("gpu") != results["env"]["gpu"]:
+        sys.exit(f"{out} holds results of {old.get('env', {}).get('gpu')}, not {results['env']['gpu']}: "
+                 "pass another --out")
+    carried = dict(old.get("carried_over", {}))
+    for section in SECTIONS:
+        if section in ran:
+            carried.pop(section, None)
+        elif old.get(section):
+            results[section] = old[section]
+            carried.setdefault(section, old["env"]["date"])
+        else:
+            results[section] = {} if section == "copy_blocks" else []
+    if carried:
+        results["carried_over"] = carried
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="where to write the JSON results (needs CUDA)")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results (needs CUDA, or --smoke)")
     parser.add_argument("--plot", type=Path, help="plot an existing results JSON to a PNG beside it")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: prefill,decode,paged_prefill")
+    parser.add_argument("--only", default="",
+                        help=f"comma-separated sections to run (default all): {','.join(SECTIONS)}")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="decode_fp8: pad block tables to this many tokens' blocks, as the runtime's CUDA graphs "
+                             "pad them to max_blocks_per_seq (the plan reads the width); 0 = as wide as the context")
+    parser.add_argument("--fp8-sweep", action="store_true",
+                        help="decode_fp8: also time the FP8 pool under tilings around its plan (~1 min on a GPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run decode_fp8 at tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the code)")
     args = parser.parse_args()
     if args.plot:
         print(plot(args.plot))
         return
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention needs a CUDA GPU; use --plot to draw existing results")
-    skip = set(filter(None, args.skip.split(",")))
+    if args.smoke:
+        # Triton picks interpreting or compiling when a kernel is decorated: before the kernel modules are imported.
+        assert "trtopt.plugins.paged_attention.attention" not in sys.modules, "kernels imported before --smoke"
+        os.environ["TRITON_INTERPRET"] = "1"
+        device = torch.device("cpu")
+        sections = sections_to_run(args.only or "decode_fp8", args.skip)
+        if sections != ["decode_fp8"]:
+            sys.exit(f"--smoke runs decode_fp8 only (the other sections need CUDA); got {sections}")
+    elif not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU; use --smoke to check decode_fp8 on the CPU, --plot to draw results")
+    else:
+        device = torch.device("cuda")
+        sections = sections_to_run(args.only, args.skip)
     warnings.filterwarnings("ignore", message=".*(not used because|runtime disabled|require query, key and value).*")
-    results = {"env": environment()}
-    results["copy_tbs"] = copy_bandwidth_tbs()
-    print(f"{results['env']}\ncopy bandwidth {results['copy_tbs']:.2f} TB/s", flush=True)
-    results["prefill"] = [] if "prefill" in skip else bench_prefill()
-    results["decode"] = [] if "decode" in skip else bench_decode(results["copy_tbs"])
-    results["paged_prefill"] = [] if "paged_prefill" in skip else bench_paged_prefill()
-    results["copy_blocks"] = bench_copy_blocks(results["copy_tbs"])
-    print(f"copy_blocks: {results['copy_blocks']}")
+    results = {"env": environment(device)}
+    results["copy_tbs"] = copy_bandwidth_tbs(device)
+    print(f"{results['env']}\ncopy bandwidth {results['copy_tbs']:.2f} TB/s; sections {', '.join(sections)}",
+          flush=True)
+    if "prefill" in sections:
+        results["prefill"] = bench_prefill()
+    if "decode" in sections:
+        results["decode"] = bench_decode(results["copy_tbs"])
+    if "decode_fp8" in sections:
+        results["decode_fp8"] = bench_decode_fp8(
+            results["copy_tbs"], device=device, max_model_len=args.max_model_len, sweep=args.fp8_sweep,
+            **(dict(shapes=SMOKE_DECODE_SHAPES, dtype=torch.float32) if args.smoke else {}))
+    if "paged_prefill" in sections:
+        results["paged_prefill"] = bench_paged_prefill()
+    if "copy_blocks" in sections:
+        results["copy_blocks"] = bench_copy_blocks(results["copy_tbs"])
+        print(f"copy_blocks: {results['copy_blocks']}")
+    if args.smoke and not args.out:
+        return  # nothing to keep: the smoke run's numbers are the interpreter's
     out = args.out or Path("docs/benchmarks") / f"attention_{results['env']['gpu'].replace(' ', '_').lower()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(out, results, sections)
 
 
 if __name__ == "__main__":
