@@ -19,11 +19,18 @@ same process, on the same GPU, in the same run:
    of 3 once with one step in flight (the plain keys) and once synchronously (the `*_sync` keys), same run.
    host_ms_per_step is the wall time the GPU did not run the model, per step: all the host work when synchronous,
    only the exposed part with async scheduling.
+5. **FP8 KV cache vs bf16 KV** (section `fp8_kv`; `--only fp8_kv` runs it alone): two more plans from the same
+   export with max_model_len 8192, one with bf16 pools and one built with `kv_cache_dtype="fp8"` (float8_e4m3fn
+   pools, scales 1.0). Batch-1 decode at a 128-token and a 7936-token prompt, then the workload at one KV budget
+   small enough that the bf16 pools hold about a quarter of what its requests want at once (`--fp8-kv-gb`): output
+   tok/s, the most sequences running at once, preemptions, and the blocks each engine allocated (2x by
+   construction). Written to its own fp8_kv_e2e_<gpu>.json + .png (and under "fp8_kv" in the full run's JSON).
 
 The engine runs without a tokenizer (token ids in, token ids out), as HF does here; nothing is detokenized.
 
     python3 benchmarks/gpu_e2e.py                      # on the GPU machine: docs/benchmarks/gpu_e2e_<gpu>.json + .png
     python3 benchmarks/gpu_e2e.py --tiny --device cpu  # a few-second smoke run of the same code on the CPU
+    python3 benchmarks/gpu_e2e.py --only fp8_kv        # the FP8 KV rows alone: docs/benchmarks/fp8_kv_e2e_<gpu>.json
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import gc
 import json
 import platform
 import random
+import re
 import shutil
 import sys
 import time
@@ -78,6 +86,31 @@ class Workload:
         return reqs
 
 
+@dataclasses.dataclass(frozen=True)
+class KVSection:
+    """The fp8_kv section's settings: its plans' max_model_len, the batch-1 prompts and the workload's KV budget."""
+
+    max_model_len: int = 8192
+    prompt_lens: tuple[int, ...] = (128, 7936)  # batch-1 decode; the long one fills max_model_len with new_tokens
+    new_tokens: int = 256
+    budget_fraction: float = 0.25  # of the blocks the workload's requests want at once, in bf16 blocks
+    warmup_fraction: float = 0.25  # of the requests, run once per engine before the timed pass
+
+
+TINY_KV = KVSection(max_model_len=256, prompt_lens=(32, 192), new_tokens=64)
+
+# Sections every run has unless skipped; with all of them skipped (--only fp8_kv) the 2048-token plan is not built
+# and the run's JSON is fp8_kv_e2e_<gpu>.json alone.
+MAIN_SECTIONS = ("batch1", "static", "continuous", "hf")
+
+
+def device_tag(name: str) -> str:
+    """The device's short name for file names: the first model-number word ("NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA H200" -> "h200"), else the last word."""
+    words = name.split()
+    return next((w for w in words if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", w)), words[-1]).lower()
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -97,7 +130,8 @@ def make_hf_dir(out: Path, shape: Shape, device: torch.device, dtype: torch.dtyp
     config = LlamaConfig(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        # 8192: the fp8_kv section's long prompt (the export does not depend on it; the other plans stay at 2048)
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)
     with torch.device(device):  # initialising 1.2B parameters on the GPU takes a second, on the CPU a minute
@@ -149,7 +183,10 @@ def set_switch(rule: str, on: bool, executor) -> None:
 
 
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
-          ablate: tuple[str, ...] = ()) -> tuple[Path, Path, int, dict]:
+          ablate: tuple[str, ...] = (), *, main_plan: bool = True,
+          kv_max_model_len: int | None = None) -> tuple[Path, Path | None, int, dict]:
+    """The HF dir, its export and the plans: the main one (work/plan, unless main_plan=False), the ablation plans,
+    and with kv_max_model_len the fp8_kv section's pair work/plan-kv-auto (bf16 pools) and work/plan-kv-fp8."""
     from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
@@ -165,6 +202,19 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
     export_model(hf_dir, onnx_dir, dtype="bf16", verify_outputs=False, force=True)
     times["export_s"] = time.perf_counter() - t
     log(f"exported ({times['export_s']:.1f} s)")
+    if kv_max_model_len is not None:
+        kv_limits = Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs,
+                           max_model_len=kv_max_model_len)
+        for kv_dtype in ("auto", "fp8"):
+            t = time.perf_counter()
+            result = build_plan(onnx_dir, work / f"plan-kv-{kv_dtype}", force=True, progress=False,
+                                limits=kv_limits, kv_cache_dtype=kv_dtype)
+            times[f"build_kv_{kv_dtype}_s"] = time.perf_counter() - t
+            log(f"built the fp8_kv section's plan, KV cache {result.config.kv_pool_dtype} "
+                f"({times[f'build_kv_{kv_dtype}_s']:.1f} s)")
+    if not main_plan:
+        shutil.rmtree(onnx_dir)
+        return hf_dir, None, params, times
     t = time.perf_counter()
     limits = Limits(block_size=16, max_num_tokens=8192, max_num_seqs=max_num_seqs, max_model_len=2048)
     result = build_plan(onnx_dir, plan_dir, force=True, progress=False, limits=limits)
@@ -244,6 +294,7 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
     from trtopt.runtime.sampling_params import SamplingParams
 
     timer = StepTimer(engine, device)
+    preemptions_before = engine.stats().num_preemptions
     waves = [requests] if wave is None else [requests[i:i + wave] for i in range(0, len(requests), wave)]
     out_tokens, steps, batch_sizes = 0, 0, []
     sync(device)
@@ -278,6 +329,8 @@ def run_engine(engine, requests: list[tuple[list[int], int]], *, wave: int | Non
         "wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
         "output_tok_s": out_tokens / wall, "total_tok_s": (out_tokens + prompt_tokens) / wall,
         "steps": steps, "mean_running": sum(batch_sizes) / max(1, len(batch_sizes)),
+        "max_running": max(batch_sizes, default=0), "preemptions": st.num_preemptions - preemptions_before,
+        "num_blocks_total": st.num_blocks_total,
         "gpu_busy_s": gpu, "gpu_busy_frac": gpu / wall if gpu else None,
         # The wall time the GPU did not run the model, per step: all of the host work in the synchronous loop, only
         # the part left exposed (not overlapped with the previous step) with async scheduling.
@@ -437,6 +490,80 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.numel() * src.element_size() / (ms / 1e3)  # the buffers go with the frame
 
 
+# ---- FP8 KV cache -----------------------------------------------------------------------------------------------
+
+def kv_budget_gb(plan, requests: list[tuple[list[int], int]], *, fraction: float, max_model_len: int) -> float:
+    """A KV budget (GiB) in which `plan`'s pools hold `fraction` of the blocks the requests want when all run at
+    once (each its prompt + output tokens), and at least one sequence of max_model_len (the engine's minimum)."""
+    from trtopt.runtime.config import block_bytes
+
+    size = plan.limits.block_size
+    wanted = sum(-(-(len(p) + n) // size) for p, n in requests)
+    blocks = max(int(wanted * fraction), -(-max_model_len // size))
+    # A quarter block over: the engine floors bytes // block bytes, and FP8's half-size blocks then number 2x exactly
+    return (blocks + 0.25) * block_bytes(plan) / 2**30
+
+
+def fp8_kv_section(work: Path, requests: list[tuple[list[int], int]], kv: KVSection, *, vocab: int,
+                   device: torch.device, max_num_seqs: int, kv_gb: float | None, async_scheduling: bool) -> dict:
+    """Batch-1 decode and the workload at one KV budget, with the bf16-pool plan then the FP8-pool plan (both
+    built by `build` from the same export, same limits). Each dtype: one engine, one executor, freed before the
+    next; the workload is warmed up on a fraction of the requests, then timed whole."""
+    from trtopt.builder.plan import read_plan
+    from trtopt.runtime.config import block_bytes
+    from trtopt.runtime.executors import create_executor
+
+    # row -> the plan's --kv-cache-dtype ("auto": the model's bf16)
+    plans = {row: read_plan(work / f"plan-kv-{dtype}") for row, dtype in (("bf16", "auto"), ("fp8", "fp8"))}
+    if kv_gb is None:
+        kv_gb = kv_budget_gb(plans["bf16"], requests, fraction=kv.budget_fraction, max_model_len=kv.max_model_len)
+    warmup = requests[:max(1, int(len(requests) * kv.warmup_fraction))]
+    section: dict = {"kv_cache_memory_gb": kv_gb, "max_model_len": kv.max_model_len, "max_num_seqs": max_num_seqs,
+                     "budget_fraction": kv.budget_fraction, "warmup_requests": len(warmup),
+                     "requests": len(requests), "scales": "1.0 per layer (no calibration)"}
+    log(f"fp8_kv: KV budget {kv_gb:.4g} GiB for every engine, {len(requests)} requests")
+    for name, plan in plans.items():
+        row = section[name] = {"kv_cache_dtype": plan.kv_cache_dtype}
+        t = time.perf_counter()
+        executor = create_executor("torch", work / f"plan-kv-{plan.kv_cache_dtype}", plan, device=str(device),
+                                   cuda_graphs=device.type == "cuda")
+        engine = make_engine(executor, plan, max_num_seqs=max_num_seqs, kv_gb=kv_gb,
+                             async_scheduling=async_scheduling)
+        st = engine.stats()
+        row.update(kv_pool_dtype=st.kv_cache_dtype, num_blocks_total=st.num_blocks_total,
+                   block_bytes=block_bytes(plan), engine_start_s=time.perf_counter() - t)
+        log(f"fp8_kv {name}: engine up, {st.num_blocks_total} KV blocks ({row['engine_start_s']:.1f} s)")
+        for prompt_len in kv.prompt_lens:
+            b = row[f"batch1_prompt_{prompt_len}"] = batch1_decode(engine, vocab, device, new_tokens=kv.new_tokens,
+                                                                   prompt_len=prompt_len)
+            log(f"fp8_kv {name}: batch 1, prompt {prompt_len}: {b['decode_tok_s']:.0f} tok/s "
+                f"({b['ms_per_token']:.3f} ms/token)")
+        t = time.perf_counter()
+        run_engine(engine, warmup, wave=None, device=device)
+        log(f"fp8_kv {name}: warm-up on {len(warmup)} requests ({time.perf_counter() - t:.1f} s)")
+        gc.collect()
+        gc.freeze()  # as timed_workload does
+        try:
+            r = row["workload"] = run_engine(engine, requests, wave=None, device=device)
+        finally:
+            gc.unfreeze()
+        log(f"fp8_kv {name}: workload {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
+            f"max running {r['max_running']}, mean {r['mean_running']:.0f}, {r['preemptions']} preemptions")
+        del engine, executor
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bf16, fp8 = section["bf16"], section["fp8"]
+    section["ratios_fp8_vs_bf16"] = {
+        "num_blocks": fp8["num_blocks_total"] / bf16["num_blocks_total"],
+        "max_running": fp8["workload"]["max_running"] / max(1, bf16["workload"]["max_running"]),
+        "workload_output_tok_s": fp8["workload"]["output_tok_s"] / bf16["workload"]["output_tok_s"],
+        **{f"batch1_decode_tok_s_prompt_{n}": (fp8[f"batch1_prompt_{n}"]["decode_tok_s"]
+                                               / bf16[f"batch1_prompt_{n}"]["decode_tok_s"]) for n in kv.prompt_lens},
+    }
+    return section
+
+
 # ---- HF baseline -----------------------------------------------------------------------------------------------
 
 def run_hf(hf_dir: Path, requests: list[tuple[list[int], int]], batch: int, device: torch.device) -> dict:
@@ -545,6 +672,56 @@ def plot(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_fp8_kv(section: dict, title: str, path: Path) -> None:
+    """Bars of the fp8_kv section, bf16 pools against FP8 pools: batch-1 decode per prompt, workload throughput at
+    the section's KV budget, and the most sequences that ran at once (with the blocks each engine allocated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, colors = ("bf16", "fp8"), {"bf16": "tab:gray", "fp8": "tab:green"}
+    prompts = sorted(int(k.rsplit("_", 1)[1]) for k in section["bf16"] if k.startswith("batch1_prompt_"))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1, 1]})
+    for i, name in enumerate(rows):
+        vals = [section[name][f"batch1_prompt_{n}"]["decode_tok_s"] for n in prompts]
+        bars = ax1.bar([j + 0.4 * i for j in range(len(prompts))], vals, width=0.4, color=colors[name],
+                       label=f"{name} KV")
+        ax1.bar_label(bars, fmt="%.0f")
+    ax1.set_xticks([j + 0.2 for j in range(len(prompts))], [f"prompt {n}" for n in prompts])
+    ax1.set_ylabel("tokens / s")
+    ax1.set_title("batch-1 decode")
+    ax1.legend()
+    gb = section["kv_cache_memory_gb"]
+    bars = ax2.bar(rows, [section[n]["workload"]["output_tok_s"] for n in rows], color=[colors[n] for n in rows])
+    ax2.bar_label(bars, fmt="%.0f")
+    ax2.set_ylabel("output tokens / s")
+    ax2.set_title(f"{section['requests']} requests, KV {gb:.3g} GiB")
+    bars = ax3.bar([f"{n}\n{section[n]['num_blocks_total']} blocks" for n in rows],
+                   [section[n]["workload"]["max_running"] for n in rows], color=[colors[n] for n in rows])
+    ax3.bar_label(bars, fmt="%.0f")
+    ax3.set_ylabel("sequences")
+    ax3.set_title(f"most running at once (max {section['max_num_seqs']})")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def merge_decode_speedup(path: Path, section: dict, model: str) -> None:
+    """Set `decode_speedup_vs_bf16` in the issue's docs/benchmarks/fp8_kv_<gpu>.json (FP8 pools' tok/s over bf16
+    pools', per batch-1 prompt length and for the workload at the section's KV budget); the file's other keys are
+    benchmarks/fp8_kv.py's and are kept."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    ratios = section["ratios_fp8_vs_bf16"]
+    data["decode_speedup_vs_bf16"] = {
+        "source": "benchmarks/gpu_e2e.py, section fp8_kv (fp8_kv_e2e_<gpu>.json)", "model": model,
+        **{k.removeprefix("batch1_decode_tok_s_"): v for k, v in ratios.items() if k.startswith("batch1_")},
+        "workload_output_tok_s": ratios["workload_output_tok_s"],
+        "workload_kv_cache_memory_gb": section["kv_cache_memory_gb"],
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -564,7 +741,13 @@ def main() -> None:
                     "turned off), the sampler's argmax kernel, PagedAttention's in-kernel split-KV merge and the "
                     "placeholder fill + greedy argmax inside the step graphs (argmax_in_graph) (turned off), to "
                     "measure at batch 1 against the default, same run")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["batch1", "eager", "hf", "static", "continuous", "ablation"])
+    sections = ["batch1", "eager", "hf", "static", "continuous", "ablation", "fp8_kv"]
+    ap.add_argument("--skip", nargs="*", default=[], choices=sections)
+    ap.add_argument("--only", nargs="+", default=None, choices=sections,
+                    help="run these sections alone (--only fp8_kv: the FP8 KV rows, written to their own JSON)")
+    ap.add_argument("--fp8-kv-gb", type=float, default=None,
+                    help="the fp8_kv section's KV budget for both engines (default: a quarter of the blocks the "
+                    "workload's requests want at once, in bf16 blocks)")
     ap.add_argument("--scheduling", choices=["both", "async", "sync"], default="both",
                     help="the engine loop: async scheduling (one step in flight), synchronous, or both in the same run "
                     "(the plain keys are async, the *_sync keys synchronous)")
@@ -578,20 +761,18 @@ def main() -> None:
         spec = dataclasses.replace(spec, requests=args.requests)
     if args.tiny:
         args.max_batch, args.max_num_seqs, args.hf_batches, args.kv_gb = 4, 16, [4, 8], 0.05
+    if args.only:
+        args.skip = [name for name in sections if name not in args.only]
+    main_run = not set(MAIN_SECTIONS) <= set(args.skip)  # False: the fp8_kv section alone
+    kv_section = TINY_KV if args.tiny else KVSection()
     requests = spec.make(shape.vocab)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    gpu_tag = f"{'tiny_' if args.tiny else ''}{device_tag(gpu_name)}"
 
     args.work.mkdir(parents=True, exist_ok=True)
-    hf_dir, plan_dir, params, build_times = build(args.work, shape, device, args.max_num_seqs, tuple(args.ablate))
-
-    from trtopt.builder.plan import read_plan
-    from trtopt.runtime.executors import create_executor
-
-    plan = read_plan(plan_dir)
-    t = time.perf_counter()
-    executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
-    build_times["load_plan_s"] = time.perf_counter() - t
-    log(f"plan loaded on {device} ({build_times['load_plan_s']:.1f} s)")
+    hf_dir, plan_dir, params, build_times = build(
+        args.work, shape, device, args.max_num_seqs, tuple(args.ablate) if main_run else (), main_plan=main_run,
+        kv_max_model_len=kv_section.max_model_len if "fp8_kv" not in args.skip else None)
     data: dict = {
         "benchmark": "gpu_e2e",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -600,8 +781,9 @@ def main() -> None:
         "shape": dataclasses.asdict(shape), "params": params, "setup": build_times,
         "workload_spec": dataclasses.asdict(spec),
     }
-    out = args.out or DOCS / f"gpu_e2e_{'tiny_' if args.tiny else ''}{gpu_name.split()[-1].lower()}.json"
+    out = args.out or DOCS / f"gpu_e2e_{gpu_tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    kv_out = out.parent / f"fp8_kv_e2e_{gpu_tag}.json"  # the fp8_kv section's own file, next to the run's JSON
 
     def save() -> None:  # after every section, so that a run cut short keeps what it measured
         out.write_text(json.dumps(data, indent=2) + "\n")
@@ -611,6 +793,50 @@ def main() -> None:
     data["machine"]["triton"] = triton.__version__
 
     use_async = args.scheduling != "sync"
+
+    def run_fp8_kv() -> None:
+        """The fp8_kv section: its own JSON (the run's metadata + "fp8_kv") and PNG, under "fp8_kv" in the run's
+        JSON too when other sections ran, and the issue's fp8_kv_<gpu>.json speedups (full-size GPU runs only)."""
+        section = data["fp8_kv"] = fp8_kv_section(
+            args.work, requests, kv_section, vocab=shape.vocab, device=device, max_num_seqs=args.max_num_seqs,
+            kv_gb=args.fp8_kv_gb, async_scheduling=use_async)
+        kv_data = {**data, "benchmark": "gpu_e2e fp8_kv"}
+        for key in ("batch1", "batch1_sync", "batch1_eager_dispatcher", "batch1_eager", "fusion_ablation",
+                    "workload", "ratios", "targets"):
+            kv_data.pop(key, None)  # the other sections' rows live in the run's own JSON
+        kv_out.write_text(json.dumps(kv_data, indent=2) + "\n")
+        plot_fp8_kv(section, f"FP8 vs bf16 KV cache: {data['model']} on {gpu_name} ({data['date'][:10]})",
+                    kv_out.with_suffix(".png"))
+        if device.type == "cuda" and not args.tiny:
+            merge_decode_speedup(out.parent / f"fp8_kv_{device_tag(gpu_name)}.json", section, data["model"])
+        print("\n== fp8_kv ==")
+        for name in ("bf16", "fp8"):
+            row = section[name]
+            print(f"{name} KV ({row['kv_pool_dtype']}): {row['num_blocks_total']} blocks in "
+                  f"{section['kv_cache_memory_gb']:.4g} GiB; " + ", ".join(
+                      f"batch 1 prompt {n}: {row[f'batch1_prompt_{n}']['decode_tok_s']:.0f} tok/s"
+                      for n in kv_section.prompt_lens))
+            w = row["workload"]
+            print(f"   workload: {w['output_tok_s']:.0f} output tok/s, {w['wall_s']:.1f} s, max running "
+                  f"{w['max_running']}, mean {w['mean_running']:.1f}, preemptions {w['preemptions']}, "
+                  f"steps {w['steps']}")
+        for k, v in section["ratios_fp8_vs_bf16"].items():
+            print(f"fp8 vs bf16 {k}: {v:.3f}x")
+        print(f"wrote {kv_out}")
+
+    if not main_run:
+        if "fp8_kv" not in args.skip:
+            run_fp8_kv()
+        return
+
+    from trtopt.builder.plan import read_plan
+    from trtopt.runtime.executors import create_executor
+
+    plan = read_plan(plan_dir)
+    t = time.perf_counter()
+    executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
+    build_times["load_plan_s"] = time.perf_counter() - t
+    log(f"plan loaded on {device} ({build_times['load_plan_s']:.1f} s)")
     if "batch1" not in args.skip:
         engine = make_engine(executor, plan, max_num_seqs=args.max_num_seqs, kv_gb=min(args.kv_gb, 4.0),
                              async_scheduling=use_async)
@@ -730,6 +956,9 @@ def main() -> None:
     del executor, graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if "fp8_kv" not in args.skip:
+        run_fp8_kv()
+        save()
     if "hf" not in args.skip:
         for b in args.hf_batches:
             r = run_hf(hf_dir, requests, b, device)
