@@ -82,8 +82,11 @@ def _qgemv_fp8(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         acc = tl.sum(acc_tile, axis=1)[None, :]
     scale = tl.load(S + safe_n).to(tl.float32)
     rows = row0 + offs_r
+    # Only this program's ROWS rows: the padding rows ROWS..ROWS_PAD hold zeros and are the next chunk's rows
+    # (m = 12: rows 6, 7), which a racing store would overwrite on a GPU.
+    row_ok = (offs_r < ROWS) & (rows < M)
     out = Y + rows[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, (acc * scale[None, :]).to(OUT_DTYPE), mask=(rows < M)[:, None] & n_ok[None, :])
+    tl.store(out, (acc * scale[None, :]).to(OUT_DTYPE), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -139,8 +142,9 @@ def _qgemv_int4(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
     if ROWS == 1:
         acc = tl.sum(tl.sum(acc_tile, axis=2), axis=1)[None, :]
     rows = row0 + offs_r
+    row_ok = (offs_r < ROWS) & (rows < M)  # this program's rows only, as in _qgemv_fp8
     out = Y + rows[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(OUT_DTYPE), mask=(rows < M)[:, None] & n_ok[None, :])
+    tl.store(out, acc.to(OUT_DTYPE), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _tile_k(k: int) -> int:

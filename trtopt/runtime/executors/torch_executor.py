@@ -18,6 +18,7 @@ from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
 from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
+from trtopt.runtime.executors.qmatmul_packing import pack_qmatmul_weights
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, TORCH_POOL_DTYPES, check_paged_plan, kv_dtype, kv_shape, pool_dtype, step_tensors,
 )
@@ -104,6 +105,9 @@ class TorchExecutor(Executor):
             # (the GEMV's own KV write stores without FP8 scales: FP8 pools keep PagedAttention's write)
             use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv and self.pool_dtype == self.kv_dtype)
             if decode_gemv else (0, 0, 0))
+        # QMatMul weights packed once into the decode GEMV's layout on CUDA (runtime/executors/qmatmul_packing.py);
+        # the CPU and compile_mode (its custom op) keep the op, which packs per call on CUDA.
+        self.num_packed_qmatmuls = 0 if compile_mode else pack_qmatmul_weights(self.graph.module)
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None

@@ -1,0 +1,105 @@
+"""QMatMul weights packed once at load for the decode GEMV (the torch executor on CUDA; docs/architecture.md §4).
+
+A converted trtopt.QMatMul reads the plan's w_q [K, N] (INT4/UINT4 one int8/uint8 a value), scale and zero point.
+On CUDA `trtopt_ops.qmatmul` runs plugins/qmatmul/kernel.py `qmatmul_triton`, which packs them into the GEMV's
+layout (plugins/qmatmul/packing.py) on every call: several reads of the weight and host syncs per projection.
+`pack_qmatmul_weights` packs each constant weight once, as gemv.py stores MatMul weights [N, K] once:
+
+1. every QMatMul whose w_q, w_scale and w_zero_point are constants on CUDA, in a form `packing.packable` takes,
+   gets the packed tensors as buffers of the module and runs `qmatmul_packed_call` (kernel.py `qmatmul_packed`);
+2. the plan's buffers it read are dropped when nothing else reads them, so memory does not grow (INT4: it
+   halves).
+
+The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
+one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx
+
+from trtopt.plugins.qmatmul.packing import PackedQWeight, pack_weight, packable
+from trtopt.runtime.executors import trtopt_ops
+from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
+
+
+@functools.cache
+def _kernel():
+    try:
+        from trtopt.plugins.qmatmul import kernel
+    except ImportError:  # no Triton: the op's reference path is always correct
+        return None
+    return kernel
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def qmatmul_packed_call(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                        act_scale: torch.Tensor, *, k: int, group: int, zero_const: int,
+                        act_mode: int) -> torch.Tensor:
+    """trtopt::QMatMul on a weight packed at load: PackedQWeight's tensors (data [N, ·], scale, zero or None) and
+    fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to MAX_ROWS rows, else dequantize + GEMM)."""
+    w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
+    return _kernel().qmatmul_packed(x, w, act_scale, act_mode=act_mode)
+
+
+def _axis_fits(axis: int, block_size: int) -> bool:
+    """The weight's DequantizeLinear axis is the one the packed layout assumes: FP8 per output column (axis 1),
+    INT4/UINT4 blocked over K (axis 0)."""
+    return axis in ((1, -1) if block_size == 0 else (0, -2))
+
+
+def _buffer(gm: torch.fx.GraphModule, name: str, value: torch.Tensor) -> str:
+    """Register `value` as a buffer of gm under a free name built from `name`; returns the name."""
+    free, i = name, 0
+    while hasattr(gm, free):
+        i += 1
+        free = f"{name}_{i}"
+    gm.register_buffer(free, value)
+    return free
+
+
+def _drop_if_unread(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase a get_attr node nothing reads, and its attribute when no other node reads that attribute."""
+    if node.users:
+        return
+    gm.graph.erase_node(node)
+    if not any(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes):
+        delattr(gm, node.target)
+
+
+def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
+    """Apply the rewrite above; returns the QMatMul calls that now read a packed weight. A weight several calls read
+    (the same three constants and block size) is packed once."""
+    packed: dict[tuple, tuple[list[torch.fx.Node | None], dict]] = {}  # (w_q, scale, zp targets, block) → reads
+    count = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is trtopt_ops.qmatmul]:
+        consts = node.args[1:4]
+        if len(node.args) < 5 or not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in consts):
+            continue
+        w_q, scale, zero = (getattr(gm, a.target, None) for a in consts)
+        block = node.kwargs.get("block_size", 0)
+        if not (all(isinstance(t, torch.Tensor) for t in (w_q, scale, zero)) and _on_gpu(w_q)
+                and _axis_fits(node.kwargs.get("axis", 1), block) and packable(w_q, scale, block_size=block)
+                and _kernel() is not None):
+            continue
+        key = (*(a.target for a in consts), block)
+        if key not in packed:
+            w = pack_weight(w_q, scale, zero, block_size=block)
+            with gm.graph.inserting_before(node):
+                reads = [None if t is None else gm.graph.get_attr(_buffer(gm, f"{consts[0].target}_packed_{part}", t))
+                         for part, t in (("data", w.data), ("scale", w.scale), ("zero", w.zero))]
+            packed[key] = reads, dict(k=w.k, group=w.group, zero_const=w.zero_const)
+        reads, fields = packed[key]
+        old_consts = dict.fromkeys(a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr")
+        replace_node(gm, node, qmatmul_packed_call, (node.args[0], *reads, node.args[4]),
+                     dict(fields, act_mode=node.kwargs.get("act_mode", 0)))
+        for const in old_consts:  # the plan's weight, and the zero point and flags the packed call does not read
+            _drop_if_unread(gm, const)
+        count += 1
+    return recompiled(gm, count)
