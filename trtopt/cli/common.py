@@ -37,6 +37,41 @@ def tensor_parallel_option() -> Any:
                         help="Ranks for a plan built with `trtopt build --tensor-parallel N` (default: the plan's N).")
 
 
+def nnodes_option() -> Any:
+    return typer.Option(1, "--nnodes", help="Hosts the tensor-parallel ranks spread over (torchrun's flag): each runs "
+                        "tensor-parallel-size / nnodes of them. Start the same command on every host, with its own "
+                        "--node-rank.")
+
+
+def node_rank_option() -> Any:
+    return typer.Option(0, "--node-rank", help="This host's place among --nnodes (torchrun's flag). 0 runs the "
+                        "engine; any other only runs its ranks for node 0 and blocks until node 0's engine ends, "
+                        "then exits 0 (non-zero when node 0 died or fell silent).")
+
+
+def master_addr_option() -> Any:
+    return typer.Option(None, "--master-addr", help="With --nnodes > 1: node 0's address, as every host reaches it.")
+
+
+def master_port_option() -> Any:
+    return typer.Option(None, "--master-port", help="With --nnodes > 1: a free TCP port on node 0 for the group's "
+                        "rendezvous (every host passes the same one).")
+
+
+def run_worker_node_if_remote(plan: Any, tensor_parallel_size: int | None, nodes: Any, device: str) -> bool:
+    """Node R > 0 of a multi-node group: run this host's ranks until node 0's engine ends, and return True (the
+    command is then done); False on node 0, which goes on to run the engine."""
+    if nodes.node_rank == 0:
+        return False
+    from trtopt.runtime.executors.tensor_parallel import run_worker_node
+
+    err_console.print(f"node {nodes.node_rank} of {nodes.nnodes}: running this host's tensor-parallel ranks for the "
+                      f"driver at {nodes.master_addr}:{nodes.master_port} until it ends", highlight=False)
+    run_worker_node(plan, tensor_parallel_size, nodes, device=device)
+    err_console.print(f"node {nodes.node_rank}: the driver stopped the group", highlight=False)
+    return True
+
+
 def eager_option() -> Any:
     return typer.Option(False, "--eager", help="No CUDA graphs: run every step eagerly (on CUDA, decode steps "
                         "replay captured graphs by default).")

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from trtopt.cli.common import (
-    async_scheduling_option, console, eager_option, err_console, speculative_config_option, tensor_parallel_option,
+    async_scheduling_option, console, eager_option, err_console, master_addr_option, master_port_option,
+    nnodes_option, node_rank_option, run_worker_node_if_remote, speculative_config_option, tensor_parallel_option,
 )
 
 
@@ -20,6 +21,10 @@ def generate(
     backend: str = typer.Option("torch", help="torch or onnxruntime."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     tensor_parallel_size: int = tensor_parallel_option(),
+    nnodes: int = nnodes_option(),
+    node_rank: int = node_rank_option(),
+    master_addr: str = master_addr_option(),
+    master_port: int = master_port_option(),
     eager: bool = eager_option(),
     async_scheduling: bool = async_scheduling_option(),
     max_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
@@ -45,9 +50,18 @@ def generate(
         trtopt generate out/plan -p "Write a haiku" --temperature 0.8 --top-p 0.95 --seed 1 --n 2 --backend onnxruntime
 
         trtopt generate out/plan -p "Repeat: a b c d e f" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
+    Over two hosts (torchrun's flags; node 1 ignores the prompts, runs its ranks until node 0 is done, exits 0):
+
+        trtopt generate out/plan -p "Hi" --tp 4 --nnodes 2 --node-rank R --master-addr 10.0.0.1 --master-port 29500
     """
+    from trtopt.runtime.config import NodeConfig
     from trtopt.runtime.llm import LLM
     from trtopt.runtime.sampling_params import SamplingParams
+
+    nodes = NodeConfig(nnodes, node_rank, master_addr, master_port)
+    if run_worker_node_if_remote(plan, tensor_parallel_size, nodes, device):
+        return
 
     params = SamplingParams(
         n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -55,7 +69,8 @@ def generate(
     )
     started = time.perf_counter()
     llm = LLM(plan, backend=backend, device=device, cuda_graphs=False if eager else None,
-              tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config,
+              tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+              master_port=master_port, speculative_config=speculative_config,
               async_scheduling=async_scheduling)
     err_console.print(f"loaded {plan} on {backend}/{device} in {time.perf_counter() - started:.1f} s; {_describe(params)}", highlight=False)
     prompts = [_chat(p, system) if chat else p for p in prompt]

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from trtopt.cli.common import (
-    async_scheduling_option, console, eager_option, speculative_config_option, tensor_parallel_option,
+    async_scheduling_option, console, eager_option, master_addr_option, master_port_option, nnodes_option,
+    node_rank_option, run_worker_node_if_remote, speculative_config_option, tensor_parallel_option,
 )
 
 
@@ -22,6 +23,10 @@ def serve(
     backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     tensor_parallel_size: int = tensor_parallel_option(),
+    nnodes: int = nnodes_option(),
+    node_rank: int = node_rank_option(),
+    master_addr: str = master_addr_option(),
+    master_port: int = master_port_option(),
     eager: bool = eager_option(),
     async_scheduling: bool = async_scheduling_option(),
     max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
@@ -73,9 +78,17 @@ def serve(
             -d '{"model": "plan", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
 
         trtopt serve out/plan --host 0.0.0.0 --api-key secret --max-num-seqs 32 --max-model-len 1024
+
+    Tensor parallelism over two hosts (plan built with --tensor-parallel 4; 2 ranks each). Node 0 serves; node 1
+    only runs its ranks, blocks until node 0's server stops, then exits 0:
+
+        trtopt serve out/plan --tp 4 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
+
+        trtopt serve out/plan --tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
     """
     import uvicorn
 
+    from trtopt.runtime.config import NodeConfig
     from trtopt.runtime.engine import LLMEngine
     from trtopt.serving.reasoning import get_reasoning_parser
     from trtopt.serving.server import ServerOptions, create_app, run_server
@@ -84,9 +97,13 @@ def serve(
     if reasoning_parser is not None:
         get_reasoning_parser(reasoning_parser)  # an unknown name fails now, before the plan loads
     check_tool_options(enable_auto_tool_choice, tool_call_parser)  # so does a bad tool-call flag combination
+    nodes = NodeConfig(nnodes, node_rank, master_addr, master_port)
+    if run_worker_node_if_remote(plan, tensor_parallel_size, nodes, device):
+        return
     engine = LLMEngine.from_plan(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
-        tensor_parallel_size=tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size, nodes=nodes, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
         speculative_config=speculative_config, async_scheduling=async_scheduling,
     )

@@ -41,6 +41,38 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """Where this process sits when a tensor-parallel group spans hosts: torchrun's launch flags, the same on every
+    node but node_rank (docs/architecture.md §7b). Node 0 runs the driver and its ranks 0 .. size/nnodes - 1; node
+    R > 0 runs ranks R*size/nnodes .. (R+1)*size/nnodes - 1 only, until the driver stops them."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # node 0's address as every node reaches it (the group's TCPStore lives there)
+    master_port: int | None = None  # a free TCP port on node 0 for that store
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ConfigError(f"nnodes must be a positive integer, got {self.nnodes!r}.")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank={self.node_rank!r} must be in [0, {self.nnodes - 1}] with "
+                              f"nnodes={self.nnodes}; node 0 runs the driver.")
+        if self.nnodes > 1 and not self.master_addr:
+            raise ConfigError(f"nnodes={self.nnodes} needs master_addr (--master-addr): node 0's address, reachable "
+                              "from every node.")
+        if self.nnodes > 1 and (not isinstance(self.master_port, int) or not 1 <= self.master_port <= 65535):
+            raise ConfigError(f"nnodes={self.nnodes} needs master_port (--master-port): a free TCP port on node 0 in "
+                              f"[1, 65535], got {self.master_port!r}.")
+
+    def ranks_per_node(self, size: int) -> int:
+        """Ranks each node runs for a group of ``size``; ConfigError when they do not split evenly."""
+        if size % self.nnodes:
+            raise ConfigError(f"tensor_parallel_size={size} does not split evenly over nnodes={self.nnodes}: every "
+                              "node runs tensor_parallel_size / nnodes ranks (e.g. 4 ranks over 2 nodes).")
+        return size // self.nnodes
+
+
+@dataclasses.dataclass(frozen=True)
 class ResolvedLimits:
     """EngineConfig merged with the plan's limits and checked."""
 

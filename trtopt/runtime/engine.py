@@ -26,7 +26,8 @@ from trtopt.errors import ConfigError, RequestError, WorkerDiedError
 from trtopt.runtime.batch import EngineStats, RequestOutput, ScheduledBatch, StepInputs, StepOutput, fill_placeholders
 from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.config import (
-    EngineConfig, default_cuda_graphs, draft_plan_block_bytes, load_tokenizer, resolve_async_scheduling, resolve_limits,
+    EngineConfig, NodeConfig, default_cuda_graphs, draft_plan_block_bytes, load_tokenizer, resolve_async_scheduling,
+    resolve_limits,
 )
 from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.failures import FailureHandler
@@ -104,7 +105,8 @@ class LLMEngine:
     @classmethod
     def from_plan(cls, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
                   cuda_graphs: bool | None = None, argmax_in_graph: bool = True,
-                  tensor_parallel_size: int | None = None, **config: Any) -> LLMEngine:
+                  tensor_parallel_size: int | None = None, nodes: NodeConfig | None = None,
+                  **config: Any) -> LLMEngine:
         """Load a plan dir (model.onnx, plan.json, tokenizer files) and start an engine on `backend`.
 
         cuda_graphs: replay captured CUDA graphs for decode-only steps; None (the default) turns them on wherever
@@ -113,13 +115,15 @@ class LLMEngine:
         default); False launches both from Python between replays (create_executor; a speculative draft follows).
         tensor_parallel_size: ranks for a plan built with --tensor-parallel (None = the plan's own size); above 1
         the engine drives worker processes (runtime/executors/tensor_parallel.py). Call shutdown() when done.
+        nodes: those ranks spread over several hosts, this one node 0 (NodeConfig; None = one host).
         """
         from trtopt.runtime.executors import create_executor  # the executors pull in heavy deps
 
         if cuda_graphs is None:
             cuda_graphs = default_cuda_graphs(backend, device)
         executor = create_executor(backend, plan_dir, device=device, cuda_graphs=cuda_graphs,
-                                   tensor_parallel_size=tensor_parallel_size, argmax_in_graph=argmax_in_graph)
+                                   tensor_parallel_size=tensor_parallel_size, argmax_in_graph=argmax_in_graph,
+                                   nodes=nodes)
         return cls(executor, executor.plan, load_tokenizer(plan_dir), EngineConfig(**config), plan_dir=plan_dir,
                    backend=backend, device=device)
 

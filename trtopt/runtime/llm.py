@@ -14,26 +14,39 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from trtopt.errors import RequestError
+from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.batch import RequestOutput
+from trtopt.runtime.config import NodeConfig
 from trtopt.runtime.engine import LLMEngine, PromptType
 from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
     def __init__(self, plan_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
-                 tensor_parallel_size: int | None = None, **engine_config: Any) -> None:
+                 tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
+                 master_addr: str | None = None, master_port: int | None = None, **engine_config: Any) -> None:
         """Load a plan dir built by `trtopt build`. engine_config: EngineConfig fields (num_blocks, max_num_seqs, ...).
 
         tensor_parallel_size: for a plan built with --tensor-parallel N, N worker ranks (None = the plan's N); call
         shutdown() (or use ``with LLM(...) as llm``) to stop them.
+        nnodes, node_rank, master_addr, master_port: those ranks over several hosts, torchrun's way (NodeConfig): the
+        same call on every node but node_rank. Node 0 runs the engine. On node R > 0 this call only runs that node's
+        ranks and returns when node 0's engine shuts down; that LLM is_driver False and cannot generate.
         """
-        self.engine = LLMEngine.from_plan(plan_dir, backend=backend, device=device,
-                                          tensor_parallel_size=tensor_parallel_size, **engine_config)
+        nodes = NodeConfig(nnodes, node_rank, master_addr, master_port)
+        self.is_driver = nodes.node_rank == 0
         self._ids = itertools.count()
+        if not self.is_driver:
+            from trtopt.runtime.executors.tensor_parallel import run_worker_node
+
+            run_worker_node(plan_dir, tensor_parallel_size, nodes, device=device)
+            return
+        self.engine = LLMEngine.from_plan(plan_dir, backend=backend, device=device,
+                                          tensor_parallel_size=tensor_parallel_size, nodes=nodes, **engine_config)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.is_driver:
+            self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -62,6 +75,9 @@ class LLM:
         Without `on_output` nobody reads the intermediate outputs, so the requests run with
         output_kind=FINAL_ONLY (as vLLM's LLM does): the engine makes one output per request, when it finishes.
         """
+        if not self.is_driver:
+            raise ConfigError("this LLM ran a worker node (node_rank > 0) of a multi-node group, which has ended; only "
+                              "node 0 generates.")
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         if on_output is None:

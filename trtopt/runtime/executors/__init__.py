@@ -12,6 +12,7 @@ from pathlib import Path
 from trtopt.builder.plan import MODEL_FILE, PlanConfig, rank_dir, read_plan
 from trtopt.builder.source import check_plan_model
 from trtopt.errors import ConfigError
+from trtopt.runtime.config import NodeConfig
 from trtopt.runtime.executors.base import Executor
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -19,7 +20,8 @@ BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None = None, *, device: str = "cpu",
                     num_blocks: int | None = None, cuda_graphs: bool = False, compile_mode: str | None = None,
-                    tensor_parallel_size: int | None = None, argmax_in_graph: bool = True) -> Executor:
+                    tensor_parallel_size: int | None = None, argmax_in_graph: bool = True,
+                    nodes: NodeConfig | None = None) -> Executor:
     """Open the executor `backend` ("torch", "onnxruntime" or "tensorrt") for a plan dir; `executor.plan` is the
     plan it runs.
 
@@ -28,6 +30,8 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
     TensorParallelExecutor over worker processes; call shutdown() when done), or as rank0/ alone when N is 1.
     tensor_parallel_size: with plan=None only: the ranks asked for (None = the plan's own size); ConfigError when the
     plan was not built for that many.
+    nodes: with plan=None only: a group over several hosts, this process being node 0 (the driver); node R > 0 runs
+    tensor_parallel.run_worker_node instead. None = one host.
     device: "cpu" or "cuda" (onnxruntime: "cuda" selects the CUDA execution provider; tensorrt: always CUDA; tensor
     parallel on CUDA: rank r on cuda:r).
     num_blocks: when given, the KV pools are allocated now; otherwise call allocate_kv_cache() later.
@@ -43,11 +47,14 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
         top_dir = plan_dir
         plan, plan_dir, size = _resolve_plan(top_dir, tensor_parallel_size)
         _check_tensor_parallel_backend(backend, size)
+        nodes = nodes or NodeConfig()
+        nodes.ranks_per_node(size)  # ConfigError when the ranks do not split over the nodes
         if size > 1:
             return _open_tensor_parallel(top_dir, size, device=device, num_blocks=num_blocks, cuda_graphs=cuda_graphs,
-                                         compile_mode=compile_mode, argmax_in_graph=argmax_in_graph)
+                                         compile_mode=compile_mode, argmax_in_graph=argmax_in_graph, nodes=nodes)
     else:
         assert tensor_parallel_size is None, "tensor_parallel_size resolves a plan dir: pass it with plan=None"
+        assert nodes is None, "nodes resolves a plan dir: pass it with plan=None"
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if compile_mode is not None and backend != "torch":
@@ -79,7 +86,8 @@ def create_executor(backend: str, plan_dir: str | Path, plan: PlanConfig | None 
 
 
 def _open_tensor_parallel(plan_dir: str | Path, size: int, *, device: str, num_blocks: int | None,
-                          cuda_graphs: bool, compile_mode: str | None, argmax_in_graph: bool) -> Executor:
+                          cuda_graphs: bool, compile_mode: str | None, argmax_in_graph: bool,
+                          nodes: NodeConfig) -> Executor:
     if compile_mode is not None:
         raise ConfigError(f"compile_mode={compile_mode!r} runs one device; leave it unset with "
                           f"tensor_parallel_size={size}.")
@@ -88,7 +96,9 @@ def _open_tensor_parallel(plan_dir: str | Path, size: int, *, device: str, num_b
                           f"tensor_parallel_size={size}.")
     from trtopt.runtime.executors.tensor_parallel import TensorParallelExecutor
 
-    executor = TensorParallelExecutor(plan_dir, size, device=device, cuda_graphs=cuda_graphs)
+    assert nodes.node_rank == 0, "node R > 0 runs tensor_parallel.run_worker_node, not an executor"
+    executor = TensorParallelExecutor(plan_dir, size, device=device, cuda_graphs=cuda_graphs, nnodes=nodes.nnodes,
+                                      master_addr=nodes.master_addr, master_port=nodes.master_port)
     if num_blocks is not None:
         executor.allocate_kv_cache(num_blocks)
     return executor

@@ -1,5 +1,5 @@
-"""One writer, several readers on one host: the tensor-parallel driver's per-step message to its workers
-(tensor_parallel.py).
+"""One writer, several readers on one host: the tensor-parallel driver's per-step message to the workers of its
+own node (tensor_parallel.py; ranks on other nodes read the same bytes over TCP, control_plane.py).
 
 Why not ``dist.broadcast_object_list`` over gloo (what this replaced): it costs two TCP round trips plus pickling
 of tensors per call, 2.5-3.7 ms per step measured on our CPU box, and on 2xH200 it made batch-1 decode at N = 2
@@ -85,8 +85,11 @@ class ShmBroadcast:
 
     def publish(self, obj: Any, alive: Callable[[], None] = lambda: None) -> None:
         """Send ``obj`` (pickled) to every reader; waits until they all took the previous message."""
+        self.publish_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), alive)
+
+    def publish_bytes(self, payload: bytes, alive: Callable[[], None] = lambda: None) -> None:
+        """publish() of an object the caller pickled (control_plane.DriverChannel pickles once for every path)."""
         assert self._reader is None, "only the writer publishes"
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         assert len(payload) <= self.capacity, f"message of {len(payload)} bytes > channel capacity {self.capacity}"
         acks = self._header[2:]
         _wait(lambda: bool((acks >= self._seq).all()), alive)

@@ -1,21 +1,25 @@
 """Tensor-parallel execution of a sharded plan (docs/architecture.md §7b): the TensorParallelExecutor and its workers.
 
 One Executor over N ranks: rank 0 runs in the driver process (beside the scheduler, block manager and sampler, like
-vLLM's driver worker), ranks 1..N-1 in worker processes it spawns. All N form one torch.distributed group,
-initialised the torchrun way (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK; backend "gloo" on CPU,
-"cpu:gloo,cuda:nccl" on CUDA, where rank r owns cuda:r). Per engine step the driver broadcasts one message (the
-step's StepInputs, or a KV-pool command) through a shared-memory channel (executors/shm_broadcast.py: one host, so
-no network hop and no pickled tensors; gloo's broadcast_object_list cost 2.5-3.7 ms a step); every rank runs its
-plan on it, the plan's trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own
-heads into its own KV pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default
+vLLM's driver worker), ranks 1..N-1 in worker processes. All N form one torch.distributed group, initialised the
+torchrun way (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK; backend "gloo" on CPU, "cpu:gloo,cuda:nccl" on
+CUDA, where local rank r owns cuda:r). On one host the driver spawns every worker. Over ``nnodes`` hosts
+(NodeConfig: torchrun's flags) it spawns its own node's, and on every other node ``run_worker_node`` spawns that
+node's ranks, which find the driver through the group's TCPStore at master_addr:master_port. Per engine step the
+driver broadcasts one message (the step's StepInputs, or a KV-pool command) through control_plane.DriverChannel:
+shared memory to the ranks of its node (shm_broadcast.py: no network hop and no pickled tensors; gloo's
+broadcast_object_list cost 2.5-3.7 ms a step), TCP to the others; every rank runs its plan on it, the plan's
+trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into its own KV pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default
 build), it leaves every logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel
 (``--lm-head vocab-parallel``), each rank computes its vocabulary columns of those rows and the plan's
 trtopt.AllGather hands every rank the full rows. Either way rank 0's executor returns the full-vocabulary rows the
 driver samples from.
 
-A worker that dies (crash, OOM kill) ends the engine: a monitor thread watches the worker processes, and the
-driver's next (or current) collective fails, at the latest after ``timeout_s``; ``execute`` then raises
-WorkerDiedError naming the rank and its exit code, and every later call raises it at once.
+A worker that dies (crash, OOM kill) ends the engine: a monitor thread watches the worker processes of the driver's
+node and the control connections of the others (closed: the process or node is gone; silent for ``timeout_s``: its
+host is down or cut off), and the driver's next (or current) collective fails, at the latest after ``timeout_s``;
+``execute`` then raises WorkerDiedError naming the rank, and every later call raises it at once. A worker leaves when
+the driver does: its parent gone (one node), or its control connection closed or silent (other nodes).
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ import torch.distributed as dist
 from trtopt.builder.plan import rank_dir, read_plan
 from trtopt.errors import ConfigError, WorkerDiedError
 from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.config import NodeConfig
 from trtopt.runtime.executors.base import Executor
+from trtopt.runtime.executors.control_plane import (
+    ABORT_KEY, LAUNCH_KEY, READY_KEY, DriverChannel, Launch, PeerGone, TcpBroadcast, TcpReader,
+)
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.shm_broadcast import ShmBroadcast
 from trtopt.runtime.executors.torch_executor import TorchExecutor
@@ -47,6 +55,9 @@ from trtopt.runtime.executors.torch_executor import TorchExecutor
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a silent peer fails
+# How long the nodes of a multi-node group wait for each other at start-up (torchrun's default join timeout): people
+# start them by hand, and node 0 may come up minutes after the others.
+DEFAULT_RENDEZVOUS_S = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +72,9 @@ def backend_for(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if str(device).startswith("cuda") else "gloo"
 
 
-def rank_device(device: str, rank: int) -> str:
-    """Rank r owns cuda:r (one process per GPU); CPU ranks share the host."""
-    return f"cuda:{rank}" if str(device).startswith("cuda") else "cpu"
+def rank_device(device: str, local_rank: int) -> str:
+    """Local rank r (its place on its node) owns cuda:r, one process per GPU; CPU ranks share the host."""
+    return f"cuda:{local_rank}" if str(device).startswith("cuda") else "cpu"
 
 
 def cpu_threads_per_rank(size: int) -> int:
@@ -87,43 +98,137 @@ def _from_wire(message: tuple[str, Any]) -> _Command:
     return _Command(op, arg)
 
 
-def _init_group(rank: int, size: int, device: str, timeout_s: float, store: Any = None) -> None:
-    """Join the default group (the torchrun env vars, or the driver's store)."""
+def _init_group(rank: int, size: int, device: str, timeout_s: float, store: Any) -> None:
+    """Join the default group through the driver's store, once the driver says every rank is there (READY_KEY)."""
+    store.wait([READY_KEY])
     timeout = datetime.timedelta(seconds=timeout_s)
-    backend = backend_for(device)
-    if store is None:  # a worker: the driver (rank 0) hosts the store at MASTER_ADDR:MASTER_PORT
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
 
 
-def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float, channel: str) -> None:
-    """A worker rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment, as torchrun sets them):
-    join the group, load its rank's plan, mirror the driver's commands until "stop"."""
+def _store(addr: str, port: int, size: int, *, timeout_s: float, server: bool = False) -> Any:
+    """The group's TCPStore: the driver hosts it (``server``; port 0 picks a free one), every other rank connects
+    (retrying until it is up, for at most ``timeout_s``)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        return dist.TCPStore(addr, port, size, server, timeout=timeout, wait_for_workers=False)
+    except dist.DistNetworkError as e:
+        if server:
+            raise ConfigError(f"cannot host the tensor-parallel store on port {port} ({e}); pick a free "
+                              "--master-port.") from e
+        raise ConfigError(f"cannot reach the tensor-parallel driver's store at {addr}:{port} within "
+                          f"{timeout_s:.0f} s ({e}); start node 0 and check --master-addr/--master-port.") from e
+
+
+def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float, channel: str | None,
+                rendezvous_timeout_s: float) -> None:
+    """A worker rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment,
+    as torchrun sets them): join the group, load its rank's plan, mirror the driver's commands until "stop".
+    channel: the driver's shared-memory channel (a rank on the driver's node); None: connect to the driver over TCP
+    (a rank on another node; the port is in the store's launch record)."""
     # Ctrl-C reaches the terminal's whole process group: the driver decides when workers stop ("stop", or its
     # death, which fails the next collective here), so a worker must not die of it mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if not str(device).startswith("cuda"):
-        torch.set_num_threads(cpu_threads_per_rank(size))
-    _init_group(rank, size, device, timeout_s)
-    messages = ShmBroadcast.attach(channel, num_readers=size - 1, reader=rank - 1)
-    driver = os.getppid()
+        torch.set_num_threads(cpu_threads_per_rank(local_size))
+    parent = os.getppid()  # the driver, or the node's run_worker_node
 
-    def driver_alive() -> None:  # a driver killed without "stop" re-parents us: leave instead of waiting forever
-        if os.getppid() != driver:
-            raise SystemExit(f"tensor-parallel rank {rank}: the driver (pid {driver}) is gone")
+    def parent_alive() -> None:  # a parent killed without "stop" re-parents us: leave instead of waiting forever
+        if os.getppid() != parent:
+            raise SystemExit(f"tensor-parallel rank {rank}: its parent (pid {parent}) is gone")
+
+    addr = os.environ["MASTER_ADDR"]
+    store = _store(addr, int(os.environ["MASTER_PORT"]), size, timeout_s=rendezvous_timeout_s)
+    messages: ShmBroadcast | TcpReader
+    if channel is not None:
+        messages = ShmBroadcast.attach(channel, num_readers=local_size - 1, reader=local_rank - 1)
+    else:
+        launch = Launch.from_json(store.get(LAUNCH_KEY))
+        messages = TcpReader.connect(addr, launch.control_port, rank, timeout_s=timeout_s)
+    _init_group(rank, size, device, timeout_s, store)
     if str(device).startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(local_rank)
     path = rank_dir(plan_dir, rank)
-    executor = TorchExecutor(path, read_plan(path), device=rank_device(device, rank), cuda_graphs=cuda_graphs)
+    executor = TorchExecutor(path, read_plan(path), device=rank_device(device, local_rank), cuda_graphs=cuda_graphs)
     while True:
-        command = _from_wire(messages.receive(alive=driver_alive))
+        try:
+            command = _from_wire(messages.receive(alive=parent_alive))
+        except PeerGone as e:
+            raise SystemExit(f"tensor-parallel rank {rank}: {e}") from None
         if command.op == "stop":
             break
         _apply(executor, command)
     _release_graphs(executor)
     messages.close()
     dist.destroy_process_group()
+
+
+def _spawn_worker(plan_dir: str | Path, rank: int, local_rank: int, local_size: int, size: int, *, addr: str,
+                  port: int, device: str, cuda_graphs: bool, timeout_s: float, rendezvous_timeout_s: float,
+                  channel: Path | None) -> subprocess.Popen:
+    # Fresh interpreters (`python -m trtopt.runtime.executors.tensor_parallel`), not multiprocessing: nothing of
+    # the caller's __main__ is re-imported, and a worker is exactly what torchrun would start.
+    env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(size),
+           "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_size)}
+    args = [sys.executable, "-m", "trtopt.runtime.executors.tensor_parallel", str(plan_dir), "--device", str(device),
+            "--timeout", str(timeout_s), "--rendezvous-timeout", str(rendezvous_timeout_s)]
+    args += ["--channel", str(channel)] if channel is not None else []
+    args += ["--cuda-graphs"] if cuda_graphs else []
+    return subprocess.Popen(args, env=env)
+
+
+def run_worker_node(plan_dir: str | Path, size: int | None, nodes: NodeConfig, *, device: str = "cpu",
+                    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_S) -> None:
+    """Node ``nodes.node_rank`` > 0 of a multi-node group: start this node's ranks, and block until they end.
+
+    The ranks find the driver (node 0) through its store at master_addr:master_port (waiting up to
+    ``rendezvous_timeout_s`` for it to come up) and take its graphs and timeout settings. Returns when the driver
+    stopped the group; raises WorkerDiedError when a rank of this node exited otherwise (the driver died or fell
+    silent, or the rank crashed: its stderr says which), ConfigError when this node's flags do not match node 0's.
+    size: the group's ranks (None = the plan's own size, as on node 0).
+    """
+    from trtopt.runtime.executors import _resolve_plan
+
+    assert nodes.node_rank > 0, "node 0 runs the driver (TensorParallelExecutor)"
+    size = _resolve_plan(plan_dir, size)[2]
+    local_size = nodes.ranks_per_node(size)
+    assert nodes.master_addr is not None and nodes.master_port is not None  # NodeConfig checked them
+    addr, port = nodes.master_addr, nodes.master_port
+    store = _store(addr, port, size, timeout_s=rendezvous_timeout_s)
+    launch = Launch.from_json(store.get(LAUNCH_KEY))
+    problem = launch.mismatch(size=size, nnodes=nodes.nnodes, device=device)
+    if problem is None and str(device).startswith("cuda") and torch.cuda.device_count() < local_size:
+        problem = (f"tensor_parallel_size={size} over {nodes.nnodes} nodes needs {local_size} GPUs on node "
+                   f"{nodes.node_rank}; torch sees {torch.cuda.device_count()}.")
+    if problem is not None:
+        store.set(ABORT_KEY, f"node {nodes.node_rank}: {problem}")  # the driver fails now rather than time out
+        raise ConfigError(problem)
+    first = nodes.node_rank * local_size
+    log.info("node %d: starting tensor-parallel ranks %d..%d of %d for the driver at %s:%d", nodes.node_rank, first,
+             first + local_size - 1, size, addr, port)
+    workers = [_spawn_worker(plan_dir, first + i, i, local_size, size, addr=addr, port=port, device=launch.device,
+                             cuda_graphs=launch.cuda_graphs, timeout_s=launch.timeout_s,
+                             rendezvous_timeout_s=rendezvous_timeout_s, channel=None)
+               for i in range(local_size)]
+    try:
+        while (codes := [proc.poll() for proc in workers]) != [0] * local_size:
+            for rank, (proc, code) in enumerate(zip(workers, codes), start=first):
+                if code not in (None, 0):
+                    raise WorkerDiedError(
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; the group is over. "
+                        f"Its stderr says why (the driver at {addr}:{port} gone or silent, or a crash).")
+            time.sleep(0.2)
+    finally:
+        for proc in workers:  # the others cannot go on without it; Ctrl-C here stops them too
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in workers:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _apply(executor: Executor, command: _Command) -> torch.Tensor | None:
@@ -147,46 +252,62 @@ class TensorParallelExecutor(Executor):
     here; its graphs are this executor's, its greedy tokens and placeholders are not read through it (the defaults)."""
 
     def __init__(self, plan_dir: str | Path, size: int, *, device: str = "cpu", cuda_graphs: bool = False,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, nnodes: int = 1, master_addr: str | None = None,
+                 master_port: int | None = None, rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_S):
+        """nnodes > 1: this is node 0 of a group over that many hosts (NodeConfig), hosting the store at
+        master_port and waiting up to ``rendezvous_timeout_s`` for the other nodes' ranks (run_worker_node)."""
+        local_size = NodeConfig(nnodes, 0, master_addr, master_port).ranks_per_node(size)
         if dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; run one tensor-parallel "
                               "engine per process (shut the other down first).")
-        if str(device).startswith("cuda") and torch.cuda.device_count() < size:
-            raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs; torch sees {torch.cuda.device_count()}.")
-        self.size = size
+        if str(device).startswith("cuda") and torch.cuda.device_count() < local_size:
+            raise ConfigError(f"tensor_parallel_size={size} over {nnodes} node(s) needs {local_size} GPUs on this "
+                              f"node; torch sees {torch.cuda.device_count()}.")
+        self._closed = True  # nothing to shut down until the store is up
+        if nnodes > 1:
+            assert master_addr is not None and master_port is not None  # NodeConfig checked them
+            addr, port, rendezvous = master_addr, master_port, rendezvous_timeout_s
+        else:  # port 0: the store picks a free port, so concurrent engines on one host never collide
+            addr, port, rendezvous = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, timeout_s
+        store = self._store = _store(addr, port, size, timeout_s=timeout_s, server=True)
+        self._closed = False
+        self.size, self._local_size = size, local_size
         self._device = str(device)
         self.device = torch.device(rank_device(self._device, 0))  # rank 0's, like a single-device executor's
         self._threads = torch.get_num_threads()  # restored by shutdown()
         if not self._device.startswith("cuda"):
-            torch.set_num_threads(cpu_threads_per_rank(size))  # rank 0 runs in this process
+            torch.set_num_threads(cpu_threads_per_rank(local_size))  # rank 0 runs in this process
         self._error: WorkerDiedError | None = None
-        self._closed = False
         self._local: TorchExecutor | None = None  # rank 0's, once the group is up
-        self._channel = ShmBroadcast.create(num_readers=size - 1)
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        # Port 0: the store picks a free port, so concurrent engines on one host never collide.
-        store = dist.TCPStore(addr, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-        # Fresh interpreters (`python -m trtopt.runtime.executors.tensor_parallel`), not multiprocessing: nothing of
-        # the caller's __main__ is re-imported, and a worker is exactly what torchrun would start.
-        self._workers: list[subprocess.Popen] = []
-        for rank in range(1, size):
-            env = {**os.environ, "MASTER_ADDR": addr, "MASTER_PORT": str(store.port), "RANK": str(rank),
-                   "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)}
-            args = [sys.executable, "-m", "trtopt.runtime.executors.tensor_parallel", str(plan_dir),
-                    "--device", str(device), "--timeout", str(timeout_s), "--channel", str(self._channel.path)]
-            args += ["--cuda-graphs"] if cuda_graphs else []
-            self._workers.append(subprocess.Popen(args, env=env))
+        self._remote = TcpBroadcast(range(local_size, size), timeout_s=timeout_s) if nnodes > 1 else None
+        self._channel = DriverChannel(ShmBroadcast.create(num_readers=local_size - 1), self._remote)
+        self._workers: list[subprocess.Popen] = []  # this node's, rank 1 first
+        launch = Launch(size, nnodes, self._device, cuda_graphs, timeout_s,
+                        self._remote.port if self._remote is not None else 0)
+        store.set(LAUNCH_KEY, launch.to_json())
+        for rank in range(1, local_size):
+            self._workers.append(_spawn_worker(
+                plan_dir, rank, rank, local_size, size, addr=addr, port=store.port, device=device,
+                cuda_graphs=cuda_graphs, timeout_s=timeout_s, rendezvous_timeout_s=rendezvous,
+                channel=self._channel.local.path))
         self._monitor = threading.Thread(target=self._watch, name="trtopt-tp-monitor", daemon=True)
         self._monitor.start()
         try:
-            _init_group(0, size, device, timeout_s, store=store)
+            if self._remote is not None:
+                log.info("tensor-parallel driver: waiting for ranks %d..%d of nodes 1..%d at %s:%d", local_size,
+                         size - 1, nnodes - 1, addr, port)
+                self._remote.accept(rendezvous_timeout_s, alive=self._check_launch)
+            store.set(READY_KEY, "1")
+            _init_group(0, size, device, timeout_s, store)
             self._store = store
             path = rank_dir(plan_dir, 0)
             if str(device).startswith("cuda"):
                 torch.cuda.set_device(0)
             self.plan = read_plan(path)
             self._local = TorchExecutor(path, self.plan, device=rank_device(device, 0), cuda_graphs=cuda_graphs)
+        except ConfigError:  # another node was launched with other flags (it said so in the store)
+            self.shutdown()
+            raise
         except Exception as e:
             self.shutdown()
             raise self._error or WorkerDiedError(f"the tensor-parallel group did not start: {e}") from e
@@ -231,7 +352,7 @@ class TensorParallelExecutor(Executor):
             return
         self._closed = True
         stopped = False
-        if self._error is None and dist.is_initialized() and all(p.poll() is None for p in self._workers):
+        if self._error is None and dist.is_initialized() and self._dead_worker() is None:
             try:
                 self._channel.publish(_to_wire(_Command("stop")), alive=self._check_workers)
                 stopped = True
@@ -247,6 +368,8 @@ class TensorParallelExecutor(Executor):
             else:
                 _abort_group()
         for proc in self._workers:
+            if self._local is None:  # the group never formed: nothing for the workers to wait for
+                proc.terminate()
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -278,11 +401,9 @@ class TensorParallelExecutor(Executor):
             return _apply(self._local, command)
         except Exception as e:
             # The collective failed: a worker is gone (or going). Give the monitor a moment to see which.
-            for proc in self._workers:
-                try:
-                    proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    pass
+            deadline = time.monotonic() + 2.0
+            while self._error is None and self._dead_worker() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             error = self._error or self._dead_worker() or WorkerDiedError(
                 f"a tensor-parallel collective failed ({e}); the engine is stopped. Check the workers' stderr."
             )
@@ -315,7 +436,20 @@ class TensorParallelExecutor(Executor):
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
                     "is stopped and its requests failed. Check that rank's stderr (and memory), then restart."
                 )
+        if self._remote is not None and (lost := self._remote.lost()) is not None:
+            rank, how = lost
+            node = rank // self._local_size
+            return WorkerDiedError(
+                f"tensor-parallel worker rank {rank} on node {node} ({self._remote.peers.get(rank, '?')}) {how}; "
+                "the engine is stopped and its requests failed. Check that node's log, then restart every node."
+            )
         return None
+
+    def _check_launch(self) -> None:
+        """While waiting for the other nodes: a local worker died, or a node refused the launch (ABORT_KEY)."""
+        self._check_workers()
+        if self._store.check([ABORT_KEY]):
+            raise ConfigError(self._store.get(ABORT_KEY).decode())
 
 
 def _release_graphs(executor: TorchExecutor | None) -> None:
@@ -372,9 +506,11 @@ def _main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
-    parser.add_argument("--channel", required=True, help="the driver's shared-memory channel (shm_broadcast.py)")
+    parser.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_RENDEZVOUS_S)
+    parser.add_argument("--channel", default=None,
+                        help="the driver's shared-memory channel (shm_broadcast.py); absent: TCP (another node)")
     args = parser.parse_args()
-    worker_main(args.plan_dir, args.device, args.cuda_graphs, args.timeout, args.channel)
+    worker_main(args.plan_dir, args.device, args.cuda_graphs, args.timeout, args.channel, args.rendezvous_timeout)
 
 
 if __name__ == "__main__":
