@@ -158,7 +158,7 @@ def project(fmt: str, x: torch.Tensor, w, config=None) -> torch.Tensor:
 
     if config is not None:
         return qgemv(x, w, config)
-    return qmatmul_packed(x, w, _ONE[x.device])
+    return qmatmul_packed(x, w, _ONE[x.device.type])
 
 
 _ONE: dict = {}
@@ -283,7 +283,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --smoke for the CPU smoke run")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    _ONE[device] = torch.tensor(1.0, device=device)
+    _ONE[device.type] = torch.tensor(1.0, device=device)
     models = SMOKE if args.smoke else MODELS
     if args.models:
         models = [m for m in models if m.name in args.models]
