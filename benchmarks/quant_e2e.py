@@ -328,6 +328,7 @@ def main() -> None:
     if time.monotonic() > deadline:
         data["notes"].append(f"time budget of {args.time_budget:.0f} s spent: later projection timings / sweeps "
                              "were skipped")
+    data.update(headline(data))
     data["wall_s"] = round(time.monotonic() - started, 1)
     name = f"quant_e2e_smoke_{slug(gpu)}" if args.smoke else f"quant_e2e_{slug(gpu)}"
     out = args.out or ((Path("/tmp") if args.smoke else DOCS) / f"{name}.json")
@@ -336,6 +337,22 @@ def main() -> None:
         data["notes"].append(note)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out} ({data['wall_s']} s)")
+
+
+def headline(data: dict) -> dict:
+    """The issue's top-level keys, from the largest model measured: batch-1 speedup over bf16 per format and each
+    format's batch-1 fraction of its own roofline (bytes it must read / copy bandwidth)."""
+    if not data["models"]:
+        return {}
+    name, rows = list(data["models"].items())[-1]
+    first = {fmt: rows[fmt]["batches"].get("1") for fmt in rows}
+    return {
+        "headline_model": name,
+        "batch1_speedup_vs_bf16": {fmt: round(r["speedup_vs_bf16"], 3) for fmt, r in first.items()
+                                   if r and fmt != "bf16"},
+        "batch1_fraction_of_own_roofline": {fmt: round(r["fraction_of_copy_bw"], 3) for fmt, r in first.items()
+                                            if r and "fraction_of_copy_bw" in r},
+    }
 
 
 if __name__ == "__main__":
