@@ -337,3 +337,44 @@ def test_auto_without_the_flag_is_a_400_that_names_the_flags(plain_server):
     for extra in ({}, {"tool_choice": "auto"}):
         with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice --tool-call-parser"):
             _client(base).chat.completions.create(**_ask(**extra))
+
+
+# ---- a tool loop: the reply's calls and the tools' results sent back ----------------------------------------------
+
+LOOP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "chatcmpl-tool-1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "22C and sunny"},
+]
+
+
+def test_a_tool_loop_reaches_the_template_with_parsed_arguments(hermes_server, smol_tokenizer):
+    """The assistant turn with `content: null` and its calls, then the tool's result, as OpenAI clients and agent
+    frameworks send them: accepted, and the template sees the arguments as a mapping (as vLLM renders them)."""
+    base, executor = hermes_server
+    executor.say(smol_tokenizer.encode("It is 22C and sunny in Paris.", add_special_tokens=False))
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                "[{{ c.function.name }} city={{ c.function.arguments.city }}]{% endfor %};{% endfor %}")
+    r = _client(base).chat.completions.create(
+        model="m", messages=LOOP, tools=[WEATHER], temperature=0, max_tokens=50,
+        extra_body={"chat_template": template, "return_token_ids": True})
+    prompt = smol_tokenizer.decode(r.model_extra["prompt_token_ids"])
+    assert prompt == "user:Weather in Paris?;assistant:[get_weather city=Paris];tool:22C and sunny;"
+    assert r.choices[0].message.content == "It is 22C and sunny in Paris." and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("message,match", [
+    ({"role": "assistant", "content": None}, "content is required"),
+    ({"role": "user", "content": None}, "content is required"),
+    ({"role": "user", "content": "x", "tool_calls": LOOP[1]["tool_calls"]}, "only assistant messages"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+     "must be a JSON string"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}, "needs"),
+])
+def test_bad_tool_loop_messages_are_400s(hermes_server, message, match):
+    openai = pytest.importorskip("openai")
+    base, _ = hermes_server
+    with pytest.raises(openai.BadRequestError, match=match):
+        _client(base).chat.completions.create(model="m", messages=[LOOP[0], message], tools=[WEATHER], max_tokens=5)

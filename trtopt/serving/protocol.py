@@ -14,9 +14,10 @@ warning the first time it sees each unknown field name.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from trtopt.errors import RequestError
 from trtopt.runtime.input_processor import ChatPrompt
@@ -203,7 +204,33 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(**_STRICT, extra="allow")  # name, tool_call_id... are passed through to the template
 
     role: ChatRole
-    content: Union[str, list[ContentPart]]  # required: a message without content is a client bug, not ""
+    # Required, except on an assistant message that made tool calls (OpenAI sends `content: null` there): any other
+    # message without content is a client bug, not "".
+    content: Union[str, list[ContentPart], None] = None
+    # An earlier reply's calls, sent back in a tool loop: OpenAI's shape, `arguments` a JSON string (the template
+    # gets it parsed, as vLLM does: Hermes/Llama/Qwen templates render the arguments as a mapping).
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        for i, call in enumerate(self.tool_calls or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"tool_calls[{i}] needs {{'type': 'function', 'function': {{'name': ..., "
+                                 "'arguments': ...}}")
+            arguments = function.get("arguments", "{}")
+            if isinstance(arguments, str):
+                try:
+                    json.loads(arguments)
+                except ValueError:
+                    raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string") from None
+            elif not isinstance(arguments, dict):
+                raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -249,6 +276,8 @@ class ChatCompletionRequest(_SamplingFields):
         last = self.messages[-1]
         if not self.echo or last.role != self.response_role:
             return ""
+        if last.content is None:
+            return ""
         return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
 
     def tool_plan(self, *, auto_tool_choice: bool = False) -> ToolCallPlan | None:
@@ -284,12 +313,23 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         d = m.model_dump(exclude_none=True)
+        d.setdefault("content", "")  # an assistant turn that only called tools
+        if m.tool_calls:
+            d["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
         if isinstance(m.content, list):
             if any(part.type != "text" or part.text is None for part in m.content):
                 raise RequestError("only text content parts are supported; send {'type': 'text', 'text': ...} parts.")
             d["content"] = "".join(part.text for part in m.content)
         out.append(d)
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as templates read it: the arguments a mapping (validated as JSON by ChatMessage)."""
+    function = dict(call["function"])
+    if isinstance(function.get("arguments", "{}"), str):
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    return {**call, "type": call.get("type", "function"), "function": function}
 
 
 class TokenizeRequest(BaseModel):
