@@ -224,7 +224,10 @@ def _stream_deltas(client, **kw) -> list[dict]:
 
 
 def _reasoning(message) -> str | None:
-    return (message.model_extra or {}).get("reasoning_content")
+    """The reasoning, under both names trtopt sends (current vLLM's `reasoning`, older `reasoning_content`)."""
+    extra = message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")
+    return extra.get("reasoning_content")
 
 
 def test_deepseek_r1_splits_the_reply(serve, reply):
@@ -245,6 +248,7 @@ def test_streamed_reasoning_then_content_equals_the_full_reply(serve, reply):
     client = serve("deepseek_r1")
     deltas = _stream_deltas(client)
     reasoning = [d.get("reasoning_content", "") for d in deltas]
+    assert reasoning == [d.get("reasoning", "") for d in deltas]
     content = [d.get("content", "") for d in deltas]
     assert "".join(reasoning) == "The user greets me. I greet back." and "".join(content) == "Hello! How can I help?"
     assert max(i for i, r in enumerate(reasoning) if r) < min(i for i, c in enumerate(content) if c)
@@ -295,8 +299,8 @@ def test_without_a_parser_the_reply_is_untouched(serve, reply):
     reply(REPLY)
     client = serve(None)
     message = _chat(client).choices[0].message
-    assert message.content == REPLY and "reasoning_content" not in (message.model_extra or {})
-    assert all("reasoning_content" not in d for d in _stream_deltas(client))
+    assert message.content == REPLY and not {"reasoning", "reasoning_content"} & set(message.model_extra or {})
+    assert all(not {"reasoning", "reasoning_content"} & set(d) for d in _stream_deltas(client))
 
 
 def test_constrained_output_is_all_content(serve, reply):

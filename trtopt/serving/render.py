@@ -256,8 +256,9 @@ class ChatRenderer(Renderer):
 
     role: the reply's role (vLLM's: "assistant", or the last message's role when there is no generation prompt).
     echo_text: vLLM's chat echo: the content every reply starts with (streamed as its own chunk after the role).
-    reasoning: the request's reasoning split (--reasoning-parser): each reply's reasoning goes to reasoning_content
-        (streamed as delta.reasoning_content), the rest is the content that tool calls and echo then see.
+    reasoning: the request's reasoning split (--reasoning-parser): each reply's reasoning goes to `reasoning`
+        (current vLLM's name) and `reasoning_content` (older vLLM's and DeepSeek's), streamed as the same delta
+        fields; the rest is the content that tool calls and echo then see.
     prompt_logprobs (vLLM's) sit at the top of the response, null when not asked for.
     tool_parser: tool_choice "auto" (--enable-auto-tool-choice): the parser turns the model's own tool-call syntax
         in each reply's content into tool_calls (streamed as tool-call deltas), finish_reason "tool_calls".
@@ -315,7 +316,7 @@ class ChatRenderer(Renderer):
             c = dataclasses.replace(c, text=split.content or "")
         message: dict[str, Any] = {"role": self.role, "content": c.text}
         if split is not None:
-            message.update(content=split.content, reasoning_content=split.reasoning)
+            message.update(content=split.content, reasoning=split.reasoning, reasoning_content=split.reasoning)
         if self.tool_plan is not None:
             message = self._tool_message(c)
         elif self.tool_parser is not None:
@@ -377,7 +378,7 @@ class ChatRenderer(Renderer):
             new = ReasoningDelta(new.reasoning + end.reasoning, new.content + end.content)
         delta: dict[str, Any] = {}
         if new.reasoning:
-            delta["reasoning_content"] = new.reasoning
+            delta["reasoning"] = delta["reasoning_content"] = new.reasoning
         if new.content:
             delta["content"] = new.content
         return delta
