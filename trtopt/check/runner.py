@@ -15,19 +15,22 @@ import dataclasses
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from trtopt.builder.plan import MODEL_FILE, PlanConfig, read_plan
 from trtopt.builder.source import check_plan_model, resolve_model_path
 from trtopt.check.backends import BACKENDS, BY_NAME, Backend, unavailable_reason
-from trtopt.check.compare import ErrorStats, Tolerance, tolerance_for
+from trtopt.check.compare import ErrorStats, QuantStats, QuantTolerance, Tolerance, new_stats, tolerance_for
 from trtopt.check.driver import BlockSource, Seq, blocks_needed, make_step, packed_schedule
 from trtopt.check.marking import LayerProbe, check_source_names, layer_probes, marked_copy
 from trtopt.check.original import OriginalModel, check_original
 from trtopt.errors import BuildError, ConfigError, TrtOptError
 from trtopt.runtime.executors.base import Executor
+
+if TYPE_CHECKING:
+    from trtopt.quantize.sensitivity import SensitivityReport
 
 ORIGINAL = "original (onnxruntime-cpu)"
 REPORT_VERSION = 1
@@ -67,7 +70,7 @@ class BackendResult:
     status: str  # "reference" | "passed" | "failed" | "skipped" (unavailable here, not an error) | "error"
     reason: str = ""  # why skipped or errored
     seconds: float = 0.0  # load + every step
-    logits: ErrorStats | None = None
+    logits: ErrorStats | QuantStats | None = None  # QuantStats: a quantized plan against its float original
     layers: list[ErrorStats] = dataclasses.field(default_factory=list)  # per layer (with --layerwise)
     greedy_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # its own argmax per sequence
 
@@ -93,10 +96,15 @@ class CheckReport:
     original: str | None
     reference: str
     dtype: str
-    tolerance: Tolerance
+    tolerance: Tolerance | QuantTolerance  # QuantTolerance: a quantized plan against its float original
     workload: Workload
     layerwise: bool
     results: list[BackendResult]
+    sensitivity: SensitivityReport | None = None  # --layerwise on a quantization check: every layer's own error
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.tolerance, QuantTolerance)
 
     @property
     def passed(self) -> bool:
@@ -113,14 +121,18 @@ class CheckReport:
         return next(r for r in self.results if r.name == name)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "version": REPORT_VERSION, "passed": self.passed, "plan": self.plan, "original": self.original,
             "reference": self.reference, "dtype": self.dtype, "layerwise": self.layerwise,
-            "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "check": "elemwise"},
+            "tolerance": self.tolerance.to_dict() if self.quantized else
+            {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "check": "elemwise"},
             "workload": self.workload.to_dict(),
             "backends": [{**r.to_dict(), "tokens_agree": list(self.tokens_agree(r)) if r.greedy_tokens else None}
                          for r in self.results],
         }
+        if self.sensitivity is not None:  # only a quantization check with --layerwise has it
+            out["sensitivity"] = self.sensitivity.to_dict()
+        return out
 
 
 @dataclasses.dataclass
@@ -149,23 +161,31 @@ def load_checked_plan(plan_dir: Path) -> PlanConfig:
 
 def run_check(plan_dir: str | Path, *, original: str | Path | None = None, backends: Sequence[str] = (),
               reference: str | None = None, workload: Workload | None = None, atol: float | None = None,
-              rtol: float | None = None, layerwise: bool = False,
+              rtol: float | None = None, layerwise: bool = False, quant_tolerance: QuantTolerance | None = None,
               on_progress: Callable[[str, int, int], None] | None = None) -> CheckReport:
     """Compare the plan's backends (all available ones unless ``backends`` names some) against the reference.
 
     original: the export the plan was built from (.onnx or its directory); it becomes the reference.
     reference: a backend name to compare the others with (plan-only checks; default onnxruntime-cpu when it can run
-    the plan, else torch-cpu). layerwise: also compare every layer's attention output. on_progress(what, done,
-    total) is called as the work advances. Raises BuildError/ConfigError for unusable input.
+    the plan, else torch-cpu). layerwise: also compare every layer's attention output. A quantized plan against a
+    float original is a quantization check (check/quantized.py): its logits are held to ``quant_tolerance``
+    (default QuantTolerance()), its default workload is text, and layerwise ranks its layers by the error each adds
+    alone. on_progress(what, done, total) is called as the work advances. Raises BuildError/ConfigError for unusable
+    input.
     """
     plan_dir = Path(plan_dir)
     plan = load_checked_plan(plan_dir)
-    tolerance = tolerance_for(plan.model.dtype, atol=atol, rtol=rtol)
-    workload = workload or random_workload(plan)
+    original_path = _original_path(Path(original)) if original is not None else None
+    quantization = _is_quantization_check(plan_dir, original_path, quant_tolerance, atol, rtol)
+    if quantization:
+        tolerance = quant_tolerance or QuantTolerance()
+        tolerance.check()
+    else:
+        tolerance = tolerance_for(plan.model.dtype, atol=atol, rtol=rtol)
+    workload = workload or default_workload(plan_dir, plan, quantization=quantization)
     _check_workload(workload, plan)
     chosen = _choose(backends, plan)
     runnable = [b for b, why in chosen if why is None]
-    original_path = _original_path(Path(original)) if original is not None else None
     ref_name = ORIGINAL if original_path else _reference(reference, runnable)
     if original_path and reference:
         raise ConfigError("--reference names a plan backend, but with ORIGINAL.onnx the original is the reference.")
@@ -176,7 +196,7 @@ def run_check(plan_dir: str | Path, *, original: str | Path | None = None, backe
     results = {b.name: BackendResult(b.name, "skipped", reason=why) for b, why in chosen if why is not None}
     num_blocks = blocks_needed([len(p) for p in workload.prompts], workload.decode_steps + 1, plan.limits.block_size)
     with tempfile.TemporaryDirectory(prefix="trtopt-check-") as scratch:
-        probes = _probes(plan_dir, original_path) if layerwise else []
+        probes = _probes(plan_dir, original_path) if layerwise and not quantization else []
         run_dir = plan_dir
         if probes:  # every backend runs a copy of the plan whose graph also outputs each layer's attention
             run_dir = marked_copy(plan_dir / MODEL_FILE, [p.plan_name for p in probes], Path(scratch) / "plan").parent
@@ -195,9 +215,52 @@ def run_check(plan_dir: str | Path, *, original: str | Path | None = None, backe
         for name, executor in executors.items():
             if probes and not executor.extra_outputs:
                 results[name].reason = "its layer-wise outputs are not marked (TensorRT)"
+    sensitivity = None
+    if quantization and layerwise:
+        from trtopt.check.quantized import heldout_tokens, plan_sensitivity, sensitivity_sequences
+
+        sequences = sensitivity_sequences(plan, heldout_tokens(plan_dir), workload)
+        sensitivity = plan_sensitivity(plan_dir, original_path, sequences, on_progress=on_progress)
     ordered = [results[ref_name]] + [results[b.name] for b, _ in chosen if b.name != ref_name]
     return CheckReport(str(plan_dir), str(original_path) if original_path else None, ref_name, plan.model.dtype,
-                       tolerance, workload, layerwise, ordered)
+                       tolerance, workload, layerwise, ordered, sensitivity)
+
+
+def default_workload(plan_dir: Path, plan: PlanConfig, *, quantization: bool, num_seqs: int = 3, seed: int = 0,
+                     decode_steps: int = 4) -> Workload:
+    """Random token ids; for a quantization check, text (held-out windows) when the plan has a tokenizer."""
+    if quantization:
+        from trtopt.check.quantized import heldout_tokens, text_workload
+
+        tokens = heldout_tokens(plan_dir)
+        if tokens is not None:
+            return text_workload(plan, tokens, num_seqs=num_seqs, decode_steps=decode_steps)
+    return random_workload(plan, num_seqs=num_seqs, seed=seed, decode_steps=decode_steps)
+
+
+def is_quantization_check(plan_dir: Path, original: Path | None) -> bool:
+    """A quantized plan against a float original (not against the quantized export it was built from)."""
+    from trtopt.check.quantized import is_quantized
+
+    return original is not None and is_quantized(plan_dir / MODEL_FILE) and not is_quantized(original)
+
+
+def _is_quantization_check(plan_dir: Path, original: Path | None, quant_tolerance: QuantTolerance | None,
+                           atol: float | None, rtol: float | None) -> bool:
+    """is_quantization_check, with ConfigError for bars that do not apply to the check."""
+    from trtopt.check.quantized import is_quantized
+
+    quantization = is_quantization_check(plan_dir, original)
+    if quant_tolerance is not None and not quantization:
+        why = ("the plan is not quantized" if not is_quantized(plan_dir / MODEL_FILE) else
+               "no float original was given" if original is None else "the original is quantized too")
+        raise ConfigError(f"--min-top1/--max-kl/--max-dlogprob bound a quantized plan against the float export it was "
+                          f"quantized from, but {why}; use --atol/--rtol, or run `trtopt check FLOAT_EXPORT "
+                          "QUANTIZED_PLAN`.")
+    if quantization and (atol is not None or rtol is not None):
+        raise ConfigError("--atol/--rtol are the elementwise bar of float plans; a quantized plan against its float "
+                          "export is held to --min-top1, --max-kl and --max-dlogprob.")
+    return quantization
 
 
 def _original_path(path: Path) -> Path:
@@ -273,7 +336,8 @@ def _open_executors(plan_dir: Path, plan: PlanConfig, runnable: list[Backend], n
     return executors
 
 
-def compare_executors(plan: PlanConfig, executors: Mapping[str, Executor], workload: Workload, tolerance: Tolerance,
+def compare_executors(plan: PlanConfig, executors: Mapping[str, Executor], workload: Workload,
+                      tolerance: Tolerance | QuantTolerance,
                       *, original: OriginalModel | None = None, reference: str | None = None,
                       probes: Sequence[LayerProbe] = (), results: dict[str, BackendResult] | None = None,
                       on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, BackendResult]:
@@ -341,7 +405,8 @@ def _original_runner(model: OriginalModel, probes: list[LayerProbe]) -> Callable
     return run
 
 
-def _drive(workload: Workload, plan: PlanConfig, sides: dict[str, _Side], ref_name: str, tolerance: Tolerance,
+def _drive(workload: Workload, plan: PlanConfig, sides: dict[str, _Side], ref_name: str,
+           tolerance: Tolerance | QuantTolerance,
            on_progress: Callable[[str, int, int], None] | None) -> None:
     seqs = [Seq(list(p)) for p in workload.prompts]
     blocks = BlockSource(blocks_needed([len(p) for p in workload.prompts], workload.decode_steps + 1,
@@ -349,7 +414,7 @@ def _drive(workload: Workload, plan: PlanConfig, sides: dict[str, _Side], ref_na
     for side in sides.values():
         side.result.greedy_tokens = [[] for _ in seqs]
         if side.result.name != ref_name:
-            side.result.logits = ErrorStats(tolerance)
+            side.result.logits = new_stats(tolerance)
             side.result.layers = []  # created at the first step that returns layers
     schedule = packed_schedule([len(p) for p in workload.prompts], chunk=workload.chunk,
                                decode_steps=workload.decode_steps)

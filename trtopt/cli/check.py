@@ -34,7 +34,15 @@ def check(
     atol: float = typer.Option(None, "--atol", help="Absolute tolerance (default: per dtype, see below)."),
     rtol: float = typer.Option(None, "--rtol", help="Relative tolerance (default: per dtype, see below)."),
     layerwise: bool = typer.Option(False, "--layerwise", help="Also compare every layer's attention output and name "
-                                   "the first layer over the tolerance (like polygraphy's --onnx-outputs mark all)."),
+                                   "the first layer over the tolerance (like polygraphy's --onnx-outputs mark all). "
+                                   "A quantized plan against its float export: rank the decoder layers by the error "
+                                   "each adds quantized alone (one run per layer on held-out text)."),
+    min_top1: float = typer.Option(None, "--min-top1", help="Quantized plan vs float export: the least top-1 "
+                                   "agreement rate over positions (default 0.85)."),
+    max_kl: float = typer.Option(None, "--max-kl", help="Quantized plan vs float export: the largest mean KL(float || "
+                                 "quantized) per position, in nats (default 0.1)."),
+    max_dlogprob: float = typer.Option(None, "--max-dlogprob", help="Quantized plan vs float export: the largest |Δ "
+                                       "log-prob| of the float model's argmax at any position, in nats (default 3)."),
     json_path: Path = typer.Option(None, "--json", help="Write the full report as JSON to this path."),
 ):
     """Run the same packed prefill and decode steps of several sequences through a plan's paged signature on
@@ -47,6 +55,10 @@ def check(
     polygraphy's elemwise check). Defaults per plan dtype: float32 1e-4/1e-4, float16 5e-2/1e-2, bfloat16
     2.5e-1/5e-2. Every backend is fed the reference's greedy tokens, so each step stays comparable.
 
+    A quantized plan (`trtopt quantize`, then `trtopt build`) checked against the float export it was quantized
+    from is held to a quantization tolerance instead, on text prompts by default: top-1 agreement >= --min-top1,
+    mean KL <= --max-kl and max |Δ logprob| of the float argmax <= --max-dlogprob.
+
     Examples:
 
         trtopt check out/plan
@@ -54,9 +66,12 @@ def check(
         trtopt check out/onnx out/plan --layerwise
 
         trtopt check out/plan -b torch-cpu -b onnxruntime-cpu -p "The capital of France is" --json check.json
+
+        trtopt check out/onnx out/plan-fp8 --layerwise --json sensitivity.json
     """
     from trtopt.builder.plan import read_plan
-    from trtopt.check import Workload, random_workload, run_check
+    from trtopt.check import Workload, run_check
+    from trtopt.check.runner import default_workload
 
     if len(models) not in (1, 2):
         raise ConfigError(f"give PLAN or ORIGINAL.onnx PLAN; got {len(models)} paths.")
@@ -67,9 +82,10 @@ def check(
     workload = None
     if plan is not None:
         prompts = _prompts(plan_dir, prompt or [], token_ids or [])
-        default = random_workload(plan, num_seqs=seqs, seed=seed, decode_steps=decode_steps)
+        default = default_workload(plan_dir, plan, quantization=_quantization(plan_dir, original), num_seqs=seqs,
+                                   seed=seed, decode_steps=decode_steps)
         workload = Workload(tuple(prompts) if prompts else default.prompts, chunk=chunk or default.chunk,
-                            decode_steps=decode_steps, seed=None if prompts else seed)
+                            decode_steps=decode_steps, seed=None if prompts else default.seed)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
         task = progress.add_task("loading backends", total=None)
@@ -78,13 +94,38 @@ def check(
             progress.update(task, description=what, completed=done, total=total)
 
         report = run_check(plan_dir, original=original, backends=backend or (), reference=reference,
-                           workload=workload, atol=atol, rtol=rtol, layerwise=layerwise, on_progress=on_progress)
+                           workload=workload, atol=atol, rtol=rtol, layerwise=layerwise,
+                           quant_tolerance=_quant_tolerance(min_top1, max_kl, max_dlogprob), on_progress=on_progress)
     _print(report)
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         console.print(f"report written to {json_path}")
     if not report.passed:
         raise typer.Exit(1)
+
+
+def _quant_tolerance(min_top1: float | None, max_kl: float | None, max_dlogprob: float | None):
+    from trtopt.check.compare import QuantTolerance
+
+    if min_top1 is None and max_kl is None and max_dlogprob is None:
+        return None
+    default = QuantTolerance()
+    return QuantTolerance(default.min_top1 if min_top1 is None else min_top1,
+                          default.max_kl if max_kl is None else max_kl,
+                          default.max_dlogprob if max_dlogprob is None else max_dlogprob)
+
+
+def _quantization(plan_dir: Path, original: Path | None) -> bool:
+    from trtopt.builder.source import resolve_model_path
+    from trtopt.check.runner import is_quantization_check
+    from trtopt.errors import TrtOptError
+
+    if original is None or not (plan_dir / "model.onnx").is_file():
+        return False
+    try:
+        return is_quantization_check(plan_dir, resolve_model_path(original))
+    except TrtOptError:
+        return False  # run_check says what is wrong with the original
 
 
 def _prompts(plan_dir: Path, texts: list[str], ids: list[str]) -> list[tuple[int, ...]]:
@@ -109,6 +150,9 @@ def _fmt(x: float) -> str:
 
 
 def _print(report) -> None:
+    if report.quantized:
+        _print_quantized(report)
+        return
     tol = report.tolerance
     table = Table("backend", "status", "logits max abs", "max rel", "over tol.", "greedy = ref", "time",
                   title=f"{report.dtype} plan vs {report.reference}: atol {tol.atol:g}, rtol {tol.rtol:g} (elemwise)")
@@ -159,9 +203,44 @@ def _print_layers(report) -> None:
     console.print(table)
 
 
+def _print_quantized(report) -> None:
+    tol = report.tolerance
+    table = Table("backend", "status", "top-1 agree", "mean KL", "max KL", "max |Δlogprob|", "positions",
+                  "greedy = ref", "time", title=f"quantized {report.dtype} plan vs {report.reference}: top-1 >= "
+                  f"{tol.min_top1:g}, mean KL <= {tol.max_kl:g}, max |Δlogprob| <= {tol.max_dlogprob:g} (nats)")
+    for r in report.results:
+        style = _STATUS_STYLE.get(r.status, "")
+        status = f"[{style}]{r.status}[/]" if style else r.status
+        if r.logits is None:
+            table.add_row(r.name, status, "", "", "", "", "", _agree(report, r),
+                          f"{r.seconds:.1f} s" if r.seconds else "")
+            continue
+        s = r.logits
+        table.add_row(r.name, status, f"{s.top1_agreement:.3f}", _fmt(s.mean_kl), _fmt(s.max_kl),
+                      _fmt(s.max_dlogprob), str(s.positions), _agree(report, r), f"{r.seconds:.1f} s")
+    console.print(table)
+    for r in report.results:
+        if r.reason:
+            console.print(f"  {r.name}: {r.reason}", markup=False, highlight=False)
+    if report.sensitivity is not None:
+        from trtopt.cli.quantize import sensitivity_table
+
+        console.print(sensitivity_table(report.sensitivity, title="layer sensitivity of the plan on held-out text "
+                                        "(each layer quantized alone)"))
+    for r in report.results:
+        if r.status in ("failed", "error"):
+            console.print(f"[bold red]FAILED[/] {r.name}: {_why(r)}", highlight=False, soft_wrap=True)
+    if report.passed:
+        console.print(f"[bold green]PASSED[/]: every backend within the quantization tolerance of {report.reference}.")
+
+
 def _why(r) -> str:
     if r.status == "error":
         return r.reason
+    from trtopt.check.compare import QuantStats
+
+    if isinstance(r.logits, QuantStats):
+        return "; ".join(r.logits.failures())
     parts = []
     if r.logits is not None and not r.logits.passed:
         parts.append(f"{r.logits.mismatched} of {r.logits.elements} logits over the tolerance (max abs "

@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -22,13 +23,23 @@ from trtopt.errors import QuantizeError
 from trtopt.quantize import data
 from trtopt.quantize.graph import MatMulTarget, find_targets, load_model, opset_of, resolve_model_path, \
     save_model_dir, upgrade_opset, weight_array
-from trtopt.quantize.methods import (QuantizedWeight, awq_search, fp8_clip_search, group_hessians,
-                                     int4_clip_search, output_mse, quantize_fp8, quantize_int4)
+from trtopt.quantize.methods import (GptqFactor, QuantizedWeight, awq_search, fp8_clip_search, gptq_factor,
+                                     gptq_fp8, gptq_int4, group_hessians, int4_clip_search, output_mse, quantize_fp8,
+                                     quantize_int4)
+from trtopt.quantize.sensitivity import DEFAULT_WINDOWS, MatMulQuant, SensitivityReport, apply_quant, \
+    group_by_layer, layer_sensitivity, module_paths
 
 WEIGHT_FORMATS = ("fp8", "int4")
 ACTIVATION_FORMATS = ("fp8",)
 ACTIVATION_SCALES = ("static", "dynamic")
-METHODS = ("rtn", "awq")
+METHODS = ("rtn", "awq", "gptq")
+
+
+def default_method(weights: str) -> str:
+    """`trtopt quantize`'s --method when none is given: gptq for FP8 (SmolLM2-135M W8A8 dynamic: +3.2% ppl by rtn,
+    under 2% by gptq; docs/benchmarks/quant_accuracy.json), rtn for INT4 (awq is the accurate choice there, and it
+    calibrates). ``QuantizeConfig`` itself keeps rtn: library callers say what they want."""
+    return "gptq" if weights == "fp8" else "rtn"
 
 
 @dataclass(frozen=True)
@@ -38,11 +49,12 @@ class QuantizeConfig:
     weights: str = "fp8"  # fp8 (per output channel) | int4 (blocked over K)
     activations: str | None = None  # None: weight-only; fp8: W8A8 (needs weights fp8)
     activation_scales: str = "static"  # static: one calibrated scale per tensor; dynamic: per token at run time
-    method: str = "rtn"  # rtn | awq (int4 only)
+    method: str = "rtn"  # rtn | awq (int4 only) | gptq (error-compensating rounding on calibration text)
     group_size: int = 128  # INT4 block size over K; must divide every quantized MatMul's K
     asymmetric: bool = False  # INT4: uint4 + zero point instead of symmetric int4
-    clip_search: bool | None = None  # search a per-channel/group clip ratio; None: on for awq, off for rtn
+    clip_search: bool | None = None  # search a per-channel/group clip ratio; None: on for awq and gptq, off for rtn
     exclude: tuple[str, ...] = ()  # fnmatch patterns over MatMul node names and weight names, kept high precision
+    auto_exclude: int = 0  # `--exclude auto:N`: also keep the N layers that quantization hurts most high precision
     calibration_sequences: int = data.DEFAULT_CALIBRATION_SEQUENCES
     calibration_length: int = data.DEFAULT_CALIBRATION_LENGTH
     threads: int = 2  # onnxruntime intra-op threads for calibration
@@ -66,6 +78,8 @@ class QuantizeConfig:
             raise QuantizeError(f"--group-size must be positive, got {self.group_size}; try 32, 64 or 128.")
         if self.asymmetric and self.weights != "int4":
             raise QuantizeError("--asymmetric applies to --weights int4 only.")
+        if self.auto_exclude < 0:
+            raise QuantizeError(f"--exclude auto:N needs N >= 1, got {self.auto_exclude}.")
 
     @property
     def needed_opset(self) -> int:
@@ -73,14 +87,37 @@ class QuantizeConfig:
 
     @property
     def searches_clip(self) -> bool:
-        return self.method == "awq" if self.clip_search is None else self.clip_search
+        return self.method in ("awq", "gptq") if self.clip_search is None else self.clip_search
 
     def describe(self) -> str:
         if self.weights == "int4":
             kind = f"INT4 {'asym uint4' if self.asymmetric else 'sym int4'} g{self.group_size} {self.method.upper()}"
         else:
             kind = "FP8 weight-only" if self.activations is None else f"FP8 W8A8 ({self.activation_scales})"
+            kind += " GPTQ" if self.method == "gptq" else ""
         return kind + (" + clip search" if self.searches_clip else "")
+
+
+AUTO = "auto"
+DEFAULT_AUTO_EXCLUDE = 2  # `--exclude auto` alone
+METADATA_KEY = "trtopt.quantization"  # the quantized model's metadata_props entry: config, exclusions, sensitivity
+
+
+def parse_exclude(values: Sequence[str]) -> tuple[tuple[str, ...], int]:
+    """``--exclude`` values -> (fnmatch patterns, N of ``auto[:N]``; 0 without it). QuantizeError for a bad N."""
+    patterns, auto = [], 0
+    for value in values:
+        if value != AUTO and not value.startswith(AUTO + ":"):
+            patterns.append(value)
+            continue
+        text = value.partition(":")[2]
+        try:
+            auto = int(text) if text else DEFAULT_AUTO_EXCLUDE
+        except ValueError:
+            raise QuantizeError(f"--exclude {value}: N must be a positive integer (e.g. auto:2).") from None
+        if auto <= 0:
+            raise QuantizeError(f"--exclude {value}: N must be a positive integer (e.g. auto:2).")
+    return tuple(patterns), auto
 
 
 @dataclass(frozen=True)
@@ -93,6 +130,7 @@ class AwqGroup:
     rtn_mse: float  # output MSE on the calibration tokens with plain RTN
     awq_mse: float  # ... with the searched scale
     final_mse: float  # ... with the searched scale and clip ratios (what is written)
+    tensor: str = ""  # the shared input
 
 
 @dataclass(frozen=True)
@@ -107,6 +145,7 @@ class QuantizeResult:
     awq: tuple[AwqGroup, ...] = ()
     calibration_tokens: int = 0
     seconds: float = 0.0
+    sensitivity: SensitivityReport | None = None  # with --exclude auto:N: every layer's own error, worst first
 
 
 def _check_group_size(targets: tuple[MatMulTarget, ...], group: int) -> None:
@@ -120,7 +159,7 @@ def _check_group_size(targets: tuple[MatMulTarget, ...], group: int) -> None:
 
 
 def _needs_calibration(config: QuantizeConfig) -> bool:
-    return (config.activations == "fp8" and config.activation_scales == "static") or config.method == "awq"
+    return (config.activations == "fp8" and config.activation_scales == "static") or config.method in ("awq", "gptq")
 
 
 def _calibration_sequences(src: Path, config: QuantizeConfig) -> np.ndarray:
@@ -128,33 +167,120 @@ def _calibration_sequences(src: Path, config: QuantizeConfig) -> np.ndarray:
         tokenizer = data.load_tokenizer(src.parent)
     except Exception as e:  # transformers raises OSError/ValueError/... for a missing or broken tokenizer
         raise QuantizeError(f"calibration needs the model's tokenizer files next to {src.name} ({type(e).__name__}); "
-                            "quantize the directory `trtopt export` wrote.") from e
+                            "quantize the directory `trtopt export` wrote (weight-only --method rtn needs no "
+                            "calibration).") from e
     tokens = data.corpus_tokens(tokenizer)
     try:
-        return data.split_windows(tokens, calibration=(config.calibration_sequences,
-                                                       config.calibration_length)).calibration
+        return data.with_bos(data.split_windows(tokens, calibration=(config.calibration_sequences,
+                                                                     config.calibration_length)).calibration, tokenizer)
     except Exception as e:
         raise QuantizeError(str(e)) from e
 
 
-def _quantize_weight(w: np.ndarray, config: QuantizeConfig, dtype, hessian: np.ndarray | None) -> QuantizedWeight:
-    """One [K, N] weight (already multiplied by AWQ's scale); ``hessian`` of its input weights the clip search."""
+def _quantize_weight(w: np.ndarray, config: QuantizeConfig, dtype, hessian: np.ndarray | None,
+                     factor: GptqFactor | None = None) -> QuantizedWeight:
+    """One [K, N] weight (already multiplied by AWQ's scale); ``hessian`` of its input weights the clip search and
+    GPTQ (``factor``: GPTQ's inverse, shared by the MatMuls of one input)."""
+    gptq = config.method == "gptq"
+    assert hessian is not None or not gptq, "gptq needs the calibration Hessian"
     if config.weights == "fp8":
-        ratio = fp8_clip_search(w, dtype=dtype) if config.searches_clip else None
-        return quantize_fp8(w, clip_ratio=ratio, dtype=dtype)
+        ratio = fp8_clip_search(w, hessian=hessian, dtype=dtype) if config.searches_clip else None
+        return (gptq_fp8(w, hessian, clip_ratio=ratio, factor=factor, dtype=dtype) if gptq else
+                quantize_fp8(w, clip_ratio=ratio, dtype=dtype))
     sym, g = not config.asymmetric, config.group_size
     ratio = None
     if config.searches_clip:
         blocks = group_hessians(hessian, g) if hessian is not None else None
         ratio = int4_clip_search(w, g, symmetric=sym, blocks=blocks, dtype=dtype)
+    if gptq:
+        return gptq_int4(w, g, hessian, symmetric=sym, clip_ratio=ratio, factor=factor, dtype=dtype)
     return quantize_int4(w, g, symmetric=sym, clip_ratio=ratio, dtype=dtype)
+
+
+def _quantize_groups(model, groups: dict[str, list[MatMulTarget]], config: QuantizeConfig, stats: dict,
+                     progress: bool) -> tuple[list[MatMulQuant], list[AwqGroup]]:
+    """Every target's codes and scales (the AWQ search included), in target order; nothing is written yet."""
+    from trtopt.quantize.calibrate import _progress
+    from trtopt.quantize.qdq import GraphEdit
+
+    lookup = GraphEdit(model)  # read only: the float type of each weight
+    specs, awq = [], []
+    act_mode = "none" if config.activations is None else config.activation_scales
+    with _progress(progress) as bar:
+        task = bar.add_task(f"quantizing ({config.describe()})", total=sum(map(len, groups.values()))) if bar else None
+        for tensor, members in groups.items():
+            weights = [weight_array(model, t.weight).astype(np.float32) for t in members]
+            _, dtype = lookup.float_type(members[0].weight)
+            scale = None
+            hessian = stats[tensor].hessian if tensor in stats else None
+            if config.method == "awq":
+                plain = dataclasses.replace(config, clip_search=False)
+                found = awq_search(weights, stats[tensor].mean_abs, hessian,
+                                   lambda w: _quantize_weight(w, plain, dtype, None).dequantize())
+                scale = found.scale
+                hessian = hessian / scale[:, None] / scale[None, :]  # H of x / s
+            factor = gptq_factor(hessian) if config.method == "gptq" else None
+            written = []
+            for t, w in zip(members, weights):
+                q = _quantize_weight(w if scale is None else w * scale[:, None], config, dtype, hessian, factor)
+                absmax = stats[tensor].absmax if act_mode == "static" else None
+                specs.append(MatMulQuant(t.node, q, act_mode, absmax, scale))
+                written.append(q)
+                if bar:
+                    bar.advance(task)
+            if scale is not None:
+                final = sum(output_mse(w - q.dequantize() / scale[:, None], stats[tensor].hessian)
+                            for w, q in zip(weights, written))
+                awq.append(AwqGroup(tuple(t.node for t in members), found.alpha, "", found.rtn_mse, found.awq_mse,
+                                    final, tensor))
+    return specs, awq
+
+
+def _sensitivity(model, specs: list[MatMulQuant], sequences: np.ndarray, paths: dict[str, str],
+                 config: QuantizeConfig, progress: bool) -> SensitivityReport:
+    """Each layer's own error on the first calibration windows (sensitivity.DEFAULT_WINDOWS of them, cut short)."""
+    from trtopt.quantize.calibrate import _progress
+
+    windows = sequences[:DEFAULT_WINDOWS[0], :DEFAULT_WINDOWS[1]].tolist()
+    with _progress(progress) as bar:
+        task = bar.add_task("layer sensitivity", total=None) if bar else None
+
+        def on_progress(what: str, done: int, total: int) -> None:
+            if bar:
+                bar.update(task, description=what, completed=done, total=total)
+
+        return layer_sensitivity(model, specs, windows, paths=paths, threads=config.threads, on_progress=on_progress)
+
+
+def _exclude_sensitive(report: SensitivityReport, n: int, specs: list[MatMulQuant], awq: list[AwqGroup],
+                       skipped: dict[str, str]) -> tuple[list[MatMulQuant], list[AwqGroup]]:
+    """Drop the ``n`` most sensitive layers' MatMuls (``skipped`` says why)."""
+    assert n < len(report.layers), f"auto:{n} leaves none of {len(report.layers)} layers quantized"
+    drop = set()
+    for rank, layer in enumerate(report.most_sensitive(n), start=1):
+        for node in layer.nodes:
+            skipped[node] = (f"--exclude auto:{n}: layer {layer.layer} ranks #{rank}, mean KL "
+                             f"{layer.stats.mean_kl:.3g} quantized alone")
+            drop.add(node)
+    return [s for s in specs if s.node not in drop], [g for g in awq if not drop & set(g.matmuls)]
+
+
+def _record(model, config: QuantizeConfig, skipped: dict[str, str], sensitivity: SensitivityReport | None) -> None:
+    """The recipe in the model's metadata_props (METADATA_KEY, JSON): config, what stayed float and why, ranking."""
+    import json
+
+    value = json.dumps({"config": dataclasses.asdict(config), "describe": config.describe(), "kept_float": skipped,
+                        "sensitivity": sensitivity.to_dict() if sensitivity else None})
+    kept = [p for p in model.metadata_props if p.key != METADATA_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=METADATA_KEY, value=value)
 
 
 def quantize_model(src: str | Path, out_dir: str | Path, config: QuantizeConfig, *, force: bool = False,
                    progress: bool = False) -> QuantizeResult:
     """Quantize the export at ``src`` (a .onnx file or a directory holding model.onnx) into ``out_dir``."""
-    from trtopt.quantize.calibrate import _progress, calibrate
-    from trtopt.quantize.qdq import GraphEdit, write_dynamic_fp8, write_input_scale, write_static_fp8, write_weight
+    from trtopt.quantize.calibrate import calibrate
 
     start = time.perf_counter()
     config.check()
@@ -169,53 +295,32 @@ def quantize_model(src: str | Path, out_dir: str | Path, config: QuantizeConfig,
     targets = find_targets(model, exclude=config.exclude)
     if config.weights == "int4":
         _check_group_size(targets.quantize, config.group_size)
+    paths = module_paths(model)  # which layer each MatMul is in, before the version converter drops node metadata
+    layers = len(group_by_layer(paths, [t.node for t in targets.quantize]))
+    if config.auto_exclude >= layers:
+        raise QuantizeError(f"--exclude auto:{config.auto_exclude} would keep all {layers} quantized layers high "
+                            f"precision; pass N < {layers}.")
     model = upgrade_opset(model, config.needed_opset)
     groups: dict[str, list[MatMulTarget]] = defaultdict(list)  # activation tensor -> the MatMuls reading it
     for t in targets.quantize:
         groups[t.activation].append(t)
 
-    stats, tokens = {}, 0
-    if _needs_calibration(config):
+    stats, tokens, sequences = {}, 0, None
+    if _needs_calibration(config) or config.auto_exclude:  # the sensitivity runs on the first calibration windows
         sequences = _calibration_sequences(src, config)
-        stats = calibrate(model, list(groups), sequences, hessian=config.method == "awq", threads=config.threads,
-                          progress=progress)
+    if _needs_calibration(config):
+        stats = calibrate(model, list(groups), sequences, hessian=config.method != "rtn" or config.searches_clip,
+                          threads=config.threads, progress=progress)
         tokens = int(sequences.size)
 
-    edit = GraphEdit(model)
-    act_scales, awq = {}, []
-    with _progress(progress) as bar:
-        task = bar.add_task(f"quantizing ({config.describe()})", total=len(targets.quantize)) if bar else None
-        for tensor, members in groups.items():
-            names = [t.node for t in members]
-            weights = [weight_array(model, t.weight).astype(np.float32) for t in members]
-            _, dtype = edit.float_type(members[0].weight)
-            scale = None
-            hessian = stats[tensor].hessian if tensor in stats else None
-            if config.method == "awq":
-                plain = dataclasses.replace(config, clip_search=False)
-                found = awq_search(weights, stats[tensor].mean_abs, hessian,
-                                   lambda w: _quantize_weight(w, plain, dtype, None).dequantize())
-                scale = found.scale
-                hessian = hessian / scale[:, None] / scale[None, :]  # H of x / s
-            written = []
-            for t, w in zip(members, weights):
-                q = _quantize_weight(w if scale is None else w * scale[:, None], config, dtype, hessian)
-                write_weight(edit, t.node, q, dtype)
-                written.append(q)
-                if bar:
-                    bar.advance(task)
-            if scale is not None:
-                placement = write_input_scale(edit, tensor, names, scale, dtype)
-                final = sum(output_mse(w - q.dequantize() / scale[:, None], stats[tensor].hessian)
-                            for w, q in zip(weights, written))
-                awq.append(AwqGroup(tuple(names), found.alpha, placement, found.rtn_mse, found.awq_mse, final))
-            if config.activations == "fp8":
-                k = members[0].k
-                if config.activation_scales == "static":
-                    act_scales[tensor] = write_static_fp8(edit, tensor, names, stats[tensor].absmax, dtype)
-                else:
-                    write_dynamic_fp8(edit, tensor, names, k, dtype)
-    edit.commit()
+    specs, awq = _quantize_groups(model, groups, config, stats, progress)
+    skipped, sensitivity = dict(targets.skipped), None
+    if config.auto_exclude:
+        sensitivity = _sensitivity(model, specs, sequences, paths, config, progress)
+        specs, awq = _exclude_sensitive(sensitivity, config.auto_exclude, specs, awq, skipped)
+    written = apply_quant(model, specs)
+    awq = [dataclasses.replace(g, placement=written.placements[g.tensor]) for g in awq]
+    _record(model, config, skipped, sensitivity)
     path = save_model_dir(model, src, out_dir)
-    return QuantizeResult(out_dir, path, config, opset_of(model), tuple(t.node for t in targets.quantize),
-                          targets.skipped, act_scales, tuple(awq), tokens, time.perf_counter() - start)
+    return QuantizeResult(out_dir, path, config, opset_of(model), tuple(s.node for s in specs), skipped,
+                          written.act_scales, tuple(awq), tokens, time.perf_counter() - start, sensitivity)

@@ -6,7 +6,9 @@ with every CPython. The rule, fixed and deterministic (no sampling, so no seed t
 - the corpus is every topic's text, keys sorted, joined with a blank line, tokenized once with the model's tokenizer
   (no special tokens);
 - calibration is the first ``num`` windows of ``length`` tokens, from the start of the stream;
-- held-out evaluation is the last ``num`` windows of ``length`` tokens, ending at the end of the stream.
+- held-out evaluation is the last ``num`` windows of ``length`` tokens, ending at the end of the stream;
+- when the tokenizer starts every text with BOS (Gemma), each window is run with that BOS in front (``with_bos``):
+  a base model that expects BOS scores text far worse without it, and its BOS activations belong in calibration.
 
 The two slices must not overlap (checked). Calibration (trtopt/quantize/calibrate.py) and the accuracy benchmark
 (benchmarks/quant_accuracy.py) both read their tokens from here and nowhere else.
@@ -60,6 +62,14 @@ def split_windows(tokens: np.ndarray, *, calibration: tuple[int, int], heldout: 
     calib = tokens[: cn * cl].reshape(cn, cl)
     held = tokens[len(tokens) - hn * hl:].reshape(hn, hl) if hn * hl else np.zeros((0, hl), np.int64)
     return TextSlices(calib, held, len(tokens))
+
+
+def with_bos(windows: np.ndarray, tokenizer) -> np.ndarray:
+    """[n, L] -> [n, 1 + L] with the tokenizer's BOS first when it starts every text with one; else ``windows``."""
+    bos = tokenizer.bos_token_id
+    if bos is None or tokenizer("a").input_ids[:1] != [bos]:
+        return windows
+    return np.concatenate([np.full((len(windows), 1), bos, np.int64), windows], axis=1)
 
 
 def load_tokenizer(model_dir):
