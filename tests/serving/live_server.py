@@ -22,6 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base_url: str, timeout: float, alive=lambda: True) -> bool:
+    """Poll GET /health until it answers 200 (True), `alive()` turns False or `timeout` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.05)
+    return False
+
+
 @dataclasses.dataclass
 class LiveServer:
     base_url: str  # http://127.0.0.1:PORT
@@ -68,16 +81,10 @@ def start_server(plan: Path, log_path: Path, *extra: str) -> LiveServer:
     log_file = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = LiveServer(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"trtopt serve exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass  # not listening yet
-        time.sleep(0.25)
+    if wait_healthy(server.base_url, 120, alive=lambda: proc.poll() is None):
+        return server
+    if proc.poll() is not None:
+        raise AssertionError(f"trtopt serve exited with {proc.returncode}:\n{server.log()}")
     proc.kill()
     raise AssertionError(f"trtopt serve did not become healthy in 120 s:\n{server.log()}")
 

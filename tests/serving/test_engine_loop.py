@@ -445,7 +445,7 @@ def test_a_broken_engine_turns_health_to_503_and_stops_the_server():
     import httpx
     import uvicorn
 
-    from live_server import free_port
+    from live_server import free_port, wait_healthy
     from trtopt.serving.server import create_app, run_server
 
     engine, executor = make_engine()
@@ -457,13 +457,7 @@ def test_a_broken_engine_turns_health_to_503_and_stops_the_server():
         run_server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"), aengine)))
     runner.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    wait_healthy(base, 30)
     body = {"model": "m", "prompt": [POISON], "max_tokens": 2}
     health = None
     for _ in range(MAX_CONSECUTIVE_FAILED_STEPS):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -211,10 +210,9 @@ class ScriptedExecutor(Executor):
 
 @contextlib.contextmanager
 def _live_server(tokenizer, executor, **options):
-    import httpx
     import uvicorn
 
-    from live_server import free_port
+    from live_server import free_port, wait_healthy
     from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
     from trtopt.runtime.config import EngineConfig
     from trtopt.runtime.engine import LLMEngine
@@ -232,13 +230,7 @@ def _live_server(tokenizer, executor, **options):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    wait_healthy(base, 30)
     try:
         yield base
     finally:
