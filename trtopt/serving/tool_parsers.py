@@ -174,21 +174,9 @@ class HermesToolParser(ToolParser):
                 out.text(text[pos:] if final else _hold_marker(text[pos:], self.START))
                 return out.result()
             out.text(text[pos:start])
-            i = _skip_ws(text, start + len(self.START))
-            if i == len(text):
-                if final:
-                    raise NotToolCalls
-                return out.result()
-            if text[i] != "{":
-                raise NotToolCalls
-            obj = _scan_object(text, i)
-            call = _json_call(text, obj, ("arguments",))
-            if obj.end is None:
-                if final:
-                    raise NotToolCalls
-                return out.result(call)
-            out.call(call)
-            e = _skip_ws(text, obj.end)
+            e = _object_call(text, _skip_ws(text, start + len(self.START)), out, final, ("arguments",))
+            if isinstance(e, Parsed):
+                return e
             if text.startswith(self.END, e):
                 pos = e + len(self.END)
                 continue
@@ -208,27 +196,14 @@ class Llama3JsonToolParser(ToolParser):
             i = _skip_ws(text, i + len(self.TAG))
         elif not final and i < len(text) and self.TAG.startswith(text[i:]):
             return out.result()
-        if i == len(text):
-            if final:
-                raise NotToolCalls
-            return out.result()
-        if text[i] != "{":
-            raise NotToolCalls
         while True:
-            obj = _scan_object(text, i)
-            call = _json_call(text, obj, ("arguments", "parameters"))
-            if obj.end is None:
-                if final:
-                    raise NotToolCalls
-                return out.result(call)
-            out.call(call)
-            e = _skip_ws(text, obj.end)
+            e = _object_call(text, i, out, final, ("arguments", "parameters"))
+            if isinstance(e, Parsed):
+                return e
             if e < len(text) and text[e] == ";":
                 i = _skip_ws(text, e + 1)
                 if i == len(text):
                     return out.result()
-                if text[i] != "{":
-                    raise NotToolCalls
                 continue
             out.text(text[e:])  # text after the calls is content
             return out.result()
@@ -263,20 +238,9 @@ class MistralToolParser(ToolParser):
         """Before v11: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`."""
         i = _skip_ws(text, i + 1)
         while True:
-            if i == len(text):
-                if final:
-                    raise NotToolCalls
-                return out.result()
-            if text[i] != "{":
-                raise NotToolCalls
-            obj = _scan_object(text, i)
-            call = _json_call(text, obj, ("arguments",))
-            if obj.end is None:
-                if final:
-                    raise NotToolCalls
-                return out.result(call)
-            out.call(call)
-            e = _skip_ws(text, obj.end)
+            e = _object_call(text, i, out, final, ("arguments",))
+            if isinstance(e, Parsed):
+                return e
             if e == len(text):
                 if final:
                     raise NotToolCalls  # the array never closed
@@ -513,6 +477,26 @@ def _json_value_end(s: str, i: int) -> int | None:
 class _Object:
     members: dict[str, tuple[int, int | None]]  # key -> (start of its value, end or None while open)
     end: int | None  # index past the closing brace; None while open
+
+
+def _object_call(text: str, i: int, out: _Builder, final: bool, argument_keys: tuple[str, ...]) -> int | Parsed:
+    """The JSON call object that must start at text[i]: added to `out`, and the index after it (whitespace
+    skipped). While streaming, a reply that ends before the object does is what `out` holds so far, with the
+    partial call (a Parsed to return); in a final reply it, or anything but an object here, is NotToolCalls."""
+    if i == len(text):
+        if final:
+            raise NotToolCalls
+        return out.result()
+    if text[i] != "{":
+        raise NotToolCalls
+    obj = _scan_object(text, i)
+    call = _json_call(text, obj, argument_keys)
+    if obj.end is None:
+        if final:
+            raise NotToolCalls
+        return out.result(call)
+    out.call(call)
+    return _skip_ws(text, obj.end)
 
 
 def _scan_object(s: str, i: int) -> _Object:
