@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -337,21 +338,27 @@ def fp8_speedups(row: dict, base: str) -> dict:
 
 
 def fp8_tiling_sweep(call, planned_out: torch.Tensor, plan, kv_bytes: int, device: torch.device) -> list[dict]:
-    """The FP8 pool's step under tilings around its plan (key tile × segments), replayed from CUDA graphs on a GPU (a
-    launch given is not planned: each call goes through Triton's dispatcher). Whether FP8 pools want other plans:
-    plan_paged_launch's thresholds come from bf16 sweeps."""
+    """The FP8 pool's step under tilings around its plan (key tile × segments × warps, and × stages without
+    split-KV), replayed from CUDA graphs on a GPU (a launch given is not planned: each call goes through Triton's
+    dispatcher). Whether FP8 pools want other plans: plan_paged_launch's thresholds come from bf16 sweeps."""
     sweep = []
-    for tile_n in (32, 64, 128) if device.type == "cuda" else (16, 32):
-        for segments in sorted({max(1, plan.num_segments // 2), plan.num_segments, min(64, 2 * plan.num_segments)}):
-            launch = dataclasses.replace(plan, tile_n=tile_n, num_segments=segments)
-            fn = functools.partial(call, launch=launch)
-            try:
-                got, _ = fn()
-                diff = float((got.float() - planned_out.float()).abs().max() / planned_out.float().abs().max())
-                ms = (bench_graph_ms if device.type == "cuda" else host_ms)(fn)
-                sweep.append({**launch.__dict__, "ms": ms, "tbs": kv_bytes / ms / 1e9, "rel_diff_vs_planned": diff})
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
-                sweep.append({**launch.__dict__, "error": repr(exc)[:200]})
+    cuda = device.type == "cuda"
+    segment_choices = {plan.num_segments, max(1, plan.num_segments // 2), min(64, 2 * plan.num_segments)}
+    if cuda and plan.num_segments >= 4:
+        segment_choices.add(plan.num_segments // 4)
+    for tile_n, segments, num_warps, num_stages in itertools.product(
+            (32, 64, 128, 256) if cuda else (16, 32), sorted(segment_choices), (4, 8) if cuda else (4,),
+            (3, 4) if cuda and plan.num_segments == 1 else (plan.num_stages,)):
+        launch = dataclasses.replace(plan, tile_n=tile_n, num_segments=segments, num_warps=num_warps,
+                                     num_stages=num_stages)
+        fn = functools.partial(call, launch=launch)
+        try:
+            got, _ = fn()
+            diff = float((got.float() - planned_out.float()).abs().max() / planned_out.float().abs().max())
+            ms = (bench_graph_ms if device.type == "cuda" else host_ms)(fn)
+            sweep.append({**launch.__dict__, "ms": ms, "tbs": kv_bytes / ms / 1e9, "rel_diff_vs_planned": diff})
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
+            sweep.append({**launch.__dict__, "error": repr(exc)[:200]})
     return sweep
 
 

@@ -268,3 +268,26 @@ def test_triton_copy_blocks_on_fp8_pools(kernel_device):
     copy_blocks_triton(pools, torch.tensor([[1, 4], [3, 5]]))
     for pool, e in zip(pools, expected):
         assert pool.dtype == F8 and torch.equal(pool.view(torch.uint8).cpu(), e)
+
+
+@pytest.mark.parametrize("k_scale,v_scale", SCALES)
+def test_triton_rope_write_quantizes_like_rope_then_the_plain_write(kernel_device, k_scale, v_scale):
+    """The RoPE-fused write of an FP8 pool stores the bytes that rope_triton(k) then write_kv_triton store, and
+    returns rope_triton(q): what PagedAttention with rope_cos runs on an FP8 pool."""
+    from trtopt.plugins.paged_attention.kernel import rope_write_kv_triton, write_kv_triton
+    from trtopt.plugins.rope.kernel import rope_triton
+
+    gen = torch.Generator().manual_seed(4)
+    T = 7
+    q, k, v = (torch.randn(1, h, T, HEAD_DIM, generator=gen).to(kernel_device) * 30
+               for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    angles = torch.rand(T, HEAD_DIM // 2, generator=gen) * 6.0
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(kernel_device)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(kernel_device)
+    slots = torch.tensor([9, 10, -1, 24, 31, 8, 17], device=kernel_device)
+    expected = torch.zeros(5, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=F8, device=kernel_device)
+    write_kv_triton(rope_triton(k, cos, sin), v, expected, slots, k_scale=k_scale, v_scale=v_scale)
+    got = torch.zeros_like(expected)
+    q_out = rope_write_kv_triton(q, k, v, cos, sin, got, slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(got.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
+    assert torch.equal(q_out.cpu(), rope_triton(q, cos, sin).cpu())

@@ -23,9 +23,12 @@ Keys are walked in tiles of TILE_N positions; each key finds its physical block 
 size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, block_size, D] (K at [:, 0], V at
 [:, 1]); block 0 is the null block and slot −1 means "do not write".
 
-An FP8 pool (float8_e4m3fn, kv_cache_dtype="fp8") is read with FP8_KV: each key and value tile is converted to fp32
-in registers, × K_SCALE / V_SCALE (constexprs, write_kv.py says why), and cast to q's dtype for the dots, which
-accumulate in fp32 as for every pool. Its write quantizes (write_kv.py); RoPE is then not fused into the write.
+An FP8 pool (float8_e4m3fn, kv_cache_dtype="fp8") is read with FP8_KV: each key and value tile is converted to q's
+dtype in registers (exact: every e4m3 value is a bf16/fp16 value) and the dots accumulate in fp32 as for every pool.
+The scales (constexprs, write_kv.py says why) multiply the [BLOCK_M, TILE_N] scores and probabilities, not the
+[TILE_N, D] tiles: a per-element multiply of every key and value cost FP8 pools a quarter of their decode speed-up
+(docs/benchmarks/attention_h100.json, before and after). Its writes quantize (write_kv.py), the RoPE-fused one
+included.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from trtopt.plugins.paged_attention.write_kv import (
     _rope_write_kv_kernel, _rope_write_kv_launch, _write_kv_launch, fp8_constexprs, rope_write_kv_triton,
     write_kv_triton,
 )
-from trtopt.plugins.rope.kernel import rope_triton
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,9 +151,10 @@ def _attend_key_tiles(
             k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
         else:
             k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
-        if FP8_KV:  # dequantize in registers: × scale in fp32
-            k = (k.to(tl.float32) * K_SCALE).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
+        if FP8_KV:  # e4m3 is exact in q's dtype; the scale goes on the [BLOCK_M, TILE_N] scores, not on each key
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * K_SCALE
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
         if HAS_ALIBI:
             qk = qk * qk_scale + slope[:, None] * (kpos[None, :] - pos[:, None]).to(tl.float32)
         if MASKED:
@@ -174,9 +177,11 @@ def _attend_key_tiles(
             v = tl.load(kv_ptr + stride_ckv, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
         else:
             v = tl.load(kv_ptr + stride_ckv)
-        if FP8_KV:
-            v = (v.to(tl.float32) * V_SCALE).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8_KV:  # as for k: the scale goes on the probabilities (l_i above summed them unscaled)
+            acc = acc * alpha[:, None] + tl.dot((p * V_SCALE).to(q.dtype), v.to(q.dtype),
+                                                input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -429,8 +434,8 @@ def paged_attention_triton(
     own that ends with it, and plans nothing.
 
     An FP8 pool (float8_e4m3fn) stores k / k_scale and v / v_scale and is read × scale (reference.to_pool /
-    from_pool); with RoPE, q and k are then rotated by rope_triton and written by the plain write, unplanned (the
-    fused RoPE write stores q's dtype), and kv_written is refused (the GEMV's write does not quantize).
+    from_pool), through the same planned launches, the fused RoPE write included; kv_written is refused (the GEMV's
+    write does not quantize).
     """
     key = None
     owned = state is not None
@@ -439,8 +444,7 @@ def paged_attention_triton(
     fp8 = kv_cache.dtype == FP8_POOL_DTYPE
     if fp8 and kv_written:
         raise ValueError("kv_written=True with an FP8 pool: the GEMV's KV write stores no float8; let this op write")
-    if owned and launch is None and out is None and not state.launcher.dispatcher_only \
-            and not (fp8 and rope_cos is not None):
+    if owned and launch is None and out is None and not state.launcher.dispatcher_only:
         key = state.plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
                              num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin,
                              kv_written)
@@ -463,11 +467,9 @@ def paged_attention_triton(
     q_in = q
     if kv_written:
         _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim)
-    elif rope_cos is not None and fp8:
-        q, k = rope_triton(q, rope_cos, rope_sin), rope_triton(k, rope_cos, rope_sin)
-        write_kv_triton(k, v, kv_cache, slot_mapping, launcher=state.launcher, k_scale=k_scale, v_scale=v_scale)
     elif rope_cos is not None:
-        q = rope_write_kv_triton(q, k, v, rope_cos, rope_sin, kv_cache, slot_mapping, launcher=state.launcher)
+        q = rope_write_kv_triton(q, k, v, rope_cos, rope_sin, kv_cache, slot_mapping, launcher=state.launcher,
+                                 k_scale=k_scale, v_scale=v_scale)
     else:
         write_kv_triton(k, v, kv_cache, slot_mapping, launcher=state.launcher, k_scale=k_scale, v_scale=v_scale)
     out = _output_buffer(out, (1, num_heads, T, head_dim), q)
@@ -497,7 +499,8 @@ def paged_attention_triton(
         if kv_written:
             kv_write = None
         elif rope_cos is not None:
-            kv_write = _rope_write_kv_launch(q_in, k, v, rope_cos, rope_sin, q, kv_cache, slot_mapping)
+            kv_write = _rope_write_kv_launch(q_in, k, v, rope_cos, rope_sin, q, kv_cache, slot_mapping, k_scale,
+                                             v_scale)
         else:
             kv_write = _write_kv_launch(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         state.remember(key, _PagedPlan(kv_write, attention, merge, scratch, counters, device=q.device,

@@ -8,7 +8,7 @@ removed; see docs/benchmarks/NOTES.md. When the model rotates q and k (RoPE) rig
 kernel also does the rotation of both (`_rope_write_kv_kernel`: the torch executor's fusion of the plan's two Rope
 nodes into this op, fx_fusions.py).
 
-An FP8 pool (float8_e4m3fn) is written by the plain kernel with FP8_KV: x / scale in fp32, saturated to ±448, and
+An FP8 pool (float8_e4m3fn) is written by either kernel with FP8_KV: x / scale in fp32, saturated to ±448, and
 the store's conversion rounds to the nearest even (reference.to_pool). The scales are constexprs, as the score scale
 is in TensorRT's AOT kernel: per-layer build-time constants (1.0 without calibration, one compilation for all).
 """
@@ -65,11 +65,13 @@ def _rope_write_kv_kernel(
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
+    FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0, V_SCALE: tl.constexpr = 1.0,
 ):
     """RoPE of q and k and the KV write in one launch (one program per token; cos/sin are one row per token,
     shared by every head): q_out[h, t] = rope(q[h, t]) for every query head, and for a token with slot >= 0
     pool[slot] = (rope(k[:, t]), v[:, t]). The rotation is rope/kernel.py's, so the result is bit for bit that of
-    two Rope launches and the plain KV write (three launches per layer, one here)."""
+    two Rope launches and the plain KV write (three launches per layer, one here), FP8 pools included: the rotated
+    k is rounded to DTYPE first, then quantized as _write_kv_kernel quantizes."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < HALF
@@ -100,13 +102,18 @@ def _rope_write_kv_kernel(
         k_hi = tl.load(k_src + (offs + HALF)[None, :] * stride_kd, mask=mk).to(tl.float32)
         k1, k2 = rotate_half_rows(k_lo, k_hi, c1, c2, s1, s2, DTYPE)
         v_src = V + t * stride_vt + hk[:, None] * stride_vh
-        v1 = tl.load(v_src + offs[None, :] * stride_vd, mask=mk)
-        v2 = tl.load(v_src + (offs + HALF)[None, :] * stride_vd, mask=mk)
+        v1 = tl.load(v_src + offs[None, :] * stride_vd, mask=mk).to(DTYPE)
+        v2 = tl.load(v_src + (offs + HALF)[None, :] * stride_vd, mask=mk).to(DTYPE)
+        if FP8_KV:  # as _write_kv_kernel: x / scale in fp32, saturated; the stores' cast rounds to nearest even
+            k1 = tl.minimum(tl.maximum(k1.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
+            k2 = tl.minimum(tl.maximum(k2.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
+            v1 = tl.minimum(tl.maximum(v1.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
+            v2 = tl.minimum(tl.maximum(v2.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
         kv_dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + hk[:, None] * stride_ch
-        tl.store(kv_dst + offs[None, :] * stride_cd, k1, mask=mk)
-        tl.store(kv_dst + (offs + HALF)[None, :] * stride_cd, k2, mask=mk)
-        tl.store(kv_dst + stride_ckv + offs[None, :] * stride_cd, v1.to(DTYPE), mask=mk)
-        tl.store(kv_dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(DTYPE), mask=mk)
+        tl.store(kv_dst + offs[None, :] * stride_cd, k1.to(Cache.dtype.element_ty), mask=mk)
+        tl.store(kv_dst + (offs + HALF)[None, :] * stride_cd, k2.to(Cache.dtype.element_ty), mask=mk)
+        tl.store(kv_dst + stride_ckv + offs[None, :] * stride_cd, v1.to(Cache.dtype.element_ty), mask=mk)
+        tl.store(kv_dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(Cache.dtype.element_ty), mask=mk)
 
 def fp8_constexprs(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> dict:
     """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch: an FP8 pool's, or the kernels' defaults for any other
@@ -150,7 +157,8 @@ def _row_strides(table: torch.Tensor) -> tuple[int, int]:
             table.stride(-1) if table.shape[-1] != 1 else 0)
 
 
-def _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping):
+def _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping, k_scale: float = 1.0,
+                          v_scale: float = 1.0):
     """(kernel, grid, args, constexprs) of the RoPE + KV write."""
     _, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -163,17 +171,18 @@ def _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping):
     ), dict(
         BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
         BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
-        num_warps=4 if block_hq * block_half >= 1024 else 1, **no_fp_fusion(),
+        num_warps=4 if block_hq * block_half >= 1024 else 1, **fp8_constexprs(kv_cache, k_scale, v_scale),
+        **no_fp_fusion(),
     )
 
 
 def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                         launcher: Launcher | None = None) -> torch.Tensor:
+                         launcher: Launcher | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Rotate q and k (RoPE, cos/sin broadcastable to [1, 1, T, D]: one row per token, shared by all heads) and
     write the rotated k and v at slot_mapping, in one launch. Returns the rotated q, a new contiguous [1, Hq, T, D].
     Bit for bit `rope_triton(q)`, `rope_triton(k)` then `write_kv_triton`; q/k/v/kv_cache are checked by the caller.
-    `launcher` as for write_kv_triton."""
+    `launcher`, k_scale and v_scale as for write_kv_triton."""
     if not rope_tables_fit(q, cos, sin):
         raise ValueError(f"rope_write_kv_triton needs an even head_dim and cos/sin of q's dtype {q.dtype} that "
                          f"broadcast to [1, 1, T={q.shape[2]}, D={q.shape[3]}]; got cos {cos.dtype} "
@@ -181,7 +190,8 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[2] == 0:
         return q_out
-    kernel, grid, args, constexprs = _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping)
+    kernel, grid, args, constexprs = _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
+                                                           k_scale, v_scale)
     (launch if launcher is None else launcher.launch)(kernel, grid, *args, **constexprs)
     return q_out
 
