@@ -36,8 +36,13 @@ SCRIPT = textwrap.dedent("""
                                          "stride_vh", "stride_vt", "stride_vd", "stride_cos_t", "stride_cos_d",
                                          "stride_sin_t", "stride_sin_d", "stride_oh", "stride_ot", "stride_cb",
                                          "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
+        no_fp8 = dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)
         ptx(_rope_write_kv_kernel, rope, dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32,
-                                              BLOCK_HKV=8, BLOCK_HALF=32, DTYPE=TL[dt]))
+                                              BLOCK_HKV=8, BLOCK_HALF=32, DTYPE=TL[dt], **no_fp8))
+        if dt != "fp32":  # the FP8 pool's write (kv_cache_dtype="fp8"), scales that are not 1
+            ptx(_rope_write_kv_kernel, {**rope, "Cache": "*fp8e4nv"},
+                dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32,
+                     DTYPE=TL[dt], FP8_KV=True, K_SCALE=0.05, V_SCALE=0.2))
         ptx(_argmax_pieces, {"X": p, "Keys": "*i64", "Idx": "*i32", "V": "i32", "stride_x": "i32",
                              "num_pieces": "i32"}, dict(CHUNK=4096), warps=8)
     ptx(_argmax_rows, {"Keys": "*i64", "Idx": "*i32", "Out": "*i64", "num_pieces": "i32"}, dict(BLOCK=32), warps=1)
@@ -76,8 +81,11 @@ SCRIPT = textwrap.dedent("""
             sig["SlotMapping"] = "*i64"
             sig.update({n: "i32" for n in ("K", "stride_wn", "stride_cos_d", "stride_sin_d", "stride_cb",
                                             "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
-            ptx(_gemv_rope_kv, sig, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, POOL_BLOCK=16, BLOCK_P=pairs,
-                                         BLOCK_K=2048, K_TILES=1, EVEN_K=True, DTYPE=TL[dt]))
+            for fp8 in (False, True):  # the pool in the model's dtype, and an FP8 pool
+                ptx(_gemv_rope_kv, {**sig, "Cache": "*fp8e4nv"} if fp8 else sig,
+                    dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, POOL_BLOCK=16, BLOCK_P=pairs, BLOCK_K=2048,
+                         K_TILES=1, EVEN_K=True, DTYPE=TL[dt], FP8_KV=fp8, K_SCALE=0.05 if fp8 else 1.0,
+                         V_SCALE=0.2 if fp8 else 1.0))
     print(len(done))
 """)
 
@@ -86,4 +94,4 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 3 * 2 + 1 + 4 * 2 + 3 * 2 + 2 * 2 * 2 + 2 * 2
+    assert int(done.stdout.split()[-1]) == 3 * 2 + 2 + 1 + 4 * 2 + 3 * 2 + 2 * 2 * 2 + 2 * 2 * 2

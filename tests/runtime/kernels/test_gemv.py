@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from trtopt.builder.plan import read_plan  # noqa: E402
 from trtopt.check.driver import BlockSource, Seq, make_step  # noqa: E402
 from trtopt.plugins.silu_mul.reference import silu_mul_ref  # noqa: E402
+from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE  # noqa: E402
 from trtopt.runtime.executors import gemv, trtopt_ops  # noqa: E402
 from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
 from trtopt.plugins.paged_attention.kernel import (  # noqa: E402
@@ -143,6 +144,31 @@ def test_gemv_rope_kv_is_the_gemv_then_the_rope_kv_write(hq, hkv, d, k, dtype, c
     gemv_rope_kv(x, w, cos, sin, untouched, torch.tensor([-1], device=DEVICE), num_heads=hq, num_kv_heads=hkv,
                  head_dim=d, config=config)
     assert not untouched.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.05, 0.2)])
+def test_gemv_rope_kv_quantizes_an_fp8_pool_like_the_rope_kv_write(dtype, k_scale, v_scale) -> None:
+    """With a float8_e4m3fn pool the epilogue stores the bytes PagedAttention's RoPE + KV-write kernel stores for
+    the same scales (y unchanged), and the attention over it with kv_written equals the unfused path's."""
+    hq, hkv, d = 4, 2, 16
+    x, w, cos, sin, _ = _qkv_case(hq, hkv, d, 64, dtype, seed=21)
+    x = x * 4  # values past 1/scale's reach: saturation is exercised too
+    pool = torch.zeros(6, 2, hkv, 4, d, dtype=FP8_POOL_DTYPE, device=DEVICE)
+    want_pool = pool.clone()
+    meta = (torch.tensor([[1, 2, 0, 0]], dtype=torch.int32, device=DEVICE),
+            torch.tensor([6], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            torch.tensor([2 * 4 + 1], device=DEVICE))  # token 6: block 2, offset 1
+    attrs = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=0.25, k_scale=k_scale, v_scale=v_scale)
+    want, _ = paged_attention_triton(*_views(gemv_triton(x, w), hq, hkv, d), want_pool, *meta, **attrs,
+                                     rope_cos=cos, rope_sin=sin)
+    y = gemv_rope_kv(x, w, cos, sin, pool, meta[3], num_heads=hq, num_kv_heads=hkv, head_dim=d, k_scale=k_scale,
+                     v_scale=v_scale)
+    assert pool.view(torch.uint8).any()
+    assert torch.equal(pool.view(torch.uint8), want_pool.view(torch.uint8))
+    got, _ = paged_attention_triton(*_views(y, hq, hkv, d), pool, *meta, **attrs, kv_written=True)
+    assert torch.equal(got, want)
 
 
 def test_gemv_rope_kv_refuses_what_it_cannot_do() -> None:

@@ -434,16 +434,14 @@ def paged_attention_triton(
     own that ends with it, and plans nothing.
 
     An FP8 pool (float8_e4m3fn) stores k / k_scale and v / v_scale and is read × scale (reference.to_pool /
-    from_pool), through the same planned launches, the fused RoPE write included; kv_written is refused (the GEMV's
-    write does not quantize).
+    from_pool), through the same planned launches; every write quantizes (the RoPE-fused one, and gemv_rope_kv's
+    before a kv_written call).
     """
     key = None
     owned = state is not None
     if not owned:
         state = PagedLaunchState()
     fp8 = kv_cache.dtype == FP8_POOL_DTYPE
-    if fp8 and kv_written:
-        raise ValueError("kv_written=True with an FP8 pool: the GEMV's KV write stores no float8; let this op write")
     if owned and launch is None and out is None and not state.launcher.dispatcher_only:
         key = state.plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
                              num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin,

@@ -104,18 +104,19 @@ def projection_cast(x: torch.Tensor, wt: torch.Tensor, *, to: torch.dtype) -> to
 
 def projection_rope_kv(x: torch.Tensor, wt: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-                       head_dim: int, rope_half: int) -> tuple[torch.Tensor, bool]:
+                       head_dim: int, rope_half: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
     """(x @ wtᵀ, written) for the fused Q/K/V weight of an attention with RoPE folded in. written: one GEMV made the
     product with q and k rotated and wrote k and v into kv_cache at slot_mapping (one row on CUDA, the whole head
     rotated, and nothing gemv_triton.rope_kv_refusal refuses); else the plain `projection`, and the attention op
-    rotates and writes as before."""
+    rotates and writes as before. k_scale/v_scale: an FP8 pool's (the attention node's), ignored by other pools."""
     rows = _rows(x, wt)
     if rows is None or rope_half not in (0, head_dim // 2) or _kernels().rope_kv_refusal(
             rows.shape, wt.shape, x.dtype, cos.shape, cos.dtype, sin.shape, sin.dtype, kv_cache.shape,
             kv_cache.dtype, slot_mapping.shape, slot_mapping.dtype, num_heads, num_kv_heads, head_dim) is not None:
         return projection(x, wt), False
     y = _kernels().gemv_rope_kv(rows, wt, cos, sin, kv_cache, slot_mapping, num_heads=num_heads,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim)
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, k_scale=k_scale, v_scale=v_scale)
     return y.reshape(*x.shape[:-1], wt.shape[0]), True
 
 
@@ -235,7 +236,8 @@ def _fuse_rope_kv(gm: torch.fx.GraphModule) -> int:
         with gm.graph.inserting_before(proj):
             call = gm.graph.call_function(projection_rope_kv, (*proj.args[:2], *inputs),
                                           dict(num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                               rope_half=kw.get("rope_half", 0)))
+                                               rope_half=kw.get("rope_half", 0), k_scale=kw.get("k_scale", 1.0),
+                                               v_scale=kw.get("v_scale", 1.0)))
             y = gm.graph.call_function(operator.getitem, (call, 0))
             written = gm.graph.call_function(operator.getitem, (call, 1))
         proj.replace_all_uses_with(y)

@@ -36,6 +36,8 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
+from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
+from trtopt.plugins.paged_attention.write_kv import FP8_MAX, fp8_constexprs
 from trtopt.plugins.rope.kernel import rotate_half_rows
 
 MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in registers beside the weight tile
@@ -93,7 +95,8 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
                   stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, POOL_BLOCK: tl.constexpr,
                   BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
-                  DTYPE: tl.constexpr):
+                  DTYPE: tl.constexpr, FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0,
+                  V_SCALE: tl.constexpr = 1.0):
     """One token's y = x · Wᵀ over the fused Q/K/V weight (rows: NUM_HEADS query heads, then NUM_KV_HEADS key heads,
     then as many value heads, 2·HALF rows each), with RoPE on q and k and the KV write as the epilogue.
 
@@ -101,7 +104,8 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
     pair ([r1, r2, r1', r2', ...]) so one product tile serves all of them and tl.split hands back the two halves.
     Every value is rounded as the unfused pair rounds it: the GEMV's output to DTYPE, then rope/kernel.py's
     rotate_half_rows (the same function `_rope_write_kv_kernel` calls). y gets rotated q, rotated k and v; when the
-    slot is >= 0 the pool gets rotated k and v at it."""
+    slot is >= 0 the pool gets rotated k and v at it, quantized as `_rope_write_kv_kernel` quantizes them for an FP8
+    pool (FP8_KV: y / scale in fp32, saturated, rounded to nearest even by the store)."""
     pid = tl.program_id(0)
     num_pairs = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
     # The epilogue's operands first: their loads then wait beside the weight's, not after it (the last programs'
@@ -143,8 +147,15 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
         dst = (Cache + (slot // POOL_BLOCK) * stride_cb + (slot % POOL_BLOCK) * stride_co + kv * stride_ckv
                + hk * stride_ch + j_p * stride_cd)
         kv_ok = ok & (head_p >= NUM_HEADS)
-        tl.store(dst, y1, mask=kv_ok)
-        tl.store(dst + HALF * stride_cd, y2, mask=kv_ok)
+        # (new names: a runtime branch may not give y1/y2 another type, which the interpreter does not notice)
+        if FP8_KV:
+            scale = tl.where(is_v, V_SCALE, K_SCALE)
+            pool1 = tl.minimum(tl.maximum(y1.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+            pool2 = tl.minimum(tl.maximum(y2.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+        else:
+            pool1, pool2 = y1, y2
+        tl.store(dst, pool1.to(Cache.dtype.element_ty), mask=kv_ok)
+        tl.store(dst + HALF * stride_cd, pool2.to(Cache.dtype.element_ty), mask=kv_ok)
 
 
 def default_config(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
@@ -202,10 +213,12 @@ def gemv(x: torch.Tensor, wt: torch.Tensor, config: tuple[int, int, int] | None 
 
 def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 head_dim: int, config: tuple[int, int, int] | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """x [1, K] · w_qkv [(Hq + 2·Hkv)·D, K]ᵀ → a new [1, N]: rotated q, rotated k, v; and for slot_mapping[0] >= 0,
     kv_cache[slot // bs, 0|1, :, slot % bs, :] = (rotated k, v). cos and sin hold the token's row (D values, any
-    leading size-1 dims), in x's dtype; kv_cache is [num_blocks, 2, Hkv, block_size, D] in x's dtype. config:
+    leading size-1 dims), in x's dtype; kv_cache is [num_blocks, 2, Hkv, block_size, D] in x's dtype or
+    float8_e4m3fn (stores k / k_scale and v / v_scale quantized, as PagedAttention's writes do). config:
     (pairs per program, BLOCK_K, num_warps); by default two pairs and K tiles of up to 2048, 4 warps.
 
     Compiled without FMA contraction (no_fp_fusion), so that RoPE rounds every product before the sum as the graph
@@ -230,7 +243,8 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
                     w_qkv.stride(0), cos.stride(-1), sin.stride(-1), *kv_cache.stride(),
                     NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, POOL_BLOCK=kv_cache.shape[3],
                     BLOCK_P=block_p, BLOCK_K=block_k, K_TILES=tiles, EVEN_K=tiles * block_k == k,
-                    DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **no_fp_fusion())
+                    DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **fp8_constexprs(kv_cache, k_scale, v_scale),
+                    **no_fp_fusion())
     return y
 
 
@@ -239,7 +253,7 @@ def rope_kv_refusal(x_shape, w_shape, dtype, cos_shape, cos_dtype, sin_shape, si
                     slots_shape, slots_dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
     """Why gemv_rope_kv would refuse a call with these shapes and dtypes (beyond `check`'s), or None when it takes
     it: one row, a weight of (Hq + 2·Hkv)·D rows with D even, one token's cos/sin row in x's dtype, a pool
-    [blocks, 2, Hkv, bs, D] in x's dtype and one int64 slot. Cached: the executor asks it before choosing the fused
+    [blocks, 2, Hkv, bs, D] in x's dtype or float8_e4m3fn and one int64 slot. Cached: the executor asks it before choosing the fused
     path (executors/gemv.py), and the kernel's call then finds the answer made."""
     if x_shape[0] != 1 or head_dim % 2 or w_shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
         return (f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows with an "
@@ -249,8 +263,8 @@ def rope_kv_refusal(x_shape, w_shape, dtype, cos_shape, cos_dtype, sin_shape, si
         if math.prod(shape) != head_dim or shape[-1] != head_dim or table_dtype != dtype:
             return f"gemv_rope_kv needs {name} as one row of {head_dim} {dtype} values; got {table_dtype} {tuple(shape)}"
     if (len(pool_shape) != 5 or tuple(pool_shape[1:3]) != (2, num_kv_heads) or pool_shape[4] != head_dim
-            or pool_dtype != dtype or tuple(slots_shape) != (1,) or slots_dtype != torch.int64):
-        return (f"gemv_rope_kv needs a {dtype} pool [blocks, 2, {num_kv_heads}, block_size, {head_dim}] and an int64 "
+            or pool_dtype not in (dtype, FP8_POOL_DTYPE) or tuple(slots_shape) != (1,) or slots_dtype != torch.int64):
+        return (f"gemv_rope_kv needs a {dtype} or {FP8_POOL_DTYPE} pool [blocks, 2, {num_kv_heads}, block_size, {head_dim}] and an int64 "
                 f"slot_mapping [1]; got {pool_dtype} {tuple(pool_shape)}, {slots_dtype} {tuple(slots_shape)}")
     return None
 
