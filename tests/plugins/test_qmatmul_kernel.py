@@ -76,9 +76,11 @@ def test_kernel_matches_the_reference(kind, m, k, n, group, kernel_device):
     x = _x(m, k, gen)
     args = [t.to(kernel_device) for t in (x, w, scale, zp, torch.tensor(1.0))]
     want = qmatmul_ref(*args, block_size=block)
-    got = qmatmul_triton(*args, block_size=block)
+    got = qmatmul_triton(*args, block_size=block)  # the GEMV for one row, the GEMM (test_qmatmul_gemm.py) for more
     assert got.shape == want.shape == (1, m, n)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    gemv = qgemv(args[0].reshape(m, k), pack_weight(*args[1:4], block_size=block))
+    torch.testing.assert_close(gemv, want.reshape(m, n), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("act", [ACT_STATIC, ACT_DYNAMIC])
@@ -136,9 +138,10 @@ def test_chunked_rows_store_only_their_own(kind, programs_last_to_first):
         torch.testing.assert_close(qgemv(x, packed, (8, 64, 4)), x @ dequantize_packed(packed), atol=1e-4, rtol=1e-4)
 
 
-def test_more_rows_than_the_gemv_run_the_reference_math(kernel_device):
+def test_weights_no_gemm_takes_run_the_reference_math(kernel_device):
+    """INT4 groups of 8 values (below tl.dot's K of 16) at more rows than the GEMV takes: dequantize + one GEMM."""
     gen = torch.Generator().manual_seed(1)
-    w, scale, zp, block = _weight("uint4z", 64, 24, 32, gen)
+    w, scale, zp, block = _weight("uint4z", 64, 24, 8, gen)
     x = _x(MAX_ROWS + 1, 64, gen).to(kernel_device)
     args = [t.to(kernel_device) for t in (x, w, scale, zp, torch.tensor(1.0))]
     want = qmatmul_ref(*args, block_size=block)

@@ -1,5 +1,8 @@
-"""QMatMul as Triton decode GEMVs (face 4 of docs/architecture.md §4): the CUDA path of the torch executor for steps
-of up to MAX_ROWS rows of x; larger steps (prefill) dequantize once and run one fp32 GEMM (the reference's math).
+"""QMatMul as Triton decode GEMVs (face 4 of docs/architecture.md §4), and the CUDA path's dispatch by step size
+(`qmatmul_packed`): steps of up to GEMV_MAX_ROWS rows of x run the GEMV below; larger ones (prefill, large decode
+batches) a tensor-core GEMM over the same packed weight (gemm.py: FP8 W8A8 through torch._scaled_mm from
+SCALED_MM_MIN_ROWS rows, else a Triton tl.dot GEMM dequantizing in registers); weights no GEMM takes (INT4 groups
+below 16) dequantize once and run one fp32 GEMM (the reference's math).
 
 Why: a batch-1 decode step is bound by the bytes of its weights, so a quantized projection is only faster than the
 bf16 one if the kernel streams the *quantized* bytes once, at the rate runtime/kernels/gemv_triton.py streams bf16
@@ -36,11 +39,18 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
+from trtopt.plugins.qmatmul.gemm import (SCALED_MM_MIN_ROWS, fp8_scaled_mm, gemm_supported, qgemm,
+                                         quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_NONE
 
-MAX_ROWS = 16  # rows of x a step may have to take the GEMV; more run dequantize + one GEMM
+MAX_ROWS = 16  # rows of x `qgemv` takes at most (its chunking: ROWS_PER_PROGRAM rows a program)
+# Rows of x up to which a step runs the GEMV, more the GEMM (gemm.py). On the H100 the GEMV lost to bf16's cuBLAS
+# from 4 rows on (0.90x FP8, 0.63x INT4: docs/benchmarks/quant_e2e_h100.json), each extra row costing ~30% of its
+# one-row time, while a tl.dot GEMM streams the weight once for up to 16 rows; benchmarks/bench_qmatmul.py times
+# both at 1, 2, 4, 8 and 16 rows and reports the crossover this constant should follow.
+GEMV_MAX_ROWS = 1
 ROWS_PER_PROGRAM = 8  # rows of x one program multiplies its dequantized tile with
 TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 registers a thread at 4 warps)
 MAX_TILE_K = 4096  # at most this many K values of one column per tile
@@ -208,12 +218,31 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
 
 def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *, act_mode: int = ACT_NONE,
                    config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype. The GEMV for steps of 1..MAX_ROWS rows;
-    otherwise the reference's math on the dequantized weight (fp32 GEMM, the same values as qmatmul_ref). Callers
-    route CUDA tensors here (the CPU runs the reference: trtopt_ops.py); on the CPU the GEMV needs the Triton
-    interpreter (TRITON_INTERPRET=1), which the tests and benchmarks/quant_e2e.py --smoke use."""
+    """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype, dispatched on the step's rows M:
+
+    - M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
+    - FP8 W8A8 (act_mode static or dynamic), M >= SCALED_MM_MIN_ROWS and `scaled_mm_supported`: the activation's
+      FP8 codes through torch._scaled_mm (gemm.py `fp8_scaled_mm`);
+    - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
+      row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
+
+    Every path computes the reference's values (qmatmul_ref) up to fp32 summation order. Callers route CUDA
+    tensors here (the CPU runs the reference: trtopt_ops.py); on the CPU the Triton kernels need the interpreter
+    (TRITON_INTERPRET=1), which the tests and benchmarks/quant_e2e.py --smoke use. No host sync: the step's CUDA
+    graph captures whichever path its M takes."""
     rows = x.numel() // w.k if w.k else 0
     xf = x.reshape(rows, w.k)
+    if rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k:
+        xk = xf if xf.stride(-1) == 1 else xf.contiguous()
+        if act_mode == ACT_NONE:
+            y = qgemm(xk, w)
+        else:
+            codes, row_scale = quantize_fp8_rows(xk, act_scale)
+            if rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(x, w):
+                y = fp8_scaled_mm(codes, w, row_scale)
+            else:
+                y = qgemm(codes, w, row_scale=row_scale.reshape(rows), out_dtype=x.dtype)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
     if act_mode != ACT_NONE:  # the activation's Q/DQ, elementwise in fp32 (then rounded back: see below)
         xf = fake_quantize_fp8(xf.float(), act_scale.float().reshape(-1, 1) if act_scale.dim() else
                                act_scale.float())
@@ -233,9 +262,9 @@ def qmatmul_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_
     """QMatMul with the op's arguments (the plan's layout), for callers that did not pack the weight at load (the
     torch.compile custom op, a graph the executor did not rewrite): packs it for this call, then `qmatmul_packed`.
     Packing reads the weight several times, so this is correct but not fast: the torch executor packs once at load
-    (runtime/executors/qmatmul_packing.py). Steps the GEMV does not take run the reference itself."""
+    (runtime/executors/qmatmul_packing.py). Weights `packable` refuses run the reference itself."""
     rows = x.numel() // w_q.shape[0] if w_q.dim() == 2 and w_q.shape[0] else 0
-    if not (0 < rows <= MAX_ROWS and packable(w_q, w_scale, block_size=block_size)):
+    if not (rows > 0 and packable(w_q, w_scale, block_size=block_size)):
         return qmatmul_ref(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, axis=axis,
                            block_size=block_size, act_mode=act_mode)
     packed = pack_weight(w_q, w_scale, w_zero_point, block_size=block_size)

@@ -5,7 +5,9 @@ scale / zero point [N] or [K/G, N]. A decode step reads every weight byte once f
 each output column's bytes contiguous and as few of them as there are bits:
 
 - FP8: ``data`` [N, K] uint8, the float8e4nv bytes, K contiguous (nn.Linear's layout, as runtime/kernels/
-  gemv_triton.py reads bf16 weights); ``scale`` [N]. The rule guarantees an FP8 zero point of 0 (±0).
+  gemv_triton.py reads bf16 weights; viewed as float8_e4m3fn and transposed it is the column-major [K, N] that
+  torch._scaled_mm takes, gemm.py); ``scale`` [N] fp32 (the plan's scale widened, exact: _scaled_mm's rowwise
+  scale_b must be fp32; the GEMV reads it as fp32 either way). The rule guarantees an FP8 zero point of 0 (±0).
 - INT4/UINT4: ``data`` [N, K/8] int32, eight values a word, **nibble planes**: within quantization group g of a
   column (G values, W = G/8 words), nibble p (bits 4p..4p+3) of word j holds value g·G + p·W + j, so each of the
   eight planes lines up with a contiguous run of x, and the kernel takes a value out with one shift and one mask.
@@ -14,8 +16,8 @@ each output column's bytes contiguous and as few of them as there are bits:
   dtype; ``zero`` [N, K/G] uint8 z', or None when every z' is one value (``zero_const``: 8 for symmetric INT4, 0
   for UINT4 without zero points), which the kernel then takes as a constant instead of loading.
 
-`dequantize_packed` gives back the reference's dequantized weight (reference.py `dequantize_weight`) bit for bit,
-for steps the GEMV does not take.
+The GEMMs for larger steps (gemm.py) read the same tensors, so a weight is stored once. `dequantize_packed` gives
+back the reference's dequantized weight (reference.py `dequantize_weight`) bit for bit, for steps no kernel takes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class PackedQWeight:
     """One QMatMul weight in the GEMV's layout (module docstring); tensors on the plan's device."""
 
     data: torch.Tensor  # FP8: [N, K] uint8; INT4/UINT4: [N, K/8] int32, nibble planes, offset binary
-    scale: torch.Tensor  # FP8: [N]; INT4/UINT4: [N, K/G]; the plan's float dtype
+    scale: torch.Tensor  # FP8: [N] fp32; INT4/UINT4: [N, K/G] in the plan's float dtype
     zero: torch.Tensor | None  # INT4/UINT4: [N, K/G] uint8 z' (offset binary), or None: every z' is zero_const
     zero_const: int  # z' for every group when zero is None (unused for FP8)
     k: int
@@ -69,7 +71,7 @@ def pack_weight(w_q: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Te
     k, n = w_q.shape
     if w_q.dtype == torch.float8_e4m3fn:
         assert not w_zero_point.float().any(), "FP8 zero points are 0 (fusion_passes/qmatmul.py refuses others)"
-        return PackedQWeight(w_q.view(torch.uint8).t().contiguous(), w_scale.contiguous(), None, 0, k, n, 0)
+        return PackedQWeight(w_q.view(torch.uint8).t().contiguous(), w_scale.float().contiguous(), None, 0, k, n, 0)
     g = block_size
     offset = SIGNED_OFFSET if w_q.dtype == torch.int8 else 0
     u = (w_q.to(torch.int64) + offset).t().reshape(n, k // g, 8, g // 8)  # [N, K/G, plane p, word j]

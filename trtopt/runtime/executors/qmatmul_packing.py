@@ -1,8 +1,9 @@
-"""QMatMul weights packed once at load for the decode GEMV (the torch executor on CUDA; docs/architecture.md §4).
+"""QMatMul weights packed once at load for the GEMV and GEMMs (the torch executor on CUDA; docs/architecture.md §4).
 
 A converted trtopt.QMatMul reads the plan's w_q [K, N] (INT4/UINT4 one int8/uint8 a value), scale and zero point.
-On CUDA `trtopt_ops.qmatmul` runs plugins/qmatmul/kernel.py `qmatmul_triton`, which packs them into the GEMV's
-layout (plugins/qmatmul/packing.py) on every call: several reads of the weight and host syncs per projection.
+On CUDA `trtopt_ops.qmatmul` runs plugins/qmatmul/kernel.py `qmatmul_triton`, which packs them into the kernels'
+layout (plugins/qmatmul/packing.py: one layout that the decode GEMV, the Triton GEMM and torch._scaled_mm all read)
+on every call: several reads of the weight and host syncs per projection.
 `pack_qmatmul_weights` packs each constant weight once, as gemv.py stores MatMul weights [N, K] once:
 
 1. every QMatMul whose w_q, w_scale and w_zero_point are constants on CUDA, in a form `packing.packable` takes,
@@ -43,7 +44,8 @@ def qmatmul_packed_call(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor
                         act_scale: torch.Tensor, *, k: int, group: int, zero_const: int,
                         act_mode: int) -> torch.Tensor:
     """trtopt::QMatMul on a weight packed at load: PackedQWeight's tensors (data [N, ·], scale, zero or None) and
-    fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to MAX_ROWS rows, else dequantize + GEMM)."""
+    fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to GEMV_MAX_ROWS rows, else a tensor-core
+    GEMM: plugins/qmatmul/gemm.py)."""
     w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
     return _kernel().qmatmul_packed(x, w, act_scale, act_mode=act_mode)
 

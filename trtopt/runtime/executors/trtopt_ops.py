@@ -146,8 +146,8 @@ def matmul_add(x, weight, bias):
 
 def qmatmul(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, act_quantized=None, act_static=None, *,
             axis: int, block_size: int = 0, act_mode: int = 0, act_block_size: int = 0, weight_dtype: int = 0):
-    """trtopt::QMatMul: on CUDA the Triton GEMV (dequantizing in registers) for steps of up to 16 rows, else the
-    reference (dequantize, matmul in fp32)."""
+    """trtopt::QMatMul: on CUDA the Triton GEMV (dequantizing in registers) for one-row steps and a tensor-core GEMM
+    for larger ones (plugins/qmatmul/kernel.py `qmatmul_packed`), else the reference (dequantize, matmul in fp32)."""
     fn = _impl("qmatmul", x.device.type)
     return fn(x, w_q, w_scale, w_zero_point, act_scale, act_zero_point, axis=axis, block_size=block_size,
               act_mode=act_mode, act_block_size=act_block_size, weight_dtype=weight_dtype)

@@ -1,0 +1,196 @@
+"""QMatMul's tensor-core path (plugins/qmatmul/gemm.py) and kernel.py's dispatch by rows, against the torch reference:
+the Triton GEMM over the GEMV's packed weights (FP8, INT4/UINT4 with and without zero points, every group size it
+takes), FP8 activations as codes with a row scale, and torch._scaled_mm's FP8 W8A8 call. Without CUDA the Triton
+GEMM runs under the interpreter (tests/plugins/conftest.py) and _scaled_mm on the CPU; the `gpu` tests repeat the
+cases at the 8B model's shapes on CUDA, where the dispatch takes _scaled_mm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_qmatmul_kernel import _act_scale, _weight, _x
+from trtopt.plugins.qmatmul.gemm import (GemmConfig, fp8_scaled_mm, gemm_config, gemm_supported, int4_block_k, qgemm,
+                                         quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, qmatmul_packed, qmatmul_triton
+from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight
+from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
+from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC
+
+# (kind, rows, K, N, group): the GEMV tests' shapes at GEMM row counts: odd N, odd K (FP8), every group size the
+# GEMM takes (16..256: one K block a group, or two for 256), rows that leave partial row tiles.
+CASES = [("fp8", 2, 97, 13, 0), ("fp8", 5, 200, 33, 0), ("fp8", 17, 64, 40, 0), ("fp8", 33, 300, 9, 0),
+         ("int4", 2, 256, 33, 32), ("int4", 5, 96, 13, 32), ("int4", 17, 128, 5, 16), ("int4z", 33, 384, 11, 128),
+         ("uint4", 2, 256, 21, 64), ("uint4z", 5, 512, 19, 128), ("uint4z", 17, 192, 9, 64),
+         ("int4z", 5, 512, 7, 256), ("uint4", 33, 64, 3, 16)]
+
+
+@pytest.mark.parametrize("kind,m,k,n,group", CASES)
+def test_gemm_matches_the_reference(kind, m, k, n, group, kernel_device):
+    gen = torch.Generator().manual_seed(m * k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen)
+    x = _x(m, k, gen)
+    args = [t.to(kernel_device) for t in (x, w, scale, zp, torch.tensor(1.0))]
+    want = qmatmul_ref(*args, block_size=block)
+    packed = pack_weight(*args[1:4], block_size=block)
+    assert gemm_supported(packed)
+    torch.testing.assert_close(qgemm(args[0].reshape(m, k), packed), want.reshape(m, n), atol=1e-4, rtol=1e-4)
+    got = qmatmul_triton(*args, block_size=block)  # the dispatch: more rows than the GEMV's → the GEMM
+    assert m > GEMV_MAX_ROWS and got.shape == (1, m, n)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("act", [ACT_STATIC, ACT_DYNAMIC])
+@pytest.mark.parametrize("kind,m,k,n", [("fp8", 2, 128, 24), ("fp8", 17, 96, 13), ("int4", 5, 128, 24)])
+def test_gemm_with_quantized_activations(kind, m, k, n, act, kernel_device):
+    """x's FP8 codes with the activation's scale as a row scale: the reference's Q/DQ(x) @ DQ(w)."""
+    gen = torch.Generator().manual_seed(m + act)
+    w, scale, zp, block = _weight(kind, k, n, 32, gen)
+    x = _x(m, k, gen)
+    args = [t.to(kernel_device) for t in (x, w, scale, zp, _act_scale(x, act))]
+    attrs = dict(block_size=block, act_mode=act, act_block_size=k if act == ACT_DYNAMIC else 0)
+    torch.testing.assert_close(qmatmul_triton(*args, **attrs), qmatmul_ref(*args, **attrs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [GemmConfig(16, 16, 128, 4, 2), GemmConfig(32, 64, 64, 4, 3, group_m=1),
+                                    GemmConfig(64, 32, 32, 4, 3, group_m=2)])
+@pytest.mark.parametrize("kind", ["fp8", "int4z"])
+def test_other_gemm_configs(kind, config, kernel_device):
+    """Tiles of every size the table uses (and K blocks below an INT4 group: two or four a group) compute the same
+    product; rows over several row tiles, with the tutorial's band order."""
+    gen = torch.Generator().manual_seed(11)
+    w, scale, zp, block = _weight(kind, 256, 50, 128, gen)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
+    x = torch.randn(70, 256, generator=gen).to(kernel_device)
+    torch.testing.assert_close(qgemm(x, packed, config=config), x @ dequantize_packed(packed), atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_config_table():
+    assert int4_block_k(128) == 128 and int4_block_k(32) == 32 and int4_block_k(1024) == 128
+    assert int4_block_k(2048) == 256 and int4_block_k(8) is None and int4_block_k(4096) is None
+    for rows in (2, 16, 17, 64, 65, 256, 257, 2048):
+        for group in (0, 16, 128, 256):
+            cfg = gemm_config(rows, group, torch.bfloat16)
+            assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.block_k >= 16
+            if group:
+                assert group % cfg.block_k == 0 and cfg.block_k >= group // 8  # whole planes of one group
+    assert gemm_config(2048, 0, torch.float32).num_stages == 2  # fp32's "ieee" dot: half the stages
+
+
+def test_gemm_refusals():
+    gen = torch.Generator().manual_seed(2)
+    packed = pack_weight(*_weight("int4", 64, 8, 32, gen)[:3], block_size=32)
+    with pytest.raises(ValueError, match="K contiguous"):
+        qgemm(torch.zeros(4, 32), packed)
+    with pytest.raises(ValueError, match="FP8 codes with a row scale"):
+        qgemm(torch.zeros(4, 64).to(torch.float8_e4m3fn), packed)
+    with pytest.raises(ValueError, match="must divide the group"):
+        qgemm(torch.zeros(4, 64), packed, config=GemmConfig(16, 16, 64, 4, 2))
+    small = pack_weight(*_weight("int4", 64, 8, 8, gen)[:3], block_size=8)
+    assert not gemm_supported(small)
+    with pytest.raises(ValueError, match="no K block"):
+        qgemm(torch.zeros(4, 64), small)
+
+
+def test_quantize_fp8_rows_gives_the_reference_codes():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 32, generator=gen) * 3
+    for act in (ACT_STATIC, ACT_DYNAMIC):
+        s = _act_scale(x, act)
+        codes, row_scale = quantize_fp8_rows(x, s)
+        assert codes.dtype == torch.float8_e4m3fn and row_scale.shape == (6, 1) and row_scale.is_contiguous()
+        torch.testing.assert_close(codes.float() * row_scale, fake_quantize_fp8(x, s), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("act", [ACT_STATIC, ACT_DYNAMIC])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (7, 96, 48), (33, 256, 16)])
+def test_fp8_scaled_mm_matches_the_reference(m, k, n, act):
+    """torch._scaled_mm's call (rowwise fp32 scales, bf16 out) on the packed weight, on the CPU's _scaled_mm (the
+    GPU test repeats it on cuBLASLt): the reference rounded to bf16, up to one bf16 rounding step."""
+    gen = torch.Generator().manual_seed(m + k)
+    w, scale, zp, _ = _weight("fp8", k, n, 0, gen, dtype=torch.bfloat16)
+    x = _x(m, k, gen, torch.bfloat16).reshape(m, k)
+    s = _act_scale(x, act)
+    codes, row_scale = quantize_fp8_rows(x, s)
+    got = fp8_scaled_mm(codes, pack_weight(w, scale, zp, block_size=0), row_scale)
+    want = qmatmul_ref(x, w, scale, zp, s, act_mode=act)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_scaled_mm_is_taken_only_where_it_runs():
+    gen = torch.Generator().manual_seed(3)
+    fp8 = pack_weight(*_weight("fp8", 64, 32, 0, gen)[:3], block_size=0)
+    int4 = pack_weight(*_weight("int4", 64, 32, 32, gen)[:3], block_size=32)
+    x = torch.zeros(80, 64, dtype=torch.bfloat16)
+    assert not scaled_mm_supported(x, fp8)  # CPU tensors: the Triton GEMM (and the interpreter) instead
+    assert not scaled_mm_supported(x, int4)
+    assert fp8.scale.dtype == torch.float32  # what _scaled_mm's rowwise scale_b must be
+
+
+# The 8B model's projections (K, N), on CUDA; FP8 through every path the dispatch has, INT4 g128 and UINT4 g32 + zp.
+GPU_SHAPES = [(4096, 6144), (14336, 4096)]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU "
+                         "machine)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind,group,act", [("fp8", 0, ACT_NONE), ("fp8", 0, ACT_STATIC), ("fp8", 0, ACT_DYNAMIC),
+                                            ("int4", 128, ACT_NONE), ("uint4z", 32, ACT_NONE)])
+@pytest.mark.parametrize("k,n", GPU_SHAPES)
+@pytest.mark.parametrize("m", [2, 16, 64, 300])
+def test_dispatch_on_cuda_at_8b_shapes(kind, group, act, k, n, m):
+    gen = torch.Generator().manual_seed(m + k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen, dtype=torch.bfloat16)
+    x = _x(m, k, gen, torch.bfloat16).cuda()
+    args = [x, *(t.cuda() for t in (w, scale, zp, _act_scale(x, act)))]
+    attrs = dict(block_size=block, act_mode=act, act_block_size=k if act == ACT_DYNAMIC else 0)
+    want = qmatmul_ref(*args, **attrs)  # fp32 math, rounded to bf16
+    got = qmatmul_packed(x, pack_weight(*args[1:4], block_size=block), args[4], act_mode=act)
+    # bf16 output: one rounding of an fp32 sum either way; different summation orders may straddle a bf16 step.
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind,group", [("fp8", 0), ("int4z", 128), ("uint4", 64)])
+@pytest.mark.parametrize("m", [5, 64, 1000])
+def test_gemm_in_fp32_on_cuda(kind, group, m):
+    """fp32 x ("ieee" dot, fp32 out): the reference's fp32 result up to summation order."""
+    gen = torch.Generator().manual_seed(m)
+    w, scale, zp, block = _weight(kind, 4096, 1000, group, gen)
+    packed = pack_weight(*(t.cuda() for t in (w, scale, zp)), block_size=block)
+    x = torch.randn(m, 4096, generator=gen).cuda()
+    torch.testing.assert_close(qgemm(x, packed), x @ dequantize_packed(packed), atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("act", [ACT_STATIC, ACT_DYNAMIC])
+@pytest.mark.parametrize("m", [64, 2048])
+def test_scaled_mm_and_triton_gemm_agree_on_cuda(act, m):
+    """The two W8A8 paths (cuBLASLt FP8 and the Triton GEMM on the codes) give the same bf16 product, and the dispatch
+    takes _scaled_mm on a Hopper GPU; captured in a CUDA graph, replayed with new x."""
+    gen = torch.Generator().manual_seed(m + act)
+    w, scale, zp, _ = _weight("fp8", 4096, 6144, 0, gen, dtype=torch.bfloat16)
+    packed = pack_weight(*(t.cuda() for t in (w, scale, zp)), block_size=0)
+    x = _x(m, 4096, gen, torch.bfloat16).cuda().reshape(m, 4096)
+    s = _act_scale(x, act).cuda()
+    codes, row_scale = quantize_fp8_rows(x, s)
+    triton_y = qgemm(codes, packed, row_scale=row_scale.reshape(m), out_dtype=torch.bfloat16)
+    torch.testing.assert_close(fp8_scaled_mm(codes, packed, row_scale).float(), triton_y.float(), atol=2e-2,
+                               rtol=1e-2)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert scaled_mm_supported(x, packed)
+    qmatmul_packed(x, packed, s, act_mode=act)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qmatmul_packed(x, packed, s, act_mode=act)
+    x.copy_(torch.randn(m, 4096, generator=gen).to(torch.bfloat16).cuda())
+    if act == ACT_DYNAMIC:
+        s.copy_(_act_scale(x, act))
+    graph.replay()
+    want = qmatmul_ref(x, *(t.cuda() for t in (w, scale, zp)), s, act_mode=act)
+    torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=1e-2)

@@ -1,0 +1,230 @@
+"""QMatMul's tensor-core path (face 4 of docs/architecture.md §4): the GEMMs kernel.py `qmatmul_packed` dispatches
+steps of more than GEMV_MAX_ROWS rows to (prefill, large decode batches), over the same packed weights as the GEMV
+(packing.py: one layout, no second copy).
+
+- `qgemm`: a Triton GEMM, tl.dot on x's dtype (bf16/fp16 tensor cores; fp32 "ieee" for fp32 plans), the weight
+  dequantized in registers per K block:
+  - FP8: the [N, K] float8e4nv bytes widened to x's dtype (exact: every E4M3 value is a bf16/fp16 value), one
+    tl.dot accumulating over K, the per-column scale applied once in the epilogue;
+  - INT4/UINT4: a K block lies inside one quantization group (BLOCK_K <= G, or a whole group): its nibble planes
+    are unpacked to q − z (exact, |q − z| <= 15), one tl.dot per block, and the group's scale multiplies that
+    block's fp32 partial sum: s[g, n] · Σ_{k∈g} x[k] (q − z), the GEMV's order (kernel.py), not (q − z) · s rounded
+    to bf16 as Marlin-style kernels do.
+  - An optional per-row scale in the epilogue (ROW_SCALE): x holds FP8 codes of an FP8-quantized activation
+    (exact in any float dtype) and the row scale is the activation's scale.
+  So the result is the reference's ((Q/DQ(x)) @ DQ(w) in fp32, reference.py) up to fp32 summation order, rounded
+  once to x's dtype. Configs come from a small table by M (`gemm_config`), no autotuning: the step CUDA graphs
+  capture whatever launches, and an autotuner would time kernels on the first capture.
+- `fp8_scaled_mm`: FP8 W8A8 (static per-tensor or dynamic per-token activation scale) on Hopper's FP8 tensor cores
+  through torch._scaled_mm (cuBLASLt): x's FP8 codes [M, K] row-major, the packed weight's [N, K] bytes viewed as
+  the column-major [K, N] it wants, rowwise scales (scale_a [M, 1] fp32: the activation's scale per row;
+  scale_b [1, N] fp32: the packed FP8 scale, stored fp32 for this), bf16 out, fp32 accumulation (use_fast_accum off:
+  the FP8 fast-accumulation mode is the one that loses precision). Taken for bf16 x with K and N multiples of 16 on
+  compute capability >= 9.0 (rowwise scaling's requirements: torch's `_check_scaled_mm_sizes`, Blas.cpp); else
+  the Triton GEMM with ROW_SCALE, which computes the same product.
+
+FP8 weight-only steps stay weight-only (the Triton GEMM on x as is): quantizing their activations per token to reach
+_scaled_mm would change the plan's numerics (W8A16 → W8A8). Nothing here syncs the host or allocates outside
+torch's allocator (the CUDA graph pool during capture): the outputs and the activation codes are torch tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from trtopt.plugins import launcher
+from trtopt.plugins.kernel_common import TL_DTYPES
+from trtopt.plugins.qmatmul.packing import PackedQWeight
+from trtopt.plugins.qmatmul.reference import FP8_MAX
+
+MAX_INT4_BLOCK_K = 256  # an INT4 K block is min(G, 128) values, at least one word per plane (G/8); above: no GEMM
+SCALED_MM_MIN_ROWS = 64  # W8A8 steps of at least this many rows take torch._scaled_mm, fewer the Triton GEMM
+
+
+@triton.jit
+def _qgemm(X, W, S, Z, XS, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+           INT4: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, X_FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+           DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Program p: a BLOCK_M × BLOCK_N tile of y, GROUP_M row tiles per column band (the Triton tutorial's L2
+    ordering). Rows past M and columns past N are clamped to M − 1 / N − 1 (read, never stored), so only K needs a
+    mask, and only for FP8 (INT4's K is whole groups, a multiple of BLOCK_K). X_FP8: x is FP8 codes as uint8.
+    INT4: W [N, K/8] int32 nibble planes (packing.py), S and Z [N, K/G] (stride_sn), ZERO >= 0 a constant z'."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_band = GROUP_M * tiles_n
+    first_m = (pid // per_band) * GROUP_M
+    band_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_band) % band_m
+    pid_n = (pid % per_band) // band_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = X + safe_m[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INT4:
+        WORDS: tl.constexpr = GROUP // 8  # words of one column's group, one per value of each plane
+        PLANES: tl.constexpr = BLOCK_K // WORDS  # planes of the group one K block covers
+        SUB: tl.constexpr = GROUP // BLOCK_K  # K blocks per group
+        offs_j = tl.arange(0, WORDS)
+        offs_p = tl.arange(0, PLANES)
+        for kb in range(0, K // BLOCK_K):
+            g = kb // SUB
+            x = tl.load(x_rows + (kb * BLOCK_K + offs_k)[None, :])  # [BLOCK_M, BLOCK_K]
+            if X_FP8:
+                x = x.to(tl.float8e4nv, bitcast=True)
+            x = x.to(DOT_DTYPE)
+            words = tl.load(W + safe_n[None, :] * stride_wn + g * WORDS + offs_j[:, None])  # [WORDS, BLOCK_N]
+            words = words.to(tl.uint32, bitcast=True)  # logical shifts
+            shifts = (4 * ((kb % SUB) * PLANES + offs_p)).to(tl.uint32)
+            u = (words[None, :, :] >> shifts[:, None, None]) & 15  # [PLANES, WORDS, BLOCK_N]: value p·W + j
+            v = (u | 0x4B000000).to(tl.float32, bitcast=True)  # 2²³ + u, exact (kernel.py)
+            if ZERO >= 0:
+                v = v - (8388608.0 + ZERO)
+            else:
+                z = tl.load(Z + safe_n * stride_sn + g).to(tl.float32)
+                v = v - (z + 8388608.0)[None, None, :]
+            w = tl.reshape(v, (BLOCK_K, BLOCK_N)).to(DOT_DTYPE)  # q − z, K in the block's order
+            s = tl.load(S + safe_n * stride_sn + g).to(tl.float32)
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+    else:
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k = kb * BLOCK_K + offs_k
+            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0)
+            if X_FP8:
+                x = x.to(tl.float8e4nv, bitcast=True)
+            x = x.to(DOT_DTYPE)
+            w = tl.load(W + safe_n[None, :] * stride_wn + k[:, None], mask=k[:, None] < K, other=0)  # [BK, BN]
+            w = w.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        acc = acc * tl.load(S + safe_n).to(tl.float32)[None, :]
+    if ROW_SCALE:
+        acc = acc * tl.load(XS + safe_m).to(tl.float32)[:, None]
+    out = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, acc.to(OUT_DTYPE), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch of `_qgemm`: its tile and pipeline."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def int4_block_k(group: int) -> int | None:
+    """K values of one INT4 K block for quantization group G: min(G, 128), and at least G/8 (one word of each
+    plane); None when tl.dot cannot take it (G < 16) or it exceeds MAX_INT4_BLOCK_K."""
+    block_k = max(min(group, 128), group // 8)
+    return block_k if 16 <= block_k <= MAX_INT4_BLOCK_K else None
+
+
+def gemm_config(rows: int, group: int, dtype: torch.dtype) -> GemmConfig:
+    """The tile for `rows` rows against a packed weight (group 0: FP8) with x of `dtype`. Small steps: short row
+    tiles and narrow column tiles, so that the grid still covers the SMs while the weight is streamed about once;
+    prefill: the Triton tutorial's 128 × 128 Hopper tile for FP8. INT4 tiles are half as wide from 65 rows on: its
+    unpacked [BLOCK_K, BLOCK_N] block and the per-group partial product live in registers beside the accumulator.
+    fp32 x (the "ieee" dot) halves the stages for shared memory. Not tuned on a GPU yet: benchmarks/bench_qmatmul.py
+    times it."""
+    int4 = group != 0
+    block_k = int4_block_k(group) if int4 else 128
+    assert block_k is not None, f"no INT4 GEMM for group {group}"
+    if rows <= 16:
+        cfg = GemmConfig(16, 32, block_k, 4, 4)
+    elif rows <= 64:
+        cfg = GemmConfig(32 if rows <= 32 else 64, 64, block_k, 4, 4)
+    elif rows <= 256:
+        cfg = GemmConfig(64, 64, block_k, 4, 3) if int4 else GemmConfig(64, 128, 64, 4, 3)
+    else:
+        cfg = GemmConfig(128, 64, block_k, 8, 3) if int4 else GemmConfig(128, 128, 64, 8, 3)
+    if dtype == torch.float32:
+        cfg = GemmConfig(min(cfg.block_m, 64), cfg.block_n, cfg.block_k, cfg.num_warps, 2)
+    return cfg
+
+
+def gemm_supported(w: PackedQWeight) -> bool:
+    """Whether `qgemm` takes this weight: FP8 always; INT4/UINT4 when its group makes an INT4 K block."""
+    return w.fp8 or int4_block_k(w.group) is not None
+
+
+def qgemm(x: torch.Tensor, w: PackedQWeight, *, row_scale: torch.Tensor | None = None,
+          out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (K contiguous; a float dtype, or float8_e4m3fn codes with row_scale) times the packed weight →
+    a new [M, N] in out_dtype (default x's dtype). row_scale: [M] fp32, multiplied into each row (the activation's
+    FP8 scale). The tl.dot runs in out_dtype when x is FP8 codes (exact), else in x's dtype (fp32 on the CPU)."""
+    if x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1 or x.device != w.data.device:
+        raise ValueError(f"qgemm needs x [M, {w.k}] with K contiguous on the weight's device; got "
+                         f"{tuple(x.shape)} {x.stride()} on {x.device}")
+    codes = x.dtype == torch.float8_e4m3fn
+    out_dtype = out_dtype or x.dtype
+    dot_dtype = out_dtype if codes else x.dtype
+    if x.device.type == "cpu":  # the Triton interpreter: its bf16/fp16 tl.dot is wrong (3.9); fp32 holds them exactly
+        dot_dtype = torch.float32
+    if dot_dtype not in TL_DTYPES or out_dtype not in TL_DTYPES or codes != (row_scale is not None):
+        raise ValueError(f"qgemm needs float x, or FP8 codes with a row scale and a float out_dtype; got {x.dtype}, "
+                         f"out_dtype {out_dtype}, row_scale {'given' if row_scale is not None else 'none'}")
+    if not gemm_supported(w):
+        raise ValueError(f"qgemm has no K block for INT4 group {w.group} (needs 16 <= block <= {MAX_INT4_BLOCK_K})")
+    m = x.shape[0]
+    y = torch.empty(m, w.n, dtype=out_dtype, device=x.device)
+    if m == 0 or w.n == 0:
+        return y
+    if w.k == 0:
+        return y.zero_()
+    cfg = config or gemm_config(m, w.group, dot_dtype)
+    if not w.fp8 and (cfg.block_k < w.group // 8 or w.group % cfg.block_k):
+        raise ValueError(f"qgemm's INT4 K block must divide the group {w.group} and cover G/8; got {cfg.block_k}")
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n),)
+    zero = w.zero if w.zero is not None else w.scale  # not read when ZERO >= 0
+    xs = row_scale if row_scale is not None else w.scale  # not read without ROW_SCALE
+    launcher.launch(_qgemm, grid, x.view(torch.uint8) if codes else x, w.data, w.scale, zero, xs, y, m, w.n, w.k,
+                    x.stride(0), w.data.stride(0), w.scale.stride(0) if not w.fp8 else 0, y.stride(0),
+                    INT4=not w.fp8, GROUP=w.group, ZERO=-1 if w.zero is not None else w.zero_const, X_FP8=codes,
+                    ROW_SCALE=row_scale is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    GROUP_M=cfg.group_m, DOT_DTYPE=TL_DTYPES[dot_dtype],
+                    DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", OUT_DTYPE=TL_DTYPES[out_dtype],
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] float8_e4m3fn, row scale [M, 1] fp32 contiguous) of x [M, K] under the activation's scale
+    ([] static, or one per row): ONNX QuantizeLinear's codes (reference.py `fake_quantize_fp8` before its DQ)."""
+    m = x.shape[0]
+    scale = act_scale.float().reshape(-1, 1)
+    scale = scale.expand(m, 1).contiguous() if scale.shape[0] == 1 else scale.contiguous()
+    assert scale.shape == (m, 1), (tuple(act_scale.shape), m)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def scaled_mm_supported(x: torch.Tensor, w: PackedQWeight) -> bool:
+    """Whether `fp8_scaled_mm` takes this step: an FP8 weight, bf16 x on CUDA with compute capability >= 9.0 (cuBLASLt
+    FP8 with rowwise scales), K and N multiples of 16 (_scaled_mm's shape rule)."""
+    return (w.fp8 and x.is_cuda and x.dtype == torch.bfloat16 and w.k % 16 == 0 and w.n % 16 == 0
+            and _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (9, 0))
+
+
+def fp8_scaled_mm(codes: torch.Tensor, w: PackedQWeight, row_scale: torch.Tensor) -> torch.Tensor:
+    """codes [M, K] float8_e4m3fn (row-major) times the packed FP8 weight, scaled per row (row_scale [M, 1] fp32) and
+    per column (the packed scale) → a new [M, N] bf16, through torch._scaled_mm."""
+    assert w.fp8 and w.scale.dtype == torch.float32, (w.group, w.scale.dtype)
+    weight = w.data.view(torch.float8_e4m3fn).t()  # [K, N], column-major: the [N, K] bytes as they are
+    return torch._scaled_mm(codes, weight, scale_a=row_scale, scale_b=w.scale.view(1, w.n), out_dtype=torch.bfloat16,
+                            use_fast_accum=False)
