@@ -42,8 +42,10 @@ import torch.distributed as dist
 
 from trtopt.builder.plan import rank_dir, read_plan
 from trtopt.errors import ConfigError, WorkerDiedError
+from trtopt.plugins.all_reduce.p2p import P2PAllReduce
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.config import NodeConfig
+from trtopt.runtime.executors.all_reduce import route_all_reduces, setup_all_reduce
 from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.executors.control_plane import (
     ABORT_KEY, LAUNCH_KEY, READY_KEY, DriverChannel, Launch, PeerGone, TcpBroadcast, TcpReader,
@@ -149,8 +151,13 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
     _init_group(rank, size, device, timeout_s, store)
     if str(device).startswith("cuda"):
         torch.cuda.set_device(local_rank)
+    fast_all_reduce = setup_all_reduce(torch.device(rank_device(device, local_rank)), local_world_size=local_size)
+    if fast_all_reduce is not None:
+        _exit_with_parent(parent, rank)
     path = rank_dir(plan_dir, rank)
     executor = TorchExecutor(path, read_plan(path), device=rank_device(device, local_rank), cuda_graphs=cuda_graphs)
+    if fast_all_reduce is not None:
+        route_all_reduces(executor.graph.module, fast_all_reduce)
     while True:
         try:
             command = _from_wire(messages.receive(alive=parent_alive))
@@ -160,8 +167,23 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
             break
         _apply(executor, command)
     _release_graphs(executor)
+    if fast_all_reduce is not None:
+        fast_all_reduce.close()
     messages.close()
     dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int, rank: int) -> None:
+    """With P2P all-reduces a rank can be stuck in a kernel that waits for a dead peer (no abort reaches it, unlike
+    NCCL's): leave as soon as the driver is gone, whatever the main thread is doing."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        print(f"tensor-parallel rank {rank}: its parent (pid {parent}) is gone", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="trtopt-tp-parent", daemon=True).start()
 
 
 def _spawn_worker(plan_dir: str | Path, rank: int, local_rank: int, local_size: int, size: int, *, addr: str,
@@ -279,6 +301,7 @@ class TensorParallelExecutor(Executor):
             torch.set_num_threads(cpu_threads_per_rank(local_size))  # rank 0 runs in this process
         self._error: WorkerDiedError | None = None
         self._local: TorchExecutor | None = None  # rank 0's, once the group is up
+        self._all_reduce: P2PAllReduce | None = None  # rank 0's P2P all-reduce buffers (all_reduce.py), or None
         self._remote = TcpBroadcast(range(local_size, size), timeout_s=timeout_s) if nnodes > 1 else None
         self._channel = DriverChannel(ShmBroadcast.create(num_readers=local_size - 1), self._remote)
         self._workers: list[subprocess.Popen] = []  # this node's, rank 1 first
@@ -303,8 +326,11 @@ class TensorParallelExecutor(Executor):
             path = rank_dir(plan_dir, 0)
             if str(device).startswith("cuda"):
                 torch.cuda.set_device(0)
+            self._all_reduce = setup_all_reduce(torch.device(rank_device(device, 0)), local_world_size=local_size)
             self.plan = read_plan(path)
             self._local = TorchExecutor(path, self.plan, device=rank_device(device, 0), cuda_graphs=cuda_graphs)
+            if self._all_reduce is not None:
+                route_all_reduces(self._local.graph.module, self._all_reduce)
         except ConfigError:  # another node was launched with other flags (it said so in the store)
             self.shutdown()
             raise
@@ -359,6 +385,8 @@ class TensorParallelExecutor(Executor):
             except Exception:  # a worker died in between: it is terminated below
                 log.warning("tensor-parallel stop message failed; terminating the workers")
         _release_graphs(self._local)
+        if self._all_reduce is not None:
+            self._all_reduce.close()
         if dist.is_initialized():
             if stopped:
                 # Leaving a NCCL group is a handshake: the workers destroy theirs right after "stop", so the driver
@@ -398,7 +426,10 @@ class TensorParallelExecutor(Executor):
         assert self._local is not None, "rank 0's executor is made before the first command"
         try:
             self._channel.publish(_to_wire(command), alive=self._check_workers)
-            return _apply(self._local, command)
+            result = _apply(self._local, command)
+            if self._error is not None:  # a peer died mid-step: released P2P all-reduces summed garbage
+                raise self._error
+            return result
         except Exception as e:
             # The collective failed: a worker is gone (or going). Give the monitor a moment to see which.
             deadline = time.monotonic() + 2.0
@@ -419,6 +450,8 @@ class TensorParallelExecutor(Executor):
                 self._error = error
                 log.error("%s", error)
                 if self._device.startswith("cuda"):
+                    if self._all_reduce is not None:  # its kernels wait for the dead peer's flags until released
+                        self._all_reduce.release_barriers(lambda: not self._closed, timeout_s=DEFAULT_TIMEOUT_S)
                     # A NCCL collective waits forever on a dead peer; aborting the group makes it return an error.
                     _abort_group()
                 return
