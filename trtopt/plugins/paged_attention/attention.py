@@ -23,8 +23,9 @@ Keys are walked in tiles of TILE_N positions; each key finds its physical block 
 size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, block_size, D] (K at [:, 0], V at
 [:, 1]); block 0 is the null block and slot −1 means "do not write".
 
-An FP8 pool (float8_e4m3fn, kv_cache_dtype="fp8") is read with FP8_KV: each key and value tile is converted to q's
-dtype in registers (exact: every e4m3 value is a bf16/fp16 value) and the dots accumulate in fp32 as for every pool.
+An FP8 pool (float8_e4m3fn, kv_cache_dtype="fp8") is read with FP8_KV: each key and value tile is converted to fp16
+in registers (fp32 for fp32 models; exact: every e4m3 value is one), q and the probabilities are held in fp16 for
+the dots, and the dots accumulate in fp32 as for every pool.
 The scales (constexprs, write_kv.py says why) multiply the [BLOCK_M, TILE_N] scores and probabilities, not the
 [TILE_N, D] tiles: a per-element multiply of every key and value cost FP8 pools a quarter of their decode speed-up
 (docs/benchmarks/attention_h100.json, before and after). Its writes quantize (write_kv.py), the RoPE-fused one
@@ -134,6 +135,12 @@ def _attend_key_tiles(
     offs_t = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    if FP8_KV and q.dtype != tl.float32:
+        # FP8 tiles widen to fp16 in one instruction per pair (bf16 takes a longer sequence, which made the read
+        # compute-bound); q is held in fp16 for the dots (clamped to fp16's range: more mantissa than bf16 inside it)
+        qd = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        qd = q
     # Tiles start at multiples of TILE_N and both sizes are powers of two, so a key's offset inside its block is
     # (n0 % BLOCK_SIZE) + (t % BLOCK_SIZE): the per-element part of the address is loop-invariant.
     in_tile = (offs_t % BLOCK_SIZE)[:, None] * stride_co + offs_d[None, :] * stride_cd  # [TILE_N, BLOCK_D]
@@ -151,8 +158,8 @@ def _attend_key_tiles(
             k = tl.load(kv_ptr, mask=kv_mask, other=0.0)  # k: [TILE_N, BLOCK_D]
         else:
             k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
-        if FP8_KV:  # e4m3 is exact in q's dtype; the scale goes on the [BLOCK_M, TILE_N] scores, not on each key
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * K_SCALE
+        if FP8_KV:  # e4m3 is exact in fp16/fp32; the scale goes on the [BLOCK_M, TILE_N] scores, not on each key
+            qk = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * K_SCALE
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
         if HAS_ALIBI:
@@ -178,7 +185,7 @@ def _attend_key_tiles(
         else:
             v = tl.load(kv_ptr + stride_ckv)
         if FP8_KV:  # as for k: the scale goes on the probabilities (l_i above summed them unscaled)
-            acc = acc * alpha[:, None] + tl.dot((p * V_SCALE).to(q.dtype), v.to(q.dtype),
+            acc = acc * alpha[:, None] + tl.dot((p * V_SCALE).to(qd.dtype), v.to(qd.dtype),
                                                 input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

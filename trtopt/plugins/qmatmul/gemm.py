@@ -43,7 +43,10 @@ from trtopt.plugins.qmatmul.packing import PackedQWeight
 from trtopt.plugins.qmatmul.reference import FP8_MAX
 
 MAX_INT4_BLOCK_K = 256  # an INT4 K block is min(G, 128) values, at least one word per plane (G/8); above: no GEMM
-SCALED_MM_MIN_ROWS = 64  # W8A8 steps of at least this many rows take torch._scaled_mm, fewer the Triton GEMM
+# W8A8 steps of at least this many rows take torch._scaled_mm, fewer the GEMV: on an H200 _scaled_mm beat the
+# Triton W8A8 GEMM from 2 rows on every 8B projection (docs/benchmarks/qmatmul_nvidia_h200.json, down at 2 rows
+# 43.1 us against 79.2) and beat bf16 cuBLAS from 64 rows (qkv 1.14x, gate_up 1.51x).
+SCALED_MM_MIN_ROWS = 2
 
 
 @triton.jit

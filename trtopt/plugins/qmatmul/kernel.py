@@ -49,8 +49,10 @@ MAX_ROWS = 16  # rows of x `qgemv` takes at most (its chunking: ROWS_PER_PROGRAM
 # Rows of x up to which a step runs the GEMV, more the GEMM (gemm.py). On the H100 the GEMV lost to bf16's cuBLAS
 # from 4 rows on (0.90x FP8, 0.63x INT4: docs/benchmarks/quant_e2e_h100.json), each extra row costing ~30% of its
 # one-row time, while a tl.dot GEMM streams the weight once for up to 16 rows; benchmarks/bench_qmatmul.py times
-# both at 1, 2, 4, 8 and 16 rows and reports the crossover this constant should follow.
-GEMV_MAX_ROWS = 1
+# both at 1, 2, 4, 8 and 16 rows and reports the crossover this constant should follow: on an H200
+# (docs/benchmarks/qmatmul_nvidia_h200.json) the GEMM beat the GEMV from 4 rows on every 8B projection, for FP8 and
+# INT4 alike, and lost at 2 (down: FP8 GEMV 34.0 us against the GEMM's 48.4).
+GEMV_MAX_ROWS = 2
 ROWS_PER_PROGRAM = 8  # rows of x one program multiplies its dequantized tile with
 TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 registers a thread at 4 warps)
 MAX_TILE_K = 4096  # at most this many K values of one column per tile
@@ -220,9 +222,9 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
                    config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype, dispatched on the step's rows M:
 
-    - M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
     - FP8 W8A8 (act_mode static or dynamic), M >= SCALED_MM_MIN_ROWS and `scaled_mm_supported`: the activation's
       FP8 codes through torch._scaled_mm (gemm.py `fp8_scaled_mm`);
+    - else M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
     - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
       row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
 
@@ -232,13 +234,14 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
     graph captures whichever path its M takes."""
     rows = x.numel() // w.k if w.k else 0
     xf = x.reshape(rows, w.k)
-    if rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k:
+    scaled_mm = act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
+    if scaled_mm or (rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k):
         xk = xf if xf.stride(-1) == 1 else xf.contiguous()
         if act_mode == ACT_NONE:
             y = qgemm(xk, w)
         else:
             codes, row_scale = quantize_fp8_rows(xk, act_scale)
-            if rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(x, w):
+            if scaled_mm:
                 y = fp8_scaled_mm(codes, w, row_scale)
             else:
                 y = qgemm(codes, w, row_scale=row_scale.reshape(rows), out_dtype=x.dtype)
