@@ -150,10 +150,11 @@ def test_dispatch_on_cuda_at_8b_shapes(kind, group, act, k, n, m):
     got = qmatmul_packed(x, pack_weight(*args[1:4], block_size=block), args[4], act_mode=act)
     # bf16 output: one rounding of an fp32 sum either way; different summation orders may straddle a bf16 step.
     # W8A8 through _scaled_mm: cuBLASLt's FP8 GEMM (its own accumulation order) saw 1 of 262,144 outputs 0.025 off
-    # at 0.43 on an H200: allow one in ten thousand past the bound, none past 0.1.
+    # at 0.43 on an H200: allow one in ten thousand past the bound, none past 5x it (outputs reach ~50 here).
     err = (got.float() - want.float()).abs()
-    past = err > 2e-2 + 1e-2 * want.float().abs()
-    assert float(past.float().mean()) <= (1e-4 if act != ACT_NONE else 0.0) and float(err.max()) <= 0.1, (
+    bound = 2e-2 + 1e-2 * want.float().abs()
+    past = err > bound
+    assert float(past.float().mean()) <= (1e-4 if act != ACT_NONE else 0.0) and bool((err <= 5 * bound).all()), (
         f"{int(past.sum())} of {past.numel()} outputs off the reference, worst {float(err.max()):.3g}")
 
 
