@@ -73,6 +73,9 @@ SUPPORT = [
 CAUSE_KINDS = ("model text", "trtopt bug", "missing feature", "not applicable")
 # test id (file::name[param]) or a prefix of it -> (kind, one line). Filled in from reading a run's failures.
 _CHAT = "tests/entrypoints/openai/chat_completion/test_chat.py::"
+_FC = "tests/entrypoints/openai/chat_completion/test_completion_with_function_calling.py::"
+_ROOT = "tests/entrypoints/openai/chat_completion/test_root_path.py::"
+_MIDDLE = "tests/entrypoints/serve/instrumentator/test_optional_middleware.py::"
 CAUSES: dict[str, tuple[str, str]] = {
     _CHAT + "test_more_than_one_prompt_logprobs_chat": (
         "model text", "prompt_logprobs=1 gives 2 entries where the prompt token is not SmolLM2's top-1 (vLLM's rule "
@@ -80,23 +83,108 @@ CAUSES: dict[str, tuple[str, str]] = {
     _CHAT + "test_single_chat_session": ("model text", "usage prompt_tokens=37 is zephyr's chat template length"),
     _CHAT + "test_structured_outputs_choice_chat": (
         "model text", "two samples at temperature 0.7 picked the same choice (test wants them to differ)"),
-    _CHAT + "test_response_format_json_object": ("model text", "SmolLM2 answers {'result': '1'} to 'what is 1+1'"),
+    _CHAT + "test_response_format_json_object": (
+        "model text", "SmolLM2's JSON object to 'what is 1+1' is not {'result': 2} (valid JSON, wrong answer)"),
     _CHAT + "test_response_format_json_schema": (
-        "not applicable", "CPU run: requests without max_tokens generate up to 2048 tokens, past the 150 s limit"),
+        "model text", "SmolLM2 answers {'result': 1} under the schema (valid, wrong sum); on a slower run it timed "
+                      "out (no max_tokens: up to 2048 tokens on CPU)"),
+    _CHAT + "test_custom_role": (
+        "missing feature", "trtopt takes only the roles system/user/assistant/tool/developer (a 400, README); vLLM "
+                           "passes any role to the chat template"),
+    _CHAT + "test_long_seed": (
+        "missing feature", "a seed outside int64 is a 400 with trtopt's message; the test wants pydantic's "
+                           "'greater_than_equal'/'less_than_equal' in it"),
+    _CHAT + "test_invocations": (
+        "missing feature", "the response's keys differ from the openai client's ChatCompletion dump: trtopt omits "
+                           "service_tier and system_fingerprint (vLLM sends null); metadata and moderation are the "
+                           "client's, missing from vLLM's response too"),
     _CHAT + "test_complex_message_content": ("model text", "SmolLM2 answers '1 + 1 = 2', the test wants '2'"),
     "tests/entrypoints/openai/chat_completion/test_chat_echo.py::test_chat_session_with_echo_and_continue_final_"
     "message[test_case0]": ("not applicable", "CPU run: continue_final_message without max_tokens ran past 150 s"),
     "tests/entrypoints/openai/chat_completion/test_chat_echo.py::test_prompt_logprobs": (
-        "missing feature", "prompt_logprobs=-1 (all vocab) is a 400; vLLM allows it under --max-logprobs, "
-                           "which trtopt serve lacks (the shim drops it)"),
+        "not applicable", "CPU run: prompt_logprobs=-1 is served now (--max-logprobs), but the request has no "
+                          "max_tokens: up to ~2000 tokens on CPU, past the 150 s limit"),
     "tests/entrypoints/openai/chat_completion/test_chat_echo.py::internal": (
         "not applicable", "pytest INTERNALERROR from the shim's Stub (recursion on copy; fixed in the script since)"),
-    "tests/entrypoints/openai/chat_completion/test_chat_with_tool_reasoning.py::test_chat_full_of_tool_and_reasoning": (
-        "missing feature", "message.reasoning missing: trtopt sends only reasoning_content (vLLM's current name is "
-                           "`reasoning`); SmolLM2 also writes no <think> block"),
-    "tests/entrypoints/openai/chat_completion/test_chat_with_tool_reasoning.py::test_chat_streaming_of_tool_and_"
-    "reasoning": ("missing feature", "delta.reasoning empty: trtopt streams delta.reasoning_content only (vLLM: "
-                                     "`reasoning`); SmolLM2 also writes no <think> block"),
+    "tests/entrypoints/openai/chat_completion/test_chat_with_tool_reasoning.py::test_chat_": (
+        "model text", "SmolLM2 writes no </think> and no <tool_call>: under deepseek_r1 the whole reply is "
+                      "reasoning (non-empty now), so there is no tool call to find"),
+    _FC + "test_function_tool_use[True-auto-False": (
+        "model text", "SmolLM2 writes no <think>, so qwen3 finds no reasoning (and it made no tool call)"),
+    _FC + "test_function_tool_use[True-required": (
+        "missing feature", "a forced tool call's grammar holds from the first token, so the reply has no reasoning "
+                           "(vLLM reasons first, then applies the grammar)"),
+    _FC + "test_function_tool_use[True-tool_choice2": (
+        "missing feature", "a forced tool call's grammar holds from the first token, so the reply has no reasoning "
+                           "(vLLM reasons first, then applies the grammar)"),
+    _FC + "test_function_tool_use": ("model text", "SmolLM2 makes no hermes <tool_call> under tool_choice auto"),
+    _FC + "test_tool_id_kimi_k2": (
+        "missing feature", "tool call ids are call_<hex>; vLLM gives kimi_k2 models (model_type override) "
+                           "functions.<name>:<index>"),
+    _FC + "test_named_tool_use": (
+        "missing feature", "a named tool call's message.content is null (OpenAI's answer); vLLM sends \"\""),
+    _FC + "test_max_tokens_with_tool_choice_required": (
+        "missing feature", "a named call cut short by max_tokens keeps its partial arguments (as streamed); vLLM "
+                           "returns no tool calls"),
+    _ROOT + "test_chat_session_root_path_with_api_key[test_case0]": (
+        "not applicable", "the key came from VLLM_API_KEY, which the shim did not pass on (it maps it to "
+                          "TRTOPT_API_KEY since)"),
+    _ROOT + "test_chat_session_root_path_with_api_key[test_case1]": (
+        "not applicable", "the key came from VLLM_API_KEY, which the shim did not pass on (it maps it to "
+                          "TRTOPT_API_KEY since)"),
+    _ROOT + "test_chat_session_root_path_with_api_key": (
+        "model text", "SmolLM2 continuing an open assistant turn (continue_final_message, no max_tokens) runs to "
+                      "the context's end: finish_reason 'length', not 'stop'"),
+    "tests/entrypoints/openai/chat_completion/test_batched_chat_completions.py::": (
+        "missing feature", "POST /v1/chat/completions/batch (vLLM's batched chat endpoint) is a 404 on trtopt"),
+    "tests/entrypoints/openai/completion/test_completion.py::test_single_completion": (
+        "model text", "usage prompt_tokens is opt-125m's tokenization of the prompt"),
+    "tests/entrypoints/openai/completion/test_completion.py::test_completion_streaming": (
+        "model text", "SmolLM2 ends with EOS before max_tokens ('stop'); the test expects opt-125m's 'length'"),
+    "tests/entrypoints/openai/completion/test_completion.py::test_parallel_": (
+        "model text", "all n sampled completions ran to max_tokens=50, so their lengths do not differ"),
+    "tests/entrypoints/openai/completion/test_completion.py::test_batch_completions": (
+        "missing feature", "use_beam_search is ignored (no beam search): the two answers are the same"),
+    "tests/entrypoints/openai/test_return_token_ids.py::test_chat_completion_with_tool_use": (
+        "model text", "SmolLM2 writes no <tool_call>"),
+    "tests/entrypoints/openai/test_return_token_ids.py::test_comparison_with_prompt_logprobs_and_logprobs": (
+        "model text", "SmolLM2's completion is EOS at once: token_ids decode to '<|im_end|>', the text (special "
+                      "tokens skipped) has none of it"),
+    "tests/entrypoints/openai/test_return_token_ids.py::test_basic_completion_with_emoji": (
+        "missing feature", "a completion choice had no prompt_token_ids key unless return_token_ids (vLLM sends "
+                           "null; trtopt does too since)"),
+    "tests/entrypoints/openai/test_return_tokens_as_ids.py::test_responses_api_": (
+        "not applicable", "a vLLM internal (_get_decoded_token) the shim stubs; /v1/responses is not served"),
+    "tests/entrypoints/openai/test_chunked_prompt.py::": (
+        "not applicable", "prompts of ~2800 tokens exceed the CPU plan's 2048-token max_model_len (a 400)"),
+    "tests/entrypoints/serve/instrumentator/test_basic.py::test_request_cancellation": (
+        "not applicable", "max_tokens=10000 exceeds the CPU plan's 2048-token max_model_len (a 400)"),
+    "tests/entrypoints/serve/instrumentator/test_metrics.py::test_metrics_exist_run_batch": (
+        "missing feature", "`vllm run-batch` (an offline batch CLI) has no trtopt counterpart"),
+    "tests/entrypoints/serve/instrumentator/test_metrics.py::test_metrics_exist": (
+        "not applicable", "needs vLLM's local_asset_server fixture (multimodal assets), which the shim lacks"),
+    "tests/entrypoints/serve/instrumentator/test_metrics.py::": (
+        "not applicable", "the test loads the model's HF files itself (no network here)"),
+    _MIDDLE + "test_v2_": (
+        "missing feature", "the /v2 routes the test calls are a 404 on trtopt"),
+    _MIDDLE + "test_enable_request_id_header": (
+        "missing feature", "--enable-request-id-headers (X-Request-Id on responses) is not implemented"),
+    _MIDDLE + "test_custom_request_id_header": (
+        "missing feature", "--enable-request-id-headers (X-Request-Id on responses) is not implemented"),
+    "tests/entrypoints/openai/models/test_models.py::test_check_models": (
+        "missing feature", "the model card lacks vLLM's root (and parent, permission) fields"),
+    "tests/entrypoints/serve/instrumentator/test_orca_metrics.py::": (
+        "missing feature", "ORCA load reports (the endpoint-load-metrics response header) are not implemented"),
+    "tests/entrypoints/serve/instrumentator/test_sleep.py::": (
+        "missing feature", "sleep mode (/sleep, /wake_up, /is_sleeping) is a 404 on trtopt"),
+    "tests/entrypoints/serve/tokenize/test_tokenization.py::": (
+        "not applicable", "max_model_len is the CPU plan's 2048; the test expects the model's 8192"),
+    "tests/tool_use/test_chat_completions.py::test_response_format_with_tool_choice_required": (
+        "missing feature", "response_format with tool_choice 'required' was a 400; vLLM lets the tool call's grammar "
+                           "replace it (trtopt does too since)"),
+    "tests/tool_use/test_tool_choice_required.py::": (
+        "not applicable", "unit tests of vLLM's own ChatCompletionRequest, which the shim stubs (pydantic cannot "
+                          "build a schema for the stub)"),
     _CHAT + "internal": ("not applicable", "pytest INTERNALERROR in assertion rewriting (SystemError: AST "
                                            "recursion depth) at session end, after every test ran"),
 }
@@ -152,7 +240,8 @@ _CLAMP = {"--max-model-len": _LIMITS["max_model_len"], "--max-num-seqs": _LIMITS
 _VALUE = {"--port": "--port", "--host": "--host", "--api-key": "--api-key", "--root-path": "--root-path",
           "--max-num-seqs": "--max-num-seqs", "--max-num-batched-tokens": "--max-num-batched-tokens",
           "--tool-call-parser": "--tool-call-parser", "--reasoning-parser": "--reasoning-parser",
-          "--speculative-config": "--speculative-config", "--max-model-len": "--max-model-len"}
+          "--speculative-config": "--speculative-config", "--max-model-len": "--max-model-len",
+          "--max-logprobs": "--max-logprobs"}
 _BOOL = {"--enable-auto-tool-choice", "--enable-server-load-tracking", "--enable-force-include-usage",
          "--enable-tokenizer-info-endpoint", "--trust-request-chat-template", "--return-tokens-as-token-ids"}
 _BOOL_RENAMED = {"--enforce-eager": "--eager"}
@@ -228,6 +317,8 @@ class RemoteOpenAIServer:
         if dropped:
             print(f"[shim] dropped vLLM args: {dropped}", flush=True)
         env = {**os.environ, **(env_dict or {})}
+        if "VLLM_API_KEY" in env:  # vLLM's environment spelling of --api-key
+            env["TRTOPT_API_KEY"] = env["VLLM_API_KEY"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True)
         self._wait_for_server(url=self.url_for("health"), timeout=max_wait_seconds or 240)
 
@@ -519,9 +610,9 @@ def run_file(dest: Path, path: str, *, plan: Path, per_test_s: int, per_file_s: 
 
 _AUTO = [  # (regex over the failure text, kind, line)
     (r"N/A: ", "not applicable", None),
+    (r"trtopt serve exited", "missing feature", "trtopt serve refused the mapped flags"),  # before: its log says timeout
     (r"timed? ?out|Timeout", "trtopt bug", "timed out (per-test limit)"),
     (r"Connection refused|ConnectError|APIConnectionError", "trtopt bug", "server unreachable / died"),
-    (r"trtopt serve exited", "missing feature", "trtopt serve refused the mapped flags"),
 ]
 
 

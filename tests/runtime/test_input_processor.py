@@ -59,6 +59,8 @@ def test_max_tokens_policy(processor):
     ("hi", SamplingParams(n=5), "max_num_seqs=4"),
     ("hi", SamplingParams(top_k=2**63), "top_k"),
     ("hi", SamplingParams(stop_token_ids=[10**9]), "stop token id"),
+    ("hi", SamplingParams(logprobs=21), "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("hi", SamplingParams(prompt_logprobs=-1), "Requested prompt logprobs of 49152"),  # -1: the whole vocabulary
     (3.5, SamplingParams(), "a prompt must be"),
 ])
 def test_refusals(processor, prompt, params, words):

@@ -222,7 +222,7 @@ def test_bad_requests_raise_and_leave_the_engine_healthy(prompt, params, match):
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
-     ({"n": 0}, "n"), ({"min_p": 2}, "min_p"), ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
+     ({"n": 0}, "n"), ({"min_p": 2}, "min_p"), ({"logprobs": -2}, "logprobs"), ({"stop": [""]}, "stop"),
      ({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
      ({"temperature": float("nan")}, "temperature"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")],
 )

@@ -138,7 +138,7 @@ def test_a_broken_processor_fails_only_its_request(engine_for):
     ({"bad_words": [" "]}, "bad_words"),
     ({"bad_words": ["x"] * 129}, "bad_words"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),  # -1 is the whole vocabulary; the cap is the engine's
     ({"logits_processors": [lambda logits: logits]}, "logits_processors"),
     ({"logits_processors": ["not callable"]}, "logits_processors"),
 ])

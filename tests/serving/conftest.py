@@ -42,3 +42,13 @@ def tokenizer(tiny_plan):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_plan)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2's tokenizer and chat template, without building a plan (the scripted engines' tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from trtopt.export.models import ALIASES
+
+    return AutoTokenizer.from_pretrained(ALIASES["tiny-llama"]())

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from live_server import API_KEY, MODEL
-from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
+from scripted import ScriptedExecutor, scripted_engine
 from trtopt.errors import ConfigError
-from trtopt.runtime.batch import StepInputs
-from trtopt.runtime.config import EngineConfig
 from trtopt.runtime.engine import LLMEngine
-from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.input_processor import ChatPrompt
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.reasoning import REASONING_PARSERS, ReasoningRule, ReasoningSplit, get_reasoning_parser
@@ -123,50 +119,14 @@ def test_serve_refuses_an_unknown_parser_at_start_up(tmp_path):
 
 # ---- the server, on a scripted reply -------------------------------------------------------------------------------
 
-VOCAB = 49152  # SmolLM2's
-EOS = 2  # SmolLM2's <|im_end|>
 USER = [{"role": "user", "content": "Hi!"}]
 REPLY = "<think>The user greets me. I greet back.</think>Hello! How can I help?"
 
 
-class ScriptedExecutor(Executor):
-    """Replays `script` (token ids) as the reply to a prompt of `prompt_len` tokens, then EOS: the token after
-    position p is script[p + 1 - prompt_len]. No model, no KV cache."""
-
-    def __init__(self) -> None:
-        self.script: list[int] = []
-        self.prompt_len = 0
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        pass
-
-    def copy_blocks(self, pairs) -> None:
-        pass
-
-    def execute(self, step: StepInputs) -> torch.Tensor:
-        positions = step.position_ids[0, step.logits_indices].tolist()  # [N]: each row's last position
-        nexts = [self.script[k] if 0 <= (k := p + 1 - self.prompt_len) < len(self.script) else EOS for p in positions]
-        return torch.nn.functional.one_hot(torch.tensor(nexts), VOCAB).float() * 10  # [N, vocab]
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    from transformers import AutoTokenizer
-
-    from trtopt.export.models import ALIASES
-
-    return AutoTokenizer.from_pretrained(ALIASES["tiny-llama"]())  # SmolLM2's tokenizer and chat template
-
-
 @pytest.fixture(scope="module")
 def scripted(smol_tokenizer) -> tuple[LLMEngine, ScriptedExecutor]:
-    plan = PlanConfig(
-        model=ModelFacts(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, vocab_size=VOCAB, dtype="float32",
-                         eos_token_ids=(EOS,)),
-        limits=Limits(block_size=4, max_num_tokens=256, max_num_seqs=8, max_model_len=256),
-    )
     executor = ScriptedExecutor()
-    llm = LLMEngine(executor, plan, smol_tokenizer, EngineConfig(num_blocks=128))
+    llm = scripted_engine(executor, smol_tokenizer, max_model_len=256, max_num_seqs=8, num_blocks=128)
     executor.prompt_len = len(llm.input_processor.process(ChatPrompt(USER), SamplingParams()).prompt_token_ids)
     return llm, executor
 
@@ -177,9 +137,10 @@ def reply(scripted, smol_tokenizer):
     _, executor = scripted
 
     def set_reply(text: str) -> list[int]:
-        executor.script = smol_tokenizer(text, add_special_tokens=False).input_ids
-        assert smol_tokenizer.decode(executor.script) == text
-        return executor.script
+        ids = smol_tokenizer(text, add_special_tokens=False).input_ids
+        assert smol_tokenizer.decode(ids) == text
+        executor.say(ids, prompt_len=executor.prompt_len)
+        return ids
 
     return set_reply
 
@@ -303,13 +264,40 @@ def test_without_a_parser_the_reply_is_untouched(serve, reply):
     assert all(not {"reasoning", "reasoning_content"} & set(d) for d in _stream_deltas(client))
 
 
-def test_constrained_output_is_all_content(serve, reply):
-    """A grammar holds from the first token, so there is no reasoning to split off (not even deepseek_r1's
-    everything-is-reasoning-until-</think>)."""
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": ["yes", "no"]}},
+                                   {"response_format": {"type": "json_object"}}, {"guided_regex": "yes|no"}])
+def test_structured_output_on_a_reasoning_reply_is_a_400_that_says_why(serve, reply, extra):
+    """vLLM constrains only what follows the reasoning; trtopt's grammar would hold from the first token and
+    leave no reasoning, so a reply that would reason under a grammar is refused instead of silently changed."""
+    import openai
+
+    reply(REPLY)
+    for parser in ("deepseek_r1", "qwen3"):
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(serve(parser), extra_body=extra)
+        assert f"structured output (response_format, structured_outputs or guided_*) with --reasoning-parser " \
+            f"{parser} is not supported while the reply reasons" in str(e.value) and "enable_thinking" in str(e.value)
+
+
+def test_a_forced_tool_call_gets_no_reasoning_split(serve, reply):
+    """Its grammar holds from the first token too, but the calls are what clients read: no 400, no split (the
+    scripted model's reply does not fit the grammar, so the call itself is whatever the mask leaves)."""
     pytest.importorskip("xgrammar")
     reply(REPLY)
-    client = serve("deepseek_r1")
-    message = _chat(client, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0].message
+    message = _chat(serve("deepseek_r1"), tools=[TOOL], tool_choice="required").choices[0].message
+    assert _reasoning(message) is None and not message.content and "think" not in str(message.tool_calls)
+
+
+def test_a_grammar_without_reasoning_is_all_content(serve, reply):
+    """qwen3 with thinking off: no reasoning to split off, so the grammar holds from the first token."""
+    pytest.importorskip("xgrammar")
+    reply(REPLY)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    body = {"structured_outputs": {"choice": ["yes", "no"]}, **off}
+    message = _chat(serve("qwen3"), extra_body=body).choices[0].message
     assert _reasoning(message) is None and message.content in ("yes", "no")
 
 
@@ -351,8 +339,9 @@ def test_chat_prompt_logprobs_are_null_unless_asked(server):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+    ({"prompt_logprobs": -1}, "Requested prompt logprobs of 49152"),  # the whole vocabulary, over the default cap
+    ({"prompt_logprobs": -2}, "`prompt_logprobs` must be a positive value or -1."),
     ({"prompt_logprobs": 1, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
     ({"prompt_logprobs": -1, "stream": True}, "`prompt_logprobs` are not available when `stream=True`."),
     ({"prompt_logprobs": "2"}, "prompt_logprobs"),

@@ -110,3 +110,17 @@ def test_required_tool_choice_keeps_refs_resolvable():
             jsonschema.validate(calls, schema)
     # Plain schemas are left as they were (no $defs added).
     assert "$defs" not in tool_call_plan([WEATHER], "required").constraint.json
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_overrides_response_format(tool_choice):
+    """vLLM's rule: tool_choice "required" or named replaces response_format / structured_outputs (not a 400)."""
+    from trtopt.serving.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER, TIME],
+            "tool_choice": tool_choice}
+    want = ChatCompletionRequest(**body).to_sampling_params().structured_outputs
+    for extra in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}}):
+        assert ChatCompletionRequest(**body, **extra).to_sampling_params().structured_outputs == want
+    with pytest.raises(RequestError, match="json_schema"):  # still validated
+        ChatCompletionRequest(**body, response_format={"type": "json_schema"}).to_sampling_params()

@@ -10,10 +10,9 @@ import json
 import threading
 
 import pytest
-import torch
 
+from scripted import ScriptedExecutor, scripted_engine
 from trtopt.errors import ConfigError
-from trtopt.runtime.executors.base import Executor
 from trtopt.serving.tool_parsers import TOOL_PARSERS, ToolCallStream, check_tool_options, get_tool_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
@@ -169,61 +168,14 @@ def test_special_markers_are_kept_only_where_the_tokenizer_hides_them():
 
 # ---- the live server ------------------------------------------------------------------------------------------
 
-VOCAB = 49152  # SmolLM2's
-EOS = 2  # <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    from transformers import AutoTokenizer
-
-    from trtopt.export.models import ALIASES
-
-    return AutoTokenizer.from_pretrained(ALIASES["tiny-llama"]())
-
-
-class ScriptedExecutor(Executor):
-    """A model-free executor that says `script` (token ids) after any prompt, then EOS; one request at a time."""
-
-    def __init__(self) -> None:
-        self.script: list[int] = [EOS]
-        self._prompt_len: int | None = None
-
-    def say(self, token_ids: list[int]) -> None:
-        self.script, self._prompt_len = list(token_ids) + [EOS], None
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        pass
-
-    def copy_blocks(self, pairs) -> None:
-        pass
-
-    def execute(self, step) -> torch.Tensor:
-        logits = torch.full((len(step.logits_indices), VOCAB), -1e4)  # [N, vocab]
-        if len(step.logits_indices):
-            seq_len = int(step.seq_lens[-1])
-            if self._prompt_len is None:  # the prefill: the first token to say comes next
-                self._prompt_len = seq_len
-            logits[:, self.script[min(seq_len - self._prompt_len, len(self.script) - 1)]] = 0.0
-        return logits
-
-
 @contextlib.contextmanager
 def _live_server(tokenizer, executor, **options):
     import uvicorn
 
     from live_server import free_port, wait_healthy
-    from trtopt.builder.plan import Limits, ModelFacts, PlanConfig
-    from trtopt.runtime.config import EngineConfig
-    from trtopt.runtime.engine import LLMEngine
     from trtopt.serving.server import ServerOptions, create_app
 
-    plan = PlanConfig(
-        model=ModelFacts(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, vocab_size=VOCAB, dtype="float32",
-                         eos_token_ids=(EOS,)),
-        limits=Limits(block_size=4, max_num_tokens=512, max_num_seqs=4, max_model_len=512),
-    )
-    engine = LLMEngine(executor, plan, tokenizer, EngineConfig(num_blocks=256))
+    engine = scripted_engine(executor, tokenizer, max_model_len=512, max_num_seqs=4, num_blocks=256)
     app = create_app(engine, "m", options=ServerOptions(**options))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))

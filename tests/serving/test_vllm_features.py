@@ -6,6 +6,7 @@ Two servers: the session's default one (every switch off) and one with vLLM's sw
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -178,7 +179,7 @@ def test_completion_token_ids(server, tokenizer):
         assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]  # the first chunk only
         assert all("prompt_token_ids" not in c for c in mine[1:])
     plain = _post(server, "/v1/completions", {**body, "return_token_ids": False}).json()
-    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    assert plain["choices"][0]["token_ids"] is None and plain["choices"][0]["prompt_token_ids"] is None  # vLLM's
 
 
 def test_chat_token_ids(client, tokenizer):
@@ -307,9 +308,85 @@ def test_string_booleans(server):
 
 def test_top_logprobs_minus_one_is_the_whole_vocabulary_and_refused(server):
     resp = _post(server, "/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": -1})
-    assert resp.status_code == 400 and "whole vocabulary" in resp.json()["error"]["message"]
+    assert resp.status_code == 400
+    message = resp.json()["error"]["message"]
+    assert "Requested sample logprobs of 49152, which is greater than max allowed: 20" in message
     ok = _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "top_logprobs": 0})
     assert ok.status_code == 200  # vLLM's default top_logprobs is 0: fine without logprobs
+
+
+# ---- --max-logprobs --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def all_logprobs(tiny_plan, tmp_path_factory):
+    """A server whose requests may ask for the whole vocabulary (--max-logprobs -1; vLLM's test passes the vocab)."""
+    srv = start_server(tiny_plan, tmp_path_factory.mktemp("all-logprobs-log") / "serve.log", "--api-key", API_KEY,
+                       "--max-logprobs", "-1")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21},
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": -1},
+     "Requested prompt logprobs of 49152, which is greater than max allowed: 20"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "Requested sample logprobs of 21"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 30}, "Requested prompt logprobs of 30"),
+    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 21}, "Requested sample logprobs of 21"),
+    # vLLM's validation messages for negative values (-1 is the whole vocabulary, except in completions' logprobs)
+    ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "`logprobs` must be a positive value."),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -2}, "`prompt_logprobs` must be a positive value or -1."),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": -2},
+     "`top_logprobs` must be a positive value or -1."),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": -2},
+     "`prompt_logprobs` must be a positive value or -1."),
+])
+def test_logprobs_over_the_cap_are_400s_with_vllms_message(server, path, body, message):
+    resp = _post(server, path, {"max_tokens": 2, **body})
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+    plain = {k: v for k, v in body.items() if "logprobs" not in k}
+    assert _post(server, path, {**plain, "max_tokens": 2}).status_code == 200  # the server goes on
+
+
+def test_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one(all_logprobs, tokenizer):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{all_logprobs.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0, logprobs=True,
+                                         top_logprobs=-1)
+    (entry,) = out.choices[0].logprobs.content
+    values = [t.logprob for t in entry.top_logprobs]
+    assert len(values) == 49152 and values == sorted(values, reverse=True)  # every token, best first
+    assert sum(math.exp(v) for v in values) == pytest.approx(1.0, abs=1e-3)
+    assert entry.logprob == values[0]  # greedy: the chosen token is the best one
+    out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1,
+                                         extra_body={"prompt_logprobs": -1})
+    rows = out.model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == out.usage.prompt_tokens
+    assert all(len(row) == 49152 for row in rows[1:])
+    # 30 is allowed too, and completions' echo gets the prompt's logprobs with it
+    comp = client.completions.create(model=MODEL, prompt="Hi there", max_tokens=1, logprobs=30, echo=True)
+    assert all(len(top) >= 30 for top in comp.choices[0].logprobs.top_logprobs[1:])
+
+
+def test_whole_vocabulary_logprobs_are_bounded_in_volume(all_logprobs):
+    """Whole-vocabulary logprobs of every token of a long prompt or output would be gigabytes: a 400 that says so."""
+    resp = _post(all_logprobs, "/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": -1})
+    assert resp.status_code == 400 and "logprob entries" in resp.json()["error"]["message"]  # no max_tokens: 2048
+    resp = _post(all_logprobs, "/v1/completions", {"prompt": " hello" * 200, "max_tokens": 1, "prompt_logprobs": -1})
+    assert resp.status_code == 400 and "logprob entries" in resp.json()["error"]["message"]
+
+
+def test_serve_refuses_a_bad_max_logprobs_before_loading(tmp_path):
+    from typer.testing import CliRunner
+
+    from trtopt.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "no-plan"), "--max-logprobs", "-2"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "max_logprobs=-2 must be -1" in result.output
 
 
 # ---- chat options ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from trtopt.cli.common import (
     async_scheduling_option, console, eager_option, master_addr_option, master_port_option, nnodes_option,
     node_rank_option, run_worker_node_if_remote, speculative_config_option, tensor_parallel_option,
 )
+from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def serve(
@@ -34,6 +35,9 @@ def serve(
     max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
     num_blocks: int = typer.Option(None, "--num-blocks", help="KV blocks per layer (default: from --kv-cache-memory-gb)."),
     kv_cache_memory_gb: float = typer.Option(1.0, "--kv-cache-memory-gb", help="KV cache size when --num-blocks is unset."),
+    max_logprobs: int = typer.Option(DEFAULT_MAX_LOGPROBS, "--max-logprobs",
+                                     help="Most logprobs/top_logprobs/prompt_logprobs a request may ask for per token; "
+                                     "-1: no cap (a request's -1 asks for the whole vocabulary). vLLM's flag."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs the API key too (by default it is open, like /health)."),
@@ -88,7 +92,7 @@ def serve(
     """
     import uvicorn
 
-    from trtopt.runtime.config import NodeConfig
+    from trtopt.runtime.config import NodeConfig, resolve_max_logprobs
     from trtopt.runtime.engine import LLMEngine
     from trtopt.serving.reasoning import get_reasoning_parser
     from trtopt.serving.server import ServerOptions, create_app, run_server
@@ -97,6 +101,7 @@ def serve(
     if reasoning_parser is not None:
         get_reasoning_parser(reasoning_parser)  # an unknown name fails now, before the plan loads
     check_tool_options(enable_auto_tool_choice, tool_call_parser)  # so does a bad tool-call flag combination
+    resolve_max_logprobs(max_logprobs, 0)  # and a bad --max-logprobs
     nodes = NodeConfig(nnodes, node_rank, master_addr, master_port)
     if run_worker_node_if_remote(plan, tensor_parallel_size, nodes, device):
         return
@@ -105,7 +110,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size, nodes=nodes, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, num_blocks=num_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-        speculative_config=speculative_config, async_scheduling=async_scheduling,
+        speculative_config=speculative_config, async_scheduling=async_scheduling, max_logprobs=max_logprobs,
     )
     # Start-up objects (the converted graph, weights, captured graphs) live as long as the process: freezing them
     # keeps every later collection to per-request garbage.

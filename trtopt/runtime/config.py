@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from trtopt.builder.plan import PlanConfig, read_plan
 from trtopt.errors import BuildError, ConfigError
+from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 from trtopt.signature import FP8_KV_DTYPE
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ class EngineConfig:
     # None = on for a CUDA device, off on CPU (nothing runs meanwhile there). Speculative decoding steps stay
     # synchronous (the proposer needs the tokens).
     async_scheduling: bool | None = None
+    # The most logprobs / prompt_logprobs alternatives a request may ask for per token (vLLM's --max-logprobs and
+    # default); -1 = no cap (the whole vocabulary, which a request asks for with -1).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,14 @@ def resolve_limits(plan: PlanConfig, config: EngineConfig, draft_block_bytes: in
             "max_model_len."
         )
     return ResolvedLimits(num_blocks, lim.block_size, max_tokens, max_num_seqs, max_model_len, max_blocks_per_seq)
+
+
+def resolve_max_logprobs(max_logprobs: int, vocab_size: int) -> int:
+    """EngineConfig.max_logprobs as a count (-1: the vocabulary); ConfigError for a value below -1."""
+    if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+        raise ConfigError(f"max_logprobs={max_logprobs!r} must be -1 (no cap: the whole vocabulary) or an integer "
+                          ">= 0 (vLLM's default is 20).")
+    return vocab_size if max_logprobs == -1 else max_logprobs
 
 
 def default_async_scheduling(device: str) -> bool:

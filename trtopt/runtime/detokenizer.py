@@ -35,11 +35,17 @@ class IncrementalDetokenizer:
         self._stopped = False
         self._finished = False
 
-    def update(self, output_token_ids: Sequence[int]) -> str | None:
-        """Take in the output ids not seen yet; return the stop string if one now appears in the text."""
+    def update(self, output_token_ids: Sequence[int], *, stop_token: bool = False) -> str | None:
+        """Take in the output ids not seen yet; return the stop string if one now appears in the text.
+
+        stop_token: the last id ends the sequence (EOS or a stop token id). Its text is left out unless
+        include_stop_str_in_output (vLLM's rule: with skip_special_tokens=False, "<|im_end|>" shows only then).
+        """
         if self._stopped:
             return None
         new_ids = output_token_ids[len(self._ids) - self._num_context :]
+        if stop_token and not self._include_stop:
+            new_ids = new_ids[:-1]
         before = len(self.text)
         for token_id in new_ids:
             self._ids.append(token_id)

@@ -27,7 +27,7 @@ from trtopt.runtime.batch import EngineStats, RequestOutput, ScheduledBatch, Ste
 from trtopt.runtime.block_pool import BlockPool
 from trtopt.runtime.config import (
     EngineConfig, NodeConfig, default_cuda_graphs, draft_plan_block_bytes, load_tokenizer, resolve_async_scheduling,
-    resolve_limits,
+    resolve_limits, resolve_max_logprobs,
 )
 from trtopt.runtime.executors.base import Executor
 from trtopt.runtime.failures import FailureHandler
@@ -89,6 +89,7 @@ class LLMEngine:
             max_num_seqs=self.limits.max_num_seqs,
             max_prompt_tokens_per_step=None if config.enable_chunked_prefill else self.limits.max_num_batched_tokens,
             max_prompt_bytes=prompt_byte_cap(tokenizer, self.limits.max_model_len),
+            max_logprobs=resolve_max_logprobs(config.max_logprobs, plan.model.vocab_size),
         ))
         self.output_processor = OutputProcessor()  # the open requests' n sequences each
         self.failures = FailureHandler(self.scheduler, self.pool, self.output_processor, self.input_builder)

@@ -15,7 +15,8 @@ Rules, in the order they run (each failure is a RequestError that says what to c
     usually does; a second BOS would change the prompt);
   - token ids are ints in [0, vocab); the prompt is not empty and leaves room for one output token;
   - params against the plan: n <= max_num_seqs, top_k <= vocab, stop_token_ids, allowed_token_ids and logit_bias
-    keys < vocab;
+    keys < vocab; logprobs and prompt_logprobs <= max_logprobs (-1: the vocabulary), and at most
+    MAX_LOGPROB_ENTRIES logprob entries in all (prompt tokens and max_tokens times the alternatives);
   - truncate_prompt_tokens=k keeps the last k prompt tokens (vLLM's left truncation; -1 = max_model_len - 1), before
     the length checks below, and the reported prompt text becomes the text of the kept tokens;
   - bad_words are tokenized here (vLLM's rule: each word as written, and with one leading space when that gives
@@ -32,12 +33,16 @@ import inspect
 from typing import Any, Sequence
 
 from trtopt.errors import RequestError
-from trtopt.runtime.sampling_params import SamplingParams, check_text
+from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_text, num_logprobs
 
 # Prompt text larger than this is refused before tokenizing, whatever the context. 1 MiB of UTF-8 is >= ~200k
 # tokens for every tokenizer we ship; an 8 MB prompt would cost seconds of CPU for a request that cannot fit.
 # The engine lowers it further per context (prompt_byte_cap).
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+# Logprob entries (tokens x alternatives) one request may ask for: whole-vocabulary logprobs (-1, allowed by a large
+# --max-logprobs) of a ~80-token prompt for a 49k vocabulary, or ~27 tokens for a 152k one. Each entry costs ~100 B
+# in the engine and ~300 B rendered as JSON.
+MAX_LOGPROB_ENTRIES = 1 << 22
 
 
 
@@ -94,6 +99,7 @@ class InputLimits:
     max_num_seqs: int
     max_prompt_tokens_per_step: int | None = None  # set when chunked prefill is off: a prompt must fit one step
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # alternatives per token (EngineConfig.max_logprobs, -1 resolved)
 
 
 class InputProcessor:
@@ -111,7 +117,9 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         text, token_ids = self._truncate(text, token_ids, params.truncate_prompt_tokens)
         self._check_tokens(token_ids)
-        return ProcessedPrompt(text, token_ids, self._max_tokens(len(token_ids), params), self.bad_words_token_ids(params))
+        max_tokens = self._max_tokens(len(token_ids), params)
+        self._check_logprob_volume(len(token_ids), max_tokens, params)
+        return ProcessedPrompt(text, token_ids, max_tokens, self.bad_words_token_ids(params))
 
     def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """params.bad_words as token-id sequences (vLLM's tokenization, see the module docstring)."""
@@ -148,11 +156,30 @@ class InputProcessor:
         if params.top_k > lim.vocab_size:
             raise RequestError(f"top_k={params.top_k} exceeds the vocabulary size {lim.vocab_size}; use at most "
                                f"{lim.vocab_size}, or -1 for no top-k.")
+        for what, k in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
+            if k is not None and num_logprobs(k, lim.vocab_size) > lim.max_logprobs:  # vLLM's message, then ours
+                raise RequestError(f"Requested {what} of {num_logprobs(k, lim.vocab_size)}, which is greater than "
+                                   f"max allowed: {lim.max_logprobs}; ask for fewer, or start the server with a "
+                                   "larger --max-logprobs (-1: the whole vocabulary).")
         for what, ids in (("stop token id", params.stop_token_ids), ("allowed_token_ids id", params.allowed_token_ids or ()),
                           ("logit_bias token id", params.logit_bias or {})):
             bad = next((t for t in ids if t >= lim.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"{what} {bad} is outside the vocabulary [0, {lim.vocab_size}).")
+
+    def _check_logprob_volume(self, num_prompt_tokens: int, max_tokens: int, params: SamplingParams) -> None:
+        """Whole-vocabulary logprobs (a large max_logprobs) over a long prompt or output would hold gigabytes of
+        (token, logprob) entries: at most MAX_LOGPROB_ENTRIES per request."""
+        vocab = self.limits.vocab_size
+        entries = 0
+        if params.prompt_logprobs is not None:
+            entries += (num_prompt_tokens - 1) * (num_logprobs(params.prompt_logprobs, vocab) + 1)
+        if params.logprobs is not None:
+            entries += max_tokens * params.n * (num_logprobs(params.logprobs, vocab) + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise RequestError(f"this request would return {entries} logprob entries (tokens x alternatives), more "
+                               f"than {MAX_LOGPROB_ENTRIES}; ask for fewer logprobs, a shorter prompt or a smaller "
+                               "max_tokens.")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of any prompt form; RequestError if it is unusable."""

@@ -10,7 +10,7 @@ from trtopt.runtime.detokenizer import IncrementalDetokenizer
 from trtopt.runtime.input_processor import ProcessedPrompt
 from trtopt.runtime.request import Request
 from trtopt.runtime.sampler import prompt_logprobs
-from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams
+from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams, num_logprobs
 from trtopt.runtime.structured_output import GrammarMatcher
 
 
@@ -126,7 +126,7 @@ def record_prompt_logprobs(batch: ScheduledBatch, logits: Any, requests: dict[st
     the batch's sequences in order (InputBuilder put them after the sampling rows)."""
     seqs = [s for s in batch.seqs if s.prompt_logprob_positions]
     targets = [requests[s.request_id].token_ids[p + 1] for s in seqs for p in s.prompt_logprob_positions]
-    ks = [requests[s.request_id].params.prompt_logprobs for s in seqs]
+    ks = [num_logprobs(requests[s.request_id].params.prompt_logprobs, logits.shape[-1]) for s in seqs]
     rows = prompt_logprobs(logits, targets, max(ks))
     start = 0
     for seq, k in zip(seqs, ks):

@@ -17,7 +17,7 @@ import torch
 from trtopt.runtime.batch import SampledToken
 from trtopt.runtime.kernels.argmax import greedy_argmax
 from trtopt.runtime.request import Request
-from trtopt.runtime.sampling_params import LogitsProcessor, _processor_arity
+from trtopt.runtime.sampling_params import LogitsProcessor, _processor_arity, num_logprobs
 from trtopt.runtime.structured_output import GrammarMasker
 
 
@@ -413,6 +413,7 @@ def _to_sampled(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, want: l
     token_list = tokens.tolist()
     if raw_logprobs is None:
         return [SampledToken(token_id=t) for t in token_list]
+    want = [None if k is None else num_logprobs(k, raw_logprobs.shape[-1]) for k in want]
     k_max = max(k for k in want if k is not None)
     top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()

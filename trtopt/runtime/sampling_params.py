@@ -3,8 +3,8 @@
 Every field is validated on construction; a bad value raises RequestError naming the field and the
 allowed range, so a caller (or the HTTP server, as a 400) can tell the user what to fix. Every field has a
 bound, so no value can make the sampler or the detokenizer fail or stall later; the bounds that depend on the
-plan (n <= max_num_seqs, top_k <= vocab, prompt + max_tokens <= max_model_len) are checked by the
-InputProcessor, which knows the plan.
+plan or the engine (n <= max_num_seqs, top_k <= vocab, prompt + max_tokens <= max_model_len, logprobs and
+prompt_logprobs <= max_logprobs) are checked by the InputProcessor, which knows them.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from trtopt.errors import RequestError
 _GREEDY_EPS = 1e-5
 
 # Documented limits (README "Limits"). MAX_TEMPERATURE: logits / 100 already make any distribution of a real
-# model near-uniform; larger values only risk overflow-free nonsense. MAX_LOGPROBS is OpenAI's top_logprobs limit.
+# model near-uniform; larger values only risk overflow-free nonsense. DEFAULT_MAX_LOGPROBS is the engine's default
+# cap on logprobs and prompt_logprobs (EngineConfig.max_logprobs, vLLM's --max-logprobs): OpenAI's top_logprobs limit.
 # The stop-string limits bound the detokenizer's per-token search (it holds back max_stop_len characters).
 MAX_TEMPERATURE = 100.0
-MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = 20
+ALL_LOGPROBS = -1  # logprobs / prompt_logprobs = -1: the whole vocabulary (vLLM's)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -114,14 +116,18 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = until max_model_len
     min_tokens: int = 0  # EOS and stop token ids are ignored before this many tokens
     stop: tuple[str, ...] = ()  # stop strings; the output is cut before the first one
-    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the sequence (kept in token_ids)
+    # Extra token ids that end the sequence. Like EOS, the stop token stays in token_ids, but its text is left out
+    # of the text unless include_stop_str_in_output (vLLM's rule, also with skip_special_tokens=False).
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # None = none; k >= 0 = logprob of the chosen token plus the top-k alternatives
+    # None = none; k >= 0 = logprob of the chosen token plus the top-k alternatives; -1 = the whole vocabulary
+    logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a JSON schema, regex, ...
     # None = none; k >= 0 = for every prompt token after the first, its logprob given the tokens before it plus
-    # the top-k alternatives (RequestOutput.prompt_logprobs). Such a request is never served from the prefix cache.
+    # the top-k alternatives (RequestOutput.prompt_logprobs); -1 = the whole vocabulary. Such a request is never
+    # served from the prefix cache.
     prompt_logprobs: int | None = None
     # Token controls, applied in this order before penalties and any filtering (the logprobs stay raw):
     logits_processors: tuple[LogitsProcessor, ...] = ()  # offline only; see LogitsProcessor above
@@ -185,8 +191,8 @@ class SamplingParams:
                f"at most {MAX_STOP_TOKEN_IDS} token ids")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", _short(self.stop_token_ids),
                "token ids >= 0")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-               self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= ALL_LOGPROBS), "logprobs",
+               self.logprobs, "None, -1 (the whole vocabulary) or an integer >= 0 (at most the engine's max_logprobs)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -198,8 +204,9 @@ class SamplingParams:
     def _validate_token_controls(self) -> None:
         """The bounds of prompt_logprobs and the token controls that need no plan (InputProcessor checks the ids
         against the vocabulary)."""
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-               "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= ALL_LOGPROBS),
+               "prompt_logprobs", self.prompt_logprobs,
+               "None, -1 (the whole vocabulary) or an integer >= 0 (at most the engine's max_logprobs)")
         for proc in self.logits_processors:
             _check(callable(proc) and _processor_arity(proc) in (2, 3), "logits_processors", proc,
                    "callables taking (output_token_ids, logits) or (prompt_token_ids, output_token_ids, logits)")
@@ -246,6 +253,11 @@ class SamplingParams:
         # The prompt's logprobs are the request's, computed once by completion 0 (the one that prefills).
         prompt_logprobs = self.prompt_logprobs if index == 0 else None
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def num_logprobs(k: int, vocab_size: int) -> int:
+    """A logprobs / prompt_logprobs value (not None) as a count of alternatives: -1 is the whole vocabulary."""
+    return vocab_size if k == ALL_LOGPROBS else k
 
 
 def _processor_arity(proc: Callable[..., Any]) -> int | None:

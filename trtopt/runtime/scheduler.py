@@ -344,14 +344,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token = req.token_ids[-1]
-        stop_str = req.detok.update(req.output_token_ids) if req.detok is not None else None
         # The sampler masks EOS and stop ids before min_tokens; stop strings are ignored there as well.
-        if req.num_output_tokens > req.params.min_tokens:
-            if token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in req.params.stop_token_ids:
+        past_min = req.num_output_tokens > req.params.min_tokens
+        stop_token = past_min and (token in req.eos_token_ids or token in req.params.stop_token_ids)
+        stop_str = req.detok.update(req.output_token_ids, stop_token=stop_token) if req.detok is not None else None
+        if stop_token:
+            if token not in req.eos_token_ids:
                 req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED
+        if past_min:
             if stop_str is not None:
                 req.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED

@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from trtopt.errors import RequestError
 from trtopt.runtime.input_processor import ChatPrompt
-from trtopt.runtime.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutputsParams
+from trtopt.runtime.sampling_params import ALL_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutputsParams
 from trtopt.serving.structured import ToolCallPlan, structured_outputs_of, tool_call_plan
 
 
@@ -149,11 +149,12 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions API
-    logprobs: int | None = None  # top alternatives per token (0..20); None = no logprobs
+    logprobs: int | None = None  # top alternatives per token (0..--max-logprobs); None = no logprobs
     echo: Bool = False  # the prompt text is prepended to each choice (and its logprobs, when logprobs is set)
     suffix: str | None = None
     best_of: int | None = None  # best_of >= n completions are generated; the n of highest cumulative logprob return
-    prompt_logprobs: int | None = None  # vLLM's extra: each choice carries the prompt's logprobs (top-k per token)
+    # vLLM's extra: each choice carries the prompt's logprobs (top-k per token; -1: the whole vocabulary)
+    prompt_logprobs: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each text or token ids (a list of them is a batch: n choices per prompt)."""
@@ -174,6 +175,9 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise RequestError("suffix (insertion) is not supported by trtopt; remove it from the request.")
+        if self.logprobs is not None and self.logprobs < 0:  # vLLM's rule and message: no -1 here
+            raise RequestError("`logprobs` must be a positive value.")
+        _check_prompt_logprobs(self.prompt_logprobs)
         logprobs = self.logprobs
         if self.best_of is not None:
             if not (isinstance(self.best_of, int) and self.n <= self.best_of):
@@ -240,7 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
     max_completion_tokens: int | None = None
     logprobs: Bool = False
-    top_logprobs: int | None = None  # -1: the whole vocabulary (vLLM's), more than MAX_LOGPROBS, so refused
+    top_logprobs: int | None = None  # -1: the whole vocabulary (vLLM's; needs --max-logprobs of at least the vocab)
     # tool_choice "required" or a named function constrains the output to valid calls; "auto" needs the server's
     # --enable-auto-tool-choice (trtopt.serving.structured says why). The tools reach the chat template.
     tools: list[dict[str, Any]] | None = None
@@ -285,25 +289,22 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, *, auto_tool_choice: bool = False) -> SamplingParams:
         """auto_tool_choice: the server's --enable-auto-tool-choice (tool_choice "auto" generates freely)."""
-        structured = self._structured()
+        structured = self._structured()  # validated even when a forced tool call replaces it
         plan = self.tool_plan(auto_tool_choice=auto_tool_choice)
         if plan is not None:
-            if structured is not None:
-                raise RequestError("tools with tool_choice constrain the output already; drop response_format/structured_outputs.")
-            structured = plan.constraint
+            structured = plan.constraint  # vLLM's rule: a forced tool call overrides response_format and the rest
+        if self.top_logprobs is not None and self.top_logprobs < ALL_LOGPROBS:  # vLLM's message
+            raise RequestError("`top_logprobs` must be a positive value or -1.")
         if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true; set both.")
-        if self.top_logprobs == -1:
-            raise RequestError(f"top_logprobs=-1 asks for the whole vocabulary; this server returns at most "
-                               f"{MAX_LOGPROBS} alternatives per token (as vLLM does by default): ask for at most "
-                               f"{MAX_LOGPROBS}.")
+        _check_prompt_logprobs(self.prompt_logprobs)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.stream and prompt_logprobs is not None:
             if prompt_logprobs > 0 or prompt_logprobs == -1:
                 raise RequestError("`prompt_logprobs` are not available when `stream=True`.")  # vLLM's message
-            if prompt_logprobs == 0:  # a stream has nowhere to put them (a negative one is SamplingParams' 400)
+            if prompt_logprobs == 0:  # a stream has nowhere to put them
                 prompt_logprobs = None
         return self._common_params(max_tokens, logprobs, structured, prompt_logprobs=prompt_logprobs)
 
@@ -361,6 +362,12 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None) -> None:
+    """vLLM's rule and message; the cap (--max-logprobs) is the engine's."""
+    if prompt_logprobs is not None and prompt_logprobs < ALL_LOGPROBS:
+        raise RequestError("`prompt_logprobs` must be a positive value or -1.")
 
 
 def _seed(seed: int | None) -> int | None:

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from trtopt.runtime.batch import CompletionOutput, RequestOutput
+from trtopt.runtime.sampling_params import ALL_LOGPROBS
 from trtopt.serving.protocol import usage
 from trtopt.serving.reasoning import ReasoningDelta, ReasoningRule, ReasoningStream
 from trtopt.serving.structured import ToolCallPlan, partial_call, tool_calls
@@ -61,8 +62,14 @@ class Renderer(abc.ABC):
         """Put what comes before the generated text (an echoed prompt) into a choice's first streamed chunk."""
 
     @abc.abstractmethod
-    def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        """One choice of a streamed chunk (finish_reason is filled in by the caller)."""
+    def delta_choice(self, c: CompletionOutput, index: int, text: str,
+                     logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """One choice of a streamed chunk (finish_reason is filled in by the caller), or None when a parser holds
+        the new text back (vLLM's None delta: no chunk, unless the choice finishes or token ids are returned)."""
+
+    def empty_choice(self, index: int, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """The choice of a chunk whose delta_choice was None but that is sent all the same."""
+        raise AssertionError(f"{type(self).__name__}.delta_choice never returns None")
 
     @abc.abstractmethod
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
@@ -86,23 +93,31 @@ class Renderer(abc.ABC):
         choices = [self.choice(c, k * self.n + c.index, out) for k, out in enumerate(outs) for c in self.select(out)]
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
         completion_tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
-        return {**self._envelope(self.object_full), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        # vLLM's full responses carry every field of its response model, null when unused (streamed chunks do not).
+        return {**self._envelope(self.object_full), "choices": choices, "service_tier": None,
+                "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens)}
 
     def stream_chunks(self, out: RequestOutput, prompt_index: int = 0) -> list[dict[str, Any]]:
-        """One chunk per completion that has new text, new logprobs or has just finished."""
+        """vLLM's stream shape: one chunk per completion that got new tokens (its text delta may be "", as vLLM
+        sends while a stop string or a partial character is held back) or has just finished. A parser's None
+        delta sends nothing; those tokens' logprobs and ids go with the next chunk."""
         chunks = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
             start, end = self._sent_tokens.get(index, 0), len(c.token_ids)
             newly_finished = c.finished and index not in self._sent_finish
-            lp = self.logprobs(c, start, end) if c.logprobs is not None and end > start else None
             first = index not in self._sent_tokens
-            if not (c.delta_text or lp or newly_finished or (first and self.has_prefix)):
+            if not (end > start or newly_finished or (first and self.has_prefix)):
                 continue
+            lp = self.logprobs(c, start, end) if c.logprobs is not None and end > start else None
+            choice = self.delta_choice(c, index, c.delta_text, lp)
+            if choice is None:
+                if not (newly_finished or self.options.return_token_ids or (first and self.has_prefix)):
+                    continue
+                choice = self.empty_choice(index, lp)
             self._sent_tokens[index] = end
             if newly_finished:
                 self._sent_finish.add(index)
-            choice = self.delta_choice(c, index, c.delta_text, lp)
             if first and self.has_prefix:
                 self.add_prefix(choice, out)
             choice["finish_reason"] = self.finish_reason(c) if newly_finished else None
@@ -196,7 +211,7 @@ class CompletionRenderer(Renderer):
         lp = self.logprobs(c, 0, len(c.token_ids)) if c.logprobs is not None else None
         # vLLM sends prompt_logprobs: null when they were not asked for; clients read the key unconditionally.
         choice = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason, "prompt_logprobs": None}
+                  "stop_reason": c.stop_reason, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
         self.add_prefix(choice, out)
         if self.options.return_token_ids:  # vLLM's: per choice, since each prompt of a batch has its own
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -304,8 +319,7 @@ class ChatRenderer(Renderer):
 
     def full_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         response = super().full_response(outs)
-        if self.options.return_token_ids:
-            response["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+        response["prompt_token_ids"] = list(outs[0].prompt_token_ids) if self.options.return_token_ids else None
         response["prompt_logprobs"] = self._prompt_logprobs(outs[0])  # vLLM's place: the response, not a choice
         return response
 
@@ -323,10 +337,9 @@ class ChatRenderer(Renderer):
             message = self._auto_tool_message(c, message)
         if self.echo_text:  # vLLM's: prepended whatever the reply is
             message["content"] = self.echo_text + (message["content"] or "")
+        token_ids = list(c.token_ids) if self.options.return_token_ids else None
         choice = {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason(c),
-                  "stop_reason": c.stop_reason}
-        if self.options.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
+                  "stop_reason": c.stop_reason, "token_ids": token_ids}
         return choice
 
     def _tool_message(self, c: CompletionOutput) -> dict[str, Any]:
@@ -357,16 +370,22 @@ class ChatRenderer(Renderer):
             return self.tool_plan.finish_reason
         return c.finish_reason
 
-    def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    def delta_choice(self, c: CompletionOutput, index: int, text: str,
+                     logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if self.reasoning is None and self.tool_parser is None and self.tool_plan is None:
+            return {"index": index, "delta": {"content": text}, "logprobs": logprobs}  # "" too, as vLLM sends it
         if self.reasoning is not None:
             delta = self._reasoning_delta(c, index, text)
             if self.tool_parser is not None:  # calls are parsed from the content, after the reasoning (vLLM's order)
                 delta.update(self._auto_tool_delta(c, index, delta.pop("content", "")))
-            return {"index": index, "delta": delta, "logprobs": logprobs}
-        if self.tool_parser is not None:
-            return {"index": index, "delta": self._auto_tool_delta(c, index, text), "logprobs": logprobs}
-        delta = self._tool_delta(c, index, text) if self.tool_plan is not None else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": logprobs}
+        elif self.tool_parser is not None:
+            delta = self._auto_tool_delta(c, index, text)
+        else:
+            delta = self._tool_delta(c, index, text)
+        return {"index": index, "delta": delta, "logprobs": logprobs} if delta else None
+
+    def empty_choice(self, index: int, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": logprobs}  # vLLM's DeltaMessage()
 
     def _reasoning_delta(self, c: CompletionOutput, index: int, text: str) -> dict[str, Any]:
         """A streamed reply's new text, split: reasoning_content and/or content (a tail that may still be a tag
@@ -408,8 +427,8 @@ class ChatRenderer(Renderer):
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         content = []
         for tid, lp, ranked in self._token_logprobs(c, start, end):
-            content.append({**self._entry(tid, lp),
-                            "top_logprobs": [self._entry(t, v) for t, v in ranked[: self.top_logprobs]]})
+            top = ranked if self.top_logprobs == ALL_LOGPROBS else ranked[: self.top_logprobs]  # -1: the vocabulary
+            content.append({**self._entry(tid, lp), "top_logprobs": [self._entry(t, v) for t, v in top]})
         return {"content": content}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:

@@ -311,25 +311,43 @@ class _Handlers:
         except RequestError as e:
             self.metrics.requests.labels("chat", "rejected").inc()
             raise APIError(ErrorInfo(400, str(e), param="tool_choice")) from None
+        try:
+            reasoning = self._reasoning_rule(body, tool_plan)
+        except RequestError as e:
+            self.metrics.requests.labels("chat", "rejected").inc()
+            raise APIError(ErrorInfo(400, str(e))) from None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan,
                                 role=body.response_role, echo_text=body.echo_text(),
-                                reasoning=self._reasoning_rule(body, tool_plan), options=self._render_options(body),
+                                reasoning=reasoning, options=self._render_options(body),
                                 tool_parser=self.tool_parser if auto_tools else None)
         return await self._serve("chat", body, request, prepare, renderer)
 
     def _reasoning_rule(self, body: ChatCompletionRequest, tool_plan: ToolCallPlan | None) -> ReasoningRule | None:
-        """How this request's replies split into reasoning and content, if they do. A reply under a grammar
-        (structured output, a forced tool call) has no reasoning: the grammar holds from its first token (vLLM
-        instead leaves the reasoning free and constrains what follows it)."""
+        """How this request's replies split into reasoning and content, if they do.
+
+        A grammar holds from a reply's first token here; vLLM leaves the reasoning free and constrains only what
+        follows it. A forced tool call (tool_choice "required" or named) therefore gets no split: its calls are
+        what clients read (vLLM's tool tests check only them). Structured output (response_format,
+        structured_outputs, guided_*) on a reply that would reason is a RequestError instead of a silently
+        reasoning-free reply; with its reasoning off (qwen3's enable_thinking=false) there is nothing to split."""
         if self.reasoning_parser is None or tool_plan is not None:
             return None
+        rule = self.reasoning_parser.rule(body.chat_template_kwargs)
         try:
-            params = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None)
-            constrained = params.structured_outputs is not None
+            structured = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None).structured_outputs
         except RequestError:
             return None  # prepare answers the same error with a 400
-        return None if constrained else self.reasoning_parser.rule(body.chat_template_kwargs)
+        if structured is None:
+            return rule
+        if rule.enabled:
+            raise RequestError(
+                f"structured output (response_format, structured_outputs or guided_*) with --reasoning-parser "
+                f"{self.reasoning_parser.name} is not supported while the reply reasons: vLLM applies the grammar "
+                "only after the reasoning ends, trtopt would apply it from the first token and drop the reasoning. "
+                "Drop the constraint, turn reasoning off for this request (qwen3: chat_template_kwargs "
+                "{\"enable_thinking\": false}), or serve without --reasoning-parser.")
+        return None
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
                      prepare: Callable[[], list[PreparedRequest]], renderer: Renderer) -> Response:
