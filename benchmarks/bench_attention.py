@@ -385,7 +385,7 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=DECODE_SHAPES, device: torch.dev
         # The plan the call below makes for itself (attention.py passes these arguments to plan_paged_launch).
         width = step["block_tables"].shape[1] * BLOCK_SIZE
         plan = plan_paged_launch(B, B, Hkv, Hq // Hkv, width, _device_sm_count(device),
-                                 interpret=device.type != "cuda")
+                                 interpret=device.type != "cuda", kv_bytes=1)  # the FP8 pool's plan (the row's launch)
         row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "batch": B, "q_heads": Hq, "kv_heads": Hkv, "context": L,
                "head_dim": D, "block_size": BLOCK_SIZE, "planned_max_context": width, "launch": plan.__dict__,
                "split_kv": plan.num_segments > 1, "k_scale": k_scale, "v_scale": v_scale, "copy_tbs": copy_tbs,

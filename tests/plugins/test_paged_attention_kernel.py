@@ -310,6 +310,13 @@ def test_launch_plan_depends_on_shapes_only() -> None:
     assert decode_wide.num_segments == 1 and decode_wide.block_q * 4 == 16
     prefill = plan_paged_launch(8192, 4, 8, 4, 4096, sm_count=132)
     assert prefill.num_segments == 1 and prefill.block_q * 4 == 128
+    # FP8 pools (half the bytes a key): longer programs in 128-key tiles, the H200 sweep's best at these shapes
+    fp8_long = plan_paged_launch(1, 1, 8, 4, 32768, sm_count=132, kv_bytes=1)
+    assert (fp8_long.num_segments, fp8_long.tile_n) == (32, 128)
+    assert (decode_long.num_segments, decode_long.tile_n) == (64, 32)
+    fp8_mid = plan_paged_launch(16, 16, 8, 4, 8192, sm_count=132, kv_bytes=1)
+    assert (fp8_mid.num_segments, fp8_mid.tile_n) == (2, 128)
+    assert plan_paged_launch(64, 64, 8, 4, 4096, sm_count=132, kv_bytes=1) == decode_wide
 
 
 def test_rejects_bad_inputs(kernel_device: torch.device) -> None:

@@ -486,7 +486,7 @@ def paged_attention_triton(
     interpret = q.device.type != "cuda"
     if launch is None:
         launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
-                                   _device_sm_count(q.device), interpret=interpret)
+                                   _device_sm_count(q.device), interpret=interpret, kv_bytes=kv_cache.element_size())
     block_d = max(16, next_pow2(head_dim))
     scratch = _Scratch(T * num_heads * launch.num_segments, block_d) if launch.num_segments > 1 else None
     part_acc, part_max, part_sum = scratch.views(q.device) if scratch else (out, out, out)

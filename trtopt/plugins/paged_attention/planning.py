@@ -37,13 +37,16 @@ def _device_sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=512)
 def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_context: int,
-                      sm_count: int, *, interpret: bool = False) -> PagedLaunch:
+                      sm_count: int, *, interpret: bool = False, kv_bytes: int = 2) -> PagedLaunch:
     """Pick the tiling from shapes: the mean new tokens per sequence tells decode-like steps from prefill-like.
 
     Cached: every layer of a step has the same shapes, so the plan is made once per step shape (STYLE.md §10).
 
     The thresholds come from the H200 sweep in docs/benchmarks/NOTES.md: decode reads fastest with 128-key tiles
     and 4 warps once a program walks >= 2K keys; short per-program ranges (heavy split-KV) prefer 32-key tiles.
+    An FP8 pool (kv_bytes=1) moves half the bytes a key: its decode wants programs of >= 1024 keys in 128-key
+    tiles (the H200 sweep in docs/benchmarks/attention_h200.json: B1·L32K 50.7 µs at 32 segments × 128 keys
+    against 59.3 µs at the bf16 plan's 64 × 32; B16·L8K and B64·L4K already at their best).
     """
     group_pad = next_pow2(group)
     tokens_per_seq = num_tokens / max(num_seqs, 1)
@@ -53,7 +56,9 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
     num_tiles = (num_tokens // block_q + num_seqs) * num_kv_heads
     num_segments = 1
     # Split the key range until the launch has about two programs per SM, each keeping >= 256 keys.
-    while num_segments < 64 and num_tiles * num_segments < 2 * sm_count and max_context >= num_segments * 512:
+    # Doubling from s segments needs max_context >= s · split_keys: programs keep >= 256 keys (FP8: >= 1024).
+    split_keys = 512 if kv_bytes > 1 else 2048
+    while num_segments < 64 and num_tiles * num_segments < 2 * sm_count and max_context >= num_segments * split_keys:
         num_segments *= 2
     keys_per_program = max_context // num_segments
     if interpret:
@@ -62,7 +67,10 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
         # Prefill-like: 128 query rows stream 32-key tiles best (registers stay free for the pipeline).
         return PagedLaunch(block_q=block_q, tile_n=32 if rows >= 128 else 64, num_segments=num_segments,
                            num_warps=4, num_stages=3)
-    tile_n = 128 if keys_per_program >= 2048 else (64 if keys_per_program >= 1024 else 32)
+    if kv_bytes == 1:
+        tile_n = 128 if keys_per_program >= 1024 else 64
+    else:
+        tile_n = 128 if keys_per_program >= 2048 else (64 if keys_per_program >= 1024 else 32)
     return PagedLaunch(block_q=block_q, tile_n=tile_n, num_segments=num_segments, num_warps=4, num_stages=3)
 
 

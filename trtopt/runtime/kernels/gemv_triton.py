@@ -253,8 +253,8 @@ def rope_kv_refusal(x_shape, w_shape, dtype, cos_shape, cos_dtype, sin_shape, si
                     slots_shape, slots_dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
     """Why gemv_rope_kv would refuse a call with these shapes and dtypes (beyond `check`'s), or None when it takes
     it: one row, a weight of (Hq + 2·Hkv)·D rows with D even, one token's cos/sin row in x's dtype, a pool
-    [blocks, 2, Hkv, bs, D] in x's dtype or float8_e4m3fn and one int64 slot. Cached: the executor asks it before choosing the fused
-    path (executors/gemv.py), and the kernel's call then finds the answer made."""
+    [blocks, 2, Hkv, bs, D] in x's dtype or float8_e4m3fn and one int64 slot. Cached: the executor asks it before
+    choosing the fused path (executors/gemv.py), and the kernel's call then finds the answer made."""
     if x_shape[0] != 1 or head_dim % 2 or w_shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
         return (f"gemv_rope_kv needs one row and a weight of (num_heads + 2·num_kv_heads)·head_dim rows with an "
                 f"even head_dim; got x {tuple(x_shape)}, w {tuple(w_shape)}, heads {num_heads}/{num_kv_heads}, "
