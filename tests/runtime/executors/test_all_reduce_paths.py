@@ -47,7 +47,7 @@ class FakeComm:
 
 def test_mode_from_the_environment(monkeypatch):
     monkeypatch.delenv(paths.ALL_REDUCE_ENV, raising=False)
-    assert paths.all_reduce_mode() == "auto"
+    assert paths.all_reduce_mode() == "nccl"  # until the fast path's e2e GPU tests pass (all_reduce.py)
     monkeypatch.setenv(paths.ALL_REDUCE_ENV, " NCCL ")
     assert paths.all_reduce_mode() == "nccl"
     assert paths.all_reduce_mode("p2p") == "p2p"  # an explicit value wins

@@ -6,9 +6,11 @@ calls it at the same point): the ranks agree whether the fast path is usable on 
 map its symmetric buffers. ``route_all_reduces`` then points the rank's converted graph at it. The caller (the
 tensor-parallel executor, on every rank) owns the returned P2PAllReduce and closes it after its CUDA graphs are gone.
 
-``TRTOPT_ALL_REDUCE`` (read when ``mode`` is not given): ``auto`` (default: the fast path where every rank can take
-it, NCCL otherwise, silently), ``nccl`` (never the fast path: the baseline benchmarks compare with), ``p2p`` (the
-fast path or a ConfigError at start-up saying why not; messages it does not take still go to NCCL).
+``TRTOPT_ALL_REDUCE`` (read when ``mode`` is not given): ``nccl`` (the default for now: never the fast path),
+``auto`` (the fast path where every rank can take it, NCCL otherwise, silently), ``p2p`` (the fast path or a
+ConfigError at start-up saying why not; messages it does not take still go to NCCL). NCCL stays the default until
+the tensor-parallel e2e GPU tests, the killed-worker one included, have passed with the fast path on (they did not
+finish inside the first GPU call that ran them: README "P2P all-reduce").
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ log = logging.getLogger(__name__)
 ALL_REDUCE_ENV = "TRTOPT_ALL_REDUCE"
 Mode = Literal["auto", "nccl", "p2p"]
 MODES: tuple[Mode, ...] = ("auto", "nccl", "p2p")
+DEFAULT_MODE: Mode = "nccl"
 COMM_ATTR = "p2p_all_reduce"  # the graph module's attribute holding the communicator (one get_attr node)
 
 
 def all_reduce_mode(value: str | None = None) -> Mode:
-    """``value`` (default: the TRTOPT_ALL_REDUCE variable, or "auto") checked against MODES."""
-    mode = (value if value is not None else os.environ.get(ALL_REDUCE_ENV, "auto")).strip().lower() or "auto"
+    """``value`` (default: the TRTOPT_ALL_REDUCE variable, or "nccl") checked against MODES."""
+    raw = value if value is not None else os.environ.get(ALL_REDUCE_ENV, DEFAULT_MODE)
+    mode = raw.strip().lower() or DEFAULT_MODE
     if mode not in MODES:
-        raise ConfigError(f"{ALL_REDUCE_ENV}={mode!r} is not one of {', '.join(MODES)}; unset it for auto.")
+        raise ConfigError(f"{ALL_REDUCE_ENV}={mode!r} is not one of {', '.join(MODES)}; unset it for {DEFAULT_MODE}.")
     return mode  # type: ignore[return-value]
 
 
