@@ -19,6 +19,9 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 def test_models_lists_the_served_model(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]
+    card = client.models.list().data[0].model_dump()  # vLLM's ModelCard fields, which its clients read
+    assert card["root"] == MODEL and card["parent"] is None and card["max_model_len"] == 512
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
 
 
 def test_completion_greedy_streamed_equals_non_streamed(client):

@@ -98,7 +98,7 @@ def test_named_tool_call_full_and_streamed(client):
                   tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY)
     r = client.chat.completions.create(**kwargs)
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "stop" and msg.content is None and len(msg.tool_calls) == 1
+    assert r.choices[0].finish_reason == "stop" and msg.content == "" and len(msg.tool_calls) == 1
     call = msg.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     args = json.loads(call.function.arguments)

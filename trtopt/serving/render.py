@@ -343,7 +343,7 @@ class ChatRenderer(Renderer):
         return choice
 
     def _tool_message(self, c: CompletionOutput) -> dict[str, Any]:
-        """The message of a forced tool call, the same in both modes. A call cut short (max_tokens) is never
+        """The message of a forced tool call (content "", as vLLM's), the same in both modes. A call cut short (max_tokens) is never
         content: a named call keeps its partial arguments (as they were streamed), "required" gives no calls and
         empty content (nothing of it was streamed; vLLM's answer)."""
         calls = tool_calls(self.tool_plan, c.text)
@@ -351,7 +351,7 @@ class ChatRenderer(Renderer):
             calls = [partial_call(self.tool_plan.named, c.text)]
         if not calls:
             return {"role": "assistant", "content": "", "tool_calls": []}
-        return {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"role": "assistant", "content": "", "tool_calls": calls}  # vLLM's "" (OpenAI sends null)
 
     def _auto_tool_message(self, c: CompletionOutput, message: dict[str, Any]) -> dict[str, Any]:
         """tool_choice "auto": the calls the parser finds in the reply, and the rest as content (None when empty);

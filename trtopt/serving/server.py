@@ -252,8 +252,15 @@ class _Handlers:
                              continuous_usage=continuous)
 
     def model_card(self) -> dict[str, Any]:
+        """vLLM's ModelCard: root is the served model (vLLM's is the model path; trtopt serves one plan under one
+        name), no parent, and one permission entry with vLLM's values."""
+        permission = {"id": f"modelperm-{self.model_name}", "object": "model_permission", "created": self.created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtopt",
-                "max_model_len": self.engine.max_model_len}
+                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_model_len,
+                "permission": [permission]}
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize: {"count", "max_model_len", "tokens", "token_strs"} (token_strs when asked for)."""
