@@ -92,6 +92,9 @@ def kv_dims(num_blocks: Dim, num_kv_heads: int, block_size: int, head_dim: int) 
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_KV_DTYPE = "float8_e4m3fn"  # the pool dtype of an "fp8" plan (torch.float8_e4m3fn, ONNX FLOAT8E4M3FN)
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn; the write saturates to ±this
+# `trtopt build --kv-cache-rotation` (with --kv-cache-dtype fp8 only): "hadamard" rotates q and k by one orthonormal
+# Hadamard matrix before each PagedAttention (fusion_passes/kv_rotation.py), so the pools hold k·H, not k.
+KV_CACHE_ROTATIONS = ("none", "hadamard")
 
 
 def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:

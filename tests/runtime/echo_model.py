@@ -136,7 +136,7 @@ class ExplodingDetokenizer:
 
     text = ""
 
-    def update(self, _ids):
+    def update(self, _ids, *, stop_token: bool = False):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer failure")
 
     def take_delta(self) -> str:

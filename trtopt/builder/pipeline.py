@@ -7,8 +7,9 @@ Four steps, each a function with a typed value between them:
     plan dir ◀──write── model.onnx (+ .data) or rank{r}/, plan.json, fusion_report.json, tokenizer + config files
 
 ``fuse`` loads the source (source.py), runs the fusion passes (fusion_passes/pipeline.py) and validates the plan
-graph; ``shard`` (--tensor-parallel only) rewrites it into the rank graph (sharding/analysis.py); ``write`` attaches
-the trtopt op functions and writes the files (plan_files.py, sharding/writer.py, plan.py).
+graph; ``shard`` (--tensor-parallel only) rewrites it into the rank graph (sharding/analysis.py); ``rotate``
+(--kv-cache-rotation only) rotates q and k before attention (fusion_passes/kv_rotation.py); ``write`` attaches the
+trtopt op functions and writes the files (plan_files.py, sharding/writer.py, plan.py).
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ from trtopt.builder.sharding import (
 from trtopt.builder.signature import check_signature
 from trtopt.builder.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
+from trtopt.fusion_passes.kv_rotation import head_dims, is_power_of_two, rotate_qk
 from trtopt.fusion_passes.paged_attention import use_fp8_kv_cache
 from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
 from trtopt.fusion_passes.trace import Trace
 from trtopt.plugins import attach_functions
 from trtopt.plugins.paged_attention.function import attach_fp8_kv_function
-from trtopt.signature import KV_CACHE_DTYPES
+from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
 
@@ -69,6 +71,7 @@ class BuildOptions:
     disable_passes: tuple[str, ...]  # OPTIONAL_PASSES to skip
     explain: bool  # recorded in fusion_report.json
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "fp8" stores the KV pools as float8_e4m3fn
+    kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS: "hadamard" rotates q and k (kv_cache_dtype "fp8")
 
 
 @dataclasses.dataclass
@@ -235,6 +238,7 @@ def validate_options(
     lm_head: str,
     disable_passes: Sequence[str],
     kv_cache_dtype: str = "auto",
+    kv_cache_rotation: str = "none",
 ) -> BuildOptions:
     """Check every option and the source and plan paths before any work is done (build_plan's arguments)."""
     onnx_path = resolve_model_path(Path(model_path))
@@ -258,11 +262,17 @@ def validate_options(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} is not supported; choose one of "
                           f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8: float8 E4M3 pools).")
+    if kv_cache_rotation not in KV_CACHE_ROTATIONS:
+        raise ConfigError(f"--kv-cache-rotation {kv_cache_rotation!r} is not supported; choose one of "
+                          f"{', '.join(KV_CACHE_ROTATIONS)}.")
+    if kv_cache_rotation != "none" and kv_cache_dtype != "fp8":
+        raise ConfigError(f"--kv-cache-rotation {kv_cache_rotation} only changes what an FP8 KV cache loses to "
+                          "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-rotation.")
     _check_out_dir(out_dir, source_dir, force)
     return BuildOptions(onnx_path=onnx_path, out_dir=out_dir, config_json=config_json,
                         generation_json=generation_json, limits=limits, tensor_parallel=tensor_parallel,
                         lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation)
 
 
 def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
@@ -291,6 +301,12 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
             raise ConfigError(f"--kv-cache-dtype fp8 sets the dtype of a KV cache, and {options.onnx_path} builds a "
                               f"{report.kind!r} plan without one; build it without --kv-cache-dtype.")
         use_fp8_kv_cache(model)
+    if options.kv_cache_rotation == "hadamard":
+        odd = sorted({d for d in head_dims(model) if not is_power_of_two(d)})
+        if odd:
+            raise ConfigError(f"--kv-cache-rotation hadamard needs a power-of-two head_dim (Sylvester's Hadamard "
+                              f"matrix), and {options.onnx_path} has head_dim {', '.join(map(str, odd))}; build "
+                              "without --kv-cache-rotation.")
     return FusedGraph(model=model, report=report, facts=facts, notes=notes)
 
 
@@ -306,6 +322,19 @@ def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGra
         rank_facts = model_facts(fused.model, fused.report.kind, options.config_json, options.generation_json)
         check_signature(fused.model, fused.report.kind)
     return ShardedGraph(result=result, rank_facts=rank_facts)
+
+
+def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> int:
+    """With --kv-cache-rotation hadamard: rotate q and k before every PagedAttention of ``fused.model`` (the rank
+    graph when sharded); returns the number of layers rotated.
+
+    After shard, not in fuse: H acts within a head, so every rank takes the same H, and the sharding analysis would
+    take MatMul(q, H), a MatMul by a constant 2-D weight, for the Q projection."""
+    if options.kv_cache_rotation == "none":
+        return 0
+    assert fused.model is not None, "rotate runs before write consumes the graph"
+    with steps.step(f"rotating q and k ({options.kv_cache_rotation})"):
+        return rotate_qk(fused.model)
 
 
 def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None, steps: _Steps, *,
@@ -324,13 +353,12 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
         onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
     with steps.step(f"writing {out_dir}"):
         _prepare_out_dir(out_dir)
-        config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind,
-                            kv_cache_dtype=options.kv_cache_dtype)
+        kv = dict(kv_cache_dtype=options.kv_cache_dtype, kv_cache_rotation=options.kv_cache_rotation)
+        config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind, **kv)
         if sharded is None:
             save_model(proto, out_dir)
         else:
-            rank_config = PlanConfig(model=sharded.rank_facts, limits=options.limits, kind=fused.report.kind,
-                                     kv_cache_dtype=options.kv_cache_dtype)
+            rank_config = PlanConfig(model=sharded.rank_facts, limits=options.limits, kind=fused.report.kind, **kv)
             write_rank_plans(proto, sharded.result, out_dir, rank_config)
             config = dataclasses.replace(config, parallel=parallel_config(sharded.result.layout, None))
         write_plan(out_dir, config)
@@ -364,6 +392,7 @@ def build_plan(
     lm_head: str = "replicated",
     disable_passes: Sequence[str] = (),
     kv_cache_dtype: str = "auto",
+    kv_cache_rotation: str = "none",
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
 
@@ -385,13 +414,20 @@ def build_plan(
     ``kv_cache_dtype``: "auto" (the pools have the model's dtype) or "fp8" (float8_e4m3fn pools, per-layer K/V
     scales of 1.0 on the PagedAttention nodes; fusion_passes/paged_attention.py use_fp8_kv_cache); ConfigError for
     another value, or for "fp8" on a plan without a KV cache.
+
+    ``kv_cache_rotation`` (with kv_cache_dtype "fp8" only): "none" or "hadamard" (q and k multiplied by one
+    orthonormal Hadamard matrix before each PagedAttention, exact in real arithmetic, so the FP8 pools hold k·H:
+    fusion_passes/kv_rotation.py); ConfigError for another value, without "fp8", or for a head_dim that is not a
+    power of two.
     """
     start = time.perf_counter()
     options = validate_options(model_path, out_dir, limits=limits, max_model_len=max_model_len, force=force,
                                explain=explain, tensor_parallel=tensor_parallel, lm_head=lm_head,
-                               disable_passes=disable_passes, kv_cache_dtype=kv_cache_dtype)
+                               disable_passes=disable_passes, kv_cache_dtype=kv_cache_dtype,
+                               kv_cache_rotation=kv_cache_rotation)
     steps = _Steps(progress)
     with steps.run():
         fused = fuse(options, steps)
         sharded = shard(options, fused, steps)
+        rotate(options, fused, steps)
         return write(options, fused, sharded, steps, start=start)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from trtopt.errors import BuildError
-from trtopt.signature import KV_CACHE_DTYPES, kv_pool_dtype
+from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, kv_pool_dtype
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -82,6 +82,9 @@ class PlanConfig:
     # per-layer K/V scales on the PagedAttention nodes). Written to plan.json only when not "auto", so plans built
     # before it (and default plans) read and write the same file.
     kv_cache_dtype: str = "auto"
+    # `trtopt build --kv-cache-rotation`: "none", or "hadamard" (q and k rotated by one Hadamard matrix before each
+    # PagedAttention, so the pools hold k·H; fp8 plans only). Written only when not "none", like kv_cache_dtype.
+    kv_cache_rotation: str = "none"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -96,6 +99,8 @@ class PlanConfig:
         d = dataclasses.asdict(self)
         if d["kv_cache_dtype"] == "auto":
             del d["kv_cache_dtype"]
+        if d["kv_cache_rotation"] == "none":
+            del d["kv_cache_rotation"]
         return json.dumps(d, indent=2)
 
     @classmethod
@@ -114,8 +119,13 @@ class PlanConfig:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise BuildError(f"plan.json has kv_cache_dtype {kv_cache_dtype!r}, which this trtopt does not know "
                              f"({', '.join(KV_CACHE_DTYPES)}); rebuild the plan with `trtopt build`.")
+        kv_cache_rotation = d.get("kv_cache_rotation", "none")
+        if kv_cache_rotation not in KV_CACHE_ROTATIONS:
+            raise BuildError(f"plan.json has kv_cache_rotation {kv_cache_rotation!r}, which this trtopt does not know "
+                             f"({', '.join(KV_CACHE_ROTATIONS)}); rebuild the plan with `trtopt build`.")
         return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"),
-                   version=version, parallel=parallel, kv_cache_dtype=kv_cache_dtype)
+                   version=version, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
+                   kv_cache_rotation=kv_cache_rotation)
 
 
 def write_plan(plan_dir: str | Path, config: PlanConfig) -> Path:

@@ -21,6 +21,7 @@ def _print_report(result, explain: bool) -> None:
         f"[green]built[/] {result.plan_dir}: {facts.num_layers} layers, {facts.num_heads}/{facts.num_kv_heads} heads "
         f"× {facts.head_dim}, vocab {facts.vocab_size}, {facts.dtype}"
         + (f", KV cache {result.config.kv_pool_dtype}" if result.config.kv_cache_dtype != "auto" else "")
+        + (f", q/k rotated ({result.config.kv_cache_rotation})" if result.config.kv_cache_rotation != "none" else "")
     )
     for note in result.notes:
         console.print(f"[yellow]note[/]: {note}", highlight=False)
@@ -84,6 +85,12 @@ def build(
         help="KV pool dtype: `auto` (the model's) or `fp8` (float8 E4M3, per-layer K/V scales of 1.0): half the "
         "bytes of a bf16 cache, so twice the blocks in the same memory. On CUDA it needs compute capability 8.9+.",
     ),
+    kv_cache_rotation: str = typer.Option(
+        "none", "--kv-cache-rotation",
+        help="With --kv-cache-dtype fp8: `none` or `hadamard` (q and k multiplied by one orthonormal Hadamard matrix "
+        "before attention, exact before rounding, so the FP8 pools hold rotated keys; needs a power-of-two "
+        "head_dim). Whether it lowers FP8's perplexity cost depends on the model: measure it.",
+    ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
                                            "(speculative decoding, method self_draft); repeatable."),
@@ -105,7 +112,7 @@ def build(
     result = build_plan(
         model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
         tensor_parallel=tensor_parallel, lm_head=lm_head, disable_passes=tuple(disable_pass or ()),
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation,
     )
     _print_report(result, explain)
     if draft_layers:

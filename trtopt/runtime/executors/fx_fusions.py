@@ -182,7 +182,9 @@ def fuse_rope_into_paged_attention(gm: torch.fx.GraphModule) -> int:
     itself, and cannot fuse it into the PagedAttention plugin). On CUDA the fused call rotates q and k inside the
     KV-write kernel, two launches fewer per layer; elsewhere it runs the same ops as before, so CPU results are
     unchanged bit for bit. Matched only when both Rope nodes read the same cos and sin, have the same `half`, and
-    feed nothing but this attention call.
+    feed nothing but this attention call. A plan built with --kv-cache-rotation hadamard has MatMul(·, H) between
+    them (fusion_passes/kv_rotation.py), so nothing matches: correct, but without this fusion or the Q/K/V GEMV's
+    RoPE + KV epilogue that builds on it (gemv.py).
     """
     count = 0
     for node in list(gm.graph.nodes):
