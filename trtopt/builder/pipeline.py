@@ -324,17 +324,18 @@ def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGra
     return ShardedGraph(result=result, rank_facts=rank_facts)
 
 
-def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> int:
+def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
     """With --kv-cache-rotation hadamard: rotate q and k before every PagedAttention of ``fused.model`` (the rank
-    graph when sharded); returns the number of layers rotated.
+    graph when sharded), in place.
 
     After shard, not in fuse: H acts within a head, so every rank takes the same H, and the sharding analysis would
     take MatMul(q, H), a MatMul by a constant 2-D weight, for the Q projection."""
     if options.kv_cache_rotation == "none":
-        return 0
+        return
     assert fused.model is not None, "rotate runs before write consumes the graph"
     with steps.step(f"rotating q and k ({options.kv_cache_rotation})"):
-        return rotate_qk(fused.model)
+        rotated = rotate_qk(fused.model)
+    assert rotated == fused.facts.num_layers, f"rotated {rotated} of {fused.facts.num_layers} attention layers"
 
 
 def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None, steps: _Steps, *,
