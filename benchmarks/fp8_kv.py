@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -450,9 +451,12 @@ def ppl_phase(args, source: Path, tokenizer, limits: Limits) -> None:
         log(f"  {name}: ppl {res['perplexity']} ({res['delta_ppl_pct']:+.3f}% +- {res['delta_ppl_pct_paired_stderr']}),"
             f" KL {res['mean_kl_nats']:.2e}, top-1 {res['top1_agreement']:.4f} [{res['seconds']} s]")
     entry = ppl_entry(args, heldout, results, notes)
-    save(args.out, lambda r: r.setdefault("ppl", {}).__setitem__(args.model, entry))
-    entry["greedy_agreement"] = greedy_phase(args, executors, tokenizer)
-    save(args.out, lambda r: r.setdefault("ppl", {}).__setitem__(args.model, entry))
+    key = args.model if args.attention == "kernel" else f"{args.model}@reference"
+    entry["attention"] = args.attention
+    save(args.out, lambda r: r.setdefault("ppl", {}).__setitem__(key, entry))
+    if args.attention == "kernel":
+        entry["greedy_agreement"] = greedy_phase(args, executors, tokenizer)
+        save(args.out, lambda r: r.setdefault("ppl", {}).__setitem__(key, entry))
     log(f"{args.model} ppl phase done ({time.perf_counter() - t_phase:.0f} s)")
 
 
@@ -608,6 +612,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--needle-batch", type=int, help="needle prompts in flight (default 8 on CUDA, 2 on the CPU)")
     p.add_argument("--cache", type=Path, default=Path("/tmp/trtopt-fp8-kv"))
     p.add_argument("--out", type=Path, help="default docs/benchmarks/fp8_kv_<gpu>.json (fp8_kv_cpu.json on the CPU)")
+    p.add_argument("--attention", choices=("kernel", "reference"), default="kernel",
+                   help="reference: every cell's PagedAttention runs the torch reference (fp32 math on the pool's "
+                        "values, plugins/paged_attention/reference.py) instead of the Triton kernel, which separates "
+                        "the cost of storing e4m3 from the kernel's own arithmetic; results go under ppl[<model>"
+                        "@reference]")
     args = p.parse_args()
     cuda = args.device == "cuda"
     args.only = "needle" if args.needle else args.only
@@ -622,8 +631,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def use_reference_attention() -> None:
+    """Route every PagedAttention call of the executors opened from now on to the torch reference (the op's
+    dispatch, trtopt_ops._impl, is cached per (op, device type); its entry for paged_attention is replaced)."""
+    from trtopt.runtime.executors import trtopt_ops
+
+    kernel_impl = trtopt_ops._impl
+
+    @functools.cache
+    def impl(op: str, device_type: str):
+        return trtopt_ops._impl_reference(op) if op == "paged_attention" else kernel_impl(op, device_type)
+
+    trtopt_ops._impl = impl
+
+
 def main() -> None:
     args = parse_args()
+    if args.attention == "reference":
+        use_reference_attention()
     args.cache.mkdir(parents=True, exist_ok=True)
     log(f"{args.model} {args.dtype} on {device_name(args.device)}: {args.only} -> {args.out}")
     source = export(args.model, args.dtype, args.cache)
