@@ -143,3 +143,25 @@ def test_all_gather_torch_face_puts_rank_blocks_side_by_side_along_the_axis(tmp_
         want = torch.cat(blocks, dim=axis)
         for rank in range(2):
             assert torch.equal(torch.load(tmp_path / f"rank{rank}_axis{axis}.pt"), want), (rank, axis)
+
+
+
+def test_async_scheduling_at_two_ranks_resolves_placeholders_on_every_rank(tp_llm, export_dir, module_tmp, hf_model):
+    """Async scheduling (off by default on the CPU, on for CUDA): each step's input ids hold placeholders for the
+    previous step's tokens, which the driver sends its workers by broadcast (tensor_parallel._share_sampled_ids);
+    a worker that filled them wrongly would run another token through its half of every layer and the greedy tokens
+    would leave HF's. A seeded n=2 request (two rows of sampled ids, copy-on-write) equals the synchronous loop's."""
+    prompt = "Once upon a time there was a"
+    seeded = SamplingParams(n=2, temperature=0.9, top_k=50, seed=7, max_tokens=10, ignore_eos=True)
+    sync = tp_llm("tiny-llama")  # the synchronous loop over the same sharded plan
+    want = [c.token_ids for c in sync.generate(prompt, seeded)[0].outputs]
+    sync.shutdown()  # one torch.distributed group per process
+    out = module_tmp / "tp2-tiny-llama-async"
+    build_plan(export_dir("tiny-llama"), out, limits=LIMITS, force=True, progress=False, tensor_parallel=2)
+    llm = LLM(out, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert llm.engine.async_scheduling and llm.engine.executor.resolves_placeholders
+        assert_greedy_equals_hf(llm, "tiny-llama", hf_model)
+        assert [c.token_ids for c in llm.generate(prompt, seeded)[0].outputs] == want
+    finally:
+        llm.shutdown()

@@ -8,7 +8,9 @@ CUDA, where local rank r owns cuda:r). On one host the driver spawns every worke
 node's ranks, which find the driver through the group's TCPStore at master_addr:master_port. Per engine step the
 driver broadcasts one message (the step's StepInputs, or a KV-pool command) through control_plane.DriverChannel:
 shared memory to the ranks of its node (shm_broadcast.py: no network hop and no pickled tensors; gloo's
-broadcast_object_list cost 2.5-3.7 ms a step), TCP to the others; every rank runs its plan on it, the plan's
+broadcast_object_list cost 2.5-3.7 ms a step), TCP to the others; async scheduling's sampled ids, still being
+computed on rank 0's device, follow as a device broadcast (the step's first collective); every rank runs its plan on
+it, the plan's
 trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into its own KV pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default
 build), it leaves every logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel
 (``--lm-head vocab-parallel``), each rank computes its vocabulary columns of those rows and the plan's
@@ -86,18 +88,41 @@ def cpu_threads_per_rank(size: int) -> int:
 
 
 def _to_wire(command: _Command) -> tuple[str, Any]:
-    """A step's tensors travel as numpy arrays (pickled in-band, ~10x cheaper than torch tensors' reduction)."""
+    """A step's tensors travel as numpy arrays (pickled in-band, ~10x cheaper than torch tensors' reduction), except
+    async scheduling's sampled ids: they live on rank 0's device, unsampled yet, so only their count travels here and
+    the ids follow on the device (`_share_sampled_ids`)."""
     if command.op == "step":
-        fields = {f.name: getattr(command.arg, f.name) for f in dataclasses.fields(StepInputs)}
-        return command.op, {name: None if value is None else value.numpy() for name, value in fields.items()}
+        step = command.arg
+        fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepInputs) if f.name != "sampled_ids"}
+        wire = {name: None if value is None else value.numpy() for name, value in fields.items()}
+        wire["sampled_ids"] = None if step.sampled_ids is None else int(step.sampled_ids.numel())
+        return command.op, wire
     return command.op, command.arg
 
 
 def _from_wire(message: tuple[str, Any]) -> _Command:
+    """The command a worker mirrors; a step's sampled ids are an empty int64 tensor of their count (filled by
+    `_share_sampled_ids` on the worker's device)."""
     op, arg = message
     if op == "step":
-        arg = StepInputs(**{name: None if array is None else torch.from_numpy(array) for name, array in arg.items()})
+        count = arg.pop("sampled_ids")
+        arg = StepInputs(**{name: None if array is None else torch.from_numpy(array) for name, array in arg.items()},
+                         sampled_ids=None if count is None else torch.empty(count, dtype=torch.int64))
     return _Command(op, arg)
+
+
+def _share_sampled_ids(step: StepInputs, device: torch.device, *, sender: bool) -> StepInputs:
+    """Async scheduling's sampled ids, broadcast from rank 0 to every rank on the ranks' devices (NCCL on CUDA: queued
+    on the stream, so neither the driver nor a worker waits on the host for the previous step's tokens; gloo on the
+    CPU). Every rank calls it before the step's forward, so it is each step's first collective on every rank."""
+    if step.sampled_ids is None or not step.sampled_ids.numel():
+        return step
+    if sender:
+        ids = step.sampled_ids.to(device=device, dtype=torch.int64).contiguous()
+    else:
+        ids = torch.empty(step.sampled_ids.numel(), dtype=torch.int64, device=device)
+    dist.broadcast(ids, src=0)
+    return dataclasses.replace(step, sampled_ids=ids)
 
 
 def _init_group(rank: int, size: int, device: str, timeout_s: float, store: Any) -> None:
@@ -165,7 +190,7 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
             raise SystemExit(f"tensor-parallel rank {rank}: {e}") from None
         if command.op == "stop":
             break
-        _apply(executor, command)
+        _apply(executor, command, rank=rank)
     _release_graphs(executor)
     if fast_all_reduce is not None:
         fast_all_reduce.close()
@@ -253,9 +278,9 @@ def run_worker_node(plan_dir: str | Path, size: int | None, nodes: NodeConfig, *
                 proc.wait()
 
 
-def _apply(executor: Executor, command: _Command) -> torch.Tensor | None:
+def _apply(executor: TorchExecutor, command: _Command, *, rank: int) -> torch.Tensor | None:
     if command.op == "step":
-        return executor.execute(command.arg)
+        return executor.execute(_share_sampled_ids(command.arg, executor.device, sender=rank == 0))
     if command.op == "alloc":
         executor.allocate_kv_cache(command.arg)
     elif command.op == "capture":
@@ -271,7 +296,12 @@ def _apply(executor: Executor, command: _Command) -> torch.Tensor | None:
 
 class TensorParallelExecutor(Executor):
     """The Executor contract (base.py) over ``size`` ranks; see the module docstring. Rank 0's TorchExecutor runs
-    here; its graphs are this executor's, its greedy tokens and placeholders are not read through it (the defaults)."""
+    here; its graphs are this executor's, its greedy tokens are not read through it (the default). It resolves async
+    scheduling's placeholders on the devices: the step message carries their count, the ids follow by broadcast
+    (`_share_sampled_ids`), so the engine need not wait for a step's tokens before launching the next (that wait left
+    a ~0.35 ms gap between the steps of N=2 batch-1 decode on 2xH200: docs/benchmarks/tp_e2e_h200.json)."""
+
+    resolves_placeholders = True
 
     def __init__(self, plan_dir: str | Path, size: int, *, device: str = "cpu", cuda_graphs: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S, nnodes: int = 1, master_addr: str | None = None,
@@ -426,7 +456,7 @@ class TensorParallelExecutor(Executor):
         assert self._local is not None, "rank 0's executor is made before the first command"
         try:
             self._channel.publish(_to_wire(command), alive=self._check_workers)
-            result = _apply(self._local, command)
+            result = _apply(self._local, command, rank=0)
             if self._error is not None:  # a peer died mid-step: released P2P all-reduces summed garbage
                 raise self._error
             return result
