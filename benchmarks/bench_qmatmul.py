@@ -21,6 +21,11 @@ output is checked against the reference (x, or its FP8 Q/DQ, @ the dequantized w
 
     python benchmarks/bench_qmatmul.py           # → docs/benchmarks/qmatmul_<gpu-name-slug>.json + .png (< 3 min)
     python benchmarks/bench_qmatmul.py --smoke   # tiny shapes on the CPU under TRITON_INTERPRET=1 (seconds)
+
+`--int4-gemv` times only the INT4 GEMV's variants against bf16 (kernel.py INT4_GEMV_VARIANTS: the fp32 kernel and
+kernel_half2.py's packed half2 one, each at its default config, and the half2 one at the INT4_CONFIGS alternatives)
+at M = 1, 2 on the same shapes, same method and checks, → docs/benchmarks/qmatmul_int4_gemv_<gpu>.json (< 1 min;
+with --smoke, tiny shapes under the interpreter). Its `best` per (shape, M) names the fastest variant.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ GROUP = 128
 SMOKE_GROUP = 32
 L2_MULTIPLE = 2
 MAX_REL_ERR = 2e-2
+INT4_GEMV_M = [1, 2]
+# (BLOCK_N, K values per tile, num_warps) the half2 GEMV is also timed at (kernel_half2.default_config_half2 is
+# (8, 2048, 2)): more columns a program (x packed for 16), 4 warps, and 4 columns (twice the programs).
+INT4_CONFIGS = [(16, 2048, 2), (8, 4096, 4), (4, 2048, 2)]
+SMOKE_INT4_CONFIGS = [(4, 64, 2)]
 
 
 def slug(name: str) -> str:
@@ -182,6 +192,51 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device, dtype, gen, dead
     return {"K": k, "N": n, "int4_group": group, "weight_bytes": bytes_w, "M": rows}
 
 
+def run_int4_gemv(name: str, k: int, n: int, ms: list[int], configs: list, device, dtype, gen) -> dict:
+    """bf16 F.linear and every INT4 GEMV variant (and the half2 one at `configs`) at each M: µs, GB/s, speedup."""
+    from trtopt.plugins.qmatmul.kernel import INT4_GEMV_VARIANTS, qgemv
+    from trtopt.plugins.qmatmul.kernel_half2 import default_config_half2
+    from trtopt.plugins.qmatmul.packing import dequantize_packed
+
+    group = GROUP if k % GROUP == 0 and device.type == "cuda" else SMOKE_GROUP
+    ws = make_weights(k, n, group, device, dtype, gen)
+    del ws["fp8"]
+    deq = dequantize_packed(ws["int4"][0])
+    bytes_w = {"bf16": ws["bf16"][0].numel() * ws["bf16"][0].element_size(), "int4": ws["int4"][0].nbytes}
+    rows = {}
+    for m in ms:
+        x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+        want = x.float() @ deq
+        variants = {"bf16": ("bf16", lambda i: F.linear(x, ws["bf16"][i]))}
+        for v in INT4_GEMV_VARIANTS:
+            variants[f"int4_gemv_{v}"] = ("int4", lambda i, v=v: qgemv(x, ws["int4"][i], variant=v))
+        default = default_config_half2(m, n, k, group)
+        for cfg in configs:
+            if cfg != default and cfg[1] % group == 0:
+                variants["int4_gemv_half2_" + "_".join(map(str, cfg))] = (
+                    "int4", lambda i, cfg=cfg: qgemv(x, ws["int4"][i], cfg, variant="half2"))
+        row = {}
+        for vname, (fmt, fn) in variants.items():
+            got = fn(0).float()
+            target = x.float() @ ws["bf16"][0].float().t() if fmt == "bf16" else want
+            err = float((got - target).abs().max() / target.abs().max().clamp_min(1e-30))
+            if err > MAX_REL_ERR:
+                raise SystemExit(f"{vname} on {name} M={m} is wrong: max relative error {err:.2e}")
+            seconds = time_calls(fn, len(ws[fmt]), device)
+            moved = bytes_w[fmt] + m * k * x.element_size() + m * n * x.element_size()
+            row[vname] = {"us": round(seconds * 1e6, 3), "GBps": round(moved / seconds / 1e9, 1),
+                          "max_rel_err": float(f"{err:.2e}")}
+        for r in row.values():
+            r["speedup_vs_bf16"] = round(row["bf16"]["us"] / r["us"], 3)
+        int4 = {v: r for v, r in row.items() if v.startswith("int4")}
+        row["best"] = min(int4, key=lambda v: int4[v]["us"])
+        rows[str(m)] = row
+        print(f"{name:8s} M={m:<3d} " + " ".join(f"{v}={r['us']:.1f}us({r['speedup_vs_bf16']:.2f}x,{r['GBps']:.0f}GB/s)"
+                                                 for v, r in row.items() if isinstance(r, dict)), flush=True)
+    del ws, deq
+    return {"K": k, "N": n, "int4_group": group, "weight_bytes": bytes_w, "M": rows}
+
+
 def crossover(shape_rows: dict) -> dict:
     """Per format, the smallest M from which the GEMM beats the GEMV; for W8A8, the smallest M from which the
     dispatch (with _scaled_mm there) beats the Triton W8A8 GEMM."""
@@ -233,6 +288,9 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="*", default=None, help="rows (default: 1 2 4 8 16 64 256 2048)")
     ap.add_argument("--time-budget", type=float, default=160.0, help="seconds; later (shape, M) pairs are skipped")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--int4-gemv", action="store_true", help="only the INT4 GEMV variants against bf16, M = 1, 2")
+    ap.add_argument("--int4-configs", type=str, nargs="*", default=None,
+                    help="half2 configs BLOCK_N,TILE_K,WARPS for --int4-gemv (default: INT4_CONFIGS)")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (they are imported lazily)
@@ -256,6 +314,26 @@ def main() -> None:
             "dtype": str(dtype), "GEMV_MAX_ROWS": GEMV_MAX_ROWS, "SCALED_MM_MIN_ROWS": SCALED_MM_MIN_ROWS,
             "shapes": {}, "notes": []}
     gen = torch.Generator(device=device).manual_seed(0)
+    if args.int4_gemv:
+        from trtopt.plugins.qmatmul.kernel import INT4_GEMV_VARIANT
+
+        configs = ([tuple(int(v) for v in c.split(",")) for c in args.int4_configs] if args.int4_configs is not None
+                   else SMOKE_INT4_CONFIGS if args.smoke else INT4_CONFIGS)
+        data.update(benchmark="bench_qmatmul --int4-gemv", INT4_GEMV_VARIANT=INT4_GEMV_VARIANT,
+                    half2_configs=[list(c) for c in configs])
+        for name, k, n in shapes:
+            if time.monotonic() > deadline:
+                data["notes"].append(f"time budget of {args.time_budget:.0f} s spent: later shapes were skipped")
+                break
+            data["shapes"][name] = run_int4_gemv(name, k, n, args.ms or INT4_GEMV_M, configs, device, dtype, gen)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        data["wall_s"] = round(time.monotonic() - started, 1)
+        stem = f"qmatmul_int4_gemv_{'smoke_' if args.smoke else ''}{slug(gpu)}"
+        out = args.out or ((Path("/tmp") if args.smoke else DOCS) / f"{stem}.json")
+        out.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {out} ({data['wall_s']} s)")
+        return
     for name, k, n in shapes:
         data["shapes"][name] = run_shape(name, k, n, ms, device, dtype, gen, deadline)
         data["shapes"][name]["crossover"] = crossover(data["shapes"][name])

@@ -5,6 +5,10 @@ cases at a decode step's real shapes on CUDA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -204,3 +208,104 @@ def test_swept_configs_on_cuda(kind, config):
     for m in (1, 12):
         x = torch.randn(m, 4096, generator=gen).cuda()
         torch.testing.assert_close(qgemv(x, packed, config), x @ want_w, atol=2e-3, rtol=1e-4)
+
+
+# The INT4 GEMV in packed half2 arithmetic (kernel_half2.py, qgemv(variant="half2")): bf16/fp16 x only. On the CPU
+# its plain-Triton twin runs (the same packed half2 words, fp32 products: every index, the packing and the scaling);
+# the PTX runs in the `gpu` tests below. Its fp16 products and four-term sums round at ~2^-12 of a word's sum, so it
+# is checked against the fp32 result relative to the output's scale, at bf16's tolerance.
+HALF2_CASES = [("int4", 1, 256, 33, 32), ("int4", 2, 96, 13, 32), ("int4z", 2, 384, 11, 128),
+               ("uint4", 1, 64, 3, 8), ("uint4z", 1, 512, 19, 128), ("uint4z", 2, 192, 9, 64),
+               ("int4", 3, 128, 7, 16), ("int4z", 11, 64, 5, 32)]
+
+
+def _half2_close(got: torch.Tensor, want: torch.Tensor, rel: float = 8e-3) -> None:
+    """got (x's dtype) within rel · max|want| of the fp32 want: bf16's rounding plus the half2 sums'."""
+    err = float((got.float() - want).abs().max())
+    assert err <= rel * float(want.abs().max()) + 1e-30, (err, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind,m,k,n,group", HALF2_CASES)
+def test_half2_variant_matches_the_reference(kind, m, k, n, group, dtype, kernel_device):
+    gen = torch.Generator().manual_seed(m * k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen, dtype=dtype)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
+    x = _x(m, k, gen).reshape(m, k).to(dtype).to(kernel_device)
+    want = x.float() @ dequantize_packed(packed)
+    _half2_close(qgemv(x, packed, variant="half2"), want)
+    _half2_close(qgemv(x, packed, (4, 2 * group, 2), variant="half2"), want)  # a masked last tile when K allows
+
+
+@pytest.mark.parametrize("x_scale", [3e3, 1e-4])
+def test_half2_variant_scales_x_into_fp16s_range(x_scale, kernel_device):
+    """Activations of thousands (x · (q − z) overflows fp16 unscaled) and of 1e-4 (subnormal in fp16): the row's
+    power-of-two scale keeps both exact."""
+    gen = torch.Generator().manual_seed(11)
+    w, scale, zp, block = _weight("uint4z", 256, 17, 64, gen, dtype=torch.bfloat16)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
+    x = (_x(2, 256, gen).reshape(2, 256) * x_scale).to(torch.bfloat16).to(kernel_device)
+    got = qgemv(x, packed, variant="half2")
+    assert torch.isfinite(got).all()
+    _half2_close(got, x.float() @ dequantize_packed(packed))
+
+
+def test_half2_variant_takes_fp32_x_to_the_fp32_kernel():
+    gen = torch.Generator().manual_seed(4)
+    packed = pack_weight(*_weight("int4", 64, 8, 32, gen)[:3], block_size=32)
+    x = torch.randn(1, 64, generator=gen)
+    assert torch.equal(qgemv(x, packed, variant="half2"), qgemv(x, packed, variant="fp32"))
+    with pytest.raises(ValueError, match="variant"):
+        qgemv(x, packed, variant="fp16")
+
+
+_COMPILE_HALF2 = """
+import triton.language as tl
+from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2
+from trtopt.plugins.trt_common import compile_ptx
+sig = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*u8", "Y": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32",
+       "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+for rows, zero in ((1, 8), (2, -1), (3, 0)):
+    kernel = compile_ptx(_qgemv_int4_half2, sig, dict(ROWS=rows, ROWS_PAD=4 if rows == 3 else rows, CHUNKS=1,
+                         BLOCK_N=8, GROUP=128, GROUPS=32, TILE_GROUPS=16, K_TILES=2, ZERO=zero,
+                         OUT_DTYPE=tl.bfloat16, X_CHUNK=1024, ASM=True), num_warps=2, num_stages=1,
+                         target=("cuda", 90, 32))
+    ptx = kernel.ptx
+    assert ".target sm_90" in ptx and "lop3.b32" in ptx and "fma.rn.f16x2" in ptx and "cvt.rn.f16x2.f32" in ptx
+    print(rows, ptx.count("fma.rn.f16x2"))
+"""
+
+
+def test_half2_gemv_compiles_for_sm90():
+    """The PTX path (inline asm) lowers for sm_90 on this CPU machine, in a fresh process (this one may be in
+    interpreter mode), as tests/runtime/test_kernels_compile.py does for the runtime's kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_HALF2], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.split("\n")) >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU "
+                    "machine)")
+@pytest.mark.parametrize("kind,group", [("int4", 128), ("uint4z", 32), ("int4z", 16)])
+@pytest.mark.parametrize("k,n", [(8192, 2048), (14336, 37), (640, 1000)])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_half2_on_cuda_matches_the_reference(kind, group, k, n, m):
+    """The PTX path against qmatmul_ref at the bf16 tolerance of test_kernel_on_cuda_at_decode_shapes, and
+    against the fp32 product relative to the output's scale; odd N, K not a multiple of the tile (640)."""
+    gen = torch.Generator().manual_seed(m + k + n + group)
+    w, scale, zp, block = _weight(kind, k, n, group, gen, dtype=torch.bfloat16)
+    x = _x(m, k, gen, torch.bfloat16).cuda()
+    args = [x, *(t.cuda() for t in (w, scale, zp, torch.tensor(1.0)))]
+    want = qmatmul_ref(*args, block_size=block).reshape(m, n)
+    packed = pack_weight(*args[1:4], block_size=block)
+    got = qgemv(x.reshape(m, k), packed, variant="half2")
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    _half2_close(got, x.reshape(m, k).float() @ dequantize_packed(packed))
+    for x_scale in (3e3, 1e-4):  # the row's power-of-two scale: no fp16 overflow, no subnormal x
+        xs = (x.reshape(m, k).float() * x_scale).to(torch.bfloat16)
+        got = qgemv(xs, packed, variant="half2")
+        assert torch.isfinite(got).all()
+        _half2_close(got, xs.float() @ dequantize_packed(packed))

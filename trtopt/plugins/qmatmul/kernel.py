@@ -24,6 +24,10 @@ what the first version of this kernel read), scales [N] or [N, K/G] in the plan'
   unit, split into two nibbles, measured ~7.7 instructions a value in the SASS of an sm_90a build, more than HBM
   leaves time for at one row; the planes take ~4.)
 
+A second INT4/UINT4 GEMV, kernel_half2.py (`qgemv(..., variant="half2")`, INT4_GEMV_VARIANT picks the default),
+reads the same packed weights for bf16/fp16 x in packed half2 arithmetic (PTX through tl.inline_asm_elementwise):
+~3 SASS instructions a value instead of ~7.6, with fp16 products and four-term sums (~2^-12 of a word's sum).
+
 The dequantized values are the reference's ((q − z) · s in fp32, reference.py), accumulated in fp32; the scale is
 applied to each group's (FP8: column's) sum instead of to each value, which reorders the rounding only (the result
 equals `qmatmul_ref` to fp32 rounding, tests/plugins/test_qmatmul_kernel.py). The output is rounded to x's dtype, as
@@ -41,6 +45,7 @@ from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
 from trtopt.plugins.qmatmul.gemm import (SCALED_MM_MIN_ROWS, fp8_scaled_mm, gemm_supported, qgemm,
                                          quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_NONE
@@ -56,6 +61,11 @@ GEMV_MAX_ROWS = 2
 ROWS_PER_PROGRAM = 8  # rows of x one program multiplies its dequantized tile with
 TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 registers a thread at 4 warps)
 MAX_TILE_K = 4096  # at most this many K values of one column per tile
+# The INT4/UINT4 GEMV `qgemv` runs when not told (variant=None): "fp32" (`_qgemv_int4` below) or "half2"
+# (kernel_half2.py: packed half2 math, bf16/fp16 x only; fp32 x always runs "fp32"). benchmarks/bench_qmatmul.py
+# --int4-gemv times both in one run; "half2" becomes the default here once a GPU run shows it faster.
+INT4_GEMV_VARIANT = "fp32"
+INT4_GEMV_VARIANTS = ("fp32", "half2")
 
 
 @triton.jit
@@ -185,19 +195,26 @@ def _chunks(rows: int) -> tuple[int, int]:
     return chunks, -(-rows // chunks)
 
 
-def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None = None, *,
+          variant: str | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS, K contiguous, a float dtype) times the packed weight → a new [M, N] in x's
-    dtype. config: (BLOCK_N, K values per tile, num_warps), default_config's by default."""
+    dtype. config: (BLOCK_N, K values per tile, num_warps), the variant's default config by default. variant (INT4/
+    UINT4 only): "fp32" or "half2" (INT4_GEMV_VARIANTS), INT4_GEMV_VARIANT when None; "half2" takes bf16/fp16 x,
+    fp32 x runs "fp32" (half2 would round it to fp16)."""
     if x.dim() != 2 or x.shape[1] != w.k or not 0 < x.shape[0] <= MAX_ROWS:
         raise ValueError(f"qgemv needs x [M <= {MAX_ROWS}, {w.k}]; got {tuple(x.shape)}")
     if x.dtype not in TL_DTYPES or x.stride(1) != 1 or x.device != w.data.device:
         raise ValueError(f"qgemv needs x of a float dtype with K contiguous on the weight's device; got {x.dtype} "
                          f"{x.stride()} on {x.device}")
+    variant = variant or INT4_GEMV_VARIANT
+    if variant not in INT4_GEMV_VARIANTS:
+        raise ValueError(f"qgemv's variant is one of {INT4_GEMV_VARIANTS}; got {variant!r}")
+    half2 = variant == "half2" and not w.fp8 and x.dtype in (torch.float16, torch.bfloat16)
     m = x.shape[0]
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if w.n == 0:
         return y
-    block_n, tile_k, warps = config or default_config(m, w.n, w.k, w.group)
+    block_n, tile_k, warps = config or (default_config_half2 if half2 else default_config)(m, w.n, w.k, w.group)
     chunks, rows = _chunks(m)
     grid = (-(-w.n // block_n) * chunks,)
     common = dict(ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n, OUT_DTYPE=TL_DTYPES[x.dtype],
@@ -212,9 +229,12 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
     groups = w.k // w.group
     tile_groups = tile_k // w.group
     zero = w.zero if w.zero is not None else w.scale  # not read when ZERO >= 0
-    launcher.launch(_qgemv_int4, grid, x, w.data, w.scale, zero, y, m, w.n, x.stride(0), w.data.stride(0),
-                    w.scale.stride(0), y.stride(0), GROUP=w.group, GROUPS=groups, TILE_GROUPS=tile_groups,
-                    K_TILES=-(-groups // tile_groups), ZERO=-1 if w.zero is not None else w.zero_const, **common)
+    if half2:  # the PTX needs a compiled kernel; the interpreter (CPU tensors) runs the same steps in plain Triton
+        common.update(ASM=x.device.type == "cuda", X_CHUNK=x_chunk(w.k))
+    launcher.launch(_qgemv_int4_half2 if half2 else _qgemv_int4, grid, x, w.data, w.scale, zero, y, m, w.n,
+                    x.stride(0), w.data.stride(0), w.scale.stride(0), y.stride(0), GROUP=w.group, GROUPS=groups,
+                    TILE_GROUPS=tile_groups, K_TILES=-(-groups // tile_groups),
+                    ZERO=-1 if w.zero is not None else w.zero_const, **common)
     return y
 
 

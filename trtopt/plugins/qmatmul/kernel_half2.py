@@ -1,0 +1,266 @@
+"""The INT4/UINT4 decode GEMV in packed half2 arithmetic (kernel.py's `qgemv(..., variant="half2")`), for x in
+bf16/fp16: the same nibble-plane weights (packing.py, unchanged), 40% of the instructions a value.
+
+Why: kernel.py's fp32 GEMV spends ~7.6 SASS instructions a weight value (sm_90a, 8B shapes: shift, bitfield
+extract, or-magic, fp32 sub, fp32 FMA, and a bf16 load and widening of x every two values), so it issues far below
+HBM's rate (0.75-1.0 TB/s of 4.8 on an H200, docs/benchmarks/qmatmul_nvidia_h200.json). This one measures ~3.0
+(one row; 4.8 at two, which share the dequantization) in the same build. Per int32 word (eight values; nibble p at
+bits 4p.., planes p and p + 4 pair up as the low and high half of a half2):
+
+- dequantize (`_dequant`, Marlin's magic numbers): (w & 0x000F000F) | 0x64006400 is the half2 (1024 + u_p,
+  1024 + u_p+4); the mask 0x00F000F0 gives 1024 + 16u; one shift by 8 reaches planes 2, 3, 6, 7. Then sub.f16x2 of
+  1024 + z' (or fma.rn.f16x2 by 1/16 minus 64 + z') leaves u − z' = q − z exactly: 1 shift + 4 lop3 + 4 half2 ops.
+- multiply (`_dot8`): the four weight half2 against four half2 of x (one mul + three fma.rn.f16x2: each lane sums
+  four products in fp16), then both lanes widened and added in fp32: 7 ops for eight products. Across words and
+  groups the sums are fp32 (an FMA by the group's scale into a tile-shaped accumulator, reduced once at the end).
+- x is read once a tile for all BLOCK_N columns a program owns (each thread holds all of them), packed into those
+  half2 pairs (`_pack`: one cvt.rn.f16x2.f32) after multiplying by a power of two 2^e per row (`_row_scale`, once
+  a program, from the row's largest |x|, which lands in [128, 256)): a product is at most 256 · 15, a lane's four at
+  most 15360 < 65504 (fp16's largest), whatever the activations' range; the 2^-e multiplies the row's sum. Exact:
+  bf16 and fp16 values keep all their bits in fp16 at that range (only values 2^22 below the row's largest go
+  subnormal). fp32 x would round to fp16, so kernel.py runs fp32 x on its fp32 GEMV.
+
+Rounding: products of x (8 significant bits from bf16) and q − z (4) have up to 12 bits, fp16 keeps 11, and each
+lane's four-term sum rounds in fp16; about 2^-12 relative a word, far below the bf16 output's 2^-9 (the result
+equals `qmatmul_ref` within the bf16 tolerances of tests/plugins/test_qmatmul_kernel.py).
+
+The half2 instructions are PTX (`tl.inline_asm_elementwise`), which the Triton interpreter cannot run: with
+ASM=False the same kernel computes each step with plain Triton ops on the same packed half2 words (dequantized
+weights, packed x) and multiplies in fp32, so the CPU tests cover every index, the packing and the scaling; the
+PTX bodies are covered by the `gpu` tests, and tests/runtime/test_kernels_compile.py-style compilation for sm_90
+(tests/plugins/test_qmatmul_kernel.py `test_half2_gemv_compiles_for_sm90`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# fp16 bit patterns: 1024.0 (the magic exponent: mantissa bit 0 is worth 1), 1/16, and the per-zero-point offsets.
+F16_1024 = tl.constexpr(0x6400)
+F16_MINUS_64 = tl.constexpr(0xD400)  # -64.0; -(64 + z') = F16_MINUS_64 + 16·z' (mantissa bit 0 is worth 1/16 at 64)
+
+
+@triton.jit
+def _dequant(b, zlo, zhi, ASM: tl.constexpr):
+    """b: int32 words (nibble planes) → four int32 holding half2 (q − z of plane p, of plane p + 4), p = 0..3.
+    zlo: half2 (1024 + z', 1024 + z'); zhi: half2 (−(64 + z'), −(64 + z')), as int32 bits."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            # Temporaries until the end: an output register may be an input's (no early clobber).
+            asm="""
+            {
+            .reg .b32 t, m, h0, h1, h2, h3;
+            lop3.b32 h0, $4, 0x000f000f, 0x64006400, 0xea;
+            lop3.b32 h1, $4, 0x00f000f0, 0x64006400, 0xea;
+            shr.u32 t, $4, 8;
+            lop3.b32 h2, t, 0x000f000f, 0x64006400, 0xea;
+            lop3.b32 h3, t, 0x00f000f0, 0x64006400, 0xea;
+            mov.b32 m, 0x2c002c00;
+            sub.f16x2 h0, h0, $5;
+            fma.rn.f16x2 h1, h1, m, $6;
+            sub.f16x2 h2, h2, $5;
+            fma.rn.f16x2 h3, h3, m, $6;
+            mov.b32 $0, h0;
+            mov.b32 $1, h1;
+            mov.b32 $2, h2;
+            mov.b32 $3, h3;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[b, zlo, zhi],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # The same half2 bits from integer math: q − z as an exact fp16 per nibble, low half plane p, high p + 4.
+        bu = b.to(tl.uint32, bitcast=True)
+        z = (zlo & 0xFFFF) - F16_1024  # z' back from its fp16 1024 + z'
+        w0 = _pair(((bu >> 0) & 15).to(tl.int32) - z, ((bu >> 16) & 15).to(tl.int32) - z)
+        w1 = _pair(((bu >> 4) & 15).to(tl.int32) - z, ((bu >> 20) & 15).to(tl.int32) - z)
+        w2 = _pair(((bu >> 8) & 15).to(tl.int32) - z, ((bu >> 24) & 15).to(tl.int32) - z)
+        w3 = _pair(((bu >> 12) & 15).to(tl.int32) - z, ((bu >> 28) & 15).to(tl.int32) - z)
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _pair(lo, hi):
+    """Two float/int tensors → int32 bits of the half2 (lo, hi) (the pure-Triton path)."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi16 << 16)
+
+
+@triton.jit
+def _half(h, HIGH: tl.constexpr):
+    """The low (HIGH=False) or high half of int32 half2 bits, as fp32 (the pure-Triton path)."""
+    if HIGH:
+        h = h >> 16
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pack(lo, hi, ASM: tl.constexpr):
+    """fp32 lo, hi (exactly representable in fp16 here) → int32 bits of the half2 (lo, hi)."""
+    if ASM:
+        return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,f,f", args=[lo, hi],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _pair(lo, hi)
+
+
+@triton.jit
+def _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM: tl.constexpr):
+    """Σ of the eight products of four weight half2 and four x half2 (int32 bits) → fp32."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 h;
+            .reg .f16 lo, hi;
+            .reg .f32 flo, fhi;
+            mul.rn.f16x2 h, $1, $5;
+            fma.rn.f16x2 h, $2, $6, h;
+            fma.rn.f16x2 h, $3, $7, h;
+            fma.rn.f16x2 h, $4, $8, h;
+            mov.b32 {lo, hi}, h;
+            cvt.f32.f16 flo, lo;
+            cvt.f32.f16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            }
+            """,
+            constraints="=f,r,r,r,r,r,r,r,r",
+            args=[w0, w1, w2, w3, x0, x1, x2, x3],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        s = _half(w0, False) * _half(x0, False) + _half(w0, True) * _half(x0, True)
+        s += _half(w1, False) * _half(x1, False) + _half(w1, True) * _half(x1, True)
+        s += _half(w2, False) * _half(x2, False) + _half(w2, True) * _half(x2, True)
+        s += _half(w3, False) * _half(x3, False) + _half(w3, True) * _half(x3, True)
+        return s
+
+
+@triton.jit
+def _row_scale(x_row, k_end, K: tl.constexpr, CHUNK: tl.constexpr):
+    """(2^e, 2^-e) for one row of x (k_end: K, or 0 for a row past M): e puts the row's largest |x| · 2^e in
+    [128, 256). Read in CHUNK-value slices, once per program (x is small and stays in L1/L2)."""
+    big = tl.zeros((CHUNK,), dtype=tl.float32)
+    for c in tl.static_range(0, K, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        big = tl.maximum(big, tl.abs(tl.load(x_row + offs, mask=offs < k_end, other=0.0).to(tl.float32)))
+    amax = tl.max(big, axis=0)
+    # Biased exponent E of amax, clamped so both powers of two are normal: 2^e = 2^(134 − E), 2^-e = 2^(E − 134).
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 8), 254)
+    return ((261 - e) << 23).to(tl.float32, bitcast=True), ((e - 7) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_half2(x_row, x_off, x_ok, up, WORDS: tl.constexpr, ASM: tl.constexpr):
+    """One row's x over a tile ([1, TILE_GROUPS, WORDS] positions, plane 0's K at x_off), times up = 2^e → four int32
+    of half2 (plane p, plane p + 4), p = 0..3."""
+    x0 = tl.load(x_row + x_off, mask=x_ok, other=0.0).to(tl.float32) * up
+    x1 = tl.load(x_row + x_off + WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    x2 = tl.load(x_row + x_off + 2 * WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    x3 = tl.load(x_row + x_off + 3 * WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    x4 = tl.load(x_row + x_off + 4 * WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    x5 = tl.load(x_row + x_off + 5 * WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    x6 = tl.load(x_row + x_off + 6 * WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    x7 = tl.load(x_row + x_off + 7 * WORDS, mask=x_ok, other=0.0).to(tl.float32) * up
+    return _pack(x0, x4, ASM), _pack(x1, x5, ASM), _pack(x2, x6, ASM), _pack(x3, x7, ASM)
+
+
+@triton.jit
+def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
+                      ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP: tl.constexpr, GROUPS: tl.constexpr, TILE_GROUPS: tl.constexpr, K_TILES: tl.constexpr,
+                      ZERO: tl.constexpr, OUT_DTYPE: tl.constexpr, X_CHUNK: tl.constexpr, ASM: tl.constexpr):
+    """kernel.py `_qgemv_int4`'s grid and arguments (program p: columns (p // CHUNKS)·BLOCK_N.., rows
+    (p % CHUNKS)·ROWS..; columns past N clamped, never stored), in half2 arithmetic (module docstring). One or two
+    rows: a tile-shaped fp32 accumulator a row, reduced once at the end; more: each row's tile reduced per tile.
+    X_CHUNK: x values a slice when finding a row's largest |x| (a power of two; `X_CHUNK_VALUES`)."""
+    WORDS: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    row0 = (pid % CHUNKS) * ROWS
+    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_j = tl.arange(0, WORDS)
+    offs_r = tl.arange(0, ROWS_PAD)
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    K: tl.constexpr = GROUPS * GROUP
+    up0, down0 = _row_scale(X + row0 * stride_xm, tl.where(row0 < M, K, 0), K, X_CHUNK)
+    up1, down1 = up0, down0
+    if ROWS == 2:
+        up1, down1 = _row_scale(X + (row0 + 1) * stride_xm, tl.where(row0 + 1 < M, K, 0), K, X_CHUNK)
+    for t in tl.static_range(K_TILES):
+        offs_g = t * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+        g_ok = offs_g < GROUPS
+        w_ptr = W + safe_n[:, None, None] * stride_wn + offs_g[None, :, None] * WORDS + offs_j[None, None, :]
+        s_off = safe_n[:, None] * stride_sn + offs_g[None, :]
+        if GROUPS % TILE_GROUPS == 0:
+            b = tl.load(w_ptr)  # [BLOCK_N, TILE_GROUPS, WORDS] int32
+            s = tl.load(S + s_off).to(tl.float32)  # [BLOCK_N, TILE_GROUPS]
+        else:
+            b = tl.load(w_ptr, mask=g_ok[None, :, None], other=0)
+            s = tl.load(S + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32)
+        if ZERO >= 0:
+            zlo = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_1024 + ZERO) * 65537, tl.int32)
+            # the half2 −(64 + z') twice is above 2³¹: its int32 bits are the value − 2³²
+            zhi = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_MINUS_64 + 16 * ZERO) * 65537 - 2**32, tl.int32)
+        else:
+            z = tl.load(Z + s_off, mask=g_ok[None, :], other=0).to(tl.int32)
+            zlo = ((z + F16_1024) * 65537)[:, :, None]
+            zhi = ((z * 16 + F16_MINUS_64) * 65537)[:, :, None]  # wraps to the same int32 bits
+        w0, w1, w2, w3 = _dequant(b, zlo, zhi, ASM)
+        s = s[:, :, None]
+        x_off = (offs_g[:, None] * GROUP + offs_j[None, :])[None, :, :]  # [1, TILE_GROUPS, WORDS]: plane 0's K
+        for r in tl.static_range(ROWS):
+            x_ok = offs_g[None, :, None] < tl.where(row0 + r < M, GROUPS, 0)  # a row past M reads nothing
+            if ROWS <= 2:
+                up = up0 if r == 0 else up1
+            else:
+                up, down = _row_scale(X + (row0 + r) * stride_xm, tl.where(row0 + r < M, K, 0), K, X_CHUNK)
+            x0, x1, x2, x3 = _x_half2(X + (row0 + r) * stride_xm, x_off, x_ok, up, WORDS, ASM)
+            part = _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM)  # [BLOCK_N, TILE_GROUPS, WORDS]
+            if ROWS <= 2:
+                if r == 0:
+                    acc0 += part * s
+                else:
+                    acc1 += part * s
+            else:
+                part = tl.sum(tl.sum(part * s, axis=2), axis=1) * down
+                acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
+    if ROWS <= 2:  # 2^-e once, on the row's sum
+        acc = tl.where(offs_r[:, None] == 0, (tl.sum(tl.sum(acc0, axis=2), axis=1) * down0)[None, :], acc)
+        if ROWS == 2:
+            acc = tl.where(offs_r[:, None] == 1, (tl.sum(tl.sum(acc1, axis=2), axis=1) * down1)[None, :], acc)
+    rows = row0 + offs_r
+    row_ok = (offs_r < ROWS) & (rows < M)  # this program's rows only, as in kernel.py
+    out = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, acc.to(OUT_DTYPE), mask=row_ok[:, None] & n_ok[None, :])
+
+
+X_CHUNK_VALUES = 1024  # x values one slice of `_row_scale` reads (at most; a power of two)
+
+
+def x_chunk(k: int) -> int:
+    """_qgemv_int4_half2's X_CHUNK for K values of x."""
+    return min(X_CHUNK_VALUES, triton.next_power_of_2(k))
+
+
+def default_config_half2(rows: int, n: int, k: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_N, K values per tile, num_warps) for the half2 GEMV: 8 columns a program, held by each thread (x is
+    read and packed once for all eight), 2 warps, K tiles of 1024 · num_warps values (whole groups; the last one
+    masked when it does not divide K): at that size the compiler gives x's tile the weight tile's register layout,
+    with no shared-memory shuffle of x between them (sm_90a SASS: ~3 instructions a weight value at one row, 3.5
+    with the program's fixed costs at K = 4096; kernel.py's fp32 GEMV ~7.6). Not tuned on a GPU yet:
+    benchmarks/bench_qmatmul.py --int4-configs times alternatives."""
+    warps = 2
+    tile_k = max(group, min(1024 * warps, triton.next_power_of_2(k)))
+    return 8, tile_k, warps
