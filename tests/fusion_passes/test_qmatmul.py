@@ -272,8 +272,9 @@ def test_quantized_tiny_llama_builds_and_its_greedy_tokens_equal_the_qdq_graph(n
     projections = sum(n.op_type == "MatMul" and n.input[1] in dequantized for n in graph.node)
     built = build_plan(qdir, tmp_path / "plan", force=True, progress=False)
     assert built.report.counts["qmatmul"] == projections >= 14  # q k v o gate up down in 2 layers
-    assert built.report.counts["horizontal_matmul"] == 0  # it reads constant-weight MatMuls only: Q/K/V stay apart
-    # SwiGLU still fuses: the gate and up QMatMuls prove one width from their [K, N] weight codes.
+    # Q/K/V and gate/up QMatMuls concatenate (tests/fusion_passes/test_qmatmul_horizontal.py).
+    assert built.report.counts["horizontal_matmul"] == 2 * built.config.model.num_layers
+    # SwiGLU still fuses: gate and up are the two halves of the fused QMatMul's Split.
     assert built.report.counts["silu_mul"] == built.config.model.num_layers
     plan_proto = onnx.load(built.plan_dir / "model.onnx", load_external_data=False)
     kinds = {n.op_type for n in plan_proto.graph.node}

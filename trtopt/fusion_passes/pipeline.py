@@ -85,8 +85,8 @@ def optimize(
     counts["layer_norm"] = fuse_layer_norm(model) if "layer_norm" in on else 0
     counts["rms_norm"] = fuse_rms_norm(model) if "rms_norm" in on else 0
     counts["add_rms_norm"] = fuse_add_rms_norm(model, ctx.trace) if "add_rms_norm" in on else 0
-    # Q/DQ projections → QMatMul (0 on unquantized graphs), before the rules that read MatMuls with constant weights
-    # (horizontal_matmul, matmul_add): they leave QMatMul alone.
+    # Q/DQ projections → QMatMul (0 on unquantized graphs), before the rules that read MatMuls with constant weights:
+    # horizontal_matmul joins QMatMuls too, matmul_add leaves them alone.
     counts["qmatmul"] = fuse_qmatmul(model, ctx.trace)
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
     # Off for tensor-parallel builds: the sharding (builder/sharding/) does not split concatenated q/k/v or gate/up

@@ -19,8 +19,10 @@ zero points packed two blocks a byte, 8 when absent), is repacked into the same 
 zero point [K/G, N]) when it is 4-bit with G dividing K, fp32 accumulation (accuracy_level 0 or 1), and no g_idx or
 bias, in a model of opset >= 21; otherwise it stays (ORT runs it; the torch executor cannot) with the reason.
 
-Run before horizontal_matmul and matmul_add: those read MatMuls with constant weights and skip QMatMul, so a bias
-after a quantized projection stays an Add, and Q/K/V (gate/up) stay separate QMatMuls.
+Run before horizontal_matmul and matmul_add. horizontal_matmul concatenates the QMatMuls of one x with one
+quantization (Q/K/V, gate/up) into one QMatMul + Split; matmul_add reads MatMuls only, so a bias after a quantized
+projection stays an Add. `is_quantized_projection` is what those rules and the tensor-parallel sharding
+(builder/sharding/analysis.py) take for a quantized projection.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from trtopt.fusion_passes.ir_helpers import is_op
 from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_output
 from trtopt.fusion_passes.trace import NoMatch, Trace
 from trtopt.plugins.qmatmul.function import BLOCKED_OPSET, MIN_OPSET
-from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC, OP_TYPE
+from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC, INPUTS, OP_TYPE
 
 RULE = "qmatmul"
 _WEIGHT_DTYPES = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.INT4: ml_dtypes.int4,
@@ -64,6 +66,20 @@ class _Activation:
     scale: ir.Value | None = None
     zero_point: ir.Value | None = None
     nodes: tuple[ir.Node, ...] = ()  # the Q and DQ (removed when nothing else reads them)
+
+
+# QMatMul's inputs by position (plugins/qmatmul/schema.py INPUTS).
+X, W_Q, W_SCALE, W_ZERO_POINT, ACT_SCALE, ACT_ZERO_POINT = range(6)
+
+
+def is_quantized_projection(node: ir.Node | None) -> bool:
+    """A trtopt.QMatMul x @ W whose weight codes ([K, N]), scale and zero point are constants: what this rule makes,
+    and what horizontal_matmul and the tensor-parallel sharding split or join along N and K."""
+    if node is None or node.domain != DOMAIN or node.op_type != OP_TYPE or len(node.inputs) != len(INPUTS):
+        return False
+    consts = [node.inputs[i] for i in (W_Q, W_SCALE, W_ZERO_POINT)]
+    return (node.inputs[X] is not None and all(v is not None and v.const_value is not None for v in consts)
+            and len(consts[0].const_value.shape) == 2)
 
 
 def _attr(node: ir.Node, name: str, default: int) -> int:

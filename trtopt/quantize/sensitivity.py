@@ -206,6 +206,27 @@ def _logits(model: onnx.ModelProto, sequences: Sequence[Sequence[int]], threads:
         return out
 
 
+def _plan_qmatmuls(plan: onnx.ModelProto, plan_inits: dict):
+    """(QMatMul node, the QMatMul it stands for, its (codes, scale, zero point)) for each QMatMul of ``plan``: a
+    horizontally fused one (fusion_passes/horizontal_matmul.py) once per member, with that member's columns."""
+    from onnx import numpy_helper
+
+    from trtopt.fusion_passes.horizontal_matmul import members
+    from trtopt.plugins import DOMAIN
+    from trtopt.plugins.qmatmul.schema import OP_TYPE
+
+    for node in plan.graph.node:
+        if node.domain != DOMAIN or node.op_type != OP_TYPE:
+            continue
+        missing = [x for x in node.input[1:4] if x not in plan_inits]
+        assert not missing, f"{node.name}: weight inputs {missing} are not initializers"
+        arrays = [numpy_helper.to_array(plan_inits[x]) for x in node.input[1:4]]
+        start = 0
+        for member, width in members(node) or [(node.name, arrays[0].shape[-1])]:
+            yield node, member, tuple(np.ascontiguousarray(a[..., start:start + width]) for a in arrays)  # N: last axis
+            start += width
+
+
 def specs_from_plan(plan: onnx.ModelProto, original: onnx.ModelProto) -> list[MatMulQuant]:
     """What each QMatMul of a built plan (``plan``, with its weights) does to the float ``original``'s MatMul that it
     replaced (the fusion names it ``<MatMul name>.qmatmul``, fusion_passes/qmatmul.py): its codes, scales and
@@ -215,25 +236,19 @@ def specs_from_plan(plan: onnx.ModelProto, original: onnx.ModelProto) -> list[Ma
     from onnx import numpy_helper
 
     from trtopt.errors import ConfigError
-    from trtopt.plugins import DOMAIN
-    from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_STATIC, OP_TYPE
+    from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_STATIC
 
     plan_inits = {t.name: t for t in plan.graph.initializer}
     inits = {t.name: t for t in original.graph.initializer}
     nodes = {n.name: n for n in original.graph.node}
     specs, floats = [], {}
-    for node in plan.graph.node:
-        if node.domain != DOMAIN or node.op_type != OP_TYPE:
-            continue
-        name = node.name.removesuffix(".qmatmul")
+    for node, member, (codes, scale, zero) in _plan_qmatmuls(plan, plan_inits):
+        name = member.removesuffix(".qmatmul")
         source = nodes.get(name)
         if source is None or source.op_type != "MatMul" or source.input[1] not in inits:
             raise ConfigError(f"the plan's {node.name} replaced a MatMul {name!r} that the original does not have; "
                               "pass the float export that was quantized and built into this plan.")
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        missing = [x for x in node.input[1:4] if x not in plan_inits]
-        assert not missing, f"{node.name}: weight inputs {missing} are not initializers"
-        codes, scale, zero = (numpy_helper.to_array(plan_inits[x]) for x in node.input[1:4])
         block = int(attrs.get("block_size", 0))
         zero_point = zero if codes.dtype.name == "uint4" else None  # int4/FP8 zero points are the fusion's zeros
         weight = QuantizedWeight(codes, scale.astype(np.float32), zero_point, block or None)

@@ -21,7 +21,10 @@ the whole table, and a vocab-parallel head tied to it gets its own per-rank init
 columns).
 
 The analysis works on the graph structure, not on names: a projection is a MatMul (or trtopt.MatMulAdd) with a
-constant 2-D weight; a projection feeds a PagedAttention input when the path between them (followed only through
+constant 2-D weight, or a trtopt.QMatMul with constant codes, scale and zero point (a quantized projection,
+docs/architecture.md §4: column-parallel ones split w_q, w_scale and w_zero_point along N; row-parallel ones split
+w_q along K, and INT4 block scales and zero points along K/G, so the K shard must be a multiple of block_size, else
+FusionError; FP8 per-channel scales and the activation scale and zero point are replicated); a projection feeds a PagedAttention input when the path between them (followed only through
 values that depend on input_ids) holds head-agnostic ops only (Reshape to [.., -1, D], Transpose, the RoPE
 arithmetic). An MLP is a projection whose input is an elementwise function (scalar constants only) of projections of
 one width. Every check that fails is a value with its reason (a ``MatchFailure`` of rule ``tensor_parallel``, as
@@ -43,7 +46,9 @@ from trtopt import signature
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.ir_helpers import is_op, projection_weight
 from trtopt.fusion_passes.ops import DOMAIN
+from trtopt.fusion_passes.qmatmul import ACT_SCALE, W_Q, W_SCALE, W_ZERO_POINT, is_quantized_projection
 from trtopt.fusion_passes.trace import MatchFailure, NoMatch
+from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC
 
 RULE = "tensor_parallel"
 LM_HEAD_MODES = ("replicated", "vocab-parallel")
@@ -66,6 +71,8 @@ _MLP_PATH_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu"
 _POINTWISE_TRTOPT_OPS = {_MLP_PATH_OPS: frozenset({"SiluMul", "GeluMul"}), _QKV_PATH_OPS: frozenset({"Rope"})}
 
 Ranges = tuple[tuple[tuple[int, int], ...], ...]  # per rank: the ((start, stop), ...) index ranges it keeps
+_SCALE_CHAIN_NODES = 16  # at most this many ops compute a QMatMul's per-token activation scale from its x
+_GROUP_SIZES = (256, 128, 64, 32, 16, 8)  # INT4 block sizes suggested when a row-parallel K shard splits a block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +199,11 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
 
 
 def _is_projection(node: ir.Node) -> bool:
-    return projection_weight(node) is not None
+    return projection_weight(node) is not None or is_quantized_projection(node)
+
+
+def _attr(node: ir.Node, name: str) -> int:
+    return int(node.attributes[name].value) if name in node.attributes else 0
 
 
 def _weight_shape(node: ir.Node) -> tuple[int, int]:
@@ -299,8 +310,46 @@ def _projection_above(value: ir.Value, tainted: set[ir.Value], allowed: frozense
     return found, between
 
 
+def _scale_chain(scale: ir.Value, source: ir.Value) -> set[ir.Node] | None:
+    """The nodes computing ``scale`` from ``source`` (a per-token activation scale: Abs, ReduceMax, Div, Max...),
+    when no more than _SCALE_CHAIN_NODES ops above ``scale`` reach back to ``source``; else None."""
+    chain: set[ir.Node] = set()
+    frontier = [scale]
+    while frontier:
+        node = frontier.pop().producer()
+        if node is None or node in chain:
+            continue
+        chain.add(node)
+        if len(chain) > _SCALE_CHAIN_NODES:
+            return None
+        frontier += [v for v in node.inputs if v is not None and v is not source and v.const_value is None]
+    return chain
+
+
+def _dynamic_reader(value: ir.Value, users: set[ir.Node]) -> ir.Node | None:
+    """The one dynamic QMatMul among ``users`` that reads ``value`` as x, when every other user only computes that
+    QMatMul's per-token activation scale from ``value`` (the absorbed Q/DQ reads x twice); else None."""
+    readers = [n for n in users if is_quantized_projection(n) and n.inputs[0] is value
+               and _attr(n, "act_mode") == ACT_DYNAMIC]
+    if len(readers) != 1 or value.is_graph_output():
+        return None
+    reader = readers[0]
+    chain = _scale_chain(reader.inputs[ACT_SCALE], value)
+    if chain is None or not users - {reader} <= chain:
+        return None
+    for node in chain:
+        for out in node.outputs:
+            if out.is_graph_output() or any(u.node not in chain and not (u.node is reader and u.idx == ACT_SCALE)
+                                            for u in out.uses()):
+                return None
+    return reader
+
+
 def _single_consumer(value: ir.Value) -> ir.Node:
     users = {use.node for use in value.uses()}
+    reader = _dynamic_reader(value, users) if len(users) > 1 else None
+    if reader is not None:
+        return reader
     if len(users) != 1 or value.is_graph_output():
         raise NoMatch(f"{value.name} is read by {len(users)} nodes; the per-head values would escape the shard")
     return next(iter(users))
@@ -371,6 +420,22 @@ def _attention_split(node: ir.Node, size: int) -> _Heads:
     return _Heads(heads, kv_heads, head_dim, size)
 
 
+def _check_row_blocks(node: ir.Node, size: int) -> None:
+    """FusionError unless a blocked (INT4/UINT4) QMatMul split by rows over ``size`` ranks keeps whole blocks: each
+    rank's K/size rows must be a multiple of block_size, since a block's scale cannot be shared by two ranks."""
+    block = _attr(node, "block_size") if is_quantized_projection(node) else 0
+    k = _weight_shape(node)[0]
+    if not block or (k // size) % block == 0:
+        return
+    fits = [g for g in _GROUP_SIZES if (k // size) % g == 0]
+    sizes = [n for n in range(1, size + 1) if k % n == 0 and (k // n) % block == 0]
+    raise FusionError(
+        f"{node.name}: --tensor-parallel {size} splits this row-parallel INT4 projection's K={k} into {k // size} "
+        f"rows per rank, not a multiple of its block_size {block}. Re-quantize with a --group-size that divides "
+        f"{k // size}" + (f" (e.g. {fits[0]})" if fits else "") + ", or build with --tensor-parallel "
+        + " or ".join(map(str, [n for n in sizes if n > 1] or [1])) + ".")
+
+
 def _kv_ranges(size: int, kv_heads: int, head_dim: int) -> Ranges:
     if kv_heads >= size:
         return _ranges(size, kv_heads * head_dim)
@@ -428,6 +493,7 @@ def _split_attention(found: _Analysis, node: ir.Node, size: int, tainted: set[ir
     if _weight_shape(o_proj)[0] != heads.heads * heads.head_dim:
         raise NoMatch(f"O projection {o_proj.name} has {_weight_shape(o_proj)[0]} inputs, expected "
                       f"{heads.heads * heads.head_dim}", o_proj.name or "")
+    _check_row_blocks(o_proj, size)
     q, k, v = projections
     found.column[q] = _ranges(size, heads.heads * heads.head_dim)
     found.column[k] = found.column[v] = _kv_ranges(size, heads.kv_heads, heads.head_dim)
@@ -459,6 +525,7 @@ def _split_mlps(found: _Analysis, graph: ir.Graph, size: int, tainted: set[ir.Va
         except NoMatch as e:
             why_not[node] = MatchFailure(RULE, node.name or "", e.reason, e.node_name)
             continue
+        _check_row_blocks(node, size)
         for up in ups:
             found.column[up] = _ranges(size, width_in)
             claimed.add(up)
@@ -617,11 +684,34 @@ class _Rewriter:
         node.replace_input_with(1, self.shard(node.inputs[1], 1, ranges))
         if node.op_type == "MatMulAdd":
             node.replace_input_with(2, self.shard(node.inputs[2], 0, ranges))
+        if is_quantized_projection(node):  # scale and zero point: [N] or [K/G, N], N last like the codes'
+            for i in (W_SCALE, W_ZERO_POINT):
+                node.replace_input_with(i, self.shard(node.inputs[i], len(node.inputs[i].const_value.shape) - 1,
+                                                      ranges))
+
+    def _row_qmatmul(self, node: ir.Node, ranges) -> ir.Node:
+        """The rank's QMatMul of ``node`` split by rows: its K rows of the codes and, blocked, their K/G block rows
+        of scale and zero point (whole blocks: _check_row_blocks); per-channel scales and the activation's scale
+        and zero point whole. A per-token activation scale is then the rank's own (the max over its K/N)."""
+        block = _attr(node, "block_size")
+        inputs = list(node.inputs)
+        inputs[W_Q] = self.shard(node.inputs[W_Q], 0, ranges)
+        if block:
+            blocks = tuple(tuple((a // block, b // block) for a, b in rank) for rank in ranges)
+            inputs[W_SCALE], inputs[W_ZERO_POINT] = (self.shard(node.inputs[i], 0, blocks)
+                                                     for i in (W_SCALE, W_ZERO_POINT))
+        rows = sum(b - a for a, b in ranges[0])
+        attrs = [ir.AttrInt64(a.name, rows) if a.name == "act_block_size" and a.value  # per token: K/N wide
+                 else ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+        return ir.Node(DOMAIN, node.op_type, inputs, attrs, name=f"{node.name}.tp_row")
 
     def row(self, node: ir.Node, ranges) -> None:
-        weight = self.shard(node.inputs[1], 0, ranges)
         out = node.outputs[0]
-        matmul = ir.node("MatMul", [node.inputs[0], weight], name=f"{node.name}.tp_row")
+        if is_quantized_projection(node):
+            matmul = self._row_qmatmul(node, ranges)
+        else:
+            matmul = ir.node("MatMul", [node.inputs[0], self.shard(node.inputs[1], 0, ranges)],
+                             name=f"{node.name}.tp_row")
         reduced = ir.Node(DOMAIN, "AllReduce", [matmul.outputs[0]],
                           [ir.AttrInt64("world_size", self.size)], name=f"{node.name}.all_reduce")
         new_nodes = [matmul, reduced]

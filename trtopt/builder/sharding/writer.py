@@ -18,10 +18,13 @@ import dataclasses
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 
 from trtopt.builder.plan import ParallelConfig, PlanConfig, rank_dir, write_plan
 from trtopt.builder.plan_files import save_model
 from trtopt.builder.sharding.analysis import ParallelLayout, ShardResult, rank_weights
+
+_PACKED_4BIT = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
 
 
 def parallel_config(layout: ParallelLayout, rank: int | None) -> ParallelConfig:
@@ -38,7 +41,10 @@ def _set_tensor(proto: onnx.ModelProto, name: str, data) -> None:
     assert tensor.data_location != onnx.TensorProto.EXTERNAL, f"{name} must be loaded before it is replaced"
     del tensor.dims[:]
     tensor.dims.extend(data.shape)
-    tensor.raw_data = data.tobytes()
+    if tensor.data_type in _PACKED_4BIT:  # a QMatMul's INT4/UINT4 codes or zero points: two values a byte
+        tensor.raw_data = ir.tensor(data, dtype=ir.DataType(tensor.data_type)).tobytes()
+    else:
+        tensor.raw_data = data.tobytes()
 
 
 def write_rank_plans(proto: onnx.ModelProto, shard: ShardResult, out_dir: Path, rank_config: PlanConfig) -> list[Path]:
