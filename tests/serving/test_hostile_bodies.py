@@ -117,7 +117,6 @@ CORPUS: dict[str, tuple[str, object]] = {
     "prompt nested 3 deep": (C, _c(prompt=[[[1]]])),
     "prompt over the context": (C, _c(prompt=" hello" * 600, max_tokens=1)),
     # ---- chat messages
-    "role hacker": (CHAT, _chat({"role": "hacker", "content": "hi"})),
     "role int": (CHAT, _chat({"role": 5, "content": "hi"})),
     "role missing": (CHAT, _chat({"content": "hi"})),
     "content missing": (CHAT, _chat({"role": "user"})),
@@ -153,7 +152,7 @@ CORPUS: dict[str, tuple[str, object]] = {
     "invocations json array": ("/invocations", "[1]"),
     "invocations not utf-8": ("/invocations", b"\xff\xfe{"),
     "invocations deeply nested": ("/invocations", '{"prompt": ' + "[" * 100_00 + "]" * 100_00 + "}"),
-    "invocations bad chat": ("/invocations", _chat({"role": "hacker", "content": "hi"})),
+    "invocations bad chat": ("/invocations", _chat({"role": 5, "content": "hi"})),
     "invocations bad completion": ("/invocations", _c(max_tokens=2**64)),
     # ---- unsupported OpenAI fields
     "suffix": (C, _c(suffix="x")),
@@ -188,6 +187,7 @@ ACCEPTED = {
     # stay refused above), and any int64 seed is valid (a negative one maps to its low 63 bits).
     "string booleans": (CHAT, _chat(logprobs="true", ignore_eos="false", temperature=0)),
     "seed negative": (C, _c(seed=-1)),
+    "a custom role (vLLM passes any role to the chat template)": (CHAT, _chat({"role": "hacker", "content": "hi"})),
     "top_logprobs 0 without logprobs (vLLM's default)": (CHAT, _chat(top_logprobs=0)),
     "unknown fields are ignored": (C, _c(frobnicate=True, temperature=0, **{"\u00e9": 1})),
     "max_tokens that exactly fills the context": (C, _c(prompt=list(range(5, 505)), max_tokens=12, ignore_eos=True,
@@ -260,7 +260,7 @@ def test_messages_name_the_problem(server):
     assert "top_k" in message("top_k 2**63")
     assert "maximum context length is 512" in message("max_tokens 2**31-1")
     assert "at most 16 strings" in message("17 stop strings")
-    assert "role" in message("role hacker")
+    assert "role" in message("role int")
     assert "content" in message("content missing")
     assert "stream" in message("stream yes")
     assert "finite" in message("temperature Infinity")

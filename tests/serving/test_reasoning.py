@@ -264,31 +264,8 @@ def test_without_a_parser_the_reply_is_untouched(serve, reply):
     assert all(not {"reasoning", "reasoning_content"} & set(d) for d in _stream_deltas(client))
 
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-
-
-@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": ["yes", "no"]}},
-                                   {"response_format": {"type": "json_object"}}, {"guided_regex": "yes|no"}])
-def test_structured_output_on_a_reasoning_reply_is_a_400_that_says_why(serve, reply, extra):
-    """vLLM constrains only what follows the reasoning; trtopt's grammar would hold from the first token and
-    leave no reasoning, so a reply that would reason under a grammar is refused instead of silently changed."""
-    import openai
-
-    reply(REPLY)
-    for parser in ("deepseek_r1", "qwen3"):
-        with pytest.raises(openai.BadRequestError) as e:
-            _chat(serve(parser), extra_body=extra)
-        assert f"structured output (response_format, structured_outputs or guided_*) with --reasoning-parser " \
-            f"{parser} is not supported while the reply reasons" in str(e.value) and "enable_thinking" in str(e.value)
-
-
-def test_a_forced_tool_call_gets_no_reasoning_split(serve, reply):
-    """Its grammar holds from the first token too, but the calls are what clients read: no 400, no split (the
-    scripted model's reply does not fit the grammar, so the call itself is whatever the mask leaves)."""
-    pytest.importorskip("xgrammar")
-    reply(REPLY)
-    message = _chat(serve("deepseek_r1"), tools=[TOOL], tool_choice="required").choices[0].message
-    assert _reasoning(message) is None and not message.content and "think" not in str(message.tool_calls)
+# Structured output and forced tool calls on a reasoning reply (the grammar holds after </think>, as in vLLM):
+# tests/serving/test_vllm_endpoints.py.
 
 
 def test_a_grammar_without_reasoning_is_all_content(serve, reply):

@@ -45,6 +45,23 @@ CASES = [
     ("pythonic", '[get_weather(city="Paris, \\"France\\"")]\n', None,
      [("get_weather", '{"city": "Paris, \\"France\\""}')]),
     ("pythonic", 'It is sunny.', 'It is sunny.', []),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+     '{"arguments": {}, "name": "get_time"}]', None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("granite", ' <tool_call> [{"name": "f", "arguments": {"a": [1, {"b": null}]}}]\n', None,
+     [("f", '{"a": [1, {"b": null}]}')]),
+    ("granite", '[{"name":"f","arguments":{"x":"y"}}]', None, [("f", '{"x": "y"}')]),
+    ("granite", 'It is [sunny].', 'It is [sunny].', []),
+    ("granite-20b-fc", 'Sure. <function_call> {"name": "get_weather", "arguments": {"city": "Paris"}} '
+     '<function_call>{"name": "get_time", "arguments": {}}', "Sure. ",
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("granite-20b-fc", '<function_call> {"name": "f", "arguments": {"x": 1}} dropped', None, [("f", '{"x": 1}')]),
+    ("granite-20b-fc", 'A <function no call.', 'A <function no call.', []),
+    ("internlm", 'Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+     '<|action_end|>\n', "Let me check.", [("get_weather", '{"city": "Paris"}')]),
+    ("internlm", '<|action_start|><|plugin|>{"name": "f", "arguments": {"x": 1}}', None, [("f", '{"x": 1}')]),
+    ("internlm", '<|action_start|><|plugin|>{"name": "f"}<|action_end|>', None, [("f", "{}")]),
+    ("internlm", '<|action_start|><|interpreter|>print(1)<|action_end|>',
+     '<|action_start|><|interpreter|>print(1)<|action_end|>', []),
 ]
 
 MALFORMED = [
@@ -58,6 +75,13 @@ MALFORMED = [
     ("pythonic", '[get_weather(city=Paris)]'),  # not a literal
     ("pythonic", '[get_weather(city="Paris")] and more'),
     ("pythonic", '[1, 2, 3]'),
+    ("granite", '[{"name": "f"}]'),  # no arguments (vLLM's KeyError)
+    ("granite", '[{"name": "f", "arguments": {}}] and more'),  # the reply must be the array
+    ("granite", '<|tool_call|>{"name": "f", "arguments": {}}'),  # an object, not an array
+    ("granite-20b-fc", 'Hi <function_call> {"name": "f"}'),  # no arguments
+    ("granite-20b-fc", '<function_call> ["f"]'),
+    ("internlm", '<|action_start|><|plugin|>{"name": "f", "parameters": {}} x<|action_end|>'),
+    ("internlm", '<|action_start|><|plugin|><|action_end|>{"name": "f"}'),  # no object before the end marker
 ]
 
 
@@ -102,7 +126,7 @@ def _stream(name: str, pieces: list[str]) -> tuple[str | None, list[tuple[str, s
 
 
 # Malformed replies found so before any call name is complete: the held-back text is released as content.
-_MALFORMED_EARLY = [MALFORMED[1], MALFORMED[4], MALFORMED[9]]
+_MALFORMED_EARLY = [MALFORMED[1], MALFORMED[4], MALFORMED[9], MALFORMED[12], MALFORMED[14], MALFORMED[16]]
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES + [(n, t, t, []) for n, t in _MALFORMED_EARLY])
@@ -131,7 +155,8 @@ def test_streamed_arguments_grow_before_the_call_ends():
 def test_server_flags_are_checked():
     assert check_tool_options(False, None) is None
     assert check_tool_options(True, "hermes").name == "hermes"
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(TOOL_PARSERS) == ["granite", "granite-20b-fc", "hermes", "internlm", "llama3_json", "mistral",
+                                    "pythonic"]
     with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         check_tool_options(True, None)
     with pytest.raises(ConfigError, match="'nope' is not one of"):
@@ -161,9 +186,14 @@ def test_special_markers_are_kept_only_where_the_tokenizer_hides_them():
         all_special_tokens = ["</s>"]
         added_tokens_decoder = {5: Token("[TOOL_CALLS]", True), 6: Token("<tool_call>", False)}
 
+    class InternLM2Tok:
+        all_special_tokens = ["</s>", "<|action_start|>", "<|plugin|>", "<|action_end|>"]
+
     assert get_tool_parser("mistral").needs_special_tokens(Tok())
     assert not get_tool_parser("hermes").needs_special_tokens(Tok())
     assert not get_tool_parser("pythonic").needs_special_tokens(Tok())
+    assert get_tool_parser("internlm").needs_special_tokens(InternLM2Tok())  # vLLM's adjust_request for internlm
+    assert not get_tool_parser("granite").needs_special_tokens(InternLM2Tok())
 
 
 # ---- the live server ------------------------------------------------------------------------------------------
@@ -250,6 +280,52 @@ def test_auto_tool_calls_streamed(hermes_server, smol_tokenizer):
         finish = chunk.choices[0].finish_reason or finish
     assert content == "Let me check.\n" and [tuple(c) for c in calls] == REPLY_CALLS and finish == "tool_calls"
     assert all(d.id.startswith("chatcmpl-tool-") and d.type == "function" for d in firsts)
+
+
+def _streamed(base, **extra) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, calls, finish_reason) of a streamed chat reply, as a client puts the deltas together."""
+    content, calls, finish = "", [], None
+    for chunk in _client(base).chat.completions.create(**_ask(stream=True, **extra)):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            if d.index == len(calls):
+                assert d.id.startswith("chatcmpl-tool-") and d.type == "function"
+                calls.append([d.function.name, d.function.arguments or ""])
+            else:
+                calls[d.index][1] += d.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [tuple(c) for c in calls], finish
+
+
+# (parser, a reply in its model's syntax, its content): the calls are REPLY_CALLS
+FAMILY_REPLIES = [
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]', None),
+    ("granite-20b-fc", 'Let me check. <function_call> {"name": "get_weather", "arguments": {"city": "Paris"}} '
+                       '<function_call> {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}', "Let me check. "),
+    ("internlm", 'Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+                 '<|action_end|>', "Let me check."),
+]
+
+
+@pytest.mark.parametrize("parser, reply, content", FAMILY_REPLIES)
+def test_granite_and_internlm_parsers_on_the_live_server(smol_tokenizer, parser, reply, content):
+    """`--tool-call-parser granite|granite-20b-fc|internlm`: the whole and the streamed reply give the same calls."""
+    calls = REPLY_CALLS[:1] if parser == "internlm" else REPLY_CALLS  # InternLM2 makes one call per reply
+    executor = ScriptedExecutor()
+    with _live_server(smol_tokenizer, executor, enable_auto_tool_choice=True, tool_call_parser=parser) as base:
+        executor.say(smol_tokenizer.encode(reply, add_special_tokens=False))
+        choice = _client(base).chat.completions.create(**_ask()).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == content
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == calls
+        executor.say(smol_tokenizer.encode(reply, add_special_tokens=False))
+        assert _streamed(base) == (content or "", calls, "tool_calls")
+        executor.say(smol_tokenizer.encode("It is sunny in Paris.", add_special_tokens=False))
+        choice = _client(base).chat.completions.create(**_ask()).choices[0]
+        assert choice.message.content == "It is sunny in Paris." and not choice.message.tool_calls
 
 
 def test_a_reply_without_calls_is_content(hermes_server, smol_tokenizer):

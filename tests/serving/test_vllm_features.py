@@ -118,7 +118,7 @@ def test_invocations_route_by_body_shape(server):
 @pytest.mark.parametrize("body, status, words", [
     ({"model": MODEL, "input": "hi"}, 400, "Cannot find suitable handler"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "hacker", "content": "hi"}]}, 400, "role"),
+    ({"model": MODEL, "messages": [{"role": 5, "content": "hi"}]}, 400, "role"),
     ({"model": MODEL, "prompt": "hi", "echo": "sometimes"}, 400, "echo"),
     ([1, 2], 400, "JSON object"),
     ("{broken", 400, "not valid JSON"),

@@ -68,7 +68,11 @@ def serve(
                                                  "the model decides, --tool-call-parser reads its calls."),
     tool_call_parser: str = typer.Option(None, "--tool-call-parser",
                                          help="The model's tool-call syntax, for --enable-auto-tool-choice: hermes, "
-                                         "llama3_json, mistral or pythonic (vLLM's parsers)."),
+                                         "llama3_json, mistral, pythonic, granite, granite-20b-fc or internlm "
+                                         "(vLLM's parsers)."),
+    enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
+                                                   help="Every response carries X-Request-Id: the request's own, else "
+                                                   "a new id (vLLM's flag)."),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
     `stream: true`), /health and /metrics (Prometheus), plus vLLM's /tokenize, /detokenize, /version, /load,
@@ -122,7 +126,8 @@ def serve(
                             enable_force_include_usage=enable_force_include_usage,
                             trust_request_chat_template=trust_request_chat_template,
                             return_tokens_as_token_ids=return_tokens_as_token_ids, reasoning_parser=reasoning_parser,
-                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                            enable_request_id_headers=enable_request_id_headers)
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics,
                      options=options)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")

@@ -10,6 +10,12 @@ Three parts, one owner each:
     of a step with xgrammar's batch call (C++ threads, no Python loop over the vocabulary), moves it to the logits'
     device and sets disallowed logits to -inf there with xgrammar's kernel, for the constrained rows only.
 
+A reasoning reply (a server with --reasoning-parser, the request in thinking mode) gets a `ReasoningGatedGrammar`:
+its matcher lets the reasoning run free and starts the grammar at the token after the reasoning end tag
+(`</think>`), as vLLM's structured-output manager waits for its reasoning parser's is_reasoning_end. A model that
+opens its reasoning itself (Qwen3's `<think>`) may do so as its first token; a reply that does not has no reasoning
+and is the grammar's from its first token (as trtopt's qwen3 split reads such a reply: all content).
+
 Why xgrammar (benchmarks/structured_output_mask.py -> docs/benchmarks/structured_output_mask.json, SmolLM2's 49k
 vocabulary, 2 shared CPU cores): filling the masks took a median 0.003 ms vs llguidance's 0.031 ms at batch 1 and
 0.34 ms vs 15 ms at batch 64 (32 JSON-schema + 32 regex rows); accepting a token costs about the same; one grammar
@@ -19,6 +25,7 @@ logits is the same call for both and dominates on a CPU. vLLM, SGLang and Tensor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import TYPE_CHECKING, Any, Sequence
@@ -93,20 +100,84 @@ class GrammarCompiler:
         return GrammarMatcher(compiled)
 
 
-class GrammarMatcher:
-    """The grammar state of one sequence: which tokens may come next. Advanced only by the Scheduler."""
+@dataclasses.dataclass(frozen=True)
+class ReasoningGatedGrammar:
+    """A compiled grammar that holds only after the reply's reasoning: from the token after the first occurrence
+    of `reasoning_end_ids` (the end tag's token ids, e.g. Qwen3's one `</think>` token) among the generated
+    tokens. Until then every token is allowed; a reply that never ends its reasoning is never constrained.
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+    reasoning_start_ids: empty when the reply starts inside its reasoning (the template opened it: DeepSeek-R1).
+    Otherwise the tag the model writes to open it (Qwen3's `<think>`): the first token is the grammar's or the
+    tag's first token; a reply that opens the tag is held to the rest of it and then reasons, any other reply is
+    the grammar's from its first token (it has no reasoning)."""
+
+    compiled: xgrammar.CompiledGrammar
+    reasoning_end_ids: tuple[int, ...]
+    reasoning_start_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.reasoning_end_ids, "a reasoning end tag has at least one token"
+
+
+class GrammarMatcher:
+    """The grammar state of one sequence: which tokens may come next. Advanced only by the Scheduler.
+
+    compiled: a CompiledGrammar (it holds from the first token), or a ReasoningGatedGrammar (it holds from the
+    token after the reasoning end)."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar | ReasoningGatedGrammar) -> None:
+        self._reasoning_end: tuple[int, ...] = ()  # non-empty while the reply reasons: the tag that ends it
+        self._tail: list[int] = []  # the last generated tokens, as many as the tag has (while reasoning)
+        self._opening: tuple[int, ...] = ()  # the rest of the start tag the reply may still write (or must)
+        self._opened = False  # the reply has written the start tag's first token: it must finish the tag
+        if isinstance(compiled, ReasoningGatedGrammar):
+            self._reasoning_end = compiled.reasoning_end_ids
+            self._opening = compiled.reasoning_start_ids
+            compiled = compiled.compiled
         self.native = _xgrammar().GrammarMatcher(compiled)  # xgrammar's matcher; read by GrammarMasker
 
+    @property
+    def is_reasoning(self) -> bool:
+        """The grammar does not hold yet: the reply reasons (no mask, tokens not matched), or may still open its
+        reasoning (`opening`)."""
+        return bool(self._reasoning_end)
+
+    @property
+    def opening(self) -> tuple[int, bool] | None:
+        """While the reply may open its reasoning: (the start tag's next token, whether the grammar's tokens are
+        allowed too: only for the first token); None otherwise."""
+        if not self._opening:
+            return None
+        return self._opening[0], not self._opened
+
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False when the grammar does not allow it (the matcher is unchanged)."""
+        """Advance by one sampled token; False when the grammar does not allow it (the matcher is unchanged).
+        While reasoning every token is accepted; the one that completes the end tag starts the grammar."""
+        if self._opening:
+            if token_id == self._opening[0]:  # the start tag, token by token: then the reply reasons
+                self._opening, self._opened = self._opening[1:], True
+                return True
+            if self._opened:
+                return False  # a started tag must be finished (the mask allowed nothing else)
+            self._opening, self._reasoning_end = (), ()  # no reasoning: the grammar holds from this token
+            return self.native.accept_token(token_id)
+        if self._reasoning_end:
+            self._tail = [*self._tail, token_id][-len(self._reasoning_end):]
+            if tuple(self._tail) == self._reasoning_end:
+                self._reasoning_end, self._tail = (), []
+            return True
         return self.native.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted a stop token: nothing more may be generated."""
-        return self.native.is_terminated()
+        return not self._reasoning_end and self.native.is_terminated()
+
+    @property
+    def constrains(self) -> bool:
+        """The next token is masked: the grammar holds (reasoning over) and is not complete yet, or the reply may
+        still open its reasoning (the grammar's tokens or the start tag's next one)."""
+        return bool(self._opening) or (not self._reasoning_end and not self.native.is_terminated())
 
 
 class GrammarMasker:
@@ -118,12 +189,20 @@ class GrammarMasker:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """logits: float [N, vocab] on any device, row i = requests[i]; rows without a grammar are left as they are."""
         xgr = _xgrammar()
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.is_terminated]
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.constrains]
         if not rows:
             return
         # int32 [N, ceil(vocab/32)] on the CPU, row i for logits row i; only the constrained rows are filled and applied.
         bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[1])
         self._batch.batch_fill_next_token_bitmask([requests[i].grammar.native for i in rows], bitmask, indices=rows)
+        for i in rows:
+            opening = requests[i].grammar.opening
+            if opening is not None:  # a reply that may open its reasoning: the start tag's next token is allowed too
+                tag_token, with_grammar = opening
+                if not with_grammar:
+                    bitmask[i] = 0
+                bit = tag_token % 32  # int32 words: bit 31 is the sign bit
+                bitmask[i, tag_token // 32] |= (1 << bit) if bit < 31 else -(1 << 31)
         apply_bitmask(logits, bitmask, rows)
 
 

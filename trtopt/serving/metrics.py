@@ -12,6 +12,7 @@ get wrong when switching a deployment from vLLM.
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -184,6 +185,31 @@ class ServingMetrics:
             n = len(out.outputs[0].token_ids)
             if n > 1:
                 self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
+
+
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"  # the request asks for a load report in this format
+ORCA_HEADER = "endpoint-load-metrics"  # the response's load report
+
+
+def orca_load_report(stats: EngineStats) -> dict[str, float]:
+    """ORCA's named_metrics of the engine's load now: vLLM's kv_cache_usage_perc (a fraction in [0, 1]) and
+    num_requests_waiting, plus num_requests_running (the same gauges as /metrics)."""
+    return {"kv_cache_usage_perc": stats.num_blocks_used / max(stats.num_blocks_total, 1),
+            "num_requests_waiting": float(stats.num_waiting), "num_requests_running": float(stats.num_running)}
+
+
+def orca_headers(metrics_format: str | None, stats: Callable[[], EngineStats]) -> dict[str, str] | None:
+    """vLLM's ORCA load report (https://github.com/cncf/xds/blob/main/xds/data/orca/v3/orca_load_report.proto) as
+    the `endpoint-load-metrics` response header, for a request whose `endpoint-load-metrics-format` header is TEXT
+    ("TEXT named_metrics.kv_cache_usage_perc=0.25, named_metrics.num_requests_waiting=0.0, ...") or JSON
+    ('JSON {"named_metrics": {...}}'), in any case. None (no header) for no format or any other format, as vLLM."""
+    kind = (metrics_format or "").strip().lower()
+    if kind not in ("text", "json"):
+        return None
+    named = orca_load_report(stats())
+    if kind == "text":
+        return {ORCA_HEADER: "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())}
+    return {ORCA_HEADER: "JSON " + json.dumps({"named_metrics": named})}
 
 
 class LatencyTracker:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -201,7 +201,9 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+# Any role string reaches the chat template, as in vLLM (its CustomChatCompletionMessageParam): OpenAI's system, user,
+# assistant, tool and developer, or a template's own ("ipython", "my-custom-role"). The template decides what it means.
+ChatRole = str
 
 
 class ChatMessage(BaseModel):

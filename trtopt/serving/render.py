@@ -273,7 +273,7 @@ class ChatRenderer(Renderer):
     echo_text: vLLM's chat echo: the content every reply starts with (streamed as its own chunk after the role).
     reasoning: the request's reasoning split (--reasoning-parser): each reply's reasoning goes to `reasoning`
         (current vLLM's name) and `reasoning_content` (older vLLM's and DeepSeek's), streamed as the same delta
-        fields; the rest is the content that tool calls and echo then see.
+        fields; the rest is the content that tool calls (forced or parsed) and echo then see.
     prompt_logprobs (vLLM's) sit at the top of the response, null when not asked for.
     tool_parser: tool_choice "auto" (--enable-auto-tool-choice): the parser turns the model's own tool-call syntax
         in each reply's content into tool_calls (streamed as tool-call deltas), finish_reason "tool_calls".
@@ -333,6 +333,8 @@ class ChatRenderer(Renderer):
             message.update(content=split.content, reasoning=split.reasoning, reasoning_content=split.reasoning)
         if self.tool_plan is not None:
             message = self._tool_message(c)
+            if split is not None:  # the reasoning before the call (its grammar held only after the reasoning)
+                message.update(reasoning=split.reasoning, reasoning_content=split.reasoning)
         elif self.tool_parser is not None:
             message = self._auto_tool_message(c, message)
         if self.echo_text:  # vLLM's: prepended whatever the reply is
@@ -378,6 +380,8 @@ class ChatRenderer(Renderer):
             delta = self._reasoning_delta(c, index, text)
             if self.tool_parser is not None:  # calls are parsed from the content, after the reasoning (vLLM's order)
                 delta.update(self._auto_tool_delta(c, index, delta.pop("content", "")))
+            elif self.tool_plan is not None:  # a forced call: the content after the reasoning is the call
+                delta.update(self._tool_delta(c, index, delta.pop("content", "")))
         elif self.tool_parser is not None:
             delta = self._auto_tool_delta(c, index, text)
         else:
@@ -416,13 +420,19 @@ class ChatRenderer(Renderer):
         because which function a call names is only known when its object has been read."""
         plan = self.tool_plan
         if plan.named is None:
-            calls = tool_calls(plan, c.text) if c.finished else []
+            calls = tool_calls(plan, self._content(c.text)) if c.finished else []
             return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls else {}
+        if index not in self._call_ids and not text and not c.finished and self.reasoning is not None:
+            return {}  # still reasoning: the call starts with its first argument text (or at the end, empty)
         if index not in self._call_ids:
             self._call_ids[index] = f"call_{uuid.uuid4().hex[:24]}"
             return {"tool_calls": [{"index": 0, "id": self._call_ids[index], "type": "function",
                                     "function": {"name": plan.named, "arguments": text}}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+
+    def _content(self, text: str) -> str:
+        """A whole reply's content: what follows its reasoning (all of it without a reasoning split)."""
+        return text if self.reasoning is None else (self.reasoning.split(text).content or "")
 
     def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
         content = []
@@ -434,3 +444,31 @@ class ChatRenderer(Renderer):
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.logprob_token(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+class BatchChatRenderer(Renderer):
+    """vLLM's /v1/chat/completions/batch response: one chat.completion whose choice k is the reply to conversation
+    k, rendered by that conversation's own ChatRenderer (its echo and role are its own); usage sums them all.
+    Never streamed."""
+
+    object_full = "chat.completion"
+
+    def __init__(self, parts: list[ChatRenderer]) -> None:
+        first = parts[0]
+        assert all(p.n == 1 for p in parts), "a batch has one choice per conversation"
+        super().__init__(first.request_id, first.model_name, first._tokenizer, options=first.options)
+        self.parts = parts
+
+    def full_response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        assert len(outs) == len(self.parts), "one output per conversation"
+        return {**super().full_response(outs), "prompt_logprobs": None, "prompt_token_ids": None}
+
+    def choice(self, c: CompletionOutput, index: int, out: RequestOutput) -> dict[str, Any]:
+        return self.parts[index].choice(c, index, out)  # n = 1: choice k is conversation k's
+
+    def delta_choice(self, c: CompletionOutput, index: int, text: str,
+                     logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        raise AssertionError("the batch endpoint refuses stream=true")
+
+    def logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any]:
+        raise AssertionError("each conversation's ChatRenderer renders its own logprobs")

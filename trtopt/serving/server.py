@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP server: `create_app(engine, model_name)` → a FastAPI app.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`),
-GET /health, GET /metrics, and vLLM's: POST /tokenize and /detokenize, GET /version, GET /load, GET/POST /ping and
-POST /invocations (SageMaker), GET /tokenizer_info (with ServerOptions.enable_tokenizer_info_endpoint).
+GET /health, GET /metrics, and vLLM's: POST /v1/chat/completions/batch (several conversations, one choice each),
+POST /tokenize and /detokenize, GET /version, GET /load, GET/POST /ping and POST /invocations (SageMaker),
+GET /tokenizer_info (with ServerOptions.enable_tokenizer_info_endpoint). A non-streamed generation response carries
+vLLM's ORCA load report (the `endpoint-load-metrics` header) when the request's `endpoint-load-metrics-format`
+header asks for one (TEXT or JSON).
 Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}):
 bad input is a 4xx before any work (types by pydantic, ranges by SamplingParams and the InputProcessor), and a
 final handler turns anything unexpected into a 500 that carries an error id, logged with its traceback. The API
@@ -36,13 +39,14 @@ from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
 from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, PreparedRequest, RequestStream
 from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
-from trtopt.serving.metrics import LatencyTracker, ServingMetrics
+from trtopt.runtime.structured_output import ReasoningGatedGrammar
+from trtopt.serving.metrics import ORCA_FORMAT_HEADER, LatencyTracker, ServingMetrics, orca_headers
 from trtopt.serving.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorInfo, TokenizeRequest, usage,
 )
-from trtopt.serving.reasoning import ReasoningRule, get_reasoning_parser
-from trtopt.serving.render import ChatRenderer, CompletionRenderer, Renderer, RenderOptions
-from trtopt.serving.structured import ToolCallPlan, is_auto_tool_choice
+from trtopt.serving.reasoning import THINK_END, THINK_START, ReasoningRule, get_reasoning_parser
+from trtopt.serving.render import BatchChatRenderer, ChatRenderer, CompletionRenderer, Renderer, RenderOptions
+from trtopt.serving.structured import is_auto_tool_choice
 from trtopt.serving.tool_parsers import check_tool_options
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ class ServerOptions:
     reasoning_parser: str | None = None  # a parser of trtopt.serving.reasoning: chat replies split off their reasoning
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, tool_call_parser reads its calls
     tool_call_parser: str | None = None  # a parser of trtopt.serving.tool_parsers (with enable_auto_tool_choice)
+    enable_request_id_headers: bool = False  # every response carries X-Request-Id (the client's, else a new uuid4)
 
 
 _INVOCATION_TYPES = "['ChatCompletionRequest', 'CompletionRequest']"
@@ -109,6 +114,8 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
         protected = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
         protected += ("/metrics",) if protect_metrics else ()
         app.add_middleware(_AuthMiddleware, api_key=api_key, protected=protected)
+    if options.enable_request_id_headers:  # outermost, as in vLLM: a 401 or 413 carries the header too
+        app.add_middleware(_RequestIdMiddleware)
     _install_error_handlers(app)
     handler = _Handlers(aengine, model_name, metrics, options)
 
@@ -180,6 +187,12 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await tracked(lambda: handler.chat(body, request))
 
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(request: Request) -> Response:
+        """vLLM's batched chat: `messages` is a list of conversations; the other fields are a chat request's."""
+        body = await _json_object(request)
+        return await tracked(lambda: handler.batch_chat(body, request))
+
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         """SageMaker's one endpoint: a body with "messages" is a chat completion, one with "prompt" a completion."""
@@ -228,6 +241,12 @@ class _Handlers:
         # vLLM's adjust_request: a parser whose markers the tokenizer makes special decodes with them kept.
         self.tool_parser_keeps_special = (self.tool_parser is not None
                                           and self.tool_parser.needs_special_tokens(engine.tokenizer))
+        # The ids of the reasoning tags: a reasoning reply's grammar holds after the end tag; a model that opens its
+        # reasoning itself writes the start tag first (Qwen3's and DeepSeek-R1's tags are one special token each).
+        self.reasoning_tag_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        if self.reasoning_parser is not None and engine.tokenizer is not None:
+            self.reasoning_tag_ids = tuple(tuple(engine.tokenizer.encode(tag, add_special_tokens=False))
+                                           for tag in (THINK_START, THINK_END))
 
     def tokenizer_info(self) -> dict[str, Any]:
         """vLLM's /tokenizer_info: the tokenizer's init kwargs (file paths left out, special tokens as their text),
@@ -300,29 +319,17 @@ class _Handlers:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         auto_tools = self.tool_parser is not None and is_auto_tool_choice(body.tools, body.tool_choice)
-
-        def prepare() -> list[PreparedRequest]:
-            params = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None)
-            if auto_tools and self.tool_parser_keeps_special:
-                params = dataclasses.replace(params, skip_special_tokens=False)
-            return [self.engine.prepare(body.template_messages(), params)]
-
-        kwargs_template = (body.chat_template_kwargs or {}).get("chat_template")
-        if not self.options.trust_request_chat_template and (body.chat_template, kwargs_template) != (None, None):
-            self.metrics.requests.labels("chat", "rejected").inc()
-            message = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
-                       "Refused request with untrusted chat template.")  # vLLM's
-            raise APIError(ErrorInfo(400, message, param="chat_template"))
+        self._refuse_untrusted_template(body, "chat")
         try:
             tool_plan = body.tool_plan(auto_tool_choice=self.tool_parser is not None)
         except RequestError as e:
             self.metrics.requests.labels("chat", "rejected").inc()
             raise APIError(ErrorInfo(400, str(e), param="tool_choice")) from None
-        try:
-            reasoning = self._reasoning_rule(body, tool_plan)
-        except RequestError as e:
-            self.metrics.requests.labels("chat", "rejected").inc()
-            raise APIError(ErrorInfo(400, str(e))) from None
+        reasoning = self._reasoning_rule(body)
+
+        def prepare() -> list[PreparedRequest]:
+            return [self._prepare_chat(body, reasoning, keep_special=auto_tools and self.tool_parser_keeps_special)]
+
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan,
                                 role=body.response_role, echo_text=body.echo_text(),
@@ -330,31 +337,53 @@ class _Handlers:
                                 tool_parser=self.tool_parser if auto_tools else None)
         return await self._serve("chat", body, request, prepare, renderer)
 
-    def _reasoning_rule(self, body: ChatCompletionRequest, tool_plan: ToolCallPlan | None) -> ReasoningRule | None:
-        """How this request's replies split into reasoning and content, if they do.
+    async def batch_chat(self, raw: dict[str, Any], request: Request) -> Response:
+        """vLLM's /v1/chat/completions/batch: each conversation of `messages` is a chat request with the body's
+        other fields, all added to the engine at once (one continuous batch); its reply is choice k (k = its place
+        in `messages`). Not streamed; no tools, n, prompt_logprobs or beam search (vLLM's limits)."""
+        bodies = _batch_bodies(raw)
+        first = bodies[0]  # the fields all conversations share: model, sampling, chat_template_kwargs
+        self._refuse_untrusted_template(first, "chat_batch")
+        reasoning = self._reasoning_rule(first)
 
-        A grammar holds from a reply's first token here; vLLM leaves the reasoning free and constrains only what
-        follows it. A forced tool call (tool_choice "required" or named) therefore gets no split: its calls are
-        what clients read (vLLM's tool tests check only them). Structured output (response_format,
-        structured_outputs, guided_*) on a reply that would reason is a RequestError instead of a silently
-        reasoning-free reply; with its reasoning off (qwen3's enable_thinking=false) there is nothing to split."""
-        if self.reasoning_parser is None or tool_plan is not None:
-            return None
-        rule = self.reasoning_parser.rule(body.chat_template_kwargs)
-        try:
-            structured = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None).structured_outputs
-        except RequestError:
-            return None  # prepare answers the same error with a 400
-        if structured is None:
-            return rule
-        if rule.enabled:
-            raise RequestError(
-                f"structured output (response_format, structured_outputs or guided_*) with --reasoning-parser "
-                f"{self.reasoning_parser.name} is not supported while the reply reasons: vLLM applies the grammar "
-                "only after the reasoning ends, trtopt would apply it from the first token and drop the reasoning. "
-                "Drop the constraint, turn reasoning off for this request (qwen3: chat_template_kwargs "
-                "{\"enable_thinking\": false}), or serve without --reasoning-parser.")
-        return None
+        def prepare() -> list[PreparedRequest]:
+            return [self._prepare_chat(body, reasoning) for body in bodies]
+
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        parts = [ChatRenderer(request_id, self.model_name, self.engine.tokenizer, top_logprobs=body.top_logprobs or 0,
+                              role=body.response_role, echo_text=body.echo_text(), reasoning=reasoning,
+                              options=self._render_options(body)) for body in bodies]
+        return await self._serve("chat_batch", first, request, prepare, BatchChatRenderer(parts))
+
+    def _refuse_untrusted_template(self, body: ChatCompletionRequest, endpoint: str) -> None:
+        kwargs_template = (body.chat_template_kwargs or {}).get("chat_template")
+        if not self.options.trust_request_chat_template and (body.chat_template, kwargs_template) != (None, None):
+            self.metrics.requests.labels(endpoint, "rejected").inc()
+            message = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                       "Refused request with untrusted chat template.")  # vLLM's
+            raise APIError(ErrorInfo(400, message, param="chat_template"))
+
+    def _reasoning_rule(self, body: ChatCompletionRequest) -> ReasoningRule | None:
+        """How this request's replies split into reasoning and content (None without --reasoning-parser)."""
+        return self.reasoning_parser.rule(body.chat_template_kwargs) if self.reasoning_parser is not None else None
+
+    def _prepare_chat(self, body: ChatCompletionRequest, reasoning: ReasoningRule | None, *,
+                      keep_special: bool = False) -> PreparedRequest:
+        """One conversation, prepared (on a worker thread). A reply that reasons (`reasoning` enabled) under a
+        grammar (response_format, structured_outputs, guided_*, a forced tool call) thinks freely and is constrained
+        only from the token after its reasoning end, as vLLM's is_reasoning_end gates its grammar; under a rule
+        where the model opens its reasoning itself (qwen3), a reply that does not open with <think> is the
+        grammar's from its first token."""
+        params = body.to_sampling_params(auto_tool_choice=self.tool_parser is not None)
+        if keep_special:  # vLLM's adjust_request: the tool parser's markers are special tokens, kept in the text
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        prepared = self.engine.prepare(body.template_messages(), params)
+        if prepared.grammar is not None and reasoning is not None and reasoning.enabled:
+            start, end = self.reasoning_tag_ids
+            gated = ReasoningGatedGrammar(prepared.grammar, reasoning_end_ids=end,
+                                          reasoning_start_ids=() if reasoning.starts_in_reasoning else start)
+            prepared = dataclasses.replace(prepared, grammar=gated)
+        return prepared
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
                      prepare: Callable[[], list[PreparedRequest]], renderer: Renderer) -> Response:
@@ -431,7 +460,9 @@ class _Handlers:
         outs = [finals[k] for k in range(len(finals))]
         tracker.on_finish(time.monotonic(), outs)
         self.metrics.requests.labels(endpoint, _outcome(outs)).inc()
-        return JSONResponse(renderer.full_response(outs))
+        # vLLM's ORCA load report, read after the request finished (streams carry none: their headers went first).
+        load = orca_headers(request.headers.get(ORCA_FORMAT_HEADER), self.engine.stats)
+        return JSONResponse(renderer.full_response(outs), headers=load)
 
     async def _sse(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
                    tracker: LatencyTracker, prompt_token_ids: list[list[int]],
@@ -473,6 +504,40 @@ async def _wait_for_disconnect(request: Request) -> None:
     """Return when the client has gone. The body was read already, so the next ASGI message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _batch_bodies(raw: dict[str, Any]) -> list[ChatCompletionRequest]:
+    """The chat requests of a /v1/chat/completions/batch body, one per conversation, each checked as the chat route
+    checks its body (a bad field is a 400 whose param names the conversation: messages.1.0.content)."""
+    conversations = raw.get("messages")
+    if not (isinstance(conversations, list) and conversations and all(isinstance(c, list) for c in conversations)):
+        raise APIError(ErrorInfo(400, "messages must be a non-empty list of conversations, each a list of messages: "
+                                      "[[{'role': 'user', 'content': ...}], ...].", param="messages"))
+    if raw.get("use_beam_search"):  # vLLM's message
+        raise APIError(ErrorInfo(400, "Batch chat completions do not support beam search. Please set "
+                                      "`use_beam_search` to False.", param="use_beam_search"))
+    bodies = []
+    for k, conversation in enumerate(conversations):
+        try:
+            body = ChatCompletionRequest.model_validate_json(json.dumps({**raw, "messages": conversation}))
+        except ValidationError as e:
+            errors = [{**err, "loc": _conversation_loc(err["loc"], k)} for err in e.errors()]
+            raise RequestValidationError(errors) from None
+        bodies.append(body)
+    first = bodies[0]
+    unsupported = {"stream": first.stream, "n": first.n != 1, "tools": bool(first.tools),
+                   "tool_choice": first.tool_choice is not None, "prompt_logprobs": first.prompt_logprobs is not None}
+    refused = [name for name, bad in unsupported.items() if bad]
+    if refused:
+        raise APIError(ErrorInfo(400, f"the batch endpoint does not support {refused[0]} (vLLM's limits: no streaming, "
+                                      "n = 1, no tools, no prompt_logprobs); send such conversations to "
+                                      "/v1/chat/completions one by one.", param=refused[0]))
+    return bodies
+
+
+def _conversation_loc(loc: tuple, k: int) -> tuple:
+    """A chat body's error location inside conversation k of a batch: messages.0.content -> messages.k.0.content."""
+    return ("messages", k, *loc[1:]) if loc[:1] == ("messages",) else loc
 
 
 _warned_fields: set[str] = set()
@@ -574,6 +639,27 @@ class _AuthMiddleware:
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+
+class _RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: each HTTP response carries `X-Request-Id`, the request's own X-Request-Id
+    header when it sent one, else a new uuid4 in hex (32 characters)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = next((v for k, v in scope.get("headers") or () if k == b"x-request-id"), None)
+        request_id = sent if sent is not None else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _BodyLimitMiddleware:

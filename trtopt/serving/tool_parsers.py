@@ -11,6 +11,13 @@ Parsers, with vLLM's names and the syntax of the models they serve:
     the first `[TOOL_CALLS]` is content. Call ids are 9 letters and digits, as Mistral's templates require.
   - pythonic (Llama 3.2/4, ToolACE): the whole reply is a Python list of calls with literal keyword arguments,
     `[get_weather(city="Paris"), get_time(tz='UTC')]`.
+  - granite (Granite 3.0/3.1): the whole reply is `<|tool_call|>`? `<tool_call>`? then a JSON array of
+    {"name", "arguments"} objects and nothing after it.
+  - granite-20b-fc (granite-20b-functioncalling): `<function_call> {"name", "arguments"}` once per call; text before
+    the first marker is content, text after a call's object is dropped (vLLM's raw_decode).
+  - internlm (InternLM2/2.5): content, then one call `<|action_start|><|plugin|>{"name": ..., "parameters": {...}}`
+    (or "arguments") `<|action_end|>`; anything between the marker and the object's "{" and after the end marker
+    is dropped (InternLM2 makes one call per reply).
 
 A reply that does not follow its parser's syntax (malformed JSON, a call without a name, text where a call must be)
 is plain content with no calls, as in vLLM. Content is the text outside the calls (whitespace right after a call is
@@ -76,7 +83,7 @@ class ToolParser(abc.ABC):
 
     name: ClassVar[str]
     # Marker strings the parser must see in the text: when the tokenizer makes them special tokens, the server
-    # decodes with skip_special_tokens=False (vLLM's adjust_request for hermes and mistral).
+    # decodes with skip_special_tokens=False (vLLM's adjust_request for hermes, mistral and internlm).
     markers: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
@@ -364,8 +371,93 @@ class PythonicToolParser(ToolParser):
                 i = _skip_ws(text, i + 1)
 
 
+class GraniteToolParser(ToolParser):
+    name = "granite"
+    TOKEN, STRING = "<|tool_call|>", "<tool_call>"  # Granite 3.0's special token, Granite 3.1's text
+
+    def parse(self, text: str, *, final: bool) -> Parsed:
+        out = _Builder()
+        i = _skip_ws(text, 0)
+        for marker in (self.TOKEN, self.STRING):
+            if text.startswith(marker, i):
+                i = _skip_ws(text, i + len(marker))
+        if i == len(text):
+            if final:
+                raise NotToolCalls
+            return out.result()
+        if text[i] != "[":
+            if not final and any(m.startswith(text[i:]) for m in (self.TOKEN, self.STRING)):
+                return out.result()  # a marker is forming
+            raise NotToolCalls
+        i = _skip_ws(text, i + 1)
+        while True:
+            e = _object_call(text, i, out, final, ("arguments",), need_arguments=True)
+            if isinstance(e, Parsed):
+                return e
+            if e == len(text):
+                if final:
+                    raise NotToolCalls  # the array never closed
+                return out.result()
+            if text[e] == ",":
+                i = _skip_ws(text, e + 1)
+                continue
+            if text[e] != "]" or text[e + 1:].strip():  # the whole reply is the array (vLLM's json.loads)
+                raise NotToolCalls
+            return out.result()
+
+
+class Granite20bFCToolParser(ToolParser):
+    name = "granite-20b-fc"
+    BOT = "<function_call>"
+    markers = (BOT,)
+
+    def parse(self, text: str, *, final: bool) -> Parsed:
+        out = _Builder()
+        start = text.find(self.BOT)
+        if start < 0:
+            out.text(text if final else _hold_marker(text, self.BOT))
+            return out.result()
+        out.text(text[:start])
+        while True:
+            i = _skip_ws(text, start + len(self.BOT))
+            e = _object_call(text, i, out, final, ("arguments",), need_arguments=True)
+            if isinstance(e, Parsed):
+                return e
+            start = text.find(self.BOT, e)
+            if start < 0:
+                return out.result()  # text after a call's object is not content (vLLM decodes the object only)
+
+
+class Internlm2ToolParser(ToolParser):
+    name = "internlm"
+    START, END = "<|action_start|><|plugin|>", "<|action_end|>"
+    markers = ("<|action_start|>", "<|plugin|>", END)
+
+    def parse(self, text: str, *, final: bool) -> Parsed:
+        out = _Builder()
+        start = text.find(self.START)
+        if start < 0:
+            out.text(text if final else _hold_marker(text, self.START))
+            return out.result()
+        out.text(text[:start])
+        brace = text.find("{", start + len(self.START))
+        if self.END in text[start + len(self.START): len(text) if brace < 0 else brace]:
+            raise NotToolCalls  # the action ended before its object began
+        if brace < 0:
+            if final:
+                raise NotToolCalls
+            return out.result()
+        e = _object_call(text, brace, out, final, ("parameters", "arguments"))
+        if isinstance(e, Parsed):
+            return e
+        if text.startswith(self.END, e) or e == len(text) or (not final and self.END.startswith(text[e:])):
+            return out.result()  # one call per reply: what follows its end marker is dropped
+        raise NotToolCalls
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                        GraniteToolParser, Granite20bFCToolParser, Internlm2ToolParser)
 }
 
 
@@ -479,10 +571,12 @@ class _Object:
     end: int | None  # index past the closing brace; None while open
 
 
-def _object_call(text: str, i: int, out: _Builder, final: bool, argument_keys: tuple[str, ...]) -> int | Parsed:
+def _object_call(text: str, i: int, out: _Builder, final: bool, argument_keys: tuple[str, ...], *,
+                 need_arguments: bool = False) -> int | Parsed:
     """The JSON call object that must start at text[i]: added to `out`, and the index after it (whitespace
     skipped). While streaming, a reply that ends before the object does is what `out` holds so far, with the
-    partial call (a Parsed to return); in a final reply it, or anything but an object here, is NotToolCalls."""
+    partial call (a Parsed to return); in a final reply it, or anything but an object here, is NotToolCalls.
+    need_arguments: an object without one of argument_keys is not a call (else its arguments are {})."""
     if i == len(text):
         if final:
             raise NotToolCalls
@@ -490,7 +584,7 @@ def _object_call(text: str, i: int, out: _Builder, final: bool, argument_keys: t
     if text[i] != "{":
         raise NotToolCalls
     obj = _scan_object(text, i)
-    call = _json_call(text, obj, argument_keys)
+    call = _json_call(text, obj, argument_keys, need_arguments=need_arguments)
     if obj.end is None:
         if final:
             raise NotToolCalls
@@ -545,11 +639,12 @@ def _loads(text: str) -> Any:
         raise NotToolCalls from None
 
 
-def _json_call(s: str, obj: _Object, argument_keys: tuple[str, ...]) -> ParsedCall | None:
+def _json_call(s: str, obj: _Object, argument_keys: tuple[str, ...], *,
+               need_arguments: bool = False) -> ParsedCall | None:
     """The call a {"name": ..., "arguments": {...}} object commits to: None until its name is complete."""
     if obj.end is not None:
         extra = {k for k in argument_keys if k in obj.members}
-        if "name" not in obj.members or len(extra) > 1:
+        if "name" not in obj.members or len(extra) > 1 or (need_arguments and not extra):
             raise NotToolCalls
     name_span = obj.members.get("name")
     if name_span is None or name_span[1] is None:
