@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import inspect
 import json
 import math
@@ -71,6 +70,7 @@ from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq, StepInputs  # noq
 from trtopt.runtime.config import EngineConfig  # noqa: E402
 from trtopt.runtime.engine import LLMEngine  # noqa: E402
 from trtopt.runtime.executors import create_executor  # noqa: E402
+from trtopt.runtime.executors.torch_executor import TorchExecutor  # noqa: E402
 from trtopt.runtime.input_builder import InputBuilder  # noqa: E402
 from trtopt.runtime.sampling_params import SamplingParams  # noqa: E402
 from trtopt.signature import FP8_E4M3_MAX  # noqa: E402
@@ -171,11 +171,17 @@ def with_scales(plan_dir: Path, out: Path, k_scales: list[float], v_scales: list
     return out
 
 
-def open_executor(plan_dir: Path, device: str):
+def open_executor(plan_dir: Path, device: str, attention: str = "kernel"):
     """The torch executor of a plan; on CUDA with CUDA graphs, which an engine over it captures (ppl steps, with a
-    logits row per token, hold no graph bucket and run eagerly through the same kernels)."""
+    logits row per token, hold no graph bucket and run eagerly through the same kernels). attention="reference":
+    every PagedAttention runs its torch reference (fp32 math on the pool's stored values; TorchExecutor
+    reference_ops) instead of the Triton kernel, without CUDA graphs."""
     t0 = time.perf_counter()
-    executor = create_executor("torch", plan_dir, read_plan(plan_dir), device=device, cuda_graphs=device == "cuda")
+    if attention == "reference":
+        executor = TorchExecutor(plan_dir, read_plan(plan_dir), device=device, reference_ops=("PagedAttention",))
+    else:
+        executor = create_executor("torch", plan_dir, read_plan(plan_dir), device=device,
+                                   cuda_graphs=device == "cuda")
     log(f"opened {plan_dir.name} on {device} ({time.perf_counter() - t0:.0f} s)")
     return executor
 
@@ -439,9 +445,9 @@ def ppl_phase(args, source: Path, tokenizer, limits: Limits) -> None:
             log(f"{name}: {notes[name]}")
         else:
             cells.append(CELLS[name])
-    auto = open_executor(build(source, args.cache, CELLS["auto"], limits), args.device)
+    auto = open_executor(build(source, args.cache, CELLS["auto"], limits), args.device, args.attention)
     plans = cell_plans(cells, source, limits, args, auto, calibration)
-    executors = {"auto": auto, **{c.name: open_executor(plans[c.name], args.device) for c in cells[1:]}}
+    executors = {"auto": auto, **{c.name: open_executor(plans[c.name], args.device, args.attention) for c in cells[1:]}}
     log(f"{args.model} ppl: {len(heldout)} windows x {heldout.shape[1]} tokens, {len(executors)} cells")
     results = summarize(perplexities(executors, heldout, batch=args.batch, chunk=args.chunk, plan=auto.plan))
     for name, res in results.items():
@@ -613,7 +619,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache", type=Path, default=Path("/tmp/trtopt-fp8-kv"))
     p.add_argument("--out", type=Path, help="default docs/benchmarks/fp8_kv_<gpu>.json (fp8_kv_cpu.json on the CPU)")
     p.add_argument("--attention", choices=("kernel", "reference"), default="kernel",
-                   help="reference: every cell's PagedAttention runs the torch reference (fp32 math on the pool's "
+                   help="reference: every cell's PagedAttention runs its torch reference (fp32 math on the pool's "
                         "values, plugins/paged_attention/reference.py) instead of the Triton kernel, which separates "
                         "the cost of storing e4m3 from the kernel's own arithmetic; results go under ppl[<model>"
                         "@reference]")
@@ -631,24 +637,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def use_reference_attention() -> None:
-    """Route every PagedAttention call of the executors opened from now on to the torch reference (the op's
-    dispatch, trtopt_ops._impl, is cached per (op, device type); its entry for paged_attention is replaced)."""
-    from trtopt.runtime.executors import trtopt_ops
-
-    kernel_impl = trtopt_ops._impl
-
-    @functools.cache
-    def impl(op: str, device_type: str):
-        return trtopt_ops._impl_reference(op) if op == "paged_attention" else kernel_impl(op, device_type)
-
-    trtopt_ops._impl = impl
-
-
 def main() -> None:
     args = parse_args()
-    if args.attention == "reference":
-        use_reference_attention()
     args.cache.mkdir(parents=True, exist_ok=True)
     log(f"{args.model} {args.dtype} on {device_name(args.device)}: {args.only} -> {args.out}")
     source = export(args.model, args.dtype, args.cache)

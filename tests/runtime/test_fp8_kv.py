@@ -230,3 +230,28 @@ def test_compile_mode_refuses_an_fp8_plan_with_a_config_error(fp8_plan):
 
     with pytest.raises(ConfigError, match="does not run a plan built with --kv-cache-dtype fp8"):
         create_executor("torch", fp8_plan, read_plan(fp8_plan), compile_mode="default")
+
+
+def test_reference_ops_runs_the_fp8_pool_through_the_torch_reference(engine, plans):
+    """TorchExecutor(reference_ops=("PagedAttention",)) (benchmarks/fp8_kv.py --attention reference): the same
+    greedy tokens as the executor's own path on the FP8 pools, through the reference function; an op without a
+    reference path is refused."""
+    from trtopt.runtime.engine import LLMEngine
+    from trtopt.runtime.executors import trtopt_ops
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    reference = TorchExecutor(plans["fp8"], read_plan(plans["fp8"]), reference_ops=("PagedAttention",))
+    calls = [n for n in reference.graph.module.graph.nodes if n.op == "call_function"]
+    assert any(n.target is trtopt_ops.paged_attention_reference for n in calls)
+    assert not any(n.target is trtopt_ops.paged_attention for n in calls)
+    prompts = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17"]
+    outputs = []
+    for eng in (engine("fp8"), LLMEngine(reference, read_plan(plans["fp8"]), load_tokenizer(plans["fp8"]),
+                                         EngineConfig(max_model_len=128))):
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        done = run_all(eng)
+        outputs.append([done[str(i)].outputs[0].token_ids for i in range(len(prompts))])
+    assert outputs[0] == outputs[1]
+    with pytest.raises(ValueError, match="reference path"):
+        TorchExecutor(plans["fp8"], read_plan(plans["fp8"]), reference_ops=("RMSNorm",))

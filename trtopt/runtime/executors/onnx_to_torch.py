@@ -41,7 +41,7 @@ import torch.fx
 from trtopt.errors import BuildError
 from trtopt.plugins.common import ZERO_INPUT_PREFIX
 from trtopt.runtime.executors.onnx_ops import MIN_OPSET, ONNX_TO_TORCH_DTYPE, STANDARD_OPS, OpSpec, as_ints
-from trtopt.runtime.executors.trtopt_ops import IMPURE_OPS, TRTOPT_OPS
+from trtopt.runtime.executors.trtopt_ops import IMPURE_OPS, REFERENCE_OPS, TRTOPT_OPS
 
 if TYPE_CHECKING:
     from trtopt.plugins.paged_attention.planning import PagedLaunchState
@@ -169,13 +169,16 @@ PAGED_STATE_ATTR = "paged_state"
 
 class _Converter:
     def __init__(self, model: ir.Model, *, device: torch.device, body_ops: Collection[str],
-                 paged_state: PagedLaunchState | None = None):
+                 paged_state: PagedLaunchState | None = None, reference_ops: Collection[str] = ()):
         self.model = model
         self.device = device
         self.paged_state = paged_state
         self.paged_state_node: torch.fx.Node | None = None  # the get_attr of it, made at the first PagedAttention
         self.split = device.type != "cpu"  # host and device differ: track where each value lives
         self.body_ops = frozenset(body_ops)  # trtopt op types to run from their function body
+        self.reference_ops = frozenset(reference_ops)  # trtopt op types to run through their torch reference
+        if unknown := self.reference_ops - set(REFERENCE_OPS):
+            raise ValueError(f"reference_ops {sorted(unknown)}: only {sorted(REFERENCE_OPS)} have a reference path")
         self.graph = torch.fx.Graph()
         self.root = torch.nn.Module()
         self.names: set[str] = set()
@@ -358,7 +361,9 @@ class _Converter:
         if domain == "":
             return STANDARD_OPS.get(op)
         if domain == "trtopt":
-            return None if op in self.body_ops else TRTOPT_OPS.get(op)
+            if op in self.body_ops:
+                return None
+            return REFERENCE_OPS[op] if op in self.reference_ops else TRTOPT_OPS.get(op)
         return _CONTRIB_OPS.get((domain, op))
 
     def emit_call(self, spec: OpSpec, inputs: list[_Value], kwargs: dict, num_outputs: int, pure: bool, *,
@@ -474,14 +479,17 @@ def onnx_to_torch(
     device: torch.device | str = "cpu",
     body_ops: Collection[str] = (),
     paged_state: PagedLaunchState | None = None,
+    reference_ops: Collection[str] = (),
 ) -> ConvertedGraph:
     """Convert an ONNX model into a torch.fx GraphModule on `device`.
 
     body_ops: trtopt op types to run from their ONNX function body instead of the torch implementation (tests use
     it to check the two agree). paged_state: what every PagedAttention call of the module is given
-    (trtopt_ops.paged_launch_state; the caller owns it); None: each call makes its own. Raises UnsupportedOpError
-    naming the op, domain, opset and node it cannot convert.
+    (trtopt_ops.paged_launch_state; the caller owns it); None: each call makes its own. reference_ops: trtopt op types
+    (of trtopt_ops.REFERENCE_OPS) to run through their torch reference on every device instead of the kernel. Raises
+    UnsupportedOpError naming the op, domain, opset and node it cannot convert.
     """
     if not isinstance(model, ir.Model):
         model = load_onnx(model)
-    return _Converter(model, device=torch.device(device), body_ops=body_ops, paged_state=paged_state).convert()
+    return _Converter(model, device=torch.device(device), body_ops=body_ops, paged_state=paged_state,
+                      reference_ops=reference_ops).convert()

@@ -49,6 +49,9 @@ class TorchExecutor(Executor):
     Triton kernel (kernels/argmax.py), off through torch.argmax (an ablation). Both are read whenever graphs are
     captured (capture_graphs), so a benchmark may change the attributes between engines on one executor.
 
+    reference_ops (default none): trtopt op types (trtopt_ops.REFERENCE_OPS: PagedAttention) run through their torch
+    reference on every device instead of the kernel (fp32 math on the stored pool values; an ablation, slow).
+
     The module's KV inputs are this executor's pools; trtopt::PagedAttention writes them in place and returns the
     same tensor as kv_cache_out. If a layer's kv_cache_out is a new tensor instead (a plan whose attention runs as
     its ONNX function body), it is copied back so the pool stays the one source of truth.
@@ -62,7 +65,8 @@ class TorchExecutor(Executor):
     def __init__(self, plan_dir: str | Path, plan: PlanConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
                  compile_mode: str | None = None, fuse_rope_kv: bool = True, decode_gemv: bool | None = None,
-                 gemv_rope_kv: bool = True, argmax_in_graph: bool = True, argmax_kernel: bool = True):
+                 gemv_rope_kv: bool = True, argmax_in_graph: bool = True, argmax_kernel: bool = True,
+                 reference_ops: Sequence[str] = ()):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -84,7 +88,7 @@ class TorchExecutor(Executor):
         # sets it as the current one around each forward (trtopt_ops.CURRENT_PAGED_STATE) and the op reads it there.
         self.paged_state = trtopt_ops.paged_launch_state(self.device)
         self.graph: ConvertedGraph = onnx_to_torch(Path(plan_dir) / MODEL_FILE, device=self.device,
-                                                   body_ops=body_ops,
+                                                   body_ops=body_ops, reference_ops=reference_ops,
                                                    paged_state=None if compile_mode else self.paged_state)
         # RoPE as one kernel on CUDA (bit-identical ops elsewhere): ~14 fewer launches per layer. Under torch.compile
         # Inductor fuses the unfused ops itself (torch_library.py).

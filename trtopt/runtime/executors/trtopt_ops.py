@@ -205,6 +205,19 @@ def all_gather(x, *, world_size: int, axis: int = -1):
     return all_gather_ref(x, world_size=world_size, axis=axis)
 
 
+def paged_attention_reference(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
+                              alibi_slopes=None, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                              causal: int = 1, sliding_window: int = 0, state: PagedLaunchState | None = None,
+                              kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
+    """trtopt::PagedAttention through its torch reference on any device (fp32 math on the pool's stored values;
+    `state` is not needed): what TorchExecutor(reference_ops=("PagedAttention",)) runs, so a benchmark can tell the
+    cost of storing a pool's dtype from the kernel's own arithmetic (benchmarks/fp8_kv.py --attention reference)."""
+    return _impl_reference("paged_attention")(
+        q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, causal=causal, sliding_window=sliding_window,
+        alibi_slopes=alibi_slopes, **_fp8_scales(kv_cache_dtype, k_scale, v_scale))
+
+
 # Ops with side effects on an input (the KV pool) are never constant-folded nor deduplicated by the converter.
 TRTOPT_OPS: dict[str, OpSpec] = {
     "PagedAttention": OpSpec(paged_attention),
@@ -219,5 +232,7 @@ TRTOPT_OPS: dict[str, OpSpec] = {
     "AddRMSNorm": OpSpec(add_rms_norm),
     "Rope": OpSpec(rope),
 }
+# The trtopt ops a converter can be asked to run through their torch reference instead (onnx_to_torch reference_ops).
+REFERENCE_OPS: dict[str, OpSpec] = {"PagedAttention": OpSpec(paged_attention_reference)}
 # AllReduce and AllGather are collectives: folding or deduplicating one would desynchronise the ranks' call sequences.
 IMPURE_OPS = frozenset({("trtopt", "PagedAttention"), ("trtopt", "AllReduce"), ("trtopt", "AllGather")})
