@@ -1,8 +1,9 @@
 """Gemma-3-270m's CUDA path at its exact shapes and attributes: each Triton kernel that the torch executor runs on
 CUDA in place of the CPU path's op (trtopt_ops.py `_impl`), against that op's torch reference.
 
-Why these shapes: the bf16 Gemma-3-270m plan gave perplexity 2770 on an H200 where the CPU gives ~10 (session 20),
-and no other GPU test runs what Gemma alone has: head_dim 256 (BLOCK_D 256: the prefill tile is 128 x 256, at the
+Why these shapes: the bf16 Gemma-3-270m plan gave perplexity 2770 on an H200 where the CPU gives ~13 (session 20;
+the cause turned out to be the GPU image's transformers 5.17 converting the GGUF tokenizer character by character,
+trtopt/export/models.py `check_gemma3_tokenizer`), and no other GPU test runs what Gemma alone has: head_dim 256 (BLOCK_D 256: the prefill tile is 128 x 256, at the
 register limit and past 48 KB of shared memory), one KV head for four query heads, hidden 640, a 512-token window
 on five layers of six beside global layers with their own RoPE table (base 1M, linear scaling 8), RMSNorm over fp32
 with an fp32 (1 + w) scale, and GELU-tanh·mul on the two halves of one gate/up projection.
