@@ -91,8 +91,9 @@ def test_which_backend_overrides_what():
     for cls in (OrtExecutor, TrtExecutor):
         assert cls.resolves_placeholders is False and cls.last_greedy_tokens is None and cls.graphs is None
         assert cls.capture_graphs is Executor.capture_graphs and cls.shutdown is Executor.shutdown
-    # Tensor parallel: placeholders and greedy tokens stay the defaults; graphs, capture and shutdown are its own.
-    assert TensorParallelExecutor.resolves_placeholders is False and TensorParallelExecutor.last_greedy_tokens is None
+    # Tensor parallel: it resolves placeholders (the sampled ids broadcast to every rank); greedy tokens stay the
+    # default; graphs, capture and shutdown are its own.
+    assert TensorParallelExecutor.resolves_placeholders is True and TensorParallelExecutor.last_greedy_tokens is None
     assert isinstance(TensorParallelExecutor.graphs, property)
     for name in ("capture_graphs", "set_cuda_graphs", "shutdown"):
         assert getattr(TensorParallelExecutor, name) is not getattr(Executor, name), name

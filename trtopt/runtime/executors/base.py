@@ -29,7 +29,7 @@ class Executor(abc.ABC):
       num_blocks: blocks in each layer's pool, the null block 0 included; 0 until allocate_kv_cache().
 
     Capabilities (default here → who overrides):
-      resolves_placeholders: False → TorchExecutor. True: execute() fills async scheduling's placeholder input ids
+      resolves_placeholders: False → TorchExecutor, TensorParallelExecutor. True: execute() fills async scheduling's placeholder input ids
         from StepInputs.sampled_ids on its device, so the engine hands it the previous step's tokens without waiting
         for them. False: the engine fills them on the host before execute().
       last_greedy_tokens: None → TorchExecutor. int64 [N] on the device: the greedy argmax of the last execute()'s
