@@ -1,4 +1,5 @@
-"""A live `trtopt serve` subprocess for tests: start it on a free 127.0.0.1 port, read its /metrics."""
+"""A live `trtopt serve` subprocess for tests: start it on a free 127.0.0.1 port, read its /metrics; or an app over an
+engine made in the test, served by uvicorn in a thread (`app_in_thread`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +35,28 @@ def wait_healthy(base_url: str, timeout: float, alive=lambda: True) -> bool:
             pass  # not listening yet
         time.sleep(0.05)
     return False
+
+
+@contextlib.contextmanager
+def app_in_thread(engine, model: str = "m", **app_options):
+    """create_app(engine, model, **app_options) (api_key, max_body_bytes, options=ServerOptions(...)) served by
+    uvicorn on a free 127.0.0.1 port in a daemon thread; yields its base URL once /health answers."""
+    import uvicorn
+
+    from trtopt.serving.server import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model, **app_options), host="127.0.0.1", port=port,
+                                           log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    assert wait_healthy(base, 30), "the app did not come up"
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(20)
 
 
 @dataclasses.dataclass

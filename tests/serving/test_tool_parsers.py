@@ -5,9 +5,7 @@ client) on a model-free executor that says a scripted reply in SmolLM2's tokens.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 
 import pytest
 
@@ -198,26 +196,13 @@ def test_special_markers_are_kept_only_where_the_tokenizer_hides_them():
 
 # ---- the live server ------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
 def _live_server(tokenizer, executor, **options):
-    import uvicorn
-
-    from live_server import free_port, wait_healthy
-    from trtopt.serving.server import ServerOptions, create_app
+    """A live app over a scripted engine with these ServerOptions."""
+    from live_server import app_in_thread
+    from trtopt.serving.server import ServerOptions
 
     engine = scripted_engine(executor, tokenizer, max_model_len=512, max_num_seqs=4, num_blocks=256)
-    app = create_app(engine, "m", options=ServerOptions(**options))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    wait_healthy(base, 30)
-    try:
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    return app_in_thread(engine, options=ServerOptions(**options))
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 
 import httpx
 import pytest
 import torch
 
-from scripted import EOS, VOCAB, ScriptedExecutor, scripted_engine
-from trtopt.runtime.executors.base import Executor
+from scripted import EOS, VOCAB, ModelFreeExecutor, ScriptedExecutor, scripted_engine
 
 MODEL = "m"
 WORDS = [" one", " two", " three", " four", " five", " six", " seven", " eight"]
 
 
-class PositionExecutor(Executor):
+class PositionExecutor(ModelFreeExecutor):
     """The token after position p is WORDS[(p + 1) % 8]: a reply depends on its prompt's length, so replies to
     prompts of different lengths differ. Records how many sequences each step ran (its logits rows)."""
 
@@ -33,40 +31,16 @@ class PositionExecutor(Executor):
     def reply(self, prompt_len: int, max_tokens: int) -> str:
         return "".join(WORDS[(prompt_len + i) % len(WORDS)] for i in range(max_tokens))
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        pass
-
-    def copy_blocks(self, pairs) -> None:
-        pass
-
-    def execute(self, step) -> torch.Tensor:
-        positions = step.position_ids[0, step.logits_indices].tolist()  # [N]: each row's last position
+    def next_ids(self, positions: list[int]) -> list[int]:
         self.rows_per_step.append(len(positions))
-        logits = torch.full((len(positions), VOCAB), -1e4)  # [N, vocab]
-        nexts = [self.ids[(p + 1) % len(self.ids)] for p in positions]
-        logits[torch.arange(len(positions)), torch.tensor(nexts, dtype=torch.int64)] = 0.0
-        return logits
+        return [self.ids[(p + 1) % len(self.ids)] for p in positions]
 
 
-@contextlib.contextmanager
 def _live_server(engine, **options):
-    import uvicorn
+    from live_server import app_in_thread
+    from trtopt.serving.server import ServerOptions
 
-    from live_server import free_port, wait_healthy
-    from trtopt.serving.server import ServerOptions, create_app
-
-    app = create_app(engine, MODEL, options=ServerOptions(**options))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    assert wait_healthy(base, 30), "the app did not come up"
-    try:
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    return app_in_thread(engine, MODEL, options=ServerOptions(**options))
 
 
 @pytest.fixture(scope="module")

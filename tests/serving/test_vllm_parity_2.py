@@ -4,8 +4,6 @@ reaches the chat template (test_chat.py::test_custom_role), and --enable-request
 
 from __future__ import annotations
 
-import contextlib
-import threading
 
 import httpx
 import pytest
@@ -16,26 +14,13 @@ KEY = "secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@contextlib.contextmanager
 def _live_server(tokenizer, executor, *, api_key=None, **options):
-    import uvicorn
-
-    from live_server import free_port, wait_healthy
-    from trtopt.serving.server import ServerOptions, create_app
+    """A live app over a scripted engine (a 4 KiB body limit) with these ServerOptions."""
+    from live_server import app_in_thread
+    from trtopt.serving.server import ServerOptions
 
     engine = scripted_engine(executor, tokenizer, max_model_len=512, max_num_seqs=4, num_blocks=256)
-    app = create_app(engine, "m", api_key=api_key, max_body_bytes=4096, options=ServerOptions(**options))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    wait_healthy(base, 30)
-    try:
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(20)
+    return app_in_thread(engine, api_key=api_key, max_body_bytes=4096, options=ServerOptions(**options))
 
 
 @pytest.fixture(scope="module")
