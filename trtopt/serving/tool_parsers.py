@@ -243,22 +243,11 @@ class MistralToolParser(ToolParser):
 
     def _array(self, text: str, i: int, out: _Builder, final: bool) -> Parsed:
         """Before v11: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`."""
-        i = _skip_ws(text, i + 1)
-        while True:
-            e = _object_call(text, i, out, final, ("arguments",))
-            if isinstance(e, Parsed):
-                return e
-            if e == len(text):
-                if final:
-                    raise NotToolCalls  # the array never closed
-                return out.result()
-            if text[e] == ",":
-                i = _skip_ws(text, e + 1)
-                continue
-            if text[e] != "]":
-                raise NotToolCalls
-            out.text(text[e + 1:])
-            return out.result()
+        end = _call_array(text, i, out, final)
+        if isinstance(end, Parsed):
+            return end
+        out.text(text[end:])
+        return out.result()
 
     def _named(self, text: str, pos: int, out: _Builder, final: bool) -> Parsed:
         """v11+: `[TOOL_CALLS]name{arguments}` per call (`[ARGS]` may follow the name)."""
@@ -389,21 +378,12 @@ class GraniteToolParser(ToolParser):
             if not final and any(m.startswith(text[i:]) for m in (self.TOKEN, self.STRING)):
                 return out.result()  # a marker is forming
             raise NotToolCalls
-        i = _skip_ws(text, i + 1)
-        while True:
-            e = _object_call(text, i, out, final, ("arguments",), need_arguments=True)
-            if isinstance(e, Parsed):
-                return e
-            if e == len(text):
-                if final:
-                    raise NotToolCalls  # the array never closed
-                return out.result()
-            if text[e] == ",":
-                i = _skip_ws(text, e + 1)
-                continue
-            if text[e] != "]" or text[e + 1:].strip():  # the whole reply is the array (vLLM's json.loads)
-                raise NotToolCalls
-            return out.result()
+        end = _call_array(text, i, out, final, need_arguments=True)
+        if isinstance(end, Parsed):
+            return end
+        if text[end:].strip():  # the whole reply is the array (vLLM's json.loads)
+            raise NotToolCalls
+        return out.result()
 
 
 class Granite20bFCToolParser(ToolParser):
@@ -512,6 +492,26 @@ def _hold_marker(tail: str, marker: str) -> str:
         if tail.endswith(marker[:k]):
             return tail[:-k]
     return tail
+
+
+def _call_array(text: str, i: int, out: _Builder, final: bool, *, need_arguments: bool = False) -> Parsed | int:
+    """The `{"name", "arguments"}` calls of the JSON array opened at text[i] == "[", added to ``out``: the index after
+    its "]", or the result so far (a Parsed) while the array is unfinished. NotToolCalls when it is no such array."""
+    i = _skip_ws(text, i + 1)
+    while True:
+        e = _object_call(text, i, out, final, ("arguments",), need_arguments=need_arguments)
+        if isinstance(e, Parsed):
+            return e
+        if e == len(text):
+            if final:
+                raise NotToolCalls  # the array never closed
+            return out.result()
+        if text[e] == ",":
+            i = _skip_ws(text, e + 1)
+            continue
+        if text[e] != "]":
+            raise NotToolCalls
+        return e + 1
 
 
 def _skip_ws(s: str, i: int) -> int:
