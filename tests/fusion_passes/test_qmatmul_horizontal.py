@@ -12,28 +12,19 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from graphs import FLOAT, model, op_types
+from test_qmatmul import session  # ORT with its QDQ fusions off, as the quantized graphs run
 from onnx import TensorProto, helper, numpy_helper
 
 from trtopt.fusion_passes.horizontal_matmul import MEMBERS_KEY, fuse_horizontal_matmul, members
 from trtopt.fusion_passes.qmatmul import fuse_qmatmul
 from trtopt.fusion_passes.trace import Trace
-from trtopt.plugins import attach_functions
 
 RNG = np.random.default_rng(7)
 K = 64
 FP8 = ml_dtypes.float8_e4m3fn
 WIDTHS = {"q": 32, "k": 16, "v": 16, "g": 48, "u": 48}  # q/k/v read x, gate/up read h
-
-
-def session(proto: onnx.ModelProto) -> ort.InferenceSession:
-    proto = attach_functions(proto)
-    onnx.checker.check_model(proto, full_check=True)
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_quant_qdq", "1")
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _weight(n: int, form: str, group: int):
