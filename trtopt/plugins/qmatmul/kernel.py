@@ -45,7 +45,7 @@ from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
 from trtopt.plugins.qmatmul.gemm import (SCALED_MM_MIN_ROWS, fp8_scaled_mm, gemm_supported, qgemm,
                                          quantize_fp8_rows, scaled_mm_supported)
-from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, x_chunk
+from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_NONE
@@ -131,16 +131,8 @@ def _qgemv_int4(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     acc_tile = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
     for t in tl.static_range(K_TILES):
-        offs_g = t * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
-        g_ok = offs_g < GROUPS
-        w_ptr = W + safe_n[:, None, None] * stride_wn + offs_g[None, :, None] * WORDS + offs_j[None, None, :]
-        s_off = safe_n[:, None] * stride_sn + offs_g[None, :]
-        if GROUPS % TILE_GROUPS == 0:
-            b = tl.load(w_ptr)  # [BLOCK_N, TILE_GROUPS, WORDS] int32
-            s = tl.load(S + s_off).to(tl.float32)  # [BLOCK_N, TILE_GROUPS]
-        else:
-            b = tl.load(w_ptr, mask=g_ok[None, :, None], other=0)
-            s = tl.load(S + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32)
+        b, s, offs_g, g_ok, s_off = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS, GROUPS,
+                                                   WORDS)
         b = b.to(tl.uint32, bitcast=True)  # logical shifts: plane 7 needs no sign handling
         if ZERO >= 0:
             off = tl.full((BLOCK_N, TILE_GROUPS, 1), 8388608.0 + ZERO, tl.float32)

@@ -42,6 +42,25 @@ F16_MINUS_64 = tl.constexpr(0xD400)  # -64.0; -(64 + z') = F16_MINUS_64 + 16·z'
 
 
 @triton.jit
+def load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS: tl.constexpr, GROUPS: tl.constexpr,
+                   WORDS: tl.constexpr):
+    """K tile t of an INT4 GEMV (this module's and kernel.py's `_qgemv_int4`): the words [BLOCK_N, TILE_GROUPS,
+    WORDS] int32 of columns safe_n, their group scales [BLOCK_N, TILE_GROUPS] in fp32, the tile's group indices and
+    mask, and the scales' offsets (the zero points share them). Groups past GROUPS read as zeros."""
+    offs_g = t * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+    g_ok = offs_g < GROUPS
+    w_ptr = W + safe_n[:, None, None] * stride_wn + offs_g[None, :, None] * WORDS + offs_j[None, None, :]
+    s_off = safe_n[:, None] * stride_sn + offs_g[None, :]
+    if GROUPS % TILE_GROUPS == 0:
+        b = tl.load(w_ptr)
+        s = tl.load(S + s_off).to(tl.float32)
+    else:
+        b = tl.load(w_ptr, mask=g_ok[None, :, None], other=0)
+        s = tl.load(S + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32)
+    return b, s, offs_g, g_ok, s_off
+
+
+@triton.jit
 def _dequant(b, zlo, zhi, ASM: tl.constexpr):
     """b: int32 words (nibble planes) → four int32 holding half2 (q − z of plane p, of plane p + 4), p = 0..3.
     zlo: half2 (1024 + z', 1024 + z'); zhi: half2 (−(64 + z'), −(64 + z')), as int32 bits."""
@@ -199,16 +218,8 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
     if ROWS == 2:
         up1, down1 = _row_scale(X + (row0 + 1) * stride_xm, tl.where(row0 + 1 < M, K, 0), K, X_CHUNK)
     for t in tl.static_range(K_TILES):
-        offs_g = t * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
-        g_ok = offs_g < GROUPS
-        w_ptr = W + safe_n[:, None, None] * stride_wn + offs_g[None, :, None] * WORDS + offs_j[None, None, :]
-        s_off = safe_n[:, None] * stride_sn + offs_g[None, :]
-        if GROUPS % TILE_GROUPS == 0:
-            b = tl.load(w_ptr)  # [BLOCK_N, TILE_GROUPS, WORDS] int32
-            s = tl.load(S + s_off).to(tl.float32)  # [BLOCK_N, TILE_GROUPS]
-        else:
-            b = tl.load(w_ptr, mask=g_ok[None, :, None], other=0)
-            s = tl.load(S + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32)
+        b, s, offs_g, g_ok, s_off = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS, GROUPS,
+                                                   WORDS)
         if ZERO >= 0:
             zlo = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_1024 + ZERO) * 65537, tl.int32)
             # the half2 −(64 + z') twice is above 2³¹: its int32 bits are the value − 2³²
