@@ -63,8 +63,10 @@ TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 
 MAX_TILE_K = 4096  # at most this many K values of one column per tile
 # The INT4/UINT4 GEMV `qgemv` runs when not told (variant=None): "fp32" (`_qgemv_int4` below) or "half2"
 # (kernel_half2.py: packed half2 math, bf16/fp16 x only; fp32 x always runs "fp32"). benchmarks/bench_qmatmul.py
-# --int4-gemv times both in one run; "half2" becomes the default here once a GPU run shows it faster.
-INT4_GEMV_VARIANT = "fp32"
+# --int4-gemv times both in one run: on an H200 (docs/benchmarks/qmatmul_int4_gemv_h200.json) "half2" takes Llama-8B's
+# four projections at one row 1.3-1.6x faster than bf16 where "fp32" is 0.9-1.2x, and batch-1 decode of the 8B shape
+# from 0.95x to 1.24x of bf16 (docs/benchmarks/quant_e2e_nvidia_h200.json).
+INT4_GEMV_VARIANT = "half2"
 INT4_GEMV_VARIANTS = ("fp32", "half2")
 
 

@@ -270,8 +270,10 @@ def default_config_half2(rows: int, n: int, k: int, group: int) -> tuple[int, in
     read and packed once for all eight), 2 warps, K tiles of 1024 · num_warps values (whole groups; the last one
     masked when it does not divide K): at that size the compiler gives x's tile the weight tile's register layout,
     with no shared-memory shuffle of x between them (sm_90a SASS: ~3 instructions a weight value at one row, 3.5
-    with the program's fixed costs at K = 4096; kernel.py's fp32 GEMV ~7.6). Not tuned on a GPU yet:
-    benchmarks/bench_qmatmul.py --int4-configs times alternatives."""
-    warps = 2
+    with the program's fixed costs at K = 4096; kernel.py's fp32 GEMV ~7.6). Two rows take 4 warps and tiles of
+    4096: on an H200 (docs/benchmarks/qmatmul_int4_gemv_h200.json, Llama-8B's projections) that config beat the
+    2-warp one at M = 2 on every projection but O (1.04-1.18x of bf16 against 0.64-1.03x), while at M = 1 the 2-warp
+    one was best or within 12%. benchmarks/bench_qmatmul.py --int4-configs times alternatives."""
+    warps = 4 if rows >= 2 else 2
     tile_k = max(group, min(1024 * warps, triton.next_power_of_2(k)))
     return 8, tile_k, warps
