@@ -37,6 +37,12 @@ SHAPES_1B = [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), (
              ("lm_head", 2048, 128256)]
 SHAPES_SMOLLM2 = [("smollm2_qkv", 576, 960), ("smollm2_o", 576, 576), ("smollm2_gate_up", 576, 3072),
                   ("smollm2_down", 1536, 576), ("smollm2_lm_head", 576, 49152)]
+# Llama-3-8B's projections and their tensor-parallel shards at N = 2 (column-parallel Q/K/V and gate/up keep K and
+# halve N; row-parallel O and down halve K): does a rank's GEMV keep the bandwidth of the whole one (`--shapes` picks
+# them; not in the default set).
+SHAPES_8B = [("8b_qkv", 4096, 6144), ("8b_o", 4096, 4096), ("8b_gate_up", 4096, 28672), ("8b_down", 14336, 4096)]
+SHAPES_8B_TP2 = [("8b_tp2_qkv", 4096, 3072), ("8b_tp2_o", 2048, 4096), ("8b_tp2_gate_up", 4096, 14336),
+                 ("8b_tp2_down", 7168, 4096)]
 TINY = [("tiny_qkv", 64, 96), ("tiny_down", 128, 64), ("tiny_gate_up", 64, 160)]
 
 
@@ -135,7 +141,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="three tiny shapes, two configs (a smoke run)")
     ap.add_argument("--ms", type=int, nargs="*", default=[1, 2, 4])
-    ap.add_argument("--shapes", nargs="*", default=None, help="shape names to run (default: all)")
+    ap.add_argument("--shapes", nargs="*", default=None, help="shape names to run (default: the 1.24B and SmolLM2 ones; also 8b_* and 8b_tp2_*)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--l2-multiple", type=float, default=4.0,
                     help="weight copies per graph: enough to be this many times the L2 size (HBM-bound calls)")
@@ -148,7 +154,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = TINY if args.tiny else SHAPES_1B + SHAPES_SMOLLM2
     if args.shapes:
-        shapes = [s for s in shapes if s[0] in args.shapes]
+        shapes = [s for s in shapes + SHAPES_8B + SHAPES_8B_TP2 if s[0] in args.shapes]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 1 << 20
     data = {"benchmark": "gemv", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
