@@ -245,7 +245,7 @@ _VALUE = {"--port": "--port", "--host": "--host", "--api-key": "--api-key", "--r
           "--max-logprobs": "--max-logprobs"}
 _BOOL = {"--enable-auto-tool-choice", "--enable-server-load-tracking", "--enable-force-include-usage",
          "--enable-tokenizer-info-endpoint", "--trust-request-chat-template", "--return-tokens-as-token-ids",
-         "--enable-request-id-headers"}
+         "--enable-request-id-headers", "--enable-sleep-mode"}
 _BOOL_RENAMED = {"--enforce-eager": "--eager"}
 
 
@@ -310,6 +310,8 @@ class RemoteOpenAIServer:
         if auto_port:
             args += ["--port", str(_get_open_port())]
         targs, dropped, self.loras = map_args(model, args)
+        if (override_hf_configs or {}).get("model_type") in ("kimi_k2", "kimi_k25"):  # vLLM picks ids by model_type
+            targs += ["--tool-call-id-type", "kimi_k2"]
         self.host = targs[targs.index("--host") + 1] if "--host" in targs else "127.0.0.1"
         self.port = int(targs[targs.index("--port") + 1])
         self.uds = None

@@ -48,7 +48,7 @@ CORPUS: dict[str, tuple[str, object]] = {
     "stream_options without stream": (C, _c(stream_options={"include_usage": True})),
     "chat stream_options without stream": (CHAT, _chat(stream=False, stream_options={"include_usage": False})),
     "model int": (C, _c(model=5)),
-    "model missing": (C, {"prompt": "hi"}),
+    "model empty": (C, _c(model="")),  # a left-out model is the served one (vLLM's rule); "" names none
     "chat logprobs string": (CHAT, _chat(logprobs="yes")),
     "chat logprobs int": (CHAT, _chat(logprobs=1)),
     # ---- non-finite numbers via raw JSON

@@ -79,9 +79,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
-def test_a_tool_call_cut_short_is_the_same_in_both_modes(client, tool_choice):
-    """max_tokens cuts the forced call: never partial JSON in message.content. A named call keeps its partial
-    arguments (what the stream sent), "required" gives empty content and no calls; streamed == non-streamed."""
+def test_a_tool_call_cut_short_is_never_content(client, tool_choice):
+    """max_tokens cuts the forced call: never partial JSON in message.content, and no tool calls in the whole
+    response (OpenAI's answer; vLLM's test_max_tokens_with_tool_choice_required). A named call's stream has sent its
+    partial arguments; "required" streams each call whole, so nothing of it."""
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
                   tool_choice=tool_choice, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     full = client.chat.completions.create(**kwargs).choices[0]
@@ -92,8 +93,5 @@ def test_a_tool_call_cut_short_is_the_same_in_both_modes(client, tool_choice):
     streamed_args = "".join(tc.function.arguments or "" for d in deltas for tc in (d.tool_calls or []))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert not full.message.content and not streamed_content
-    if tool_choice == "required":
-        assert full.message.tool_calls == [] and streamed_args == ""
-    else:
-        (call,) = full.message.tool_calls
-        assert call.function.name == "get_weather" and call.function.arguments == streamed_args != ""
+    assert full.message.tool_calls == []
+    assert (streamed_args != "") == (tool_choice != "required")

@@ -73,6 +73,16 @@ def serve(
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
                                                    help="Every response carries X-Request-Id: the request's own, else "
                                                    "a new id (vLLM's flag)."),
+    server_dev_mode: bool = typer.Option(False, "--server-dev-mode",
+                                         envvar=["TRTOPT_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE"],
+                                         help="Serve vLLM's dev-mode routes POST /sleep, POST /wake_up and GET "
+                                         "/is_sleeping (or set TRTOPT_SERVER_DEV_MODE=1 or VLLM_SERVER_DEV_MODE=1)."),
+    enable_sleep_mode: bool = typer.Option(False, "--enable-sleep-mode",
+                                           help="POST /sleep?level=1 may free the KV cache (vLLM's flag; level 0, a "
+                                           "pause, needs only --server-dev-mode)."),
+    tool_call_id_type: str = typer.Option(None, "--tool-call-id-type",
+                                          help="Tool call ids: random, or kimi_k2 (functions.<name>:<index>); default "
+                                          "from the plan's model_type, as vLLM picks them."),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
     `stream: true`), /health and /metrics (Prometheus), plus vLLM's /tokenize, /detokenize, /version, /load,
@@ -100,7 +110,7 @@ def serve(
     from trtopt.runtime.engine import LLMEngine
     from trtopt.serving.reasoning import get_reasoning_parser
     from trtopt.serving.server import ServerOptions, create_app, run_server
-    from trtopt.serving.tool_parsers import check_tool_options
+    from trtopt.serving.tool_parsers import check_tool_options, tool_call_id_type as id_type_of
 
     if reasoning_parser is not None:
         get_reasoning_parser(reasoning_parser)  # an unknown name fails now, before the plan loads
@@ -127,7 +137,9 @@ def serve(
                             trust_request_chat_template=trust_request_chat_template,
                             return_tokens_as_token_ids=return_tokens_as_token_ids, reasoning_parser=reasoning_parser,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                            enable_request_id_headers=enable_request_id_headers)
+                            enable_request_id_headers=enable_request_id_headers, server_dev_mode=server_dev_mode,
+                            enable_sleep_mode=enable_sleep_mode,
+                            tool_call_id_type=tool_call_id_type or id_type_of(engine.plan.model.model_type))
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics,
                      options=options)
     console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")

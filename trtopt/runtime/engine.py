@@ -68,10 +68,13 @@ class LLMEngine:
         # At start-up, not inside the first steps. A verifying sequence asks for K+1 logits rows: graphs must hold
         # that many per sequence, or every verification step would run eagerly.
         rows = self.limits.max_num_seqs * (1 + (spec_config.num_speculative_tokens if spec_config else 0))
-        executor.capture_graphs(max_num_seqs=self.limits.max_num_seqs,
-                                max_num_tokens=self.limits.max_num_batched_tokens,
-                                max_logits=min(rows, self.limits.max_num_batched_tokens))
+        # Kept for restore_kv_cache, which captures the same graphs again over the new pools.
+        self._graph_limits = {"max_num_seqs": self.limits.max_num_seqs,
+                              "max_num_tokens": self.limits.max_num_batched_tokens,
+                              "max_logits": min(rows, self.limits.max_num_batched_tokens)}
+        executor.capture_graphs(**self._graph_limits)
         self.executor = executor
+        self.kv_cache_released = False  # release_kv_cache() freed the pools; no step runs until restore_kv_cache()
         self.input_builder = InputBuilder(self.limits.block_size, self.limits.max_blocks_per_seq)
         self.spec = self._create_spec_decoder(spec_config, plan_dir, backend, device)
         self.pool = BlockPool(self.limits.num_blocks, self.limits.block_size, config.enable_prefix_caching)
@@ -204,6 +207,33 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
+
+    # ---- sleep (the server's POST /sleep?level=1; serving/engine_loop.py) --------------------------------
+
+    def release_kv_cache(self) -> None:
+        """Free the device memory of the KV pools (the pool keeps only the null block) between steps, with no
+        request in the engine; the prefix cache is forgotten (its blocks' contents are gone). No step may run until
+        restore_kv_cache(). RequestError with speculative decoding (its draft's pools are not released)."""
+        if self.spec is not None:
+            raise RequestError("releasing the KV cache (sleep level 1) is not supported with speculative decoding; "
+                               "use sleep level 0 or serve without speculative_config.")
+        assert not self.has_unfinished_requests(), "release_kv_cache() with requests in the engine"
+        if self._in_flight is not None:  # async scheduling: the aborted requests' last launched step
+            self.step()
+        assert self._in_flight is None and self.pool.num_free_blocks == self.pool.num_usable_blocks, \
+            "a block is held with no request in the engine"
+        self.pool.reset_prefix_cache()
+        self.executor.allocate_kv_cache(1)  # the null block alone
+        self.kv_cache_released = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the pools' (and dropped graphs') memory back to the device
+
+    def restore_kv_cache(self) -> None:
+        """Reallocate the pools release_kv_cache() freed (zero-filled) and capture the step graphs again."""
+        assert self.kv_cache_released, "restore_kv_cache() without release_kv_cache()"
+        self.executor.allocate_kv_cache(self.limits.num_blocks)
+        self.executor.capture_graphs(**self._graph_limits)
+        self.kv_cache_released = False
 
     def _check_request_id(self, request_id: str, params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:

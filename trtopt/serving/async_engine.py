@@ -18,10 +18,11 @@ from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.input_processor import PromptType
 from trtopt.runtime.sampling_params import SamplingParams
 from trtopt.serving.engine_loop import (
-    DEFAULT_STOP_TIMEOUT_S, EngineDeadError, EngineLoop, PreparedRequest, RequestFailedError,
+    DEFAULT_STOP_TIMEOUT_S, EngineDeadError, EngineLoop, PreparedRequest, RequestAbortedError, RequestFailedError,
 )
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "PreparedRequest", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "PreparedRequest", "RequestAbortedError", "RequestFailedError",
+           "RequestStream"]
 
 
 class RequestStream:
@@ -124,6 +125,28 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self.loop.stats()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.loop.is_sleeping
+
+    @property
+    def sleep_level(self) -> int | None:
+        """The level the engine sleeps at; None while awake."""
+        return self.loop.sleep_level
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """EngineLoop.sleep, awaited until the engine sleeps. Raises RequestError (changing nothing) for what this
+        engine cannot do."""
+        if not self.loop.started:
+            self.loop.start()
+        await asyncio.wrap_future(self.loop.sleep(level, mode))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """EngineLoop.wake_up, awaited until applied. Raises RequestError for an unknown tag."""
+        if not self.loop.started:
+            self.loop.start()
+        await asyncio.wrap_future(self.loop.wake_up(tags))
 
     async def add_request(self, request_id: str, prompt: PromptType | PreparedRequest,
                           params: SamplingParams | None = None) -> RequestStream:

@@ -25,6 +25,16 @@ waits at most `timeout` (5 s by default) and never touches the engine; if the th
 timeout, the caller answers the queued adds and the callbacks itself (no engine access), and the thread frees the
 requests' blocks if its step ever returns. A stopped loop never starts again.
 
+Sleep (vLLM's POST /sleep, /wake_up; docs/architecture.md, "Serving"): sleep() and wake_up() are messages too,
+applied by the step thread between steps. Asleep, the thread steps nothing and applies no add: adds queue and land,
+in order, at wake-up (an abort lands at once if its request is in the engine, else after its add). The in-flight
+requests, by `mode`: "abort" ends them now (their callbacks get RequestAbortedError, their blocks are freed),
+"wait" lets them finish first (new adds queue meanwhile), "keep" freezes them in the engine until wake-up. Level 0
+only pauses; level 1 also frees the KV pools' memory (LLMEngine.release_kv_cache: no request may hold a block, so
+not with "keep"), and the weights stay where they are: its tags are "weights" and "kv_cache", level 0's
+"scheduling". wake_up(tags) wakes those parts (None: all; the pools come back with "kv_cache"), and generation
+resumes once no part sleeps. Level 2 (discard the weights) is refused: a plan's weights cannot be reloaded in place.
+
 A broken engine: MAX_CONSECUTIVE_FAILED_STEPS executor failures in a row, or any exception that escapes
 LLMEngine.step (an engine bug), stop the loop the same way, with `dead_reason` set: servers turn /health to 503
 and `trtopt serve` exits non-zero so a supervisor restarts it. A single failing step is never retried: the engine
@@ -40,6 +50,7 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
+from trtopt.errors import RequestError
 from trtopt.runtime.batch import EngineStats, RequestOutput
 from trtopt.runtime.engine import LLMEngine
 from trtopt.runtime.input_processor import ProcessedPrompt, PromptType
@@ -58,6 +69,11 @@ DEFAULT_STOP_TIMEOUT_S = 5.0
 
 OutputCallback = Callable[[RequestOutput | BaseException], None]
 
+SLEEP_MODES = ("abort", "wait", "keep")  # what sleep() does with in-flight requests (vLLM's PauseMode)
+# The parts of a sleeping engine wake_up(tags) names (vLLM's tags): level 0 pauses "scheduling", level 1 the rest.
+SLEEP_TAGS = {0: frozenset({"scheduling"}), 1: frozenset({"weights", "kv_cache"})}
+WAKE_TAGS = frozenset().union(*SLEEP_TAGS.values())
+
 
 class EngineDeadError(RuntimeError):
     """The step loop is not running (stopped, shutting down, or its engine broke); servers report 503."""
@@ -65,6 +81,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine ended this request with finish_reason="error" (its own fault, or the executor's on its step)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server put the engine to sleep in "abort" mode while this request ran; send it again after wake-up."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +100,16 @@ class PreparedRequest:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.prompt.prompt_token_ids
+
+
+@dataclasses.dataclass
+class _Control:
+    """A queued sleep or wake-up, with the future that completes when the step thread has applied it."""
+
+    sleep_level: int | None  # sleep(level); None: wake_up
+    mode: str = "abort"  # sleep: SLEEP_MODES
+    tags: frozenset[str] | None = None  # wake_up: the parts to wake; None: all
+    done: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
 
 @dataclasses.dataclass
@@ -117,6 +147,12 @@ class EngineLoop:
         self._deliver_lock = threading.RLock()  # re-entrant: a callback may call abort()
         self._callbacks: dict[str, OutputCallback] = {}
         self._orphaned: list[str] = []  # ids the caller answered; the thread still frees their blocks
+        # Sleep. _controls is guarded by _lock; the rest is the step thread's, read lock-free elsewhere.
+        self._controls: collections.deque[_Control] = collections.deque()
+        self._draining: _Control | None = None  # a "wait" sleep waiting for the engine's requests to finish
+        self._sleep_level: int | None = None  # None while awake
+        self._sleeping_tags: frozenset[str] = frozenset()  # the parts wake_up has not woken yet
+        self._kv_releasable = engine.spec is None  # LLMEngine.release_kv_cache refuses a speculative engine
         self.stopped = threading.Event()  # set once the step thread has exited and answered everything
         self._stats = engine.stats()  # refreshed by the step thread; read lock-free by metrics endpoints
         self.last_step_requests = 0  # requests that advanced together in the last step (evidence of batching)
@@ -185,6 +221,55 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step (or the last add/abort when idle)."""
         return self._stats
+
+    # ---- sleep ---------------------------------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        """A sleep was applied (a "wait" one included, while it drains) and some part has not woken yet."""
+        return self._draining is not None or bool(self._sleeping_tags)
+
+    @property
+    def sleep_level(self) -> int | None:
+        """The level the engine sleeps at, None while awake (or draining toward a "wait" sleep)."""
+        return self._sleep_level
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> concurrent.futures.Future:
+        """Put the engine to sleep before the next step (see the module docstring). The future completes when it
+        sleeps ("wait": once its requests finished). RequestError now for what cannot be done, changing nothing: a
+        level other than 0 and 1, an unknown mode, "keep" at level 1, level 1 with speculative decoding."""
+        if level not in SLEEP_TAGS:
+            raise RequestError(f"sleep level {level} is not supported: level 0 pauses generation, level 1 also frees "
+                               "the KV cache; level 2 would discard the weights, which a trtopt plan cannot reload "
+                               "in place.")
+        if mode not in SLEEP_MODES:
+            raise RequestError(f"sleep mode {mode!r} is not one of {', '.join(SLEEP_MODES)}.")
+        if level >= 1 and mode == "keep":
+            raise RequestError('sleep mode "keep" keeps the requests\' KV blocks, which level 1 frees; use mode '
+                               '"abort" or "wait", or level 0.')
+        if level >= 1 and not self._kv_releasable:
+            raise RequestError("sleep level 1 (freeing the KV cache) is not supported with speculative decoding; "
+                               "use level 0.")
+        return self._control(_Control(level, mode))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> concurrent.futures.Future:
+        """Wake the parts `tags` of a sleeping engine (None: all) before the next step; generation resumes once
+        none sleeps. A tag that is not sleeping is ignored, as is waking an awake engine. RequestError for an
+        unknown tag."""
+        unknown = sorted(set(tags or ()) - WAKE_TAGS)
+        if unknown:
+            raise RequestError(f"unknown wake-up tag(s) {unknown}; the tags are {', '.join(sorted(WAKE_TAGS))} "
+                               "(none: wake everything).")
+        return self._control(_Control(None, tags=None if tags is None else frozenset(tags)))
+
+    def _control(self, control: _Control) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closed is not None:
+                control.done.set_exception(EngineDeadError(self._closed))
+                return control.done
+            self._controls.append(control)
+        self._wake.set()
+        return control.done
 
     # ---- what front ends may know of the engine (fixed at construction; any thread) ------------------------
 
@@ -255,27 +340,114 @@ class EngineLoop:
         reason = None
         try:
             while self._closed is None:
-                self._apply_adds()
+                self._apply_controls()
+                if self._sleeping_tags:  # asleep: nothing runs; kept requests may still be aborted
+                    self._apply_aborts(in_engine_only=True)
+                    self._stats = self._engine.stats()
+                    self._idle_wait()
+                    continue
+                if self._draining is None:  # a "wait" sleep lets the requests in the engine finish, adds wait
+                    self._apply_adds()
                 self._apply_aborts()
                 busy = self._engine.has_unfinished_requests()
                 outputs = self._engine.step() if busy else []
                 self._stats = self._engine.stats()  # before delivering: a caller that saw its output sees these
                 self._deliver(outputs)
+                if self._draining is not None and not self._engine.has_unfinished_requests():
+                    draining, self._draining = self._draining, None
+                    self._fall_asleep(draining)
+                    continue
                 if self._engine.num_consecutive_failed_steps >= self.max_consecutive_failed_steps:
                     reason = (f"the model failed on {self._engine.num_consecutive_failed_steps} steps in a row; "
                               "the engine is broken and must be restarted")
                     break
                 if not busy:
                     with self._lock:
-                        idle = not self._adds and not self._aborts and self._closed is None
+                        idle = not self._adds and not self._aborts and not self._controls and self._closed is None
                     if idle:
-                        self._wake.wait(_IDLE_WAIT_S)
-                        self._wake.clear()  # cleared after the wait: the next pass re-checks both queues
+                        self._idle_wait()
         except Exception as e:  # an engine bug (a broken invariant): its state is unknown, so nothing runs again
             log.exception("the engine failed outside any request; stopping the loop")
             reason = f"the engine failed: {type(e).__name__}: {e}"
         finally:
             self._shut_down(reason)
+
+    def _idle_wait(self) -> None:
+        self._wake.wait(_IDLE_WAIT_S)
+        self._wake.clear()  # cleared after the wait: the next pass re-checks every queue
+
+    def _apply_controls(self) -> None:
+        with self._lock:
+            controls, self._controls = self._controls, collections.deque()
+        for control in controls:
+            if not control.done.set_running_or_notify_cancel():
+                continue
+            try:
+                if control.sleep_level is None:
+                    self._wake_parts(control.tags)
+                    control.done.set_result(None)
+                else:
+                    self._sleep(control)
+            except Exception as e:  # RequestError for what this engine cannot do; the loop goes on
+                if not control.done.done():
+                    control.done.set_exception(e)
+
+    def _sleep(self, control: _Control) -> None:
+        level = control.sleep_level
+        if self._draining is not None or self._sleeping_tags:
+            current = self._draining.sleep_level if self._draining is not None else self._sleep_level
+            if level > current:
+                raise RequestError(f"the engine already sleeps at level {current}; wake it up (POST /wake_up) "
+                                   f"before sleeping at level {level}.")
+            control.done.set_result(None)  # as deep already
+            return
+        if control.mode == "abort":
+            self._abort_all()
+        if control.mode == "wait" and self._engine.has_unfinished_requests():
+            self._draining = control  # completed by _fall_asleep once they finished
+            return
+        self._fall_asleep(control)
+
+    def _fall_asleep(self, control: _Control) -> None:
+        """Sleep now: every request in the engine has finished or was aborted ("keep": they stay, at level 0)."""
+        if control.done.done():  # a stop() that timed out answered it already
+            return
+        try:
+            if control.sleep_level >= 1:
+                self._engine.release_kv_cache()
+        except Exception as e:
+            control.done.set_exception(e)  # still awake: nothing was released
+            return
+        self._sleep_level = control.sleep_level
+        self._sleeping_tags = SLEEP_TAGS[control.sleep_level]
+        self._stats = self._engine.stats()
+        control.done.set_result(None)
+        log.info("the engine sleeps (level %d, mode %s)", control.sleep_level, control.mode)
+
+    def _wake_parts(self, tags: frozenset[str] | None) -> None:
+        if self._draining is not None:  # a "wait" sleep that has not begun: it never will
+            draining, self._draining = self._draining, None
+            if not draining.done.done():
+                draining.done.set_exception(RequestError("a wake-up cancelled this sleep before the running requests "
+                                                         "finished; the engine stayed awake."))
+        waking = self._sleeping_tags if tags is None else self._sleeping_tags & tags
+        if "kv_cache" in waking:
+            self._engine.restore_kv_cache()
+        self._sleeping_tags -= waking
+        if not self._sleeping_tags and self._sleep_level is not None:
+            self._sleep_level = None
+            log.info("the engine is awake")
+
+    def _abort_all(self) -> None:
+        """Sleep's "abort" mode: end every request in the engine now; each caller gets RequestAbortedError."""
+        with self._deliver_lock:
+            callbacks, self._callbacks = self._callbacks, {}
+        for rid in callbacks:
+            self._abort(rid)
+        error = RequestAbortedError("the server was put to sleep (POST /sleep) and aborted this request; send it "
+                                    "again once the server is awake (POST /wake_up).")
+        for callback in callbacks.values():
+            _call(callback, error)
 
     def _apply_adds(self) -> None:
         with self._lock:
@@ -295,9 +467,18 @@ class EngineLoop:
                 self._callbacks[add.request_id] = add.callback
             add.done.set_result(None)
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self, *, in_engine_only: bool = False) -> None:
+        """in_engine_only (asleep, no add applied): an abort of a request still queued stays queued, so that it
+        lands after its add."""
         with self._lock:
             aborts, self._aborts = self._aborts, collections.deque()
+        if in_engine_only:
+            with self._deliver_lock:
+                in_engine = set(self._callbacks)
+            later = [rid for rid in aborts if rid not in in_engine]
+            aborts = collections.deque(rid for rid in aborts if rid in in_engine)
+            with self._lock:
+                self._aborts.extendleft(reversed(later))  # before any abort queued meanwhile
         for rid in aborts:
             self._abort(rid)
             with self._deliver_lock:
@@ -349,12 +530,20 @@ class EngineLoop:
         self.stopped.set()
 
     def _fail_queued(self, error: EngineDeadError) -> None:
-        """Answer every add that has not reached the engine (safe from any thread: it does not touch the engine)."""
+        """Answer every add, sleep and wake-up that has not reached the engine (safe from any thread: it does not
+        touch the engine)."""
         with self._lock:
             adds, self._adds = self._adds, collections.deque()
+            controls, self._controls = self._controls, collections.deque()
+            draining, self._draining = self._draining, None
         for add in adds:
             if add.done.set_running_or_notify_cancel():
                 add.done.set_exception(error)
+        for control in controls:
+            if control.done.set_running_or_notify_cancel():
+                control.done.set_exception(error)
+        if draining is not None and not draining.done.done():
+            draining.done.set_exception(error)
 
 
 def _call(callback: OutputCallback, item: RequestOutput | BaseException) -> None:

@@ -45,10 +45,19 @@ def _buckets_1_2_5(limit: int) -> tuple[int, ...]:
 class _EngineCollector(Collector):
     """Engine gauges, read when Prometheus scrapes (never stale by more than one step)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], sleep_level: Callable[[], int | None]) -> None:
         self._stats = stats
+        self._sleep_level = sleep_level
 
     def collect(self) -> Iterator:
+        level = self._sleep_level()
+        # vLLM's engine_sleep_state: awake 1 or 0; weights_offloaded 1 at level 1, discard_all 1 at level 2 (a level,
+        # not a memory fact: at level 1 trtopt frees the KV pools and keeps the weights where they are).
+        sleep = GaugeMetricFamily("trtopt_engine_sleep_state", "1 in the engine's sleep state (awake; "
+                                  "weights_offloaded = sleep level 1; discard_all = level 2)", labels=["sleep_state"])
+        for state, value in (("awake", level is None), ("weights_offloaded", level == 1), ("discard_all", level == 2)):
+            sleep.add_metric([state], float(value))
+        yield sleep
         s = self._stats()
         yield GaugeMetricFamily("trtopt_kv_blocks_used", "KV cache blocks held by requests", value=s.num_blocks_used)
         yield GaugeMetricFamily("trtopt_kv_blocks_free", "KV cache blocks with no holder (prefix-cached ones included)",
@@ -93,6 +102,7 @@ class _EngineCollector(Collector):
 # its shipped dashboard still plots.
 VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "trtopt_num_requests_running": ("vllm:num_requests_running",),
+    "trtopt_engine_sleep_state": ("vllm:engine_sleep_state",),
     "trtopt_num_requests_waiting": ("vllm:num_requests_waiting",),
     "trtopt_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc",),
     "trtopt_prefix_cache_queries": ("vllm:prefix_cache_queries",),
@@ -137,7 +147,9 @@ class _VLLMAliases(Collector):
 class ServingMetrics:
     """The metrics of one server and the registry /metrics renders."""
 
-    def __init__(self, stats: Callable[[], EngineStats], max_model_len: int = 8192, model_name: str = "") -> None:
+    def __init__(self, stats: Callable[[], EngineStats], max_model_len: int = 8192, model_name: str = "", *,
+                 sleep_level: Callable[[], int | None] = lambda: None) -> None:
+        """sleep_level: the engine's sleep level now, None while awake (the engine_sleep_state gauge)."""
         self.registry = CollectorRegistry()
         self.requests = Counter("trtopt_requests", "HTTP generation requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=self.registry)
@@ -164,7 +176,7 @@ class ServingMetrics:
                                        buckets=token_buckets, registry=self.registry)
         self.generation_tokens = Histogram("trtopt_request_generation_tokens", "tokens generated for a finished "
                                            "request (all n completions)", buckets=token_buckets, registry=self.registry)
-        engine = _EngineCollector(stats)
+        engine = _EngineCollector(stats, sleep_level)
         self.registry.register(engine)
         histograms = [self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time, self.tpot,
                       self.prompt_tokens, self.generation_tokens, self.request_success]

@@ -53,7 +53,7 @@ class _SamplingFields(BaseModel):
     # Unknown fields are kept in model_extra (the server warns once per name) and otherwise ignored.
     model_config = ConfigDict(**_STRICT, extra="allow")
 
-    model: str
+    model: str | None = None  # vLLM's: left out means the served model
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None

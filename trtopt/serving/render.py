@@ -13,14 +13,14 @@ import abc
 import dataclasses
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 from trtopt.runtime.batch import CompletionOutput, RequestOutput
 from trtopt.runtime.sampling_params import ALL_LOGPROBS
 from trtopt.serving.protocol import usage
 from trtopt.serving.reasoning import ReasoningDelta, ReasoningRule, ReasoningStream
-from trtopt.serving.structured import ToolCallPlan, partial_call, tool_calls
-from trtopt.serving.tool_parsers import ToolCallStream, ToolParser
+from trtopt.serving.structured import ToolCallPlan, tool_calls
+from trtopt.serving.tool_parsers import ToolCallStream, ToolParser, kimi_k2_call_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,8 +250,8 @@ class CompletionRenderer(Renderer):
         return _legacy_logprobs(
             [self.logprob_token(t) for t in ids],
             [None if row is None else row[t] for t, row in zip(ids, rows)],
-            [None if row is None else {self.logprob_token(a): v for a, v in sorted(row.items(), key=lambda kv: -kv[1])}
-             for row in rows],
+            [None if row is None else self._top_logprobs(t, sorted(row.items(), key=lambda kv: -kv[1]))
+             for t, row in zip(ids, rows)],
         )
 
     def delta_choice(self, c: CompletionOutput, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -262,8 +262,15 @@ class CompletionRenderer(Renderer):
         return _legacy_logprobs(
             [self.logprob_token(tid) for tid, _, _ in rows],
             [lp for _, lp, _ in rows],
-            [{self.logprob_token(t): v for t, v in ranked} for _, _, ranked in rows],
+            [self._top_logprobs(tid, ranked) for tid, _, ranked in rows],
         )
+
+    def _top_logprobs(self, token_id: int, ranked: list[tuple[int, float]]) -> dict[str, float]:
+        """One position's top_logprobs in vLLM's order: the position's own token first, then the alternatives best
+        first (clients read the first key as the token's own)."""
+        row = {self.logprob_token(token_id): dict(ranked)[token_id]}
+        row.update((self.logprob_token(t), v) for t, v in ranked if t != token_id)
+        return row
 
 
 class ChatRenderer(Renderer):
@@ -277,6 +284,8 @@ class ChatRenderer(Renderer):
     prompt_logprobs (vLLM's) sit at the top of the response, null when not asked for.
     tool_parser: tool_choice "auto" (--enable-auto-tool-choice): the parser turns the model's own tool-call syntax
         in each reply's content into tool_calls (streamed as tool-call deltas), finish_reason "tool_calls".
+    kimi_call_index: None for random tool call ids; else ids are Kimi-K2's functions.<name>:<index>, the index
+        counting on from this many calls made earlier in the conversation (vLLM's make_tool_call_id).
     """
 
     object_full = "chat.completion"
@@ -285,9 +294,11 @@ class ChatRenderer(Renderer):
     def __init__(self, request_id: str, model_name: str, tokenizer: Any, *, n: int = 1, top_logprobs: int = 0,
                  tool_plan: ToolCallPlan | None = None, role: str = "assistant", echo_text: str = "",
                  reasoning: ReasoningRule | None = None, tool_parser: ToolParser | None = None,
-                 options: RenderOptions = RenderOptions()) -> None:
+                 kimi_call_index: int | None = None, options: RenderOptions = RenderOptions()) -> None:
         super().__init__(request_id, model_name, tokenizer, n=n, options=options)
         self.top_logprobs = top_logprobs
+        self.kimi_call_index = kimi_call_index
+        self._kimi_next: dict[int, int] = {}  # choice index -> the index of its next call (kimi_k2 ids)
         self.role = role
         self.echo_text = echo_text
         self.tool_plan = tool_plan  # the output is tool calls (constrained by the plan's grammar)
@@ -339,21 +350,17 @@ class ChatRenderer(Renderer):
             message = self._auto_tool_message(c, message)
         if self.echo_text:  # vLLM's: prepended whatever the reply is
             message["content"] = self.echo_text + (message["content"] or "")
+        self._kimi_ids(index, message.get("tool_calls") or ())
         token_ids = list(c.token_ids) if self.options.return_token_ids else None
         choice = {"index": index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason(c),
                   "stop_reason": c.stop_reason, "token_ids": token_ids}
         return choice
 
     def _tool_message(self, c: CompletionOutput) -> dict[str, Any]:
-        """The message of a forced tool call (content "", as vLLM's), the same in both modes. A call cut short (max_tokens) is never
-        content: a named call keeps its partial arguments (as they were streamed), "required" gives no calls and
-        empty content (nothing of it was streamed; vLLM's answer)."""
-        calls = tool_calls(self.tool_plan, c.text)
-        if not calls and self.tool_plan.named is not None:
-            calls = [partial_call(self.tool_plan.named, c.text)]
-        if not calls:
-            return {"role": "assistant", "content": "", "tool_calls": []}
-        return {"role": "assistant", "content": "", "tool_calls": calls}  # vLLM's "" (OpenAI sends null)
+        """The message of a forced tool call (content "", as vLLM's; OpenAI sends null). A call cut short
+        (max_tokens) is neither content nor a call: no tool calls, finish_reason "length" (OpenAI's answer, which
+        vLLM's test asserts for "required" and named calls alike). A stream sent the partial arguments already."""
+        return {"role": "assistant", "content": "", "tool_calls": tool_calls(self.tool_plan, c.text)}
 
     def _auto_tool_message(self, c: CompletionOutput, message: dict[str, Any]) -> dict[str, Any]:
         """tool_choice "auto": the calls the parser finds in the reply, and the rest as content (None when empty);
@@ -386,7 +393,17 @@ class ChatRenderer(Renderer):
             delta = self._auto_tool_delta(c, index, text)
         else:
             delta = self._tool_delta(c, index, text)
+        self._kimi_ids(index, [call for call in delta.get("tool_calls", ()) if "id" in call])
         return {"index": index, "delta": delta, "logprobs": logprobs} if delta else None
+
+    def _kimi_ids(self, index: int, new_calls: Sequence[dict[str, Any]]) -> None:
+        """Kimi-K2's ids for choice `index`'s new calls (in place), when kimi_call_index is set."""
+        if self.kimi_call_index is None:
+            return
+        for call in new_calls:
+            k = self._kimi_next.get(index, self.kimi_call_index)
+            call["id"] = kimi_k2_call_id(call["function"]["name"], k)
+            self._kimi_next[index] = k + 1
 
     def empty_choice(self, index: int, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {"index": index, "delta": {}, "logprobs": logprobs}  # vLLM's DeltaMessage()

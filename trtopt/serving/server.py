@@ -3,7 +3,9 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`),
 GET /health, GET /metrics, and vLLM's: POST /v1/chat/completions/batch (several conversations, one choice each),
 POST /tokenize and /detokenize, GET /version, GET /load, GET/POST /ping and POST /invocations (SageMaker),
-GET /tokenizer_info (with ServerOptions.enable_tokenizer_info_endpoint). A non-streamed generation response carries
+GET /tokenizer_info (with ServerOptions.enable_tokenizer_info_endpoint), and in dev mode (ServerOptions.server_dev_mode,
+vLLM's VLLM_SERVER_DEV_MODE) sleep mode: POST /sleep?level=0|1&mode=abort|wait|keep, POST /wake_up?tags=...,
+GET /is_sleeping (EngineLoop.sleep says what each does). A non-streamed generation response carries
 vLLM's ORCA load report (the `endpoint-load-metrics` header) when the request's `endpoint-load-metrics-format`
 header asks for one (TEXT or JSON).
 Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}):
@@ -34,10 +36,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trtopt import __version__
-from trtopt.errors import RequestError
+from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.batch import RequestOutput
 from trtopt.runtime.engine import LLMEngine
-from trtopt.serving.async_engine import AsyncLLMEngine, EngineDeadError, PreparedRequest, RequestStream
+from trtopt.serving.async_engine import (
+    AsyncLLMEngine, EngineDeadError, PreparedRequest, RequestAbortedError, RequestStream,
+)
 from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
 from trtopt.runtime.structured_output import ReasoningGatedGrammar
 from trtopt.serving.metrics import ORCA_FORMAT_HEADER, LatencyTracker, ServingMetrics, orca_headers
@@ -47,7 +51,7 @@ from trtopt.serving.protocol import (
 from trtopt.serving.reasoning import THINK_END, THINK_START, ReasoningRule, get_reasoning_parser
 from trtopt.serving.render import BatchChatRenderer, ChatRenderer, CompletionRenderer, Renderer, RenderOptions
 from trtopt.serving.structured import is_auto_tool_choice
-from trtopt.serving.tool_parsers import check_tool_options
+from trtopt.serving.tool_parsers import TOOL_CALL_ID_TYPES, check_tool_options
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,9 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, tool_call_parser reads its calls
     tool_call_parser: str | None = None  # a parser of trtopt.serving.tool_parsers (with enable_auto_tool_choice)
     enable_request_id_headers: bool = False  # every response carries X-Request-Id (the client's, else a new uuid4)
+    server_dev_mode: bool = False  # vLLM's VLLM_SERVER_DEV_MODE: serve /sleep, /wake_up and /is_sleeping
+    enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode: /sleep may free the KV cache (level 1)
+    tool_call_id_type: str = "random"  # "kimi_k2": tool call ids are functions.<name>:<index> (vLLM's rule)
 
 
 _INVOCATION_TYPES = "['ChatCompletionRequest', 'CompletionRequest']"
@@ -92,7 +99,7 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     max_body_bytes: larger request bodies get 413 before any parsing.
     """
     aengine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
-    metrics = ServingMetrics(aengine.stats, aengine.max_model_len, model_name)
+    metrics = ServingMetrics(aengine.stats, aengine.max_model_len, model_name, sleep_level=lambda: aengine.sleep_level)
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: FastAPI):
@@ -111,7 +118,7 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     if api_key is not None:
         # /tokenize, /detokenize and /invocations take a body as large as a prompt's, /tokenizer_info shows the
         # chat template: the key guards them like /v1/* (vLLM guards /v1 only).
-        protected = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
+        protected = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info", "/sleep", "/wake_up")
         protected += ("/metrics",) if protect_metrics else ()
         app.add_middleware(_AuthMiddleware, api_key=api_key, protected=protected)
     if options.enable_request_id_headers:  # outermost, as in vLLM: a 401 or 413 carries the header too
@@ -163,6 +170,29 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
         async def tokenizer_info() -> Response:
             return JSONResponse(handler.tokenizer_info())
 
+    if options.server_dev_mode:
+        @app.post("/sleep")
+        async def sleep(request: Request) -> Response:
+            """vLLM's dev-mode sleep: ?level= (default 1) and ?mode= (default abort); 200 once the engine sleeps."""
+            level = _int_query(request, "level", "1")
+            mode = request.query_params.get("mode", "abort")
+            if level >= 1 and not options.enable_sleep_mode:
+                raise APIError(ErrorInfo(400, f"sleep level {level} frees the KV cache, which needs the server "
+                                              "started with --enable-sleep-mode; level 0 (pause) works without it.",
+                                         param="level"))
+            await _engine_call(aengine.sleep(level, mode), "level")
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request) -> Response:
+            """vLLM's: ?tags=weights&tags=kv_cache wakes those parts; no tags wakes everything."""
+            await _engine_call(aengine.wake_up(request.query_params.getlist("tags") or None), "tags")
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, bool]:
+            return {"is_sleeping": aengine.is_sleeping}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -211,6 +241,24 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     return app
 
 
+def _int_query(request: Request, name: str, default: str) -> int:
+    value = request.query_params.get(name, default)
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(ErrorInfo(400, f"query parameter {name}={value!r} is not an integer.", param=name)) from None
+
+
+async def _engine_call(call: Any, param: str) -> None:
+    """Await a sleep or wake-up: RequestError is a 400 naming `param`, a stopped engine a 503."""
+    try:
+        await call
+    except RequestError as e:
+        raise APIError(ErrorInfo(400, str(e), param=param)) from None
+    except EngineDeadError as e:
+        raise APIError(ErrorInfo(503, str(e), type="server_error")) from None
+
+
 async def _json_object(request: Request) -> dict[str, Any]:
     """The body of a request that FastAPI does not parse, held to the same rules as the routes' bodies."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -238,6 +286,8 @@ class _Handlers:
         # An unknown name is a ConfigError here, at start-up, not on the first request.
         self.reasoning_parser = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
         self.tool_parser = check_tool_options(options.enable_auto_tool_choice, options.tool_call_parser)
+        if options.tool_call_id_type not in TOOL_CALL_ID_TYPES:
+            raise ConfigError(f"tool_call_id_type {options.tool_call_id_type!r} is not one of {TOOL_CALL_ID_TYPES}.")
         # vLLM's adjust_request: a parser whose markers the tokenizer makes special decodes with them kept.
         self.tool_parser_keeps_special = (self.tool_parser is not None
                                           and self.tool_parser.needs_special_tokens(engine.tokenizer))
@@ -330,11 +380,14 @@ class _Handlers:
         def prepare() -> list[PreparedRequest]:
             return [self._prepare_chat(body, reasoning, keep_special=auto_tools and self.tool_parser_keeps_special)]
 
+        # Kimi-K2's ids number every call of the conversation: the earlier replies' calls come first (vLLM's).
+        kimi_index = (sum(len(m.tool_calls or ()) for m in body.messages if m.role == "assistant")
+                      if self.options.tool_call_id_type == "kimi_k2" else None)
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer,
                                 n=body.n, top_logprobs=body.top_logprobs or 0, tool_plan=tool_plan,
                                 role=body.response_role, echo_text=body.echo_text(),
                                 reasoning=reasoning, options=self._render_options(body),
-                                tool_parser=self.tool_parser if auto_tools else None)
+                                tool_parser=self.tool_parser if auto_tools else None, kimi_call_index=kimi_index)
         return await self._serve("chat", body, request, prepare, renderer)
 
     async def batch_chat(self, raw: dict[str, Any], request: Request) -> Response:
@@ -389,7 +442,7 @@ class _Handlers:
                      prepare: Callable[[], list[PreparedRequest]], renderer: Renderer) -> Response:
         arrival = time.monotonic()
         _warn_unknown_fields(body)
-        if body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:  # vLLM's: no model is the served one
             self.metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(ErrorInfo(404, f"the model {body.model!r} does not exist; this server serves "
                                           f"{self.model_name!r} (see GET /v1/models).", param="model",
@@ -446,7 +499,7 @@ class _Handlers:
                 tg.start_soon(watch, tg.cancel_scope)
             if error is not None:
                 raise error
-        except EngineDeadError as e:  # shutting down mid-request
+        except (EngineDeadError, RequestAbortedError) as e:  # shutting down or put to sleep mid-request
             raise APIError(ErrorInfo(503, str(e), type="server_error")) from None
         except RuntimeError as e:  # the model failed on a step of this request (the engine freed its blocks)
             self.metrics.requests.labels(endpoint, "error").inc()
@@ -488,7 +541,8 @@ class _Handlers:
             yield "data: [DONE]\n\n"
         except RuntimeError as e:  # the model failed mid-stream: headers are sent, so the error goes in-band
             outcome = "error"
-            yield _sse_event(ErrorInfo(500, str(e), type="server_error").body())
+            status = 503 if isinstance(e, RequestAbortedError) else 500
+            yield _sse_event(ErrorInfo(status, str(e), type="server_error").body())
             yield "data: [DONE]\n\n"
         finally:
             stream.close()

@@ -448,6 +448,21 @@ def get_tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]()
 
 
+TOOL_CALL_ID_TYPES = ("random", "kimi_k2")
+_KIMI_MODEL_TYPES = ("kimi_k2", "kimi_k25")  # vLLM's: these models' templates read ids as functions.<name>:<index>
+
+
+def tool_call_id_type(model_type: str) -> str:
+    """vLLM's get_tool_call_id_type: "kimi_k2" for Kimi-K2 models (by config model_type), else "random"."""
+    return "kimi_k2" if model_type in _KIMI_MODEL_TYPES else "random"
+
+
+def kimi_k2_call_id(name: str, index: int) -> str:
+    """Kimi-K2's tool call id: functions.<name>:<index>, index counting every call of the conversation (vLLM's
+    make_tool_call_id)."""
+    return f"functions.{name}:{index}"
+
+
 def check_tool_options(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> ToolParser | None:
     """The server's parser for tool_choice "auto" (None when it is off); ConfigError for a bad flag combination."""
     if tool_call_parser is not None:
