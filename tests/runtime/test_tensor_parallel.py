@@ -10,7 +10,9 @@ tied Llama with GPT-2's odd 50257-token vocabulary (the last shard padded).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import signal
 import time
 
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from trtopt.builder.pipeline import build_plan
 from trtopt.builder.plan import Limits
 from trtopt.errors import WorkerDiedError
+from trtopt.runtime.batch import StepInputs
+from trtopt.runtime.executors.tensor_parallel import _Command, _from_wire, _to_wire
 from trtopt.runtime.llm import LLM
 from trtopt.runtime.sampling_params import SamplingParams
 
@@ -117,6 +121,41 @@ def test_killed_worker_ends_the_engine_with_a_clear_error(tp_llm):
     with pytest.raises(WorkerDiedError):  # and the engine stays stopped
         llm.generate("Hello", GREEDY)
     assert not dist.is_initialized()  # the driver left the group
+
+
+def _step(num_tokens: int, num_seqs: int, width: int, sampled: int | None) -> StepInputs:
+    g = torch.Generator().manual_seed(num_tokens * 131 + width)
+    return StepInputs(
+        input_ids=torch.randint(-4, 1000, (1, num_tokens), generator=g),
+        position_ids=torch.randint(0, 128, (1, num_tokens), generator=g),
+        block_tables=torch.randint(0, 64, (num_seqs, width), dtype=torch.int32, generator=g),
+        seq_lens=torch.randint(1, 128, (num_seqs,), dtype=torch.int32, generator=g),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        slot_mapping=torch.randint(-1, 1024, (num_tokens,), generator=g),
+        logits_indices=torch.arange(min(num_seqs, num_tokens)),
+        sampled_ids=None if sampled is None else torch.arange(sampled),
+    )
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 13, 1), (7, 3, 5, None), (0, 0, 0, 0), (300, 256, 128, 256)],
+                         ids=["decode", "odd-int32-widths", "empty", "large"])
+def test_a_step_crosses_the_wire_unchanged(shape):
+    """The driver's step message (tensor_parallel._to_wire: one bytes object, not pickled arrays) gives the worker
+    the same tensors, dtypes and shapes, writable, and the sampled ids' count (the ids follow by broadcast)."""
+    step = _step(*shape)
+    if shape[2] > 1:  # a transposed (non-contiguous) block table travels in C order too
+        step = dataclasses.replace(step, block_tables=step.block_tables.t().contiguous().t())
+    got = _from_wire(pickle.loads(pickle.dumps(_to_wire(_Command("step", step)))))
+    assert got.op == "step"
+    for field in dataclasses.fields(StepInputs):
+        want, have = getattr(step, field.name), getattr(got.arg, field.name)
+        if field.name == "sampled_ids":
+            assert (have is None) == (want is None) and (want is None or have.shape == want.shape)
+            continue
+        assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want), field.name
+    got.arg.input_ids.add_(1)  # the worker's own tensors
+    other = _from_wire(_to_wire(_Command("alloc", 12)))
+    assert (other.op, other.arg) == ("alloc", 12)
 
 
 def _gather_on_rank(rank: int, store_path: str, out_dir: str) -> None:

@@ -8,12 +8,15 @@ import threading
 import numpy as np
 import pytest
 
-from trtopt.runtime.executors.shm_broadcast import ShmBroadcast
+from trtopt.runtime.executors.shm_broadcast import DEFAULT_SPIN_S, ShmBroadcast
 
 
-def test_every_reader_gets_every_message_in_order():
+@pytest.mark.parametrize("spin_s", [DEFAULT_SPIN_S, 5e-3], ids=["default", "gpu-rank"])
+def test_every_reader_gets_every_message_in_order(spin_s):
+    """Readers that sleep after 50 µs (the default) or spin through 5 ms (a GPU rank's, tensor_parallel.py)."""
     writer = ShmBroadcast.create(num_readers=2, capacity=1 << 16)
-    readers = [ShmBroadcast.attach(writer.path, num_readers=2, reader=r, capacity=1 << 16) for r in range(2)]
+    readers = [ShmBroadcast.attach(writer.path, num_readers=2, reader=r, capacity=1 << 16, spin_s=spin_s)
+               for r in range(2)]
     got: list[list] = [[], []]
 
     def read(r: int) -> None:
@@ -42,7 +45,7 @@ def test_every_reader_gets_every_message_in_order():
 
 def test_waiting_sides_give_up_when_the_peer_is_gone():
     writer = ShmBroadcast.create(num_readers=1, capacity=1 << 10)
-    reader = ShmBroadcast.attach(writer.path, num_readers=1, reader=0, capacity=1 << 10)
+    reader = ShmBroadcast.attach(writer.path, num_readers=1, reader=0, capacity=1 << 10, spin_s=5e-3)
     writer.publish("first")  # never read: the next publish must wait for the reader, then see it is gone
 
     class Gone(Exception):

@@ -319,6 +319,13 @@ class StepGraphs:
         else:  # no fill in the graphs, or more rows than the buffer holds: fill here (the graph's finds none left)
             fill_placeholders_(device[_IDS], sampled)
 
+    def sampled_ids_buffer(self, count: int) -> torch.Tensor | None:
+        """Where a step's ``count`` sampled ids can be written (a tensor-parallel worker receives them there) so that
+        `_fill` copies nothing and the replay's fill reads them in place: a view of the tokens buffer. None when the
+        graphs hold no fill, or fewer rows than ``count``."""
+        tokens = self._tokens
+        return tokens[:count] if tokens is not None and count <= tokens.numel() else None
+
     def device_inputs(self, bucket: GraphBucket) -> dict[str, torch.Tensor]:
         """The device inputs `bucket`'s graph reads (views of the packed buffer), by signature name."""
         return self._bucket_fields(bucket)[0]

@@ -18,9 +18,12 @@ The writer publishes message k+1 only when every reader acknowledged message k, 
 ever overwritten while read. Stores become visible in program order on x86-64 (TSO), which is what the
 payload-before-seq rule relies on; on weaker memory models a fence would be needed (not a platform we serve).
 
-Waiting spins briefly (a step's message arrives within microseconds of the previous one's completion), then
-yields, then sleeps in 0.5 ms naps, so an idle worker costs next to no CPU; ``alive`` callbacks let either side
-give up when its peer is gone instead of waiting forever.
+Waiting spins for ``spin_s`` (yielding the core to any other runnable thread between checks), then sleeps in the
+shortest timer sleeps until 5 ms, then in 0.5 ms naps, so an idle reader costs next to no CPU; ``alive`` callbacks
+let either side give up when its peer is gone instead of waiting forever. A timer sleep is coarse: ``time.sleep(0)``
+sleeps the thread's timer slack (50 µs by default on Linux; measured 60-76 µs a call), and a reader whose message
+arrives during one sees it that much later. So a reader whose core has nothing else to do (a GPU rank: one step's
+gap is ~1 ms) spins through the whole gap (tensor_parallel.py picks its ``spin_s``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from typing import Any, Callable
 import numpy as np
 
 DEFAULT_CAPACITY = 16 << 20  # the largest step (8192 tokens, 256 sequences x 128 blocks) pickles to ~0.3 MB
-_SPIN_S, _YIELD_S, _NAP_S = 50e-6, 5e-3, 5e-4
+DEFAULT_SPIN_S = 50e-6  # a wait spins this long, then sleeps (module docstring)
+_SLEEP_S, _NAP_S = 5e-3, 5e-4  # shortest timer sleeps until _SLEEP_S of waiting, then naps of _NAP_S
 
 
 def _shm_dir() -> Path:
@@ -45,23 +49,26 @@ def _shm_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def _wait(ready: Callable[[], bool], alive: Callable[[], None]) -> None:
+def _wait(ready: Callable[[], bool], alive: Callable[[], None], spin_s: float) -> None:
     """Return once ``ready()``; ``alive()`` raises when the peer is gone (checked between naps)."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
-        if waited < _SPIN_S:
+        if waited < spin_s:
+            os.sched_yield()  # returns at once when nothing else wants this core: no timer slack
             continue
         alive()
-        time.sleep(0 if waited < _YIELD_S else _NAP_S)
+        time.sleep(0 if waited < _SLEEP_S else _NAP_S)
 
 
 class ShmBroadcast:
     """The channel; the writer creates it (``ShmBroadcast.create``), readers attach by ``path`` (``attach``)."""
 
-    def __init__(self, path: Path, num_readers: int, capacity: int, *, reader: int | None, owner: bool):
+    def __init__(self, path: Path, num_readers: int, capacity: int, *, reader: int | None, owner: bool,
+                 spin_s: float = DEFAULT_SPIN_S):
         self.path, self.num_readers, self.capacity = path, num_readers, capacity
         self._reader, self._owner = reader, owner
+        self.spin_s = spin_s  # how long a wait spins before it sleeps (module docstring)
         self._header_bytes = 8 * (2 + num_readers)
         with open(path, "r+b") as f:
             self._mm = mmap.mmap(f.fileno(), self._header_bytes + capacity)
@@ -76,10 +83,10 @@ class ShmBroadcast:
         return cls(path, num_readers, capacity, reader=None, owner=True)
 
     @classmethod
-    def attach(cls, path: str | Path, num_readers: int, reader: int,
-               capacity: int = DEFAULT_CAPACITY) -> "ShmBroadcast":
+    def attach(cls, path: str | Path, num_readers: int, reader: int, capacity: int = DEFAULT_CAPACITY, *,
+               spin_s: float = DEFAULT_SPIN_S) -> "ShmBroadcast":
         assert 0 <= reader < num_readers, (reader, num_readers)
-        return cls(Path(path), num_readers, capacity, reader=reader, owner=False)
+        return cls(Path(path), num_readers, capacity, reader=reader, owner=False, spin_s=spin_s)
 
     # ---- writer ------------------------------------------------------------------------------------------------
 
@@ -92,7 +99,7 @@ class ShmBroadcast:
         assert self._reader is None, "only the writer publishes"
         assert len(payload) <= self.capacity, f"message of {len(payload)} bytes > channel capacity {self.capacity}"
         acks = self._header[2:]
-        _wait(lambda: bool((acks >= self._seq).all()), alive)
+        _wait(lambda: bool((acks >= self._seq).all()), alive, self.spin_s)
         start = self._header_bytes
         self._mm[start:start + len(payload)] = payload
         self._header[1] = len(payload)
@@ -105,7 +112,7 @@ class ShmBroadcast:
         """The next message (blocks until the writer publishes it)."""
         assert self._reader is not None, "the writer does not receive"
         want = self._seq + 1
-        _wait(lambda: int(self._header[0]) >= want, alive)
+        _wait(lambda: int(self._header[0]) >= want, alive, self.spin_s)
         start = self._header_bytes
         obj = pickle.loads(self._mm[start:start + int(self._header[1])])
         self._seq = want

@@ -10,12 +10,11 @@ driver broadcasts one message (the step's StepInputs, or a KV-pool command) thro
 shared memory to the ranks of its node (shm_broadcast.py: no network hop and no pickled tensors; gloo's
 broadcast_object_list cost 2.5-3.7 ms a step), TCP to the others; async scheduling's sampled ids, still being
 computed on rank 0's device, follow as a device broadcast (the step's first collective); every rank runs its plan on
-it, the plan's
-trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into its own KV pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default
-build), it leaves every logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel
-(``--lm-head vocab-parallel``), each rank computes its vocabulary columns of those rows and the plan's
-trtopt.AllGather hands every rank the full rows. Either way rank 0's executor returns the full-vocabulary rows the
-driver samples from.
+it, the plan's trtopt.AllReduce nodes sum the row-parallel partial results, and each rank writes its own heads into
+its own KV pool. The LM head computes the sampled rows only (logits_indices). Replicated (the default build), it
+leaves every logits row the sampler needs on rank 0 with nothing gathered; vocabulary-parallel (``--lm-head
+vocab-parallel``), each rank computes its vocabulary columns of those rows and the plan's trtopt.AllGather hands
+every rank the full rows. Either way rank 0's executor returns the full-vocabulary rows the driver samples from.
 
 A worker that dies (crash, OOM kill) ends the engine: a monitor thread watches the worker processes of the driver's
 node and the control connections of the others (closed: the process or node is gone; silent for ``timeout_s``: its
@@ -32,6 +31,7 @@ import gc
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,7 +54,7 @@ from trtopt.runtime.executors.control_plane import (
     ABORT_KEY, LAUNCH_KEY, READY_KEY, DriverChannel, Launch, PeerGone, TcpBroadcast, TcpReader,
 )
 from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
-from trtopt.runtime.executors.shm_broadcast import ShmBroadcast
+from trtopt.runtime.executors.shm_broadcast import DEFAULT_SPIN_S, ShmBroadcast
 from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 log = logging.getLogger(__name__)
@@ -87,16 +88,61 @@ def cpu_threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
+# A step on the wire is one bytes object, not pickled arrays: a header of int64s (the sampled ids' count, -1 for none;
+# then per field its numpy dtype's character code, ndim, and two dims; code 0 for a None field), then each field's
+# bytes in C order, padded to 8 bytes. Both ends sit on the critical path of every step (the driver's encode before
+# its publish, the worker's decode before its launch); against pickling the fields as numpy arrays (what this
+# replaced) a batch-1 decode step's encode + pickle costs ~1/2.5 and its unpickle + decode ~1/1.4, measured on CPU
+# (benchmarks/tp_host_timeline.py's `codec`; torch.from_numpy per field is most of what is left).
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs) if f.name != "sampled_ids")
+_STEP_HEADER = struct.Struct(f"<{1 + 4 * len(_STEP_FIELDS)}q")
+
+
+def _encode_step(step: StepInputs) -> bytes:
+    header = [-1 if step.sampled_ids is None else step.sampled_ids.numel()]
+    parts = []
+    for name in _STEP_FIELDS:
+        tensor = getattr(step, name)
+        if tensor is None:
+            header += (0, 0, 0, 0)
+            continue
+        array = tensor.numpy()
+        assert array.ndim <= 2, f"StepInputs.{name} has {array.ndim} dims; the step wire format carries 2 at most"
+        header += (ord(array.dtype.char), array.ndim, *(array.shape + (0, 0))[:2])
+        parts += (array.tobytes(), bytes(-array.nbytes % 8))
+    return _STEP_HEADER.pack(*header) + b"".join(parts)
+
+
+def _decode_step(data: bytes) -> StepInputs:
+    buffer = bytearray(data)  # writable: the worker's tensors are its own to change, as unpickled ones were
+    header = _STEP_HEADER.unpack_from(buffer)
+    offset, fields = _STEP_HEADER.size, {}
+    for i, name in enumerate(_STEP_FIELDS):
+        code, ndim, *dims = header[1 + 4 * i: 5 + 4 * i]
+        if not code:
+            fields[name] = None
+            continue
+        array = np.ndarray(tuple(dims[:ndim]), np.dtype(chr(code)), buffer, offset)
+        fields[name] = torch.from_numpy(array)
+        offset += -(-array.nbytes // 8) * 8
+    count = header[0]
+    return StepInputs(**fields, sampled_ids=None if count < 0 else torch.empty(count, dtype=torch.int64))
+
+
+def reader_spin_s(device: str) -> float:
+    """How long a worker's wait for the driver's next message spins before it sleeps (shm_broadcast.py). On CUDA
+    through a whole batch-1 decode step's gap (~1 ms): the rank's core has nothing else to do, and the channel's
+    default (timer sleeps after 50 µs, 60-76 µs each) let a worker see a step up to that late, its GPU then starting
+    the step after rank 0's, which waits for it at the first collective (docs/architecture.md §7b). Past 5 ms a nap's
+    wake-up is small beside the gap. On the CPU the default: the ranks' cores compute the steps."""
+    return 5e-3 if str(device).startswith("cuda") else DEFAULT_SPIN_S
+
+
 def _to_wire(command: _Command) -> tuple[str, Any]:
-    """A step's tensors travel as numpy arrays (pickled in-band, ~10x cheaper than torch tensors' reduction), except
-    async scheduling's sampled ids: they live on rank 0's device, unsampled yet, so only their count travels here and
-    the ids follow on the device (`_share_sampled_ids`)."""
+    """A step travels as `_encode_step`'s bytes, except async scheduling's sampled ids: they live on rank 0's device,
+    unsampled yet, so only their count travels here and the ids follow on the device (`_share_sampled_ids`)."""
     if command.op == "step":
-        step = command.arg
-        fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepInputs) if f.name != "sampled_ids"}
-        wire = {name: None if value is None else value.numpy() for name, value in fields.items()}
-        wire["sampled_ids"] = None if step.sampled_ids is None else int(step.sampled_ids.numel())
-        return command.op, wire
+        return command.op, _encode_step(command.arg)
     return command.op, command.arg
 
 
@@ -104,23 +150,21 @@ def _from_wire(message: tuple[str, Any]) -> _Command:
     """The command a worker mirrors; a step's sampled ids are an empty int64 tensor of their count (filled by
     `_share_sampled_ids` on the worker's device)."""
     op, arg = message
-    if op == "step":
-        count = arg.pop("sampled_ids")
-        arg = StepInputs(**{name: None if array is None else torch.from_numpy(array) for name, array in arg.items()},
-                         sampled_ids=None if count is None else torch.empty(count, dtype=torch.int64))
-    return _Command(op, arg)
+    return _Command(op, _decode_step(arg) if op == "step" else arg)
 
 
-def _share_sampled_ids(step: StepInputs, device: torch.device, *, sender: bool) -> StepInputs:
+def _share_sampled_ids(step: StepInputs, executor: TorchExecutor, *, sender: bool) -> StepInputs:
     """Async scheduling's sampled ids, broadcast from rank 0 to every rank on the ranks' devices (NCCL on CUDA: queued
     on the stream, so neither the driver nor a worker waits on the host for the previous step's tokens; gloo on the
-    CPU). Every rank calls it before the step's forward, so it is each step's first collective on every rank."""
+    CPU). Every rank calls it before the step's forward, so it is each step's first collective on every rank. A
+    worker receives them where its CUDA graphs' fill reads them (StepGraphs.sampled_ids_buffer), when it can."""
     if step.sampled_ids is None or not step.sampled_ids.numel():
         return step
+    count = step.sampled_ids.numel()
     if sender:
-        ids = step.sampled_ids.to(device=device, dtype=torch.int64).contiguous()
-    else:
-        ids = torch.empty(step.sampled_ids.numel(), dtype=torch.int64, device=device)
+        ids = step.sampled_ids.to(device=executor.device, dtype=torch.int64).contiguous()
+    elif executor.graphs is None or (ids := executor.graphs.sampled_ids_buffer(count)) is None:
+        ids = torch.empty(count, dtype=torch.int64, device=executor.device)
     dist.broadcast(ids, src=0)
     return dataclasses.replace(step, sampled_ids=ids)
 
@@ -169,7 +213,8 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
     store = _store(addr, int(os.environ["MASTER_PORT"]), size, timeout_s=rendezvous_timeout_s)
     messages: ShmBroadcast | TcpReader
     if channel is not None:
-        messages = ShmBroadcast.attach(channel, num_readers=local_size - 1, reader=local_rank - 1)
+        messages = ShmBroadcast.attach(channel, num_readers=local_size - 1, reader=local_rank - 1,
+                                       spin_s=reader_spin_s(device))
     else:
         launch = Launch.from_json(store.get(LAUNCH_KEY))
         messages = TcpReader.connect(addr, launch.control_port, rank, timeout_s=timeout_s)
@@ -280,7 +325,7 @@ def run_worker_node(plan_dir: str | Path, size: int | None, nodes: NodeConfig, *
 
 def _apply(executor: TorchExecutor, command: _Command, *, rank: int) -> torch.Tensor | None:
     if command.op == "step":
-        return executor.execute(_share_sampled_ids(command.arg, executor.device, sender=rank == 0))
+        return executor.execute(_share_sampled_ids(command.arg, executor, sender=rank == 0))
     if command.op == "alloc":
         executor.allocate_kv_cache(command.arg)
     elif command.op == "capture":
