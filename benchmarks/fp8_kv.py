@@ -10,7 +10,11 @@ Cells (one plan each, built from one export in --dtype: bf16 on CUDA, fp32 on th
   from subnormals and saturation); the scale only moves where values round. The spread of the three fp8 cells is
   what rounding alone does to one number, so the reported increase is their mean, with their range;
 - fp8_amax: scales amax / 448 per layer, from the auto plan's pools after --calibration-windows calibration windows;
-- fp8_hadamard: fp8 built with kv_cache_rotation="hadamard", when build_plan takes that keyword (else skipped, noted).
+- fp8_hadamard: fp8 built with kv_cache_rotation="hadamard", when build_plan takes that keyword (else skipped, noted);
+- fp8_smooth_k, fp8_smooth: fp8 built with kv_cache_smoothing="k" (the keys' calibrated per-layer mean subtracted)
+  or "kv" (the values' too); fp8_hadamard_smooth_k, fp8_hadamard_smooth: the same with the Hadamard rotation on top
+  (when build_plan takes kv_cache_smoothing; else skipped, noted). The build calibrates the means on data.py's
+  calibration slice, disjoint from the held-out windows.
 
 Perplexity and KL: trtopt/quantize/data.py's text rule (the last --windows x --window tokens of Python's reference
 manual, held out from calibration; BOS in front of each window when the tokenizer adds one, as for Gemma). The
@@ -43,6 +47,8 @@ calls are kept (keyed by length, depth and name), so a run may be split into cal
     python3 benchmarks/fp8_kv.py --device cuda --only ppl --model gemma3-270m
     python3 benchmarks/fp8_kv.py --device cuda --only needle                            # Gemma-3-270m, 4K-32K
     python3 benchmarks/fp8_kv.py --device cpu --model tiny-llama --windows 2 --out /tmp/fp8_kv_smoke.json
+    python3 benchmarks/fp8_kv.py --device cuda --only ppl --model smollm2-135m --cells fp8 fp8_hadamard \
+        fp8_smooth_k fp8_hadamard_smooth_k fp8_hadamard_smooth
 """
 
 from __future__ import annotations
@@ -102,23 +108,40 @@ def log(msg: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One KV configuration: the pools' dtype, the per-layer scales (a multiplier of 1.0, or "amax"), a rotation."""
+    """One KV configuration: the pools' dtype, the per-layer scales (a multiplier of 1.0, or "amax"), a rotation, a
+    smoothing."""
 
     name: str
     kv_cache_dtype: str = "auto"
     scale: float | str = 1.0
     rotation: str | None = None
+    smoothing: str | None = None
+
+    def build_options(self) -> dict:
+        """build_plan's keywords beyond kv_cache_dtype."""
+        if self.smoothing:
+            from trtopt.runtime.kv_calibration import kv_means
+        return {**({"kv_cache_rotation": self.rotation} if self.rotation else {}),
+                **({"kv_cache_smoothing": self.smoothing, "kv_calibrator": kv_means} if self.smoothing else {})}
 
 
 CELLS = {c.name: c for c in (
     Cell("auto"), Cell("fp8", "fp8"), Cell("fp8_x0.95", "fp8", 0.95), Cell("fp8_x1.05", "fp8", 1.05),
     Cell("fp8_amax", "fp8", "amax"), Cell("fp8_hadamard", "fp8", rotation="hadamard"),
+    Cell("fp8_smooth_k", "fp8", smoothing="k"), Cell("fp8_smooth", "fp8", smoothing="kv"),
+    Cell("fp8_hadamard_smooth_k", "fp8", rotation="hadamard", smoothing="k"),
+    Cell("fp8_hadamard_smooth", "fp8", rotation="hadamard", smoothing="kv"),
 )}
 
 
 def rotation_supported() -> bool:
     """build_plan takes kv_cache_rotation (the Hadamard-rotated FP8 KV cache), in this tree."""
     return "kv_cache_rotation" in inspect.signature(build_plan).parameters
+
+
+def cell_supported(cell: Cell) -> bool:
+    """build_plan takes every keyword ``cell`` needs, in this tree."""
+    return set(cell.build_options()) <= set(inspect.signature(build_plan).parameters)
 
 
 # ---- exports and plans ---------------------------------------------------------------------------------------------
@@ -137,10 +160,9 @@ def export(model: str, dtype: str, cache: Path) -> Path:
 
 def build(source: Path, cache: Path, cell: Cell, limits: Limits) -> Path:
     """The plan of ``cell`` without its scales (those are rewritten by with_scales), cached by its build options."""
-    kwargs: dict = {"kv_cache_dtype": cell.kv_cache_dtype}
-    if cell.rotation:
-        kwargs["kv_cache_rotation"] = cell.rotation
-    out = cache / f"{source.name}-plan-{cell.kv_cache_dtype}{'-' + cell.rotation if cell.rotation else ''}"
+    kwargs: dict = {"kv_cache_dtype": cell.kv_cache_dtype, **cell.build_options()}
+    suffix = "".join(f"-{x}" for x in (cell.rotation, cell.smoothing and f"smooth_{cell.smoothing}") if x)
+    out = cache / f"{source.name}-plan-{cell.kv_cache_dtype}{suffix}"
     stamp = json.dumps({"source": str(source), "limits": dataclasses.asdict(limits), **kwargs}, sort_keys=True)
     if (out / "plan.json").is_file() and (out / "fp8_kv_stamp.json").is_file() \
             and (out / "fp8_kv_stamp.json").read_text() == stamp:
@@ -416,7 +438,7 @@ def cell_plans(cells: list[Cell], source: Path, limits: Limits, args, auto_execu
     """Each cell's plan dir; fp8_amax's scales come from ``auto_executor`` over the calibration windows."""
     plans: dict[str, Path] = {}
     for cell in cells:
-        if cell.kv_cache_dtype == "auto" or cell.rotation or cell.scale == 1.0:
+        if cell.kv_cache_dtype == "auto" or cell.build_options() or cell.scale == 1.0:
             plans[cell.name] = build(source, args.cache, cell, limits)
             continue
         fp8 = build(source, args.cache, CELLS["fp8"], limits)
@@ -440,8 +462,8 @@ def ppl_phase(args, source: Path, tokenizer, limits: Limits) -> None:
     calibration = data.with_bos(slices.calibration[:args.calibration_windows], tokenizer)
     cells, notes = [], {}
     for name in dict.fromkeys(["auto", *args.cells]):
-        if CELLS[name].rotation and not rotation_supported():
-            notes[name] = "skipped: build_plan takes no kv_cache_rotation keyword in this tree"
+        if not cell_supported(CELLS[name]):
+            notes[name] = f"skipped: build_plan takes no {' or '.join(CELLS[name].build_options())} in this tree"
             log(f"{name}: {notes[name]}")
         else:
             cells.append(CELLS[name])

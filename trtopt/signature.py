@@ -95,6 +95,10 @@ FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn; the write saturates to
 # `trtopt build --kv-cache-rotation` (with --kv-cache-dtype fp8 only): "hadamard" rotates q and k by one orthonormal
 # Hadamard matrix before each PagedAttention (fusion_passes/kv_rotation.py), so the pools hold k·H, not k.
 KV_CACHE_ROTATIONS = ("none", "hadamard")
+# `trtopt build --kv-cache-smoothing` (with --kv-cache-dtype fp8 only): "k" subtracts a calibrated per-layer mean from
+# the keys before each PagedAttention, "kv" from the values too and adds it back to the output
+# (fusion_passes/kv_smoothing.py), so the pools hold k - b_k (and v - b_v).
+KV_CACHE_SMOOTHINGS = ("none", "k", "kv")
 
 
 def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:

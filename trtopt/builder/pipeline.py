@@ -7,9 +7,11 @@ Four steps, each a function with a typed value between them:
     plan dir ◀──write── model.onnx (+ .data) or rank{r}/, plan.json, fusion_report.json, tokenizer + config files
 
 ``fuse`` loads the source (source.py), runs the fusion passes (fusion_passes/pipeline.py) and validates the plan
-graph; ``shard`` (--tensor-parallel only) rewrites it into the rank graph (sharding/analysis.py); ``rotate``
-(--kv-cache-rotation only) rotates q and k before attention (fusion_passes/kv_rotation.py); ``write`` attaches the
-trtopt op functions and writes the files (plan_files.py, sharding/writer.py, plan.py).
+graph (with --kv-cache-smoothing it also calibrates the K/V means, through the caller's calibrator, and subtracts
+them before attention: builder/kv_calibration.py, fusion_passes/kv_smoothing.py); ``shard`` (--tensor-parallel only)
+rewrites it into the rank graph (sharding/analysis.py); ``rotate`` (--kv-cache-rotation only) rotates q and k before
+attention (fusion_passes/kv_rotation.py); ``write`` attaches the trtopt op functions and writes the files
+(plan_files.py, sharding/writer.py, plan.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -33,6 +35,7 @@ from trtopt.builder.model_facts import (
     model_facts,
     read_json,
 )
+from trtopt.builder.kv_calibration import KvCalibrator, KvMeans, calibration_windows
 from trtopt.builder.plan import REPORT_FILE, Limits, ModelFacts, PlanConfig, write_plan
 from trtopt.builder.plan_files import copy_side_files, save_model
 from trtopt.builder.sharding import (
@@ -47,12 +50,13 @@ from trtopt.builder.signature import check_signature
 from trtopt.builder.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
 from trtopt.fusion_passes.kv_rotation import head_dims, is_power_of_two, rotate_qk
+from trtopt.fusion_passes.kv_smoothing import smooth_kv
 from trtopt.fusion_passes.paged_attention import use_fp8_kv_cache
 from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
 from trtopt.fusion_passes.trace import Trace
 from trtopt.plugins import attach_functions
 from trtopt.plugins.paged_attention.function import attach_fp8_kv_function
-from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS
+from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SMOOTHINGS
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
 
@@ -72,6 +76,8 @@ class BuildOptions:
     explain: bool  # recorded in fusion_report.json
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "fp8" stores the KV pools as float8_e4m3fn
     kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS: "hadamard" rotates q and k (kv_cache_dtype "fp8")
+    kv_cache_smoothing: str = "none"  # one of KV_CACHE_SMOOTHINGS: "k"/"kv" subtract calibrated means (fp8 only)
+    kv_calibrator: KvCalibrator | None = None  # runs the graph for kv_cache_smoothing (the runtime's kv_means)
 
 
 @dataclasses.dataclass
@@ -82,6 +88,7 @@ class FusedGraph:
     report: FusionReport  # the fusion counts, plan kind and unfused regions
     facts: ModelFacts  # read off the fused graph (global head counts): the top-level plan.json's
     notes: tuple[str, ...]  # where config.json and the graph disagreed (the graph won)
+    kv_means: KvMeans | None = None  # with --kv-cache-smoothing: the calibrated means the graph subtracts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +109,7 @@ class BuildResult:
     seconds: float
     parallel: ParallelLayout | None = None  # the tensor-parallel layout, when built with tensor_parallel
     notes: tuple[str, ...] = ()  # where config.json and the graph disagree (the graph won)
+    kv_calibration: str = ""  # with --kv-cache-smoothing: what the means were calibrated on, and its cost
 
 
 def validate_limits(limits: Limits) -> None:
@@ -165,6 +173,22 @@ class _Steps:
         task = self._progress.add_task(description, total=1)
         yield
         self._progress.update(task, completed=1)
+
+    @contextlib.contextmanager
+    def bar(self, description: str, total: int) -> Iterator[Callable[[], None]]:
+        """A step of ``total`` parts; yields the function that marks one done."""
+        if self._progress is None:
+            yield lambda: None
+            return
+        task = self._progress.add_task(f"{description} (0/{total})", total=total)
+        done = 0
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            self._progress.update(task, advance=1, description=f"{description} ({done}/{total})")
+
+        yield advance
 
 
 def _op_summary(model: ir.Model, limit: int = 8) -> str:
@@ -239,6 +263,8 @@ def validate_options(
     disable_passes: Sequence[str],
     kv_cache_dtype: str = "auto",
     kv_cache_rotation: str = "none",
+    kv_cache_smoothing: str = "none",
+    kv_calibrator: KvCalibrator | None = None,
 ) -> BuildOptions:
     """Check every option and the source and plan paths before any work is done (build_plan's arguments)."""
     onnx_path = resolve_model_path(Path(model_path))
@@ -268,11 +294,25 @@ def validate_options(
     if kv_cache_rotation != "none" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-rotation {kv_cache_rotation} only changes what an FP8 KV cache loses to "
                           "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-rotation.")
+    if kv_cache_smoothing not in KV_CACHE_SMOOTHINGS:
+        raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing!r} is not supported; choose one of "
+                          f"{', '.join(KV_CACHE_SMOOTHINGS)}.")
+    if kv_cache_smoothing != "none" and kv_cache_dtype != "fp8":
+        raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing} only changes what an FP8 KV cache loses to "
+                          "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-smoothing.")
+    if kv_cache_smoothing != "none" and tensor_parallel is not None:
+        raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing} does not shard yet (its means are per KV head, "
+                          "and the rank graphs would need each rank's slice); drop --tensor-parallel or "
+                          "--kv-cache-smoothing.")
+    if kv_cache_smoothing != "none" and kv_calibrator is None:
+        raise ConfigError(f"kv_cache_smoothing={kv_cache_smoothing!r} calibrates by running the graph: pass "
+                          "kv_calibrator=trtopt.runtime.kv_calibration.kv_means to build_plan (`trtopt build` does).")
     _check_out_dir(out_dir, source_dir, force)
     return BuildOptions(onnx_path=onnx_path, out_dir=out_dir, config_json=config_json,
                         generation_json=generation_json, limits=limits, tensor_parallel=tensor_parallel,
                         lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain,
-                        kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation)
+                        kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation,
+                        kv_cache_smoothing=kv_cache_smoothing, kv_calibrator=kv_calibrator)
 
 
 def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
@@ -296,18 +336,43 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
         facts = model_facts(model, report.kind, config_json, options.generation_json)
         notes = tuple(config_disagreements(facts, config_json))
         check_signature(model, report.kind)
-    if options.kv_cache_dtype == "fp8":
-        if report.kind != "paged":
-            raise ConfigError(f"--kv-cache-dtype fp8 sets the dtype of a KV cache, and {options.onnx_path} builds a "
-                              f"{report.kind!r} plan without one; build it without --kv-cache-dtype.")
-        use_fp8_kv_cache(model)
     if options.kv_cache_rotation == "hadamard":
         odd = sorted({d for d in head_dims(model) if not is_power_of_two(d)})
         if odd:
             raise ConfigError(f"--kv-cache-rotation hadamard needs a power-of-two head_dim (Sylvester's Hadamard "
                               f"matrix), and {options.onnx_path} has head_dim {', '.join(map(str, odd))}; build "
                               "without --kv-cache-rotation.")
-    return FusedGraph(model=model, report=report, facts=facts, notes=notes)
+    means = None
+    if options.kv_cache_dtype == "fp8":
+        if report.kind != "paged":
+            raise ConfigError(f"--kv-cache-dtype fp8 sets the dtype of a KV cache, and {options.onnx_path} builds a "
+                              f"{report.kind!r} plan without one; build it without --kv-cache-dtype.")
+        means = smooth(options, model, steps)
+        use_fp8_kv_cache(model)
+    return FusedGraph(model=model, report=report, facts=facts, notes=notes, kv_means=means)
+
+
+def smooth(options: BuildOptions, model: ir.Model, steps: _Steps) -> KvMeans | None:
+    """With --kv-cache-smoothing: calibrate every layer's mean key (and value) on the paged ``model`` while its
+    pools still have the model's dtype, then subtract them before attention (in place). Runs in fuse, before the
+    pools become FP8, and before shard and rotate: with the rotation the pools hold (k - b_k)·H."""
+    if options.kv_cache_smoothing == "none":
+        return None
+    from trtopt.quantize import data
+
+    try:
+        tokenizer = data.load_tokenizer(options.onnx_path.parent)
+    except Exception as e:  # transformers raises OSError, ValueError... for a missing or broken tokenizer
+        raise ConfigError(f"--kv-cache-smoothing calibrates on text, and the tokenizer files next to "
+                          f"{options.onnx_path.name} cannot be read ({type(e).__name__}); build the directory "
+                          "`trtopt export` wrote, or drop --kv-cache-smoothing.") from e
+    windows = calibration_windows(tokenizer, max_len=options.limits.max_model_len)
+    with steps.bar(f"calibrating the K/V means ({windows.shape[0]} x {windows.shape[1]} tokens)",
+                   len(windows)) as advance:
+        means = options.kv_calibrator(model, windows, block_size=options.limits.block_size, on_window=advance)
+    smoothed = smooth_kv(model, means.k, means.v if options.kv_cache_smoothing == "kv" else None)
+    assert smoothed == len(means.k), f"smoothed {smoothed} of {len(means.k)} attention layers"
+    return means
 
 
 def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGraph | None:
@@ -343,6 +408,7 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
     """Write the plan dir: model.onnx (or rank{r}/ per rank), plan.json, the side files and fusion_report.json.
     ``fused.model`` is consumed (converted to the proto that is written)."""
     source_dir, out_dir = options.onnx_path.parent, options.out_dir
+    means = fused.kv_means
     assert fused.model is not None, "write consumes the graph once"
     with steps.step("attaching the trtopt op functions"):
         proto = attach_functions(ir.to_proto(fused.model))
@@ -354,7 +420,8 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
         onnx.external_data_helper.load_external_data_for_model(proto, str(source_dir))
     with steps.step(f"writing {out_dir}"):
         _prepare_out_dir(out_dir)
-        kv = dict(kv_cache_dtype=options.kv_cache_dtype, kv_cache_rotation=options.kv_cache_rotation)
+        kv = dict(kv_cache_dtype=options.kv_cache_dtype, kv_cache_rotation=options.kv_cache_rotation,
+                  kv_cache_smoothing=options.kv_cache_smoothing)
         config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind, **kv)
         if sharded is None:
             save_model(proto, out_dir)
@@ -373,11 +440,13 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
             "seconds": round(seconds, 3),
             "explain": options.explain,
             "notes": list(fused.notes),
+            **({"kv_smoothing": {"tokens": means.tokens, "windows": means.windows, "device": means.device,
+                                 "seconds": round(means.seconds, 3)}} if means is not None else {}),
         }
         (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
     layout = sharded.result.layout if sharded is not None else None
     return BuildResult(plan_dir=out_dir, config=config, report=fused.report, seconds=seconds, parallel=layout,
-                       notes=fused.notes)
+                       notes=fused.notes, kv_calibration=means.describe() if means is not None else "")
 
 
 def build_plan(
@@ -394,6 +463,8 @@ def build_plan(
     disable_passes: Sequence[str] = (),
     kv_cache_dtype: str = "auto",
     kv_cache_rotation: str = "none",
+    kv_cache_smoothing: str = "none",
+    kv_calibrator: KvCalibrator | None = None,
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
 
@@ -420,12 +491,21 @@ def build_plan(
     orthonormal Hadamard matrix before each PagedAttention, exact in real arithmetic, so the FP8 pools hold k·H:
     fusion_passes/kv_rotation.py); ConfigError for another value, without "fp8", or for a head_dim that is not a
     power of two.
+
+    ``kv_cache_smoothing`` (with kv_cache_dtype "fp8" only): "none", "k" (every layer's mean post-RoPE key per KV
+    head and channel, calibrated on data.py's text at build time, subtracted before each PagedAttention: exact in
+    real arithmetic, the softmax ignores a shift shared by all of a query's scores) or "kv" (the values' mean too,
+    added back to the attention output); fusion_passes/kv_smoothing.py. ConfigError for another value, without
+    "fp8", with ``tensor_parallel``, or without the tokenizer files beside the source. The calibration runs the
+    graph, which the builder cannot do itself (it never imports the runtime): pass ``kv_calibrator``, the runtime's
+    ``trtopt.runtime.kv_calibration.kv_means`` (`trtopt build` does); ConfigError when it is missing.
     """
     start = time.perf_counter()
     options = validate_options(model_path, out_dir, limits=limits, max_model_len=max_model_len, force=force,
                                explain=explain, tensor_parallel=tensor_parallel, lm_head=lm_head,
                                disable_passes=disable_passes, kv_cache_dtype=kv_cache_dtype,
-                               kv_cache_rotation=kv_cache_rotation)
+                               kv_cache_rotation=kv_cache_rotation, kv_cache_smoothing=kv_cache_smoothing,
+                               kv_calibrator=kv_calibrator)
     steps = _Steps(progress)
     with steps.run():
         fused = fuse(options, steps)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from trtopt.errors import BuildError
-from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, kv_pool_dtype
+from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SMOOTHINGS, kv_pool_dtype
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -85,6 +85,10 @@ class PlanConfig:
     # `trtopt build --kv-cache-rotation`: "none", or "hadamard" (q and k rotated by one Hadamard matrix before each
     # PagedAttention, so the pools hold k·H; fp8 plans only). Written only when not "none", like kv_cache_dtype.
     kv_cache_rotation: str = "none"
+    # `trtopt build --kv-cache-smoothing`: "none", "k" (a calibrated per-layer mean subtracted from the keys before
+    # each PagedAttention) or "kv" (from the values too, added back to the output); fp8 plans only. Written only when
+    # not "none", like kv_cache_dtype.
+    kv_cache_smoothing: str = "none"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -101,6 +105,8 @@ class PlanConfig:
             del d["kv_cache_dtype"]
         if d["kv_cache_rotation"] == "none":
             del d["kv_cache_rotation"]
+        if d["kv_cache_smoothing"] == "none":
+            del d["kv_cache_smoothing"]
         return json.dumps(d, indent=2)
 
     @classmethod
@@ -123,9 +129,13 @@ class PlanConfig:
         if kv_cache_rotation not in KV_CACHE_ROTATIONS:
             raise BuildError(f"plan.json has kv_cache_rotation {kv_cache_rotation!r}, which this trtopt does not know "
                              f"({', '.join(KV_CACHE_ROTATIONS)}); rebuild the plan with `trtopt build`.")
+        kv_cache_smoothing = d.get("kv_cache_smoothing", "none")
+        if kv_cache_smoothing not in KV_CACHE_SMOOTHINGS:
+            raise BuildError(f"plan.json has kv_cache_smoothing {kv_cache_smoothing!r}, which this trtopt does not "
+                             f"know ({', '.join(KV_CACHE_SMOOTHINGS)}); rebuild the plan with `trtopt build`.")
         return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"),
                    version=version, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
-                   kv_cache_rotation=kv_cache_rotation)
+                   kv_cache_rotation=kv_cache_rotation, kv_cache_smoothing=kv_cache_smoothing)
 
 
 def write_plan(plan_dir: str | Path, config: PlanConfig) -> Path:

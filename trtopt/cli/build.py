@@ -22,6 +22,8 @@ def _print_report(result, explain: bool) -> None:
         f"× {facts.head_dim}, vocab {facts.vocab_size}, {facts.dtype}"
         + (f", KV cache {result.config.kv_pool_dtype}" if result.config.kv_cache_dtype != "auto" else "")
         + (f", q/k rotated ({result.config.kv_cache_rotation})" if result.config.kv_cache_rotation != "none" else "")
+        + (f", {'K/V' if result.config.kv_cache_smoothing == 'kv' else 'K'} smoothed ({result.kv_calibration})"
+           if result.config.kv_cache_smoothing != "none" else "")
     )
     for note in result.notes:
         console.print(f"[yellow]note[/]: {note}", highlight=False)
@@ -91,6 +93,13 @@ def build(
         "before attention, exact before rounding, so the FP8 pools hold rotated keys; needs a power-of-two "
         "head_dim). Whether it lowers FP8's perplexity cost depends on the model: measure it.",
     ),
+    kv_cache_smoothing: str = typer.Option(
+        "none", "--kv-cache-smoothing",
+        help="With --kv-cache-dtype fp8: `none`, `k` (each layer's mean key per head and channel, calibrated at build "
+        "time on 8 x 512 tokens of Python's reference manual, subtracted before attention: exact before rounding, "
+        "the softmax ignores the shift) or `kv` (the values' mean too, added back after attention). Combines with "
+        "--kv-cache-rotation hadamard; not with --tensor-parallel.",
+    ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
                                            "(speculative decoding, method self_draft); repeatable."),
@@ -109,10 +118,14 @@ def build(
     from trtopt.builder.plan import Limits
 
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
+    kv_calibrator = None
+    if kv_cache_smoothing != "none":  # the calibration runs the graph: the runtime's job (and its torch import)
+        from trtopt.runtime.kv_calibration import kv_means as kv_calibrator
     result = build_plan(
         model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
         tensor_parallel=tensor_parallel, lm_head=lm_head, disable_passes=tuple(disable_pass or ()),
-        kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation, kv_cache_smoothing=kv_cache_smoothing,
+        kv_calibrator=kv_calibrator,
     )
     _print_report(result, explain)
     if draft_layers:

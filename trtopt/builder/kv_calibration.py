@@ -1,0 +1,58 @@
+"""The calibration of `trtopt build --kv-cache-smoothing` (docs/architecture.md §3): every layer's mean post-RoPE key
+and value per KV head and channel, read where the fused plan graph hands them to PagedAttention.
+
+The text is trtopt/quantize/data.py's calibration rule (the first windows of Python's reference manual, BOS in front
+when the tokenizer starts every text with one; nothing is downloaded). Running the graph over them is the
+``KvCalibrator``'s job, which the caller hands to build_plan: runtime/kv_calibration.py's `kv_means` (what `trtopt
+build` passes) runs the plan graph through the torch executor's converter on CUDA when torch sees a device, else on
+the CPU, before its pools become FP8, one window a step from position 0, reading every PagedAttention's k and v
+inputs as extra graph outputs that are removed again afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol
+
+import numpy as np
+import onnx_ir as ir
+
+DEFAULT_WINDOWS = 8  # calibration windows ...
+DEFAULT_WINDOW = 512  # ... of this many tokens (fewer when the plan's max_model_len is shorter)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvMeans:
+    """Per layer (graph order): the mean key and value, [Hkv, D] float64 each, over ``tokens`` calibration tokens."""
+
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    tokens: int
+    windows: int
+    device: str
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"calibrated on {self.windows} x {self.tokens // max(self.windows, 1)} tokens of Python's reference "
+                f"manual ({self.device}, {self.seconds:.1f} s)")
+
+
+def calibration_windows(tokenizer, *, max_len: int, windows: int = DEFAULT_WINDOWS,
+                        window: int = DEFAULT_WINDOW) -> np.ndarray:
+    """[windows, L] token ids by data.py's calibration rule, L <= max_len counting the BOS data.with_bos adds."""
+    from trtopt.quantize import data
+
+    tokens = data.corpus_tokens(tokenizer)
+    bos = data.with_bos(np.zeros((1, 0), np.int64), tokenizer).shape[1]
+    length = min(window, max_len - bos)
+    assert length > 0, f"max_model_len {max_len} leaves no room for a calibration window"
+    return data.with_bos(data.split_windows(tokens, calibration=(windows, length)).calibration, tokenizer)
+
+
+class KvCalibrator(Protocol):
+    """What runs the paged graph over the calibration windows (``build_plan(kv_calibrator=...)``): the runtime's
+    trtopt/runtime/kv_calibration.py `kv_means`, which `trtopt build` passes. It lives above the builder because it
+    executes the graph through the runtime's torch converter and input builder (the builder never imports them)."""
+
+    def __call__(self, model: ir.Model, windows: np.ndarray, *, block_size: int,
+                 on_window: Callable[[], None]) -> KvMeans: ...
