@@ -223,7 +223,7 @@ class LLMEngine:
         assert self._in_flight is None and self.pool.num_free_blocks == self.pool.num_usable_blocks, \
             "a block is held with no request in the engine"
         self.pool.reset_prefix_cache()
-        self.executor.allocate_kv_cache(1)  # the null block alone
+        self.executor.allocate_kv_cache(2)  # the fewest the executors take: the null block and one more
         self.kv_cache_released = True
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the pools' (and dropped graphs') memory back to the device

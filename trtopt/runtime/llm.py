@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.batch import RequestOutput
+from trtopt.runtime.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from trtopt.runtime.config import NodeConfig
 from trtopt.runtime.engine import LLMEngine, PromptType
 from trtopt.runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -99,6 +100,18 @@ class LLM:
         if use_tqdm:
             return self._run_with_progress(ids, on_output)
         return self._run(ids, on_output)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the params.beam_width best sequences of each prompt, best first
+        (runtime/beam_search.py says how they are searched). Each BeamSequence holds the prompt and output tokens, the
+        text of both, the output's cumulative logprob and per output token its logprobs. A bad prompt raises
+        RequestError before anything runs."""
+        if not self.is_driver:
+            raise ConfigError("this LLM ran a worker node (node_rank > 0) of a multi-node group, which has ended; only "
+                              "node 0 generates.")
+        ids = (f"llm-beam-{next(self._ids)}" for _ in itertools.count())
+        return run_beam_search(self.engine, _as_prompt_list(prompts), params, request_ids=ids)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """generate() for one conversation or a list of conversations."""

@@ -110,6 +110,10 @@ class AsyncLLMEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.loop.eos_token_ids
 
+    @property
+    def max_logprobs(self) -> int:
+        return self.loop.max_logprobs
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """EngineLoop.tokenize, on the caller's thread (call it from a worker thread for a long prompt)."""
         return self.loop.tokenize(prompt)

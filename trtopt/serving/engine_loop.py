@@ -134,6 +134,7 @@ class EngineLoop:
         self._max_model_len = engine.limits.max_model_len
         self._vocab_size = engine.plan.model.vocab_size
         self._eos_token_ids = tuple(engine.plan.model.eos_token_ids)
+        self._max_logprobs = engine.input_processor.limits.max_logprobs
         self.max_consecutive_failed_steps = max_consecutive_failed_steps
         self._wake = threading.Event()  # set when there is new work (an add or an abort) or a stop
         self._lock = threading.Lock()  # guards _adds, _aborts, _closed, _thread, dead_reason
@@ -289,6 +290,11 @@ class EngineLoop:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_token_ids
+
+    @property
+    def max_logprobs(self) -> int:
+        """Alternatives per token a request may ask for (EngineConfig.max_logprobs, -1 resolved to the vocabulary)."""
+        return self._max_logprobs
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of any prompt form, chat messages rendered with the plan's chat

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from trtopt.errors import RequestError
+from trtopt.runtime.beam_search import BeamSearchParams
 from trtopt.runtime.input_processor import ChatPrompt
 from trtopt.runtime.sampling_params import ALL_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutputsParams
 from trtopt.serving.structured import ToolCallPlan, structured_outputs_of, tool_call_plan
@@ -77,6 +78,9 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search: n beams, the n best returned (runtime/beam_search.py); length_penalty ranks the finished ones.
+    use_beam_search: Bool = False
+    length_penalty: float = 1.0
     # vLLM's token-id outputs: prompt_token_ids and each choice's token_ids; logprob tokens as "token_id:N"
     # (None: the server's --return-tokens-as-token-ids).
     return_token_ids: Bool | None = None
@@ -135,6 +139,36 @@ class _SamplingFields(BaseModel):
             **extra,
         )
 
+    def _beam_search_params(self, max_tokens: int | None, refused: dict[str, bool]) -> BeamSearchParams:
+        """vLLM's to_beam_search_params: n is the beam width. A field that would change a sampled reply but that
+        beam search does not apply (it ranks the model's raw logprobs) is refused, where vLLM ignores it;
+        temperature, top_p, top_k, min_p and seed change nothing (vLLM's too)."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+        refused = {"stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+                   "min_tokens": self.min_tokens > 0, "logit_bias": bool(self.logit_bias),
+                   "bad_words": bool(self.bad_words),
+                   "allowed_token_ids": self.allowed_token_ids is not None,
+                   "repetition_penalty": self.repetition_penalty not in (None, 1),
+                   "presence_penalty": self.presence_penalty not in (None, 0),
+                   "frequency_penalty": self.frequency_penalty not in (None, 0),
+                   "structured output (response_format, structured_outputs, guided_*)":
+                       self._structured() is not None,
+                   **refused}
+        name = next((name for name, on in refused.items() if on), None)
+        if name is not None:
+            raise RequestError(f"{name} does not apply to beam search, which ranks the model's raw logprobs; drop it, "
+                               "or set use_beam_search to false.")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                skip_special_tokens=self.skip_special_tokens)
+
+    def prepare_params(self, max_tokens: int | None) -> SamplingParams:
+        """What a beam search's prompt is prepared with: the output budget and prompt truncation (the rest of the
+        search has its own params)."""
+        return SamplingParams(max_tokens=max_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens)
+
     def usage_options(self, force: bool = False) -> tuple[bool, bool]:
         """(a final usage chunk, usage on every chunk) of a stream, by vLLM's rule: --enable-force-include-usage
         (`force`) turns both on; else stream_options.include_usage, and continuous_usage_stats with it."""
@@ -192,6 +226,18 @@ class CompletionRequest(_SamplingFields):
             prompt_logprobs = self.logprobs  # vLLM: echo with logprobs returns the prompt's logprobs too
         params = self._common_params(self.max_tokens, logprobs, self._structured(), prompt_logprobs=prompt_logprobs)
         return dataclasses.replace(params, n=self.num_generated) if self.num_generated != self.n else params
+
+
+    def to_beam_search_params(self) -> BeamSearchParams:
+        """use_beam_search (vLLM's rules and message: not streamed)."""
+        if self.stream:
+            raise RequestError("Streaming is not currently supported with beam search")
+        if self.suffix:
+            raise RequestError("suffix (insertion) is not supported by trtopt; remove it from the request.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise RequestError("`logprobs` must be a positive value.")
+        return self._beam_search_params(self.max_tokens, {"prompt_logprobs": self.prompt_logprobs is not None,
+                                                          "best_of": self.best_of not in (None, self.n)})
 
 
 class ContentPart(BaseModel):
@@ -295,13 +341,10 @@ class ChatCompletionRequest(_SamplingFields):
         plan = self.tool_plan(auto_tool_choice=auto_tool_choice)
         if plan is not None:
             structured = plan.constraint  # vLLM's rule: a forced tool call overrides response_format and the rest
-        if self.top_logprobs is not None and self.top_logprobs < ALL_LOGPROBS:  # vLLM's message
-            raise RequestError("`top_logprobs` must be a positive value or -1.")
-        if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
-            raise RequestError("top_logprobs needs logprobs=true; set both.")
+        self._check_top_logprobs()
         _check_prompt_logprobs(self.prompt_logprobs)
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = self.num_logprobs
+        max_tokens = self.max_output_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.stream and prompt_logprobs is not None:
             if prompt_logprobs > 0 or prompt_logprobs == -1:
@@ -309,6 +352,30 @@ class ChatCompletionRequest(_SamplingFields):
             if prompt_logprobs == 0:  # a stream has nowhere to put them
                 prompt_logprobs = None
         return self._common_params(max_tokens, logprobs, structured, prompt_logprobs=prompt_logprobs)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token in the reply's logprobs; None without logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def to_beam_search_params(self, *, auto_tool_choice: bool = False) -> BeamSearchParams:
+        """use_beam_search (vLLM's: streamed too, the whole reply in one chunk per choice). A forced tool call, whose
+        grammar beam search would not apply, is refused."""
+        self._check_top_logprobs()
+        forced = self.tool_plan(auto_tool_choice=auto_tool_choice) is not None
+        return self._beam_search_params(self.max_output_tokens, {
+            "a forced tool call (tool_choice)": forced, "prompt_logprobs": self.prompt_logprobs is not None,
+            "top_logprobs=-1 (the whole vocabulary)": bool(self.logprobs and self.top_logprobs == ALL_LOGPROBS)})
+
+    def _check_top_logprobs(self) -> None:
+        if self.top_logprobs is not None and self.top_logprobs < ALL_LOGPROBS:  # vLLM's message
+            raise RequestError("`top_logprobs` must be a positive value or -1.")
+        if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true; set both.")
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ GET /health, GET /metrics, and vLLM's: POST /v1/chat/completions/batch (several 
 POST /tokenize and /detokenize, GET /version, GET /load, GET/POST /ping and POST /invocations (SageMaker),
 GET /tokenizer_info (with ServerOptions.enable_tokenizer_info_endpoint), and in dev mode (ServerOptions.server_dev_mode,
 vLLM's VLLM_SERVER_DEV_MODE) sleep mode: POST /sleep?level=0|1&mode=abort|wait|keep, POST /wake_up?tags=...,
-GET /is_sleeping (EngineLoop.sleep says what each does). A non-streamed generation response carries
+GET /is_sleeping (EngineLoop.sleep says what each does). `use_beam_search` (vLLM's) on both generation endpoints runs
+a BeamSearchStream (serving/beam_search.py) in place of the engine requests. A non-streamed generation response carries
 vLLM's ORCA load report (the `endpoint-load-metrics` header) when the request's `endpoint-load-metrics-format`
 header asks for one (TEXT or JSON).
 Errors are OpenAI-style bodies ({"error": {"message", "type", "param", "code"}}):
@@ -38,10 +39,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from trtopt import __version__
 from trtopt.errors import ConfigError, RequestError
 from trtopt.runtime.batch import RequestOutput
+from trtopt.runtime.beam_search import BeamSearchParams
 from trtopt.runtime.engine import LLMEngine
 from trtopt.serving.async_engine import (
     AsyncLLMEngine, EngineDeadError, PreparedRequest, RequestAbortedError, RequestStream,
 )
+from trtopt.serving.beam_search import BeamSearchStream
 from trtopt.serving.engine_loop import DEFAULT_STOP_TIMEOUT_S
 from trtopt.runtime.structured_output import ReasoningGatedGrammar
 from trtopt.serving.metrics import ORCA_FORMAT_HEADER, LatencyTracker, ServingMetrics, orca_headers
@@ -358,14 +361,18 @@ class _Handlers:
                                      param="model", code="model_not_found"))
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        beam = body.to_beam_search_params if body.use_beam_search else None
+
         def prepare() -> list[PreparedRequest]:
-            return self.engine.prepare_batch(body.prompts(), body.to_sampling_params())
+            params = body.prepare_params(body.max_tokens) if beam else body.to_sampling_params()
+            return self.engine.prepare_batch(body.prompts(), params)
 
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.engine.tokenizer, n=body.n,
                                       echo=body.echo, logprobs=body.logprobs is not None,
                                       prompt_logprobs=body.prompt_logprobs is not None, best_of=body.best_of,
                                       options=self._render_options(body))
-        return await self._serve("completions", body, request, prepare, renderer)
+        return await self._serve("completions", body, request, prepare, renderer, beam=beam,
+                                 beam_logprobs=body.logprobs)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         auto_tools = self.tool_parser is not None and is_auto_tool_choice(body.tools, body.tool_choice)
@@ -376,8 +383,12 @@ class _Handlers:
             self.metrics.requests.labels("chat", "rejected").inc()
             raise APIError(ErrorInfo(400, str(e), param="tool_choice")) from None
         reasoning = self._reasoning_rule(body)
+        beam = ((lambda: body.to_beam_search_params(auto_tool_choice=self.tool_parser is not None))
+                if body.use_beam_search else None)
 
         def prepare() -> list[PreparedRequest]:
+            if beam:
+                return [self.engine.prepare(body.template_messages(), body.prepare_params(body.max_output_tokens))]
             return [self._prepare_chat(body, reasoning, keep_special=auto_tools and self.tool_parser_keeps_special)]
 
         # Kimi-K2's ids number every call of the conversation: the earlier replies' calls come first (vLLM's).
@@ -388,7 +399,7 @@ class _Handlers:
                                 role=body.response_role, echo_text=body.echo_text(),
                                 reasoning=reasoning, options=self._render_options(body),
                                 tool_parser=self.tool_parser if auto_tools else None, kimi_call_index=kimi_index)
-        return await self._serve("chat", body, request, prepare, renderer)
+        return await self._serve("chat", body, request, prepare, renderer, beam=beam, beam_logprobs=body.num_logprobs)
 
     async def batch_chat(self, raw: dict[str, Any], request: Request) -> Response:
         """vLLM's /v1/chat/completions/batch: each conversation of `messages` is a chat request with the body's
@@ -439,7 +450,11 @@ class _Handlers:
         return prepared
 
     async def _serve(self, endpoint: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                     prepare: Callable[[], list[PreparedRequest]], renderer: Renderer) -> Response:
+                     prepare: Callable[[], list[PreparedRequest]], renderer: Renderer, *,
+                     beam: Callable[[], BeamSearchParams] | None = None, beam_logprobs: int | None = None) -> Response:
+        """Prepare the prompts (on a worker thread), run them, and answer (streamed or not). beam: the request's
+        beam search params (use_beam_search), made after the model check; then `prepare` only resolves the prompts
+        and their output budget, and a BeamSearchStream runs them (beam_logprobs: each token's top-k, or None)."""
         arrival = time.monotonic()
         _warn_unknown_fields(body)
         if body.model is not None and body.model != self.model_name:  # vLLM's: no model is the served one
@@ -448,12 +463,16 @@ class _Handlers:
                                           f"{self.model_name!r} (see GET /v1/models).", param="model",
                                      code="model_not_found"))
         try:
+            beam_params = beam() if beam is not None else None
             # Tokenizing (and rendering a chat template) costs up to ~0.3 s for a max-size prompt, compiling a grammar
             # milliseconds to seconds: prepare runs on a worker thread, never on the event loop or the step thread.
             prompts = await anyio.to_thread.run_sync(prepare)
             # Prompt k of a batch runs as engine request "<id>-k"; the renderer maps it back to choices k*n..k*n+n-1.
             ids = [renderer.request_id] if len(prompts) == 1 else [f"{renderer.request_id}-{k}" for k in range(len(prompts))]
-            stream = await self.engine.add_requests(list(zip(ids, prompts)))
+            if beam_params is None:
+                stream: RequestStream | BeamSearchStream = await self.engine.add_requests(list(zip(ids, prompts)))
+            else:
+                stream = BeamSearchStream(self.engine, list(zip(ids, prompts)), beam_params, logprobs=beam_logprobs)
         except RequestError as e:
             self.metrics.requests.labels(endpoint, "rejected").inc()
             raise APIError(ErrorInfo(400, str(e))) from None
@@ -468,7 +487,8 @@ class _Handlers:
             return _SSEResponse(sse, media_type="text/event-stream")
         return await self._collect(endpoint, stream, prompt_index, renderer, tracker, request)
 
-    async def _collect(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
+    async def _collect(self, endpoint: str, stream: RequestStream | BeamSearchStream, prompt_index: dict[str, int],
+                       renderer: Renderer,
                        tracker: LatencyTracker, request: Request) -> Response:
         """Wait for every prompt to finish, while watching the connection: a client that leaves has its requests
         aborted at once (not when the next output arrives, which may be many seconds later)."""
@@ -517,7 +537,8 @@ class _Handlers:
         load = orca_headers(request.headers.get(ORCA_FORMAT_HEADER), self.engine.stats)
         return JSONResponse(renderer.full_response(outs), headers=load)
 
-    async def _sse(self, endpoint: str, stream: RequestStream, prompt_index: dict[str, int], renderer: Renderer,
+    async def _sse(self, endpoint: str, stream: RequestStream | BeamSearchStream, prompt_index: dict[str, int],
+                   renderer: Renderer,
                    tracker: LatencyTracker, prompt_token_ids: list[list[int]],
                    include_usage: bool) -> AsyncIterator[str]:
         outcome = "disconnected"  # unless the loop below completes: a cancelled generator is a client that left

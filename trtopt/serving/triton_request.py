@@ -157,8 +157,9 @@ def parse_request(get: Callable[[str], np.ndarray | None], eos_token_ids: tuple[
             kwargs["stop_token_ids"] = [end_id]
     beam_width = _scalar(get, "beam_width")
     if beam_width is not None and beam_width != 1:  # TensorRT-LLM clients send beam_width 1 by default
-        raise RequestError(f"beam_width={beam_width}: trtopt has no beam search; send beam_width 1 (or leave it out) "
-                           "and num_return_sequences for several samples.")
+        raise RequestError(f"beam_width={beam_width}: the Triton model has no beam search (`trtopt serve` has, as "
+                           "use_beam_search); send beam_width 1 (or leave it out) and num_return_sequences for several "
+                           "samples.")
     pad_id = _scalar(get, "pad_id")
     if pad_id is not None and int(pad_id) < 0:  # pads TensorRT-LLM's output_ids; text outputs have no padding
         raise RequestError(f"pad_id={int(pad_id)} is invalid: send a token id >= 0.")
