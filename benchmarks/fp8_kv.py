@@ -163,7 +163,8 @@ def build(source: Path, cache: Path, cell: Cell, limits: Limits) -> Path:
     kwargs: dict = {"kv_cache_dtype": cell.kv_cache_dtype, **cell.build_options()}
     suffix = "".join(f"-{x}" for x in (cell.rotation, cell.smoothing and f"smooth_{cell.smoothing}") if x)
     out = cache / f"{source.name}-plan-{cell.kv_cache_dtype}{suffix}"
-    stamp = json.dumps({"source": str(source), "limits": dataclasses.asdict(limits), **kwargs}, sort_keys=True)
+    named = {k: v for k, v in kwargs.items() if k != "kv_calibrator"}  # the options, not the function that runs them
+    stamp = json.dumps({"source": str(source), "limits": dataclasses.asdict(limits), **named}, sort_keys=True)
     if (out / "plan.json").is_file() and (out / "fp8_kv_stamp.json").is_file() \
             and (out / "fp8_kv_stamp.json").read_text() == stamp:
         return out
