@@ -31,6 +31,7 @@ from test_gpu_e2e import (  # noqa: F401 (fixtures are used by name)
 
 MODEL = "smollm2-135m"
 FP8_KV_LOGPROB_ATOL = 2.0
+W8A8_TIE_MARGIN = 2.0  # a W8A8 plan on CUDA against the same plan on the CPU (see QUANT_CONFIGS)
 MAX_TOKENS = 48
 QUESTIONS = [
     "What is the capital of France?",
@@ -78,13 +79,22 @@ def test_smollm2_fp8_kv_within_bf16_tolerance_of_hf(plan_for, hf_for, tmp_path):
 
 # Quantized plans of the same bf16 export (`trtopt quantize --method rtn`: no calibration, seconds). SmolLM2's K of
 # 576 takes INT4 groups of 64, not 128. On CUDA the QMatMuls run the packed kernels (plugins/qmatmul/kernel.py): the
-# GEMV for one-row steps, the Triton GEMM for batched decode and small prefill, torch._scaled_mm for W8A8 prefill of
-# 64+ tokens; the reference is the same plan on the CPU's torch executor (the QMatMul reference: dequantize, fp32).
-# Logprob tolerance: int4 weight-only differs from the CPU as bf16 does; W8A8's activation codes (3 mantissa bits)
-# flip where the two runs' bf16 activations straddle an e4m3 rounding boundary, hence the FP8 KV test's wider bound.
+# GEMV for one-row steps, the Triton GEMM for larger INT4 steps, torch._scaled_mm for W8A8 steps of 2+ rows
+# (gemm.py SCALED_MM_MIN_ROWS); the reference is the same plan on the CPU's torch executor (the QMatMul reference:
+# dequantize, fp32).
+# Both runs are bf16 plans: the x each QMatMul quantizes is bf16 on the CPU too, so the two differ only by the bf16
+# roundings of their kernels (attention, norms, summation orders).
+# Tolerances: int4 weight-only differs from the CPU as bf16 does. W8A8 re-rounds every QMatMul input to e4m3 codes
+# (3 mantissa bits, a per-token scale from the row's amax), so a bf16-ulp change upstream flips whole codes and
+# moves the logits far more than bf16 alone: measured on the CPU (benchmarks/w8a8_noise.py,
+# docs/benchmarks/w8a8_cuda_vs_cpu_noise.json), swapping only the attention implementation for its fp32 reference
+# moves the W8A8 plan's logprobs by up to 1.09 and parts greedy paths at margins up to 0.875 (6 of 8 prompts; one
+# at prompt 7's token 5, where CUDA parted by 1.06 on an H200), while the unquantized bf16 plan moves by 0.14 and
+# parts at margins up to 0.125; re-ordering the QMatMul sums alone moves W8A8 by 0.36 and parts it at up to 0.5.
+# So W8A8 takes the FP8 KV test's wider bound for both (about 2x the 1.06 seen on CUDA).
 QUANT_CONFIGS = {"fp8_w8a8_dynamic": (dict(weights="fp8", activations="fp8", activation_scales="dynamic"),
-                                      FP8_KV_LOGPROB_ATOL),
-                 "int4_sym_g64": (dict(weights="int4", group_size=64), BF16_LOGPROB_ATOL)}
+                                      FP8_KV_LOGPROB_ATOL, W8A8_TIE_MARGIN),
+                 "int4_sym_g64": (dict(weights="int4", group_size=64), BF16_LOGPROB_ATOL, BF16_TIE_MARGIN)}
 
 
 def check_quantized_against_cpu(plan_dir, tie_margin: float, logprob_atol: float) -> None:
@@ -126,8 +136,8 @@ def test_smollm2_quantized_plan_on_cuda_equals_the_cpu_reference(name, plan_for,
     from trtopt.quantize import QuantizeConfig, quantize_model
 
     export = plan_for(MODEL, "bf16").parent / "export"
-    config, logprob_atol = QUANT_CONFIGS[name]
+    config, logprob_atol, tie_margin = QUANT_CONFIGS[name]
     quantized = quantize_model(export, tmp_path / f"q-{name}", QuantizeConfig(**config), force=True)
     built = build_plan(quantized.out_dir, tmp_path / f"plan-{name}", limits=LIMITS, force=True, progress=False)
     assert built.report.counts["qmatmul"] == len(quantized.quantized) > 0
-    check_quantized_against_cpu(built.plan_dir, BF16_TIE_MARGIN, logprob_atol)
+    check_quantized_against_cpu(built.plan_dir, tie_margin, logprob_atol)
