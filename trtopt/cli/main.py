@@ -44,6 +44,7 @@ SUBCOMMANDS = [
     ("trtopt.cli.check", "check"),
     ("trtopt.cli.bench", "bench"),
     ("trtopt.cli.serve", "serve"),
+    ("trtopt.cli.run_batch", "run_batch"),
     ("trtopt.cli.triton_repo", "triton_repo"),
 ]
 
