@@ -85,6 +85,13 @@ def test_api_key_is_required(server, headers):
     _assert_error(resp, 401, "API key")
     assert resp.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=10).status_code == 401
+    # vLLM guards /v2 like /v1: the key is checked before routing, so even a route trtopt does not serve is a 401
+    assert _post(server, "/v2/embed", {"model": MODEL, "texts": ["hi"]}, headers=headers).status_code == 401
+
+
+def test_the_right_key_reaches_the_routes(server):
+    assert httpx.get(f"{server.base_url}/v1/models", headers=AUTH, timeout=10).status_code == 200
+    assert _post(server, "/v2/embed", {"model": MODEL, "texts": ["hi"]}).status_code == 404  # past the key; trtopt serves generation plans, not embeddings
 
 
 def test_body_over_the_limit_gets_413(server):

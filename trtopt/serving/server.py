@@ -96,7 +96,7 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
                options: ServerOptions = ServerOptions()) -> FastAPI:
     """An app serving `engine` under the model id `model_name`.
 
-    api_key: when set, /v1/*, /tokenize, /detokenize, /invocations and /tokenizer_info need
+    api_key: when set, /v1/*, /v2/*, /tokenize, /detokenize, /invocations and /tokenizer_info need
         `Authorization: Bearer <api_key>`, checked before the body is read. /health, /ping, /version and /load stay
         open; /metrics too unless protect_metrics.
     max_body_bytes: larger request bodies get 413 before any parsing.
@@ -120,8 +120,9 @@ def create_app(engine: LLMEngine | AsyncLLMEngine, model_name: str, *, api_key: 
     app.add_middleware(_BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key is not None:
         # /tokenize, /detokenize and /invocations take a body as large as a prompt's, /tokenizer_info shows the
-        # chat template: the key guards them like /v1/* (vLLM guards /v1 only).
-        protected = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info", "/sleep", "/wake_up")
+        # chat template: the key guards them like /v1/* and /v2/* (vLLM guards /v1 and /v2: a /v2 path without the
+        # key is a 401 even where trtopt serves no such route, as vLLM's test_optional_middleware checks).
+        protected = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info", "/sleep", "/wake_up")
         protected += ("/metrics",) if protect_metrics else ()
         app.add_middleware(_AuthMiddleware, api_key=api_key, protected=protected)
     if options.enable_request_id_headers:  # outermost, as in vLLM: a 401 or 413 carries the header too
