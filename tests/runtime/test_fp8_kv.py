@@ -208,7 +208,7 @@ def test_stats_and_metrics_report_the_pool_dtype(engine, kv, dtype):
     eng = engine(kv)
     assert eng.stats().kv_cache_dtype == dtype
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(eng.stats))
+    registry.register(_EngineCollector(eng.stats, sleep_level=lambda: None))  # an engine that never sleeps
     text = generate_latest(registry).decode()
     assert f'trtopt_kv_cache_dtype_info{{dtype="{dtype}"}} 1.0' in text
     assert f"trtopt_kv_blocks_total {float(eng.stats().num_blocks_total)}" in text

@@ -97,15 +97,15 @@ def test_level_1_abort_frees_every_block_and_the_pools_and_queues_new_work_until
     assert running.done.wait(5) and isinstance(running.error, RequestAbortedError)
     assert loop.is_sleeping and loop.sleep_level == 1
     assert _free_all(loop)
-    assert allocations == [NUM_BLOCKS, 1]  # the pools now hold the null block alone
+    assert allocations == [NUM_BLOCKS, 2]  # the pools now hold the executors' minimum, two blocks
     steps = len(executor.step_sizes)
     queued = loop.submit("b", loop.prepare({"prompt_token_ids": [5, 6]}, SHORT), later := _Collector())
     time.sleep(0.3)
     assert not queued.done() and len(executor.step_sizes) == steps  # nothing runs while asleep
     loop.wake_up(["weights"]).result(5)
-    assert loop.is_sleeping and allocations == [NUM_BLOCKS, 1]  # the KV cache still sleeps
+    assert loop.is_sleeping and allocations == [NUM_BLOCKS, 2]  # the KV cache still sleeps
     loop.wake_up(["kv_cache"]).result(5)
-    assert not loop.is_sleeping and loop.sleep_level is None and allocations == [NUM_BLOCKS, 1, NUM_BLOCKS]
+    assert not loop.is_sleeping and loop.sleep_level is None and allocations == [NUM_BLOCKS, 2, NUM_BLOCKS]
     queued.result(5)
     assert later.done.wait(5) and later.error is None and later.tokens() == [7, 8, 9, 10]
     time.sleep(0.05)
@@ -128,7 +128,7 @@ def test_wait_mode_lets_running_requests_finish_then_sleeps(loop_and_executor):
     executor.gate.set()
     done.result(10)
     assert running.done.is_set() and running.error is None and running.tokens() == _counted(40)
-    assert not queued.done() and loop.sleep_level == 1 and allocations == [NUM_BLOCKS, 1] and _free_all(loop)
+    assert not queued.done() and loop.sleep_level == 1 and allocations == [NUM_BLOCKS, 2] and _free_all(loop)
     loop.wake_up().result(5)
     queued.result(5)
 
