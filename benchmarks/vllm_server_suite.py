@@ -152,7 +152,8 @@ CAUSES: dict[str, tuple[str, str]] = {
     "tests/entrypoints/serve/instrumentator/test_basic.py::test_request_cancellation": (
         "not applicable", "max_tokens=10000 exceeds the CPU plan's 2048-token max_model_len (a 400)"),
     "tests/entrypoints/serve/instrumentator/test_metrics.py::test_metrics_exist_run_batch": (
-        "missing feature", "`vllm run-batch` (an offline batch CLI) has no trtopt counterpart"),
+        "not applicable", "it runs `vllm run-batch` on /v1/embeddings with --enable-metrics; `trtopt run-batch` "
+                          "exists for chat and completions, and trtopt serves no embeddings"),
     "tests/entrypoints/serve/instrumentator/test_metrics.py::test_metrics_exist": (
         "not applicable", "needs vLLM's local_asset_server fixture (multimodal assets), which the shim lacks"),
     "tests/entrypoints/serve/instrumentator/test_metrics.py::": (
