@@ -290,8 +290,10 @@ def test_negative_seed_maps_deterministically(server):
 
     assert text(-1) == text(-1) == text(2**63 - 1)  # -1 is 2**63 - 1: the low 63 bits
     assert text(-(2**63)) == text(0)
-    resp = _post(server, "/v1/completions", {"prompt": "Hello", "seed": -(2**63) - 1})
-    assert resp.status_code == 400 and "int64" in resp.json()["error"]["message"]
+    for seed, kind in ((-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")):  # vLLM's test_long_seed
+        resp = _post(server, "/v1/chat/completions", {"messages": USER, "seed": seed})
+        assert resp.status_code == 400 and "int64" in resp.json()["error"]["message"], resp.text
+        assert kind in resp.json()["error"]["message"]
 
 
 def test_string_booleans(server):

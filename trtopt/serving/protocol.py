@@ -441,11 +441,13 @@ def _check_prompt_logprobs(prompt_logprobs: int | None) -> None:
 
 def _seed(seed: int | None) -> int | None:
     """vLLM takes any int64 seed; trtopt's seeds are [0, 2**63): a negative seed maps to its low 63 bits
-    (seed + 2**63), one to one. Outside int64 is a RequestError."""
+    (seed + 2**63), one to one. Outside int64 is a RequestError naming pydantic's error type as vLLM's 400 does
+    (greater_than_equal / less_than_equal: clients and vLLM's test_long_seed match on it)."""
+    if seed is not None and not _INT64_MIN <= seed < SEED_LIMIT:
+        kind, bound = ("greater_than_equal", _INT64_MIN) if seed < _INT64_MIN else ("less_than_equal", SEED_LIMIT - 1)
+        raise RequestError(f"seed={seed} is outside int64 ({kind} {bound}); send an integer in [-2**63, 2**63).")
     if seed is None or seed >= 0:
-        return seed  # SamplingParams checks the upper bound
-    if seed < _INT64_MIN:
-        raise RequestError(f"seed={seed} is outside int64; send an integer in [-2**63, 2**63).")
+        return seed
     return seed + SEED_LIMIT
 
 
