@@ -1,5 +1,5 @@
 """What every subcommand shares: printing TrtOptErrors without a traceback, one console, and the options of the
-commands that run a plan (generate, serve)."""
+commands that run a plan (generate, serve, run-batch) or answer OpenAI requests (serve, run-batch)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ def handle_errors(command: Callable) -> Callable:
 
 
 # ---- options of the commands that run a plan: a new typer.Option per use, so each command owns its parameter -------
+
+
+def plan_argument() -> Any:
+    return typer.Argument(..., help="A plan directory written by `trtopt build`.")
+
+
+def backend_option() -> Any:
+    return typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt.")
+
+
+def device_option() -> Any:
+    return typer.Option("cpu", "--device", help="cpu or cuda.")
 
 
 def tensor_parallel_option() -> Any:
@@ -88,3 +100,54 @@ def speculative_config_option() -> Any:
                         help='Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' or \'{"method": "self_draft", "num_layers": 8, '
                         '"num_speculative_tokens": 3}\'.')
+
+
+def max_num_batched_tokens_option() -> Any:
+    return typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step.")
+
+
+def max_num_seqs_option() -> Any:
+    return typer.Option(None, "--max-num-seqs", help="Most sequences per engine step.")
+
+
+def max_model_len_option() -> Any:
+    return typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence.")
+
+
+def num_blocks_option() -> Any:
+    return typer.Option(None, "--num-blocks", help="KV blocks per layer (default: from --kv-cache-memory-gb).")
+
+
+def kv_cache_memory_gb_option() -> Any:
+    return typer.Option(1.0, "--kv-cache-memory-gb", help="KV cache size when --num-blocks is unset.")
+
+
+# ---- options of the commands that answer OpenAI requests (serve, run-batch) ------------------------------------------
+
+
+def trust_request_chat_template_option() -> Any:
+    return typer.Option(False, "--trust-request-chat-template",
+                        help="Let requests send their own chat_template (Jinja).")
+
+
+def return_tokens_as_token_ids_option() -> Any:
+    return typer.Option(False, "--return-tokens-as-token-ids",
+                        help='Logprob tokens are "token_id:N" unless a request says otherwise.')
+
+
+def reasoning_parser_option() -> Any:
+    return typer.Option(None, "--reasoning-parser", help="Split chat replies' <think>...</think> into "
+                        "reasoning_content: deepseek_r1 or qwen3 (vLLM's parsers).")
+
+
+def check_request_options(*, reasoning_parser: str | None, enable_auto_tool_choice: bool,
+                          tool_call_parser: str | None, max_logprobs: int) -> None:
+    """Fail now, before the plan loads, on every mistake in these options that needs no model."""
+    from trtopt.runtime.config import resolve_max_logprobs
+    from trtopt.serving.reasoning import get_reasoning_parser
+    from trtopt.serving.tool_parsers import check_tool_options
+
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
+    check_tool_options(enable_auto_tool_choice, tool_call_parser)
+    resolve_max_logprobs(max_logprobs, 0)

@@ -7,13 +7,16 @@ from pathlib import Path
 import typer
 
 from trtopt.cli.common import (
-    async_scheduling_option, console, eager_option, err_console, speculative_config_option, tensor_parallel_option,
+    async_scheduling_option, backend_option, check_request_options, console, device_option, eager_option,
+    err_console, kv_cache_memory_gb_option, max_model_len_option, max_num_batched_tokens_option, max_num_seqs_option,
+    num_blocks_option, plan_argument, reasoning_parser_option, return_tokens_as_token_ids_option,
+    speculative_config_option, tensor_parallel_option, trust_request_chat_template_option,
 )
 from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def run_batch(
-    plan: Path = typer.Argument(..., help="A plan directory written by `trtopt build`."),
+    plan: Path = plan_argument(),
     input_file: str = typer.Option(..., "--input-file", "-i",
                                    help="The requests: a local JSONL file, one OpenAI Batch API request a line "
                                    "(URLs are refused: nothing is downloaded)."),
@@ -22,32 +25,25 @@ def run_batch(
     model_name: str = typer.Option(None, "--model-name", "--served-model-name",
                                    help="Model id the bodies send (default: the plan directory name); a body may "
                                    "also leave `model` out."),
-    backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    backend: str = backend_option(),
+    device: str = device_option(),
     tensor_parallel_size: int = tensor_parallel_option(),
     eager: bool = eager_option(),
     async_scheduling: bool = async_scheduling_option(),
-    max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
-    num_blocks: int = typer.Option(None, "--num-blocks",
-                                   help="KV blocks per layer (default: from --kv-cache-memory-gb)."),
-    kv_cache_memory_gb: float = typer.Option(1.0, "--kv-cache-memory-gb",
-                                             help="KV cache size when --num-blocks is unset."),
+    max_num_batched_tokens: int = max_num_batched_tokens_option(),
+    max_num_seqs: int = max_num_seqs_option(),
+    max_model_len: int = max_model_len_option(),
+    num_blocks: int = num_blocks_option(),
+    kv_cache_memory_gb: float = kv_cache_memory_gb_option(),
     max_logprobs: int = typer.Option(DEFAULT_MAX_LOGPROBS, "--max-logprobs",
                                      help="Most logprobs a request may ask for per token; -1: no cap (vLLM's flag)."),
     speculative_config: str = speculative_config_option(),
     enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage",
                                                     help="Accepted for vLLM's command line (results are never "
                                                     "streamed, and always carry usage)."),
-    trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
-                                                     help="Let requests send their own chat_template (Jinja)."),
-    return_tokens_as_token_ids: bool = typer.Option(False, "--return-tokens-as-token-ids",
-                                                    help='Logprob tokens are "token_id:N" unless a request says '
-                                                    "otherwise."),
-    reasoning_parser: str = typer.Option(None, "--reasoning-parser",
-                                         help="Split chat replies' <think>...</think> into reasoning_content: "
-                                         "deepseek_r1 or qwen3 (vLLM's parsers)."),
+    trust_request_chat_template: bool = trust_request_chat_template_option(),
+    return_tokens_as_token_ids: bool = return_tokens_as_token_ids_option(),
+    reasoning_parser: str = reasoning_parser_option(),
     enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
                                                  help='Accept tool_choice "auto": the model decides, '
                                                  "--tool-call-parser reads its calls."),
@@ -85,18 +81,14 @@ def run_batch(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from trtopt.runtime.config import resolve_max_logprobs
     from trtopt.runtime.engine import LLMEngine
-    from trtopt.serving.reasoning import get_reasoning_parser
     from trtopt.serving.run_batch import local_path, read_lines, run_batch_file
     from trtopt.serving.server import DEFAULT_MAX_BODY_BYTES, ServerOptions, create_app
-    from trtopt.serving.tool_parsers import check_tool_options, tool_call_id_type as id_type_of
+    from trtopt.serving.tool_parsers import tool_call_id_type as id_type_of
 
     # Every mistake that needs no model fails now, before the plan loads.
-    if reasoning_parser is not None:
-        get_reasoning_parser(reasoning_parser)
-    check_tool_options(enable_auto_tool_choice, tool_call_parser)
-    resolve_max_logprobs(max_logprobs, 0)
+    check_request_options(reasoning_parser=reasoning_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                          tool_call_parser=tool_call_parser, max_logprobs=max_logprobs)
     lines = read_lines(input_file)
     local_path(output_file, "output")
     engine = LLMEngine.from_plan(

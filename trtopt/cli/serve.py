@@ -8,21 +8,25 @@ from pathlib import Path
 import typer
 
 from trtopt.cli.common import (
-    async_scheduling_option, console, eager_option, master_addr_option, master_port_option, nnodes_option,
-    node_rank_option, run_worker_node_if_remote, speculative_config_option, tensor_parallel_option,
+    async_scheduling_option, backend_option, check_request_options, console, device_option, eager_option,
+    kv_cache_memory_gb_option, master_addr_option, master_port_option, max_model_len_option,
+    max_num_batched_tokens_option, max_num_seqs_option, nnodes_option, node_rank_option, num_blocks_option,
+    plan_argument, reasoning_parser_option, return_tokens_as_token_ids_option, run_worker_node_if_remote,
+    speculative_config_option, tensor_parallel_option, trust_request_chat_template_option,
 )
 from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def serve(
-    plan: Path = typer.Argument(..., help="A plan directory written by `trtopt build`."),
+    plan: Path = plan_argument(),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 exposes it to the network)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
-    model_name: str = typer.Option(None, "--model-name", help="Model id clients send (default: the plan directory name)."),
+    model_name: str = typer.Option(None, "--model-name",
+                                   help="Model id clients send (default: the plan directory name)."),
     api_key: str = typer.Option(None, "--api-key", envvar="TRTOPT_API_KEY",
                                 help="Require `Authorization: Bearer KEY` on /v1/* (or set TRTOPT_API_KEY)."),
-    backend: str = typer.Option("torch", "--backend", help="Executor: torch, onnxruntime or tensorrt."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    backend: str = backend_option(),
+    device: str = device_option(),
     tensor_parallel_size: int = tensor_parallel_option(),
     nnodes: int = nnodes_option(),
     node_rank: int = node_rank_option(),
@@ -30,11 +34,11 @@ def serve(
     master_port: int = master_port_option(),
     eager: bool = eager_option(),
     async_scheduling: bool = async_scheduling_option(),
-    max_num_batched_tokens: int = typer.Option(None, "--max-num-batched-tokens", help="Token budget per engine step."),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences per engine step."),
-    max_model_len: int = typer.Option(None, "--max-model-len", help="Most tokens (prompt + output) per sequence."),
-    num_blocks: int = typer.Option(None, "--num-blocks", help="KV blocks per layer (default: from --kv-cache-memory-gb)."),
-    kv_cache_memory_gb: float = typer.Option(1.0, "--kv-cache-memory-gb", help="KV cache size when --num-blocks is unset."),
+    max_num_batched_tokens: int = max_num_batched_tokens_option(),
+    max_num_seqs: int = max_num_seqs_option(),
+    max_model_len: int = max_model_len_option(),
+    num_blocks: int = num_blocks_option(),
+    kv_cache_memory_gb: float = kv_cache_memory_gb_option(),
     max_logprobs: int = typer.Option(DEFAULT_MAX_LOGPROBS, "--max-logprobs",
                                      help="Most logprobs/top_logprobs/prompt_logprobs a request may ask for per token; "
                                      "-1: no cap (a request's -1 asks for the whole vocabulary). vLLM's flag."),
@@ -55,14 +59,9 @@ def serve(
                                                         "special tokens)."),
     enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage",
                                                     help="Every stream carries usage, on every chunk and at the end."),
-    trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template",
-                                                     help="Let requests send their own chat_template (Jinja)."),
-    return_tokens_as_token_ids: bool = typer.Option(False, "--return-tokens-as-token-ids",
-                                                    help='Logprob tokens are "token_id:N" unless a request says '
-                                                    "otherwise."),
-    reasoning_parser: str = typer.Option(None, "--reasoning-parser",
-                                         help="Split chat replies' <think>...</think> into reasoning_content: "
-                                         "deepseek_r1 or qwen3 (vLLM's parsers)."),
+    trust_request_chat_template: bool = trust_request_chat_template_option(),
+    return_tokens_as_token_ids: bool = return_tokens_as_token_ids_option(),
+    reasoning_parser: str = reasoning_parser_option(),
     enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
                                                  help='Accept tool_choice "auto" (the default when tools are sent): '
                                                  "the model decides, --tool-call-parser reads its calls."),
@@ -106,16 +105,13 @@ def serve(
     """
     import uvicorn
 
-    from trtopt.runtime.config import NodeConfig, resolve_max_logprobs
+    from trtopt.runtime.config import NodeConfig
     from trtopt.runtime.engine import LLMEngine
-    from trtopt.serving.reasoning import get_reasoning_parser
     from trtopt.serving.server import ServerOptions, create_app, run_server
-    from trtopt.serving.tool_parsers import check_tool_options, tool_call_id_type as id_type_of
+    from trtopt.serving.tool_parsers import tool_call_id_type as id_type_of
 
-    if reasoning_parser is not None:
-        get_reasoning_parser(reasoning_parser)  # an unknown name fails now, before the plan loads
-    check_tool_options(enable_auto_tool_choice, tool_call_parser)  # so does a bad tool-call flag combination
-    resolve_max_logprobs(max_logprobs, 0)  # and a bad --max-logprobs
+    check_request_options(reasoning_parser=reasoning_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                          tool_call_parser=tool_call_parser, max_logprobs=max_logprobs)
     nodes = NodeConfig(nnodes, node_rank, master_addr, master_port)
     if run_worker_node_if_remote(plan, tensor_parallel_size, nodes, device):
         return
@@ -142,7 +138,8 @@ def serve(
                             tool_call_id_type=tool_call_id_type or id_type_of(engine.plan.model.model_type))
     app = create_app(engine, name, api_key=api_key, max_body_bytes=max_body_bytes, protect_metrics=protect_metrics,
                      options=options)
-    console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 ({backend}, {engine.limits.num_blocks - 1} KV blocks)")
+    console.print(f"[green]serving[/] {name!r} on http://{host}:{port}/v1 "
+                  f"({backend}, {engine.limits.num_blocks - 1} KV blocks)")
     try:
         dead_reason = run_server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.engine,
                                  shutdown_timeout=shutdown_timeout)
