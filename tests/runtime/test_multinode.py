@@ -11,14 +11,17 @@ flags fail with one line on the side that has them, and node 0 learns of a node 
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,12 +57,26 @@ def free_port() -> int:
 def start_node1(plan, port: int, *, via: str = "cli", device: str = "cpu") -> subprocess.Popen:
     """Node 1 as its own process tree (a new session: its own process group, killed as a whole like a host)."""
     flags = ["--tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", ADDR, "--master-port", str(port)]
+    env = None
     if via == "cli":
         args = [sys.executable, "-m", "trtopt.cli.main", "serve", str(plan), *flags, "--device", device]
+        path = [str(no_server_packages()), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     else:
         args = [sys.executable, "-c", "from trtopt import LLM; llm = LLM(%r, tensor_parallel_size=2, nnodes=2, "
                 "node_rank=1, master_addr=%r, master_port=%d); assert not llm.is_driver" % (str(plan), ADDR, port)]
-    return subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(args, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+@functools.cache
+def no_server_packages() -> Path:
+    """A folder whose uvicorn and fastapi fail to import: put first on node 1's path, a worker host without the
+    server's packages (the GPU image has none: node 1 died there at `import uvicorn`)."""
+    folder = Path(tempfile.mkdtemp(prefix="no-server-"))
+    for name in ("uvicorn", "fastapi"):
+        (folder / f"{name}.py").write_text(f"raise ImportError('a worker node must not import {name}')\n")
+    return folder
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -103,18 +103,19 @@ def serve(
 
         trtopt serve out/plan --tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
     """
-    import uvicorn
-
     from trtopt.runtime.config import NodeConfig
-    from trtopt.runtime.engine import LLMEngine
-    from trtopt.serving.server import ServerOptions, create_app, run_server
-    from trtopt.serving.tool_parsers import tool_call_id_type as id_type_of
 
     check_request_options(reasoning_parser=reasoning_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                           tool_call_parser=tool_call_parser, max_logprobs=max_logprobs)
     nodes = NodeConfig(nnodes, node_rank, master_addr, master_port)
     if run_worker_node_if_remote(plan, tensor_parallel_size, nodes, device):
-        return
+        return  # a worker host needs neither the server nor its packages (uvicorn, fastapi)
+    import uvicorn
+
+    from trtopt.runtime.engine import LLMEngine
+    from trtopt.serving.server import ServerOptions, create_app, run_server
+    from trtopt.serving.tool_parsers import tool_call_id_type as id_type_of
+
     engine = LLMEngine.from_plan(
         plan, backend=backend, device=device, cuda_graphs=False if eager else None,
         tensor_parallel_size=tensor_parallel_size, nodes=nodes, max_num_batched_tokens=max_num_batched_tokens,
