@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,23 @@ def start_node1(plan: Path, tp: int, port: int) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def run_driver(plan: Path, tp: int, port: int, prompts, *extra: str, max_tokens: int = NEW_TOKENS) -> dict:
+def run_driver(plan: Path, tp: int, port: int, prompts, *extra: str, node1: subprocess.Popen,
+               max_tokens: int = NEW_TOKENS, node1_may_die: bool = False, timeout_s: float = 300) -> dict:
+    """Node 0's driver run to its end. Node 1 exiting first fails the test at once with node 1's stderr (the driver
+    alone would wait out its rendezvous: on one image node 1 died at start-up and the driver waited 10 minutes)."""
     args = [sys.executable, DRIVER, str(plan), str(tp), str(port), str(max_tokens), *extra, *prompts]
-    proc = subprocess.run(args, env=node_env(tp, 0), capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen(args, env=node_env(tp, 0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if (not node1_may_die and node1.poll() is not None) or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            why = f"node 1 exited ({node1.returncode}) first" if node1.poll() is not None else "timed out"
+            pytest.fail(f"driver {why}; node 1's stderr:\n{stop(node1)[-3000:]}\ndriver's:\n{err[-3000:]}")
+        time.sleep(0.5)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def stop(proc: subprocess.Popen) -> str:
@@ -94,7 +107,7 @@ def test_two_nodes_over_nccl_net_equal_hf(tp, tp_plan, hf_for):
     port = free_port()
     node1 = start_node1(tp_plan(tp), tp, port)
     try:
-        got = run_driver(tp_plan(tp), tp, port, PROMPTS)
+        got = run_driver(tp_plan(tp), tp, port, PROMPTS, node1=node1)
     finally:
         err = stop(node1)
     assert node1.returncode == 0, err[-4000:]
@@ -108,7 +121,8 @@ def test_two_nodes_killed_node1_ends_the_engine_over_nccl(tp, tp_plan):
     port = free_port()
     node1 = start_node1(tp_plan(tp), tp, port)
     try:
-        got = run_driver(tp_plan(tp), tp, port, ["Hello"], "--kill-pgid", str(node1.pid), max_tokens=200)
+        got = run_driver(tp_plan(tp), tp, port, ["Hello"], "--kill-pgid", str(node1.pid), node1=node1,
+                         max_tokens=200, node1_may_die=True)
     finally:
         stop(node1)
     assert got["error"] is not None and "rank 1 on node 1" in got["error"], got
