@@ -50,6 +50,7 @@ Examples (PYTHONPATH=$PWD TRTOPT_CACHE=/tmp/c):
     python3 benchmarks/tp_e2e.py --shapes 70b --layers 8 --sizes 1,2,4   # N=1 only if it fits one GPU
     python3 benchmarks/tp_e2e.py --shapes 8b --layers 8 --nnodes 2       # two "nodes" of 2 vs one node of 4
     python3 benchmarks/tp_e2e.py --shapes 8b --build-only                # plans only (a later call measures)
+    python3 benchmarks/tp_e2e.py --report-only --device cpu --out docs/benchmarks/tp_e2e_h200.json  # re-derive
 Output: docs/benchmarks/tp_e2e_<gpu>.json, tp_e2e_<gpu>.png (tok/s vs N), tp_e2e_<gpu>_timeline.png
 (--smoke: --work/smoke_<gpu>.*).
 """
@@ -186,6 +187,40 @@ def extrapolate_run(rows: dict[int, dict], to_layers: int) -> dict:
         tokens = next(iter(with_workload.values()))["output_tokens"]
         out["workload"] = {"fixed_s": fit[0], "per_layer_s": fit[1], "wall_s": wall, "output_tok_s": tokens / wall}
     return out
+
+
+def per_layer_bytes(rows: dict[int, dict]) -> float | None:
+    """Weight bytes one layer adds to a rank: the difference of rank 0's plan bytes between two layer counts."""
+    if len(rows) < 2 or any("weight_bytes_per_rank" not in r for r in rows.values()):
+        return None
+    (la, ra), (lb, rb) = sorted(rows.items())[:1] + sorted(rows.items())[-1:]
+    return (rb["weight_bytes_per_rank"][0] - ra["weight_bytes_per_rank"][0]) / (lb - la)
+
+
+def flag_implausible(runs: dict[str, dict], by_key: dict[str, dict[int, dict]], slack: float = 1.1) -> None:
+    """Mark each fitted per-layer batch-1 cost that is below what its bytes allow as `unreliable` (in place).
+
+    Every rank is the same GPU as N = 1, so a layer's time at N cannot beat its weight bytes per rank read at N = 1's
+    fitted per-layer bandwidth (times ``slack``). A slope below that (or not above 0) means the two layer counts
+    differ by less than the run-to-run noise of the fixed part; such a row is kept with its fit for the record but
+    gets no extrapolated tok/s and no speedup. The workload's wall-time slope is only checked for being positive."""
+    one_bytes, one = per_layer_bytes(by_key.get("1", {})), runs.get("1")
+    bandwidth = (one_bytes / (one["batch1"]["per_layer_ms"] * 1e-3)
+                 if one and one_bytes and one["batch1"]["per_layer_ms"] > 0 else None)
+    for key, run in runs.items():
+        if run["method"] != "two-point line":
+            continue
+        slope, nbytes = run["batch1"]["per_layer_ms"], per_layer_bytes(by_key.get(key, {}))
+        floor_ms = nbytes / (slack * bandwidth) * 1e3 if bandwidth and nbytes else 0.0
+        if slope <= floor_ms:
+            run["batch1"]["unreliable"] = (
+                f"fitted per-layer cost {slope * 1e3:.1f} us <= {floor_ms * 1e3:.1f} us, the floor its weight bytes "
+                f"per layer and rank allow at N = 1's per-layer bandwidth: the layer counts differ by less than the "
+                f"noise; measure more layers")
+            run["batch1"].pop("decode_tok_s", None)
+        if "workload" in run and run["workload"]["per_layer_s"] <= 0:
+            run["workload"]["unreliable"] = "fitted per-layer wall time not positive: within the noise"
+            run["workload"].pop("output_tok_s", None)
 
 
 def speedups(runs: dict[str, dict]) -> dict[str, dict]:
@@ -733,9 +768,11 @@ def report(results: Results, models: dict[str, list[Model]], full_layers: dict[s
         target = full_layers[name]
         if by_key and all(m.shape.layers != target for m in built):
             runs = {key: extrapolate_run(rows, target) for key, rows in by_key.items()}
+            flag_implausible(runs, by_key)
             flat = {key: {"batch1": {"decode_tok_s": r["batch1"]["decode_tok_s"]},
-                          **({"workload": {"output_tok_s": r["workload"]["output_tok_s"]}} if "workload" in r else {})}
-                    for key, r in runs.items()}
+                          **({"workload": {"output_tok_s": r["workload"]["output_tok_s"]}}
+                             if "output_tok_s" in r.get("workload", {}) else {})}
+                    for key, r in runs.items() if "decode_tok_s" in r["batch1"]}
             entry["extrapolated"] = {
                 "note": f"EXTRAPOLATED to {target} layers from measured plans of "
                         f"{sorted(m.shape.layers for m in built)} layers (per-token / wall time = fixed + layers x "
@@ -764,6 +801,8 @@ def series_of(runs: dict[str, dict]) -> dict[str, dict[int, tuple[float, float |
     """Rows by run key -> path -> {N: (batch-1 tok/s, workload tok/s)}; the N=1 row starts every path's line."""
     series: dict[str, dict[int, tuple[float, float | None]]] = {}
     for key, row in runs.items():
+        if "decode_tok_s" not in row["batch1"]:  # an extrapolation flagged unreliable (flag_implausible)
+            continue
         plan, _, path = key.partition("/")
         n = int(plan.split("-")[0])
         label = f"{path or 'none'}{' vocab-head' if plan.endswith('vocab') else ''}"
@@ -891,6 +930,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default docs/benchmarks/tp_e2e_<gpu>.json)")
     ap.add_argument("--fresh", action="store_true", help="re-measure rows already in --work/results.json")
     ap.add_argument("--build-only", action="store_true", help="make, export and build the plans, then stop")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite --out's JSON and plots from the rows it (and --work) holds: no GPU, nothing run")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no new build or run after this many seconds (0: none); the next call resumes")
     ap.add_argument("--run-timeout-s", type=float, default=300.0, help="a child run's limit (a failed row is "
@@ -1061,8 +1102,8 @@ def main() -> None:
     slug = gpu_e2e.device_tag(gpu) if device.type == "cuda" else "cpu"
     out = args.out or (args.work / f"smoke_{slug}.json" if args.smoke else DOCS / f"tp_e2e_{slug}.json")
     earlier = json.loads(out.read_text()) if out.is_file() else None
-    results = Results(args.work / "results.json", args.fresh, earlier)
-    models = models_for(args)
+    results = Results(args.work / "results.json", args.fresh and not args.report_only, earlier)
+    models = {} if args.report_only else models_for(args)
     every = results.add_models(models)  # this call's and earlier calls' (same --work): the report covers all
     full_layers = {name: SHAPES[name].layers for name in every}
     meta = {"date": now(), "gpu": gpu, "num_gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
@@ -1081,6 +1122,12 @@ def main() -> None:
         plot(data, out.with_suffix(".png"))
         plot_timeline(data, out.with_name(out.stem + "_timeline.png"))
 
+    if args.report_only:
+        meta.update({k: earlier[k] for k in ("date", "gpu", "num_gpus", "torch", "host", "workload", "settings")
+                     if earlier and k in earlier})
+        write()
+        log(f"rewrote {out} (+ .png, _timeline.png) from its rows")
+        return
     runner = Runner(args, results, write)
     built = {model.tag: runner.plans(model) for name in models for model in models[name]}
     if args.build_only:

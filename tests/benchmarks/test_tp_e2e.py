@@ -62,6 +62,28 @@ def test_line_fit_and_extrapolation():
     assert "workload" not in mixed  # two workloads are not one line
 
 
+def test_implausible_extrapolations_are_flagged_not_reported():
+    """The 4xH200 run's N=4 rows: 2 and 4 layers within noise gave a negative per-layer cost (and a 7.9x
+    "extrapolated speedup"); such fits keep their numbers but lose their tok/s and speedup."""
+    def row(layers: int, ms: float, wall: float, rank_bytes: float) -> dict:
+        return {"batch1": {"ms_per_token": ms}, "workload": {"wall_s": wall, "output_tokens": 1000},
+                "workload_spec": {"requests": 8}, "weight_bytes_per_rank": [rank_bytes * layers + 1e9]}
+
+    by_key = {"1": {2: row(2, 0.536, 0.55, 436e6), 4: row(4, 0.794, 0.86, 436e6)},  # 3.4 TB/s per layer
+              "2/nccl": {2: row(2, 0.594, 0.69, 218e6), 4: row(4, 0.696, 0.81, 218e6)},  # 51 us/layer >= 58? no
+              "4/p2p": {2: row(2, 0.622, 0.80, 109e6), 4: row(4, 0.618, 0.76, 109e6)},  # slope < 0
+              "4/nccl": {2: row(2, 0.400, 0.60, 109e6), 4: row(4, 0.480, 0.70, 109e6)}}  # 40 us/layer: plausible
+    runs = {key: tp_e2e.extrapolate_run(rows, 32) for key, rows in by_key.items()}
+    tp_e2e.flag_implausible(runs, by_key)
+    assert "unreliable" not in runs["1"]["batch1"] and "decode_tok_s" in runs["1"]["batch1"]
+    assert "unreliable" in runs["4/p2p"]["batch1"] and "decode_tok_s" not in runs["4/p2p"]["batch1"]
+    assert "unreliable" in runs["4/p2p"]["workload"] and "output_tok_s" not in runs["4/p2p"]["workload"]
+    assert "unreliable" in runs["2/nccl"]["batch1"]  # 51 us/layer < 218 MB at 3.4 TB/s / 1.1 = 58 us
+    assert "unreliable" not in runs["4/nccl"]["batch1"]  # 40 us >= 29 us
+    assert runs["4/p2p"]["batch1"]["per_layer_ms"] < 0  # the fit itself is kept for the record
+    assert set(tp_e2e.series_of(runs)) == {"nccl"} and set(tp_e2e.series_of(runs)["nccl"]) == {1, 4}
+
+
 def test_speedups_compare_like_with_like():
     one = {"batch1": {"decode_tok_s": 100.0}, "workload": {"output_tok_s": 1000.0}, "workload_spec": {"r": 8},
            "host": "a", "gpu": "H100"}
