@@ -185,6 +185,58 @@ def test_all_gather_torch_face_puts_rank_blocks_side_by_side_along_the_axis(tmp_
 
 
 
+class _GlooSum:
+    """The P2P all-reduce's contract (a new tensor holding the sum over the group; None for a message it leaves to
+    NCCL), over gloo: the one-shot CUDA kernel does not run on the CPU."""
+
+    def __init__(self, max_numel: int) -> None:
+        self.max_numel = max_numel
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.numel() > self.max_numel:
+            return None
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+
+def _share_ids_on_rank(rank: int, store_path: str, out_dir: str) -> None:
+    from types import SimpleNamespace
+
+    from trtopt.runtime.executors.tensor_parallel import _share_sampled_ids
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        results = {}
+        for vocab, ids, max_numel in [(49152, [0, 49151, 7, 2**20], 64),  # the sum path
+                                      (49152, list(range(100)), 64),  # too long for the fast kernels: broadcast
+                                      (2**24 + 2, [2**24 + 1, 3], 64)]:  # beyond float32's integers: broadcast
+            buffer = torch.full((len(ids),), -1, dtype=torch.int64)  # a worker's graphs' buffer
+            executor = SimpleNamespace(device=torch.device("cpu"), plan=SimpleNamespace(
+                model=SimpleNamespace(vocab_size=vocab)), graphs=SimpleNamespace(sampled_ids_buffer=lambda n: buffer))
+            sampled = torch.tensor(ids) if rank == 0 else torch.empty(len(ids), dtype=torch.int64)
+            step = StepInputs(**{f.name: None for f in dataclasses.fields(StepInputs) if f.name != "sampled_ids"},
+                              sampled_ids=sampled)
+            got = _share_sampled_ids(step, executor, sender=rank == 0, fast=_GlooSum(max_numel)).sampled_ids
+            assert rank == 0 or got is buffer  # a worker's ids land in its graphs' buffer
+            results[vocab, len(ids)] = got.tolist()
+        torch.save(results, f"{out_dir}/ids_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sampled_ids_shared_through_the_fast_all_reduce_are_rank_0s_exactly(tmp_path):
+    """With the P2P all-reduce the ids travel as a float32 sum (rank 0's ids, zeros elsewhere): every rank gets rank
+    0's ids exactly, up to the largest id; a message the fast path declines, or ids past 2^24, take the broadcast."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_share_ids_on_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    want = {(49152, 4): [0, 49151, 7, 2**20], (49152, 100): list(range(100)), (2**24 + 2, 2): [2**24 + 1, 3]}
+    for rank in range(2):
+        assert torch.load(tmp_path / f"ids_rank{rank}.pt") == want, rank
+
+
 def test_async_scheduling_at_two_ranks_resolves_placeholders_on_every_rank(tp_llm, export_dir, module_tmp, hf_model):
     """Async scheduling (off by default on the CPU, on for CUDA): each step's input ids hold placeholders for the
     previous step's tokens, which the driver sends its workers by broadcast (tensor_parallel._share_sampled_ids);

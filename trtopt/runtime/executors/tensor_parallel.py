@@ -153,11 +153,19 @@ def _from_wire(message: tuple[str, Any]) -> _Command:
     return _Command(op, _decode_step(arg) if op == "step" else arg)
 
 
-def _share_sampled_ids(step: StepInputs, executor: TorchExecutor, *, sender: bool) -> StepInputs:
-    """Async scheduling's sampled ids, broadcast from rank 0 to every rank on the ranks' devices (NCCL on CUDA: queued
-    on the stream, so neither the driver nor a worker waits on the host for the previous step's tokens; gloo on the
-    CPU). Every rank calls it before the step's forward, so it is each step's first collective on every rank. A
-    worker receives them where its CUDA graphs' fill reads them (StepGraphs.sampled_ids_buffer), when it can."""
+def _share_sampled_ids(step: StepInputs, executor: TorchExecutor, *, sender: bool,
+                       fast: P2PAllReduce | None = None) -> StepInputs:
+    """Async scheduling's sampled ids, broadcast from rank 0 to every rank on the ranks' devices (queued on the
+    stream, so neither the driver nor a worker waits on the host for the previous step's tokens; gloo on the CPU).
+    Every rank calls it before the step's forward, so it is each step's first collective on every rank, and it
+    sits on every step's critical path (rank 0 samples, then the others can start). A worker receives them where
+    its CUDA graphs' fill reads them (StepGraphs.sampled_ids_buffer), when it can.
+
+    With the P2P all-reduce (`fast`, all_reduce.py) the broadcast is its one-shot kernel: rank 0 contributes the ids
+    as float32, every other rank zeros, so the sum is rank 0's ids exactly (integers below 2^24; vocabularies larger
+    than that keep NCCL). NCCL's broadcast walks its ring rank by rank: on 4xH200 the last rank started its step
+    ~68 µs after rank 0 at batch 1 (docs/benchmarks/tp_e2e_h200.json, timeline), against ~7 µs for a one-shot call
+    (docs/benchmarks/allreduce_h200.json)."""
     if step.sampled_ids is None or not step.sampled_ids.numel():
         return step
     count = step.sampled_ids.numel()
@@ -165,8 +173,18 @@ def _share_sampled_ids(step: StepInputs, executor: TorchExecutor, *, sender: boo
         ids = step.sampled_ids.to(device=executor.device, dtype=torch.int64).contiguous()
     elif executor.graphs is None or (ids := executor.graphs.sampled_ids_buffer(count)) is None:
         ids = torch.empty(count, dtype=torch.int64, device=executor.device)
+    if fast is not None and executor.plan.model.vocab_size <= _EXACT_FLOAT32_IDS:
+        mine = ids.to(torch.float32) if sender else torch.zeros(count, dtype=torch.float32, device=ids.device)
+        summed = fast.all_reduce(mine)
+        if summed is not None:  # None: a message too large for the P2P kernels (thousands of sequences): NCCL
+            if not sender:
+                ids.copy_(summed)  # exact: float32 holds every integer below 2^24
+            return dataclasses.replace(step, sampled_ids=ids)
     dist.broadcast(ids, src=0)
     return dataclasses.replace(step, sampled_ids=ids)
+
+
+_EXACT_FLOAT32_IDS = 2**24  # float32 represents every integer up to here: the P2P broadcast of token ids is exact
 
 
 def _init_group(rank: int, size: int, device: str, timeout_s: float, store: Any) -> None:
@@ -235,7 +253,7 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
             raise SystemExit(f"tensor-parallel rank {rank}: {e}") from None
         if command.op == "stop":
             break
-        _apply(executor, command, rank=rank)
+        _apply(executor, command, rank=rank, fast=fast_all_reduce)
     _release_graphs(executor)
     if fast_all_reduce is not None:
         fast_all_reduce.close()
@@ -323,9 +341,10 @@ def run_worker_node(plan_dir: str | Path, size: int | None, nodes: NodeConfig, *
                 proc.wait()
 
 
-def _apply(executor: TorchExecutor, command: _Command, *, rank: int) -> torch.Tensor | None:
+def _apply(executor: TorchExecutor, command: _Command, *, rank: int,
+           fast: P2PAllReduce | None = None) -> torch.Tensor | None:
     if command.op == "step":
-        return executor.execute(_share_sampled_ids(command.arg, executor, sender=rank == 0))
+        return executor.execute(_share_sampled_ids(command.arg, executor, sender=rank == 0, fast=fast))
     if command.op == "alloc":
         executor.allocate_kv_cache(command.arg)
     elif command.op == "capture":
@@ -501,7 +520,7 @@ class TensorParallelExecutor(Executor):
         assert self._local is not None, "rank 0's executor is made before the first command"
         try:
             self._channel.publish(_to_wire(command), alive=self._check_workers)
-            result = _apply(self._local, command, rank=0)
+            result = _apply(self._local, command, rank=0, fast=self._all_reduce)
             if self._error is not None:  # a peer died mid-step: released P2P all-reduces summed garbage
                 raise self._error
             return result
