@@ -11,10 +11,10 @@ LLMEngine.from_plan with CUDA graphs, in a fresh child process per run (so the p
 failing run does not end the others):
 1. batch-1 decode tok/s (128-token prompt, --new-tokens new ones; gpu_e2e.batch1_decode);
 2. the --requests-request variable-length workload of gpu_e2e.py (continuous batching, max_num_seqs 256);
-3. N > 1: the NCCL kernel share of rank 0's eager decode step (torch.profiler), and a per-rank timeline of graphed
-   batch-1 decode steps: CUDA events around every rank's execute(), mapped to the host's monotonic clock (one
-   clock for every process of the host), so each rank's step start is an offset from rank 0's and each step's
-   duration is its own. The JSON keeps a summary (median/p90/max per rank) and the first --plot-steps steps;
+3. N > 1: the NCCL kernel share of rank 0's eager decode step (torch.profiler); every N (N = 1 is the baseline):
+   a per-rank timeline of graphed batch-1 decode steps: CUDA events around every rank's execute(), mapped to the
+   host's monotonic clock (one clock for every process of the host), so each rank's step start is an offset from
+   rank 0's, each step's duration is its own, and the GPU's idle until the next step is the gap. The JSON keeps a summary (median/p90/max per rank) and the first --plot-steps steps;
    <out>_timeline.png draws them. Workers are timed through a sitecustomize.py that --work/hook puts on their
    PYTHONPATH (the runtime is not changed); it acts only when TP_E2E_TIMELINE is set.
 Speedup = tok/s at N / tok/s at N=1 of the same shape and layer count, from rows of the same GPU (each row keeps
@@ -252,8 +252,9 @@ def _stats(values: list[float]) -> dict:
 def timeline_summary(ranks: dict[int, list[list]], plot_steps: int = 6, skip: int = 2) -> dict:
     """Per-rank step records [host_enter_ns, start_ns, end_ns, graphed] (one clock, the same step order on every
     rank) -> offsets from rank 0 and durations in µs: start (the rank's step began on its GPU), end, host (the rank's
-    execute() was entered) and the step's duration; over the graphed steps (every step when none was graphed),
-    the first ``skip`` dropped (the first one carries the clock calibration)."""
+    execute() was entered), the step's duration and the gap from its end to the next step's start; over the graphed
+    steps (every step when none was graphed), the first ``skip`` dropped (the first one carries the clock
+    calibration)."""
     count = min(len(steps) for steps in ranks.values())
     graphed = [k for k in range(count) if ranks[0][k][3]]
     chosen = (graphed or list(range(count)))[skip:] or (graphed or list(range(count)))
@@ -266,6 +267,10 @@ def timeline_summary(ranks: dict[int, list[list]], plot_steps: int = 6, skip: in
             "host_offset_us": _stats([(steps[k][0] - base[k][0]) / 1e3 for k in chosen]),
             "duration_us": _stats([(steps[k][2] - steps[k][1]) / 1e3 for k in chosen]),
         }
+        # the GPU's idle between a step's end and the next step's start (sampling, the ids' exchange, the fill)
+        gaps = [(steps[k + 1][1] - steps[k][2]) / 1e3 for k in chosen if k + 1 in chosen]
+        if gaps:
+            per_rank[str(rank)]["gap_to_next_us"] = _stats(gaps)
     first = chosen[:plot_steps]
     origin = ranks[0][first[0]][1] if first else 0
     return {"steps": len(chosen), "graphed": bool(graphed), "per_rank": per_rank,
@@ -522,7 +527,7 @@ class RunSpec:
     new_tokens: int  # batch-1 decode
     workload: dict | None  # gpu_e2e.Workload fields; None: no workload section
     profile: bool  # the eager NCCL share (N > 1 on CUDA)
-    timeline_dir: str | None  # per-rank step timeline (N > 1)
+    timeline_dir: str | None  # per-rank step timeline
     timeline_steps: int
     plot_steps: int
     nnodes: int = 1
@@ -1009,7 +1014,7 @@ class Runner:
                     workload=None if args.no_workload else dataclasses.asdict(workload(args)),
                     profile=not args.no_profile, timeline_dir=None, timeline_steps=args.timeline_steps,
                     plot_steps=args.plot_steps)
-        if n > 1 and args.timeline_steps:
+        if args.timeline_steps:  # N = 1 too: its step and gap between steps are the baseline
             base["timeline_dir"] = str(args.work / "timeline" / f"{model.tag}_{name}")
         return RunSpec(**{**base, **kw})
 

@@ -107,6 +107,8 @@ def test_timeline_summary_offsets_from_rank0():
     assert got["per_rank"]["1"]["end_offset_us"]["max"] == 0.0
     assert got["per_rank"]["0"]["duration_us"]["median"] == 80.0
     assert got["per_rank"]["1"]["duration_us"]["median"] == 50.0
+    assert got["per_rank"]["0"]["gap_to_next_us"]["median"] == 20.0  # end 80 µs in, the next start at 100
+    assert got["per_rank"]["1"]["gap_to_next_us"]["median"] == 50.0
     assert got["first_steps_us"] == {"0": [[0.0, 80.0], [100.0, 180.0]], "1": [[30.0, 80.0], [130.0, 180.0]]}
 
 
