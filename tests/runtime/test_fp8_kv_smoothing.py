@@ -156,9 +156,6 @@ def test_bad_smoothing_options_are_one_line_errors(export_dir, tmp_path):
     assert "--kv-cache-smoothing kv" in line and "--kv-cache-dtype fp8" in line
     line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-smoothing", "q"], tmp_path / "b")
     assert "--kv-cache-smoothing 'q'" in line and "none, k, kv" in line
-    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-smoothing", "k", "--tensor-parallel", "2"],
-                           tmp_path / "c")
-    assert "--tensor-parallel" in line and "--kv-cache-smoothing k" in line
 
 
 def test_a_source_without_a_tokenizer_is_a_config_error(export_dir, tmp_path):
@@ -191,3 +188,23 @@ def test_the_build_summary_names_the_smoothing_and_its_calibration(export_dir, t
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "KV cache float8_e4m3fn, K smoothed (calibrated on 8 x 128 tokens" in text, text
+
+
+def test_smoothing_builds_with_tensor_parallel(export_dir, tmp_path):
+    """With --tensor-parallel every rank plan is smoothed, each with its KV heads' means (the slices are checked in
+    tests/runtime/test_tensor_parallel.py)."""
+    from trtopt.builder.plan import rank_dir
+    from trtopt.cli.main import app
+
+    plan = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["build", str(export_dir(MODEL)), "-o", str(plan), "--kv-cache-dtype", "fp8",
+                                      "--kv-cache-smoothing", "k", "--tensor-parallel", "2", "--max-model-len", "128"])
+    assert result.exit_code == 0, result.output
+    assert "K smoothed (calibrated on 8 x 128 tokens" in " ".join(result.output.split())
+    for rank in range(2):
+        config = read_plan(rank_dir(plan, rank))
+        assert (config.kv_cache_smoothing, config.parallel.rank, config.model.num_kv_heads) == ("k", rank, 1)
+        graph = onnx.load(str(rank_dir(plan, rank) / "model.onnx"), load_external_data=False).graph
+        means = [t for t in graph.initializer if t.name.startswith(INITIALIZER_PREFIX)]
+        assert len(means) == config.model.num_layers
+        assert all(list(t.dims) == [1, 1, 1, config.model.head_dim] for t in means)

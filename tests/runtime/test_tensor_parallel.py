@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trtopt.builder.pipeline import build_plan
-from trtopt.builder.plan import Limits
+from trtopt.builder.plan import Limits, rank_dir, read_plan
 from trtopt.errors import WorkerDiedError
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.executors.tensor_parallel import _Command, _from_wire, _to_wire
@@ -256,3 +256,84 @@ def test_async_scheduling_at_two_ranks_resolves_placeholders_on_every_rank(tp_ll
         assert [c.token_ids for c in llm.generate(prompt, seeded)[0].outputs] == want
     finally:
         llm.shutdown()
+
+
+# --kv-cache-smoothing with tensor parallelism: each rank keeps the calibrated means of its KV heads.
+
+SMOOTHED = dict(kv_cache_dtype="fp8", kv_cache_smoothing="kv")
+
+
+def _smoothed_plans(model: str, source, out, sizes) -> dict:
+    """size (None: unsharded) -> the plan dir of ``source`` built with FP8 pools and K/V smoothing."""
+    from trtopt.runtime.kv_calibration import kv_means
+
+    return {n: build_plan(source, out / f"smooth-{model}-tp{n}", limits=LIMITS, force=True, progress=False,
+                          tensor_parallel=n, kv_calibrator=kv_means, **SMOOTHED).plan_dir for n in sizes}
+
+
+def _smoothing_constants(plan_dir) -> dict:
+    """The smoothing means of a plan's model.onnx: name (less the per-rank suffix) -> array, and check that every
+    PagedAttention's k and v are smoothed by the layer's own constant."""
+    import onnx
+    from onnx import numpy_helper
+
+    from trtopt.builder.sharding import SHARD_SUFFIX
+    from trtopt.fusion_passes.kv_smoothing import INITIALIZER_PREFIX
+
+    graph = onnx.load(str(plan_dir / "model.onnx")).graph
+    produced_by = {out: node for node in graph.node for out in node.output}
+    for layer, node in enumerate(n for n in graph.node if n.op_type == "PagedAttention"):
+        for i, what in ((1, "k"), (2, "v")):
+            sub = produced_by[node.input[i]]
+            assert sub.op_type == "Sub", (layer, what)
+            assert sub.input[1].removesuffix(SHARD_SUFFIX) == f"{INITIALIZER_PREFIX}{what}_{layer}", (layer, what)
+    return {t.name.removesuffix(SHARD_SUFFIX).removeprefix(INITIALIZER_PREFIX): numpy_helper.to_array(t)
+            for t in graph.initializer if t.name.startswith(INITIALIZER_PREFIX)}
+
+
+def _assert_rank_slices(plans: dict, kv_heads: list[list[int]], heads: list[list[int]]) -> None:
+    """Rank r's constants of the N = 2 plan equal the N = 1 plan's rows of its KV heads ``kv_heads[r]`` (k_l, v_l:
+    [1, Hkv, 1, D]) and of its query heads ``heads[r]`` (v_out_l: [1, Hq, 1, D]), exactly."""
+    import numpy as np
+
+    full = _smoothing_constants(rank_dir(plans[1], 0))
+    assert full
+    for rank in range(2):
+        got = _smoothing_constants(rank_dir(plans[2], rank))
+        assert got.keys() == full.keys()
+        for name, array in full.items():
+            rows = heads[rank] if name.startswith("v_out_") else kv_heads[rank]
+            assert np.array_equal(got[name], array[:, rows]), (rank, name)
+    # The N = 1 rank graph is the unsharded graph the means were calibrated on (no horizontal Q/K/V fusion); the
+    # unsharded plan fuses Q/K/V into one MatMul, so its means agree to rounding only.
+    unsharded = _smoothing_constants(plans[None])
+    assert unsharded.keys() == full.keys()
+    for name, array in full.items():
+        np.testing.assert_allclose(array, unsharded[name], rtol=1e-4, atol=1e-5)
+
+
+def test_smoothing_means_shard_with_the_kv_heads_and_greedy_at_two_ranks_equals_unsharded(export_dir, module_tmp):
+    """tiny Llama (GQA 4/2): rank r's means are row r of every [1, 2, 1, D] K/V mean and rows 2r, 2r + 1 of the
+    per-query-head V mean added back; greedy tokens at N = 2 over gloo equal the unsharded smoothed plan's."""
+    plans = _smoothed_plans("tiny-llama", export_dir("tiny-llama"), module_tmp, (None, 1, 2))
+    _assert_rank_slices(plans, kv_heads=[[0], [1]], heads=[[0, 1], [2, 3]])
+    with LLM(plans[None]) as single:
+        want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
+    assert not dist.is_initialized(), "another test's tensor-parallel engine still holds the process group"
+    with LLM(plans[2], tensor_parallel_size=2) as llm:
+        assert llm.engine.executor.plan.kv_cache_smoothing == "kv"
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == want
+
+
+def test_smoothing_means_of_a_replicated_kv_head_are_on_every_rank(export_dir, module_tmp):
+    """tiny Qwen2 (MQA 4/1): the one KV head is replicated, so both ranks keep its whole K and V means, and each
+    its two query heads' rows of the V mean added back (that same head's mean)."""
+    plans = _smoothed_plans("tiny-qwen2", export_dir("tiny-qwen2"), module_tmp, (None, 1, 2))
+    _assert_rank_slices(plans, kv_heads=[[0], [0]], heads=[[0, 1], [2, 3]])
+    assert read_plan(plans[2]).parallel.kv_heads_replicated
+    for rank in range(2):
+        means = _smoothing_constants(rank_dir(plans[2], rank))
+        layers = [name.removeprefix("v_out_") for name in means if name.startswith("v_out_")]
+        # each of the rank's two query heads adds the replicated head's mean: [1, 2, 1, D] against [1, 1, 1, D]
+        assert layers and all((means[f"v_out_{i}"] == means[f"v_{i}"]).all() for i in layers)

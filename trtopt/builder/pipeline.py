@@ -300,10 +300,6 @@ def validate_options(
     if kv_cache_smoothing != "none" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing} only changes what an FP8 KV cache loses to "
                           "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-smoothing.")
-    if kv_cache_smoothing != "none" and tensor_parallel is not None:
-        raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing} does not shard yet (its means are per KV head, "
-                          "and the rank graphs would need each rank's slice); drop --tensor-parallel or "
-                          "--kv-cache-smoothing.")
     if kv_cache_smoothing != "none" and kv_calibrator is None:
         raise ConfigError(f"kv_cache_smoothing={kv_cache_smoothing!r} calibrates by running the graph: pass "
                           "kv_calibrator=trtopt.runtime.kv_calibration.kv_means to build_plan (`trtopt build` does).")
@@ -355,7 +351,9 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
 def smooth(options: BuildOptions, model: ir.Model, steps: _Steps) -> KvMeans | None:
     """With --kv-cache-smoothing: calibrate every layer's mean key (and value) on the paged ``model`` while its
     pools still have the model's dtype, then subtract them before attention (in place). Runs in fuse, before the
-    pools become FP8, and before shard and rotate: with the rotation the pools hold (k - b_k)·H."""
+    pools become FP8, and before shard and rotate: with the rotation the pools hold (k - b_k)·H; with
+    --tensor-parallel the means are calibrated on the whole graph and shard gives each rank the rows of its KV heads
+    (sharding/analysis.py, as it splits the K/V projections)."""
     if options.kv_cache_smoothing == "none":
         return None
     from trtopt.quantize import data
@@ -495,10 +493,11 @@ def build_plan(
     ``kv_cache_smoothing`` (with kv_cache_dtype "fp8" only): "none", "k" (every layer's mean post-RoPE key per KV
     head and channel, calibrated on data.py's text at build time, subtracted before each PagedAttention: exact in
     real arithmetic, the softmax ignores a shift shared by all of a query's scores) or "kv" (the values' mean too,
-    added back to the attention output); fusion_passes/kv_smoothing.py. ConfigError for another value, without
-    "fp8", with ``tensor_parallel``, or without the tokenizer files beside the source. The calibration runs the
-    graph, which the builder cannot do itself (it never imports the runtime): pass ``kv_calibrator``, the runtime's
-    ``trtopt.runtime.kv_calibration.kv_means`` (`trtopt build` does); ConfigError when it is missing.
+    added back to the attention output); fusion_passes/kv_smoothing.py. With ``tensor_parallel`` each rank keeps the
+    means of its KV heads. ConfigError for another value, without "fp8", or without the tokenizer files beside the
+    source. The calibration runs the graph, which the builder cannot do itself (it never imports the runtime): pass
+    ``kv_calibrator``, the runtime's ``trtopt.runtime.kv_calibration.kv_means`` (`trtopt build` does); ConfigError
+    when it is missing.
     """
     start = time.perf_counter()
     options = validate_options(model_path, out_dir, limits=limits, max_model_len=max_model_len, force=force,

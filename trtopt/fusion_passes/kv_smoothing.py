@@ -14,8 +14,10 @@ large offset that every token shares: e4m3's error is relative, so it grows with
 carries no information about which key matters. Every key that enters the softmax passes through the Sub: the
 kernels write the step's keys into the pool and read all keys back from it, the fresh chunk's included.
 
-With --kv-cache-rotation hadamard the rotation runs after this pass, so the pools hold (k - b_k)·H. Like the
-rotation it costs the torch executor's Rope-into-PagedAttention fusion (runtime/executors/fx_fusions.py).
+With --kv-cache-rotation hadamard the rotation runs after this pass, so the pools hold (k - b_k)·H. With
+--tensor-parallel it runs on the whole graph too, and the sharding splits every b by heads, as it splits the K/V
+projections (builder/sharding/analysis.py). Like the rotation it costs the torch executor's Rope-into-PagedAttention
+fusion (runtime/executors/fx_fusions.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ For ``size`` ranks, every attention layer and every MLP that can be recognised i
                └─ up proj   (columns: I/N) ───────┴─ × ─ down proj (rows) ─ AllReduce ─ +h
 
 KV heads are split when num_kv_heads >= N and replicated otherwise (each rank then keeps the one KV head its query
-heads read, as vLLM does; N must be a multiple of num_kv_heads). Embedding and norms stay replicated. The LM head is
-either replicated (``lm_head="replicated"``, the default: rank 0 computes exactly the sampled rows, nothing is
+heads read, as vLLM does; N must be a multiple of num_kv_heads). A constant of one row per head that an elementwise
+op applies right at a PagedAttention input or output ([1, H, 1, D]: --kv-cache-smoothing's calibrated means) is
+split by heads like them, replicated KV heads included. Embedding and norms stay replicated. The LM head is either
+replicated (``lm_head="replicated"``, the default: rank 0 computes exactly the sampled rows, nothing is
 gathered) or vocabulary-parallel (``"vocab-parallel"``): its weight split by output columns, ceil(vocab/N) per rank
 (the last shard padded with zero columns), then a trtopt.AllGather of the sampled logits rows along the vocabulary
 axis and a Slice that drops the padding; an untied head saves hidden x vocab x (N-1)/N weights per rank for one
@@ -61,6 +63,10 @@ _QKV_PATH_OPS = frozenset({"Reshape", "Transpose", "Mul", "Add", "Sub", "Neg", "
 _DATA_INPUT_0 = frozenset({"Reshape", "Slice", "Unsqueeze", "Squeeze", "Transpose", "Cast", "Identity"})
 # Ops between attention's output and the O projection.
 _O_PATH_OPS = frozenset({"Transpose", "Reshape", "Cast", "Identity"})
+# Elementwise ops that may stand right at a PagedAttention input or output with a constant of one row per head,
+# [1, H, 1, D] in the op boundary's [1, H, T, D] layout: --kv-cache-smoothing's Sub(k, b_k), Sub(v, b_v) and
+# Add(out, b_v per query head) (fusion_passes/kv_smoothing.py). The constant is split by heads like the projection.
+_PER_HEAD_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
 # Elementwise ops between an MLP's up projections and its down projection.
 _MLP_PATH_OPS = frozenset({"Mul", "Add", "Sub", "Div", "Sigmoid", "Tanh", "Relu", "Gelu", "Erf", "Pow", "Neg",
                            "Cast", "Softplus", "Exp", "Identity", "HardSigmoid", "Where"})
@@ -355,6 +361,46 @@ def _single_consumer(value: ir.Value) -> ir.Node:
     return next(iter(users))
 
 
+def _per_head_operand(node: ir.Node | None, heads: int, tainted: set[ir.Value]) -> int | None:
+    """The index of ``node``'s constant [1, heads, 1, D] operand when ``node`` is an elementwise _PER_HEAD_OPS op of
+    one hidden-state value and that constant; else None. Only meaningful at a PagedAttention input or output, where
+    the layout is [1, H, T, D] (docs/architecture.md §3), so axis 1 is the head axis."""
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _PER_HEAD_OPS \
+            or len(node.inputs) != 2 or sum(v in tainted for v in node.inputs) != 1:
+        return None
+    index = 1 if node.inputs[0] in tainted else 0
+    const = node.inputs[index].const_value
+    if const is None or len(const.shape) != 4:
+        return None
+    shape = tuple(int(d) for d in const.shape)
+    return index if shape[0] == 1 and shape[1] == heads and shape[2] == 1 else None
+
+
+def _per_head_above(value: ir.Value, heads: int, tainted: set[ir.Value]) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
+    """(the value above the per-head constant ops that end at a PagedAttention input ``value``, those ops with their
+    constant's input index)."""
+    ops, node = [], value.producer()
+    while (index := _per_head_operand(node, heads, tainted)) is not None:
+        ops.append((node, index))
+        value = node.inputs[1 - index]
+        node = value.producer()
+    return value, ops
+
+
+def _per_head_below(out: ir.Value, heads: int, tainted: set[ir.Value]) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
+    """(the value below the per-head constant ops that a PagedAttention output ``out`` passes through alone, those
+    ops with their constant's input index)."""
+    ops, value = [], out
+    while not value.is_graph_output() and len(users := {use.node for use in value.uses()}) == 1:
+        node = next(iter(users))
+        index = _per_head_operand(node, heads, tainted)
+        if index is None:
+            break
+        ops.append((node, index))
+        value = node.outputs[0]
+    return value, ops
+
+
 def _o_projection(out: ir.Value, tainted: set[ir.Value]) -> ir.Node:
     value = out
     while True:
@@ -383,6 +429,8 @@ class _Analysis:
     mlp: list[MlpShard] = dataclasses.field(default_factory=list)
     replicated: list[ReplicatedProjection] = dataclasses.field(default_factory=list)
     failures: list[MatchFailure] = dataclasses.field(default_factory=list)  # attention layers that cannot split
+    # (elementwise op, its constant's input index) -> the head ranges each rank keeps of that [1, H, 1, D] constant
+    per_head: dict[tuple[ir.Node, int], Ranges] = dataclasses.field(default_factory=dict)
     head: ir.Node | None = None  # the LM head to split by vocabulary (lm_head="vocab-parallel")
 
 
@@ -478,8 +526,12 @@ def _split_attention(found: _Analysis, node: ir.Node, size: int, tainted: set[ir
     """Record the split of one attention layer's q/k/v/o projections; NoMatch (nothing recorded) when it cannot."""
     heads = _attention_split(node, size)
     projections = []
+    q_heads, kv_heads = _ranges(size, heads.heads), _kv_ranges(size, heads.kv_heads, 1)  # rank r's heads
+    per_head: dict[tuple[ir.Node, int], Ranges] = {}
     for i, (what, width) in enumerate((("q", heads.heads), ("k", heads.kv_heads), ("v", heads.kv_heads))):
-        above, _ = _projection_above(node.inputs[i], tainted, _QKV_PATH_OPS)
+        value, ops = _per_head_above(node.inputs[i], width, tainted)
+        per_head.update((op, q_heads if what == "q" else kv_heads) for op in ops)
+        above, _ = _projection_above(value, tainted, _QKV_PATH_OPS)
         if len(above) != 1:
             raise NoMatch(f"{what} comes from {len(above)} projections, expected one")
         proj = above[0]
@@ -489,7 +541,9 @@ def _split_attention(found: _Analysis, node: ir.Node, size: int, tainted: set[ir
         projections.append(proj)
     if len({id(p) for p in projections}) != 3:
         raise NoMatch("Q, K and V share a projection (a concatenated QKV weight is not split yet)")
-    o_proj = _o_projection(node.outputs[0], tainted)
+    value, ops = _per_head_below(node.outputs[0], heads.heads, tainted)
+    per_head.update((op, q_heads) for op in ops)
+    o_proj = _o_projection(value, tainted)
     if _weight_shape(o_proj)[0] != heads.heads * heads.head_dim:
         raise NoMatch(f"O projection {o_proj.name} has {_weight_shape(o_proj)[0]} inputs, expected "
                       f"{heads.heads * heads.head_dim}", o_proj.name or "")
@@ -498,6 +552,7 @@ def _split_attention(found: _Analysis, node: ir.Node, size: int, tainted: set[ir
     found.column[q] = _ranges(size, heads.heads * heads.head_dim)
     found.column[k] = found.column[v] = _kv_ranges(size, heads.kv_heads, heads.head_dim)
     found.row[o_proj] = _ranges(size, heads.heads * heads.head_dim)
+    found.per_head.update(per_head)
     found.attention.append(AttentionShard(node.name, q.name, k.name, v.name, o_proj.name))
 
 
@@ -752,6 +807,8 @@ def shard_structure(model: ir.Model, size: int, lm_head: str = "replicated") -> 
         rewriter.column(node, ranges)
     for node, ranges in found.row.items():
         rewriter.row(node, ranges)
+    for (node, index), ranges in found.per_head.items():
+        node.replace_input_with(index, rewriter.shard(node.inputs[index], 1, ranges))
     head_split = rewriter.vocab_parallel_head(found.head) if found.head is not None else None
     for node in attention:
         node.attributes["num_heads"] = ir.AttrInt64("num_heads", heads_per_rank)
