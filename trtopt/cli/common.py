@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from trtopt.errors import TrtOptError
+from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 
 console = Console()
 err_console = Console(stderr=True)
@@ -138,6 +139,30 @@ def return_tokens_as_token_ids_option() -> Any:
 def reasoning_parser_option() -> Any:
     return typer.Option(None, "--reasoning-parser", help="Split chat replies' <think>...</think> into "
                         "reasoning_content: deepseek_r1 or qwen3 (vLLM's parsers).")
+
+
+def max_logprobs_option() -> Any:
+    return typer.Option(DEFAULT_MAX_LOGPROBS, "--max-logprobs",
+                        help="Most logprobs/top_logprobs/prompt_logprobs a request may ask for per token; -1: no cap "
+                        "(a request's -1 asks for the whole vocabulary). vLLM's flag.")
+
+
+def enable_auto_tool_choice_option() -> Any:
+    return typer.Option(False, "--enable-auto-tool-choice",
+                        help='Accept tool_choice "auto" (the default when tools are sent): the model decides, '
+                        "--tool-call-parser reads its calls.")
+
+
+def tool_call_parser_option() -> Any:
+    return typer.Option(None, "--tool-call-parser",
+                        help="The model's tool-call syntax, for --enable-auto-tool-choice: hermes, llama3_json, "
+                        "mistral, pythonic, granite, granite-20b-fc or internlm (vLLM's parsers).")
+
+
+def tool_call_id_type_option() -> Any:
+    return typer.Option(None, "--tool-call-id-type",
+                        help="Tool call ids: random, or kimi_k2 (functions.<name>:<index>); default from the plan's "
+                        "model_type, as vLLM picks them.")
 
 
 def check_request_options(*, reasoning_parser: str | None, enable_auto_tool_choice: bool,

@@ -8,11 +8,11 @@ import typer
 
 from trtopt.cli.common import (
     async_scheduling_option, backend_option, check_request_options, console, device_option, eager_option,
-    err_console, kv_cache_memory_gb_option, max_model_len_option, max_num_batched_tokens_option, max_num_seqs_option,
-    num_blocks_option, plan_argument, reasoning_parser_option, return_tokens_as_token_ids_option,
-    speculative_config_option, tensor_parallel_option, trust_request_chat_template_option,
+    enable_auto_tool_choice_option, err_console, kv_cache_memory_gb_option, max_logprobs_option, max_model_len_option,
+    max_num_batched_tokens_option, max_num_seqs_option, num_blocks_option, plan_argument, reasoning_parser_option,
+    return_tokens_as_token_ids_option, speculative_config_option, tensor_parallel_option, tool_call_id_type_option,
+    tool_call_parser_option, trust_request_chat_template_option,
 )
-from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def run_batch(
@@ -35,8 +35,7 @@ def run_batch(
     max_model_len: int = max_model_len_option(),
     num_blocks: int = num_blocks_option(),
     kv_cache_memory_gb: float = kv_cache_memory_gb_option(),
-    max_logprobs: int = typer.Option(DEFAULT_MAX_LOGPROBS, "--max-logprobs",
-                                     help="Most logprobs a request may ask for per token; -1: no cap (vLLM's flag)."),
+    max_logprobs: int = max_logprobs_option(),
     speculative_config: str = speculative_config_option(),
     enable_force_include_usage: bool = typer.Option(False, "--enable-force-include-usage",
                                                     help="Accepted for vLLM's command line (results are never "
@@ -44,15 +43,9 @@ def run_batch(
     trust_request_chat_template: bool = trust_request_chat_template_option(),
     return_tokens_as_token_ids: bool = return_tokens_as_token_ids_option(),
     reasoning_parser: str = reasoning_parser_option(),
-    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
-                                                 help='Accept tool_choice "auto": the model decides, '
-                                                 "--tool-call-parser reads its calls."),
-    tool_call_parser: str = typer.Option(None, "--tool-call-parser",
-                                         help="The model's tool-call syntax, for --enable-auto-tool-choice (the "
-                                         "parsers of `trtopt serve`)."),
-    tool_call_id_type: str = typer.Option(None, "--tool-call-id-type",
-                                          help="Tool call ids: random, or kimi_k2 (default from the plan's "
-                                          "model_type)."),
+    enable_auto_tool_choice: bool = enable_auto_tool_choice_option(),
+    tool_call_parser: str = tool_call_parser_option(),
+    tool_call_id_type: str = tool_call_id_type_option(),
 ):
     """Run a file of OpenAI Batch API requests on a plan, all at once on one engine (continuous batching), and
     write one result per request: vLLM's `vllm run-batch`. Each request is answered exactly as `trtopt serve` would

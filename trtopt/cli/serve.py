@@ -9,12 +9,12 @@ import typer
 
 from trtopt.cli.common import (
     async_scheduling_option, backend_option, check_request_options, console, device_option, eager_option,
-    kv_cache_memory_gb_option, master_addr_option, master_port_option, max_model_len_option,
-    max_num_batched_tokens_option, max_num_seqs_option, nnodes_option, node_rank_option, num_blocks_option,
-    plan_argument, reasoning_parser_option, return_tokens_as_token_ids_option, run_worker_node_if_remote,
-    speculative_config_option, tensor_parallel_option, trust_request_chat_template_option,
+    enable_auto_tool_choice_option, kv_cache_memory_gb_option, master_addr_option, master_port_option,
+    max_logprobs_option, max_model_len_option, max_num_batched_tokens_option, max_num_seqs_option, nnodes_option,
+    node_rank_option, num_blocks_option, plan_argument, reasoning_parser_option, return_tokens_as_token_ids_option,
+    run_worker_node_if_remote, speculative_config_option, tensor_parallel_option, tool_call_id_type_option,
+    tool_call_parser_option, trust_request_chat_template_option,
 )
-from trtopt.runtime.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def serve(
@@ -39,9 +39,7 @@ def serve(
     max_model_len: int = max_model_len_option(),
     num_blocks: int = num_blocks_option(),
     kv_cache_memory_gb: float = kv_cache_memory_gb_option(),
-    max_logprobs: int = typer.Option(DEFAULT_MAX_LOGPROBS, "--max-logprobs",
-                                     help="Most logprobs/top_logprobs/prompt_logprobs a request may ask for per token; "
-                                     "-1: no cap (a request's -1 asks for the whole vocabulary). vLLM's flag."),
+    max_logprobs: int = max_logprobs_option(),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
     protect_metrics: bool = typer.Option(False, "--protect-metrics",
                                          help="/metrics needs the API key too (by default it is open, like /health)."),
@@ -62,13 +60,8 @@ def serve(
     trust_request_chat_template: bool = trust_request_chat_template_option(),
     return_tokens_as_token_ids: bool = return_tokens_as_token_ids_option(),
     reasoning_parser: str = reasoning_parser_option(),
-    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
-                                                 help='Accept tool_choice "auto" (the default when tools are sent): '
-                                                 "the model decides, --tool-call-parser reads its calls."),
-    tool_call_parser: str = typer.Option(None, "--tool-call-parser",
-                                         help="The model's tool-call syntax, for --enable-auto-tool-choice: hermes, "
-                                         "llama3_json, mistral, pythonic, granite, granite-20b-fc or internlm "
-                                         "(vLLM's parsers)."),
+    enable_auto_tool_choice: bool = enable_auto_tool_choice_option(),
+    tool_call_parser: str = tool_call_parser_option(),
     enable_request_id_headers: bool = typer.Option(False, "--enable-request-id-headers",
                                                    help="Every response carries X-Request-Id: the request's own, else "
                                                    "a new id (vLLM's flag)."),
@@ -79,9 +72,7 @@ def serve(
     enable_sleep_mode: bool = typer.Option(False, "--enable-sleep-mode",
                                            help="POST /sleep?level=1 may free the KV cache (vLLM's flag; level 0, a "
                                            "pause, needs only --server-dev-mode)."),
-    tool_call_id_type: str = typer.Option(None, "--tool-call-id-type",
-                                          help="Tool call ids: random, or kimi_k2 (functions.<name>:<index>); default "
-                                          "from the plan's model_type, as vLLM picks them."),
+    tool_call_id_type: str = tool_call_id_type_option(),
 ):
     """Serve a plan over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming with
     `stream: true`), /health and /metrics (Prometheus), plus vLLM's /tokenize, /detokenize, /version, /load,
