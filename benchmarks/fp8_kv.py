@@ -85,11 +85,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_DELTA_PCT = 0.5  # relative perplexity increase allowed by the issue, in percent
 JITTER = ("fp8", "fp8_x0.95", "fp8_x1.05")  # the fp8 cells whose mean is the reported increase
 NEW_TOKENS = 32  # greedy agreement
-CHAT_QUESTIONS = [  # tests/e2e/test_gpu_smollm2.py's chats
-    "What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.", "How do I boil an egg?",
-    "What is 12 times 12?", "Name three primary colors.", "Explain what a CPU cache is in one paragraph.",
-    "Give me a name for a pet turtle.",
-]
 PLAIN_PROMPTS = [
     "The capital of France is", "Once upon a time, in a small village,", "A hash table is a data structure that",
     "The three most important things when learning Python are", "def fibonacci(n):",
@@ -349,7 +344,8 @@ def engine_for(executor, plan, tokenizer, device: str, **config) -> LLMEngine:
 def greedy_prompts(tokenizer) -> tuple[str, list[list[int]]]:
     if tokenizer.chat_template:
         return "chat", [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False)) for q in CHAT_QUESTIONS]
+                                                           tokenize=True, return_dict=False))
+                        for q in data.CHAT_QUESTIONS]
     return "plain", [tokenizer(p).input_ids for p in PLAIN_PROMPTS]
 
 

@@ -35,21 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trtopt.builder.plan import Limits, read_plan  # noqa: E402
+from trtopt.quantize.data import CHAT_QUESTIONS  # noqa: E402
 from trtopt.runtime.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m"
 LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=256)  # == test_gpu_e2e.LIMITS
 MAX_TOKENS = 48
-QUESTIONS = [  # == test_gpu_smollm2.QUESTIONS
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "Write a haiku about the sea.",
-    "How do I boil an egg?",
-    "What is 12 times 12?",
-    "Name three primary colors.",
-    "Explain what a CPU cache is in one paragraph.",
-    "Give me a name for a pet turtle.",
-]
 PLANS = {
     "bf16": None,
     "int4_sym_g64": dict(weights="int4", group_size=64),
@@ -87,7 +78,7 @@ def generate(plan_dir: Path, *, reference_ops=()) -> list[dict]:
     executor = TorchExecutor(plan_dir, plan, device="cpu", reference_ops=reference_ops)
     engine = LLMEngine(executor, plan, load_tokenizer(plan_dir), EngineConfig())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=20)
-    for i, q in enumerate(QUESTIONS):
+    for i, q in enumerate(CHAT_QUESTIONS):
         engine.add_request(str(i), [{"role": "user", "content": q}], params)
     done = {}
     while engine.has_unfinished_requests():
@@ -96,7 +87,7 @@ def generate(plan_dir: Path, *, reference_ops=()) -> list[dict]:
                 done[out.request_id] = out.outputs[0]
     return [dict(tokens=list(done[str(i)].token_ids),
                  logprobs=[{int(t): float(v) for t, v in d.items()} for d in done[str(i)].logprobs])
-            for i in range(len(QUESTIONS))]
+            for i in range(len(CHAT_QUESTIONS))]
 
 
 def compare(ref: list[dict], other: list[dict]) -> dict:
@@ -133,7 +124,7 @@ def main() -> None:
     torch.set_num_threads(2)
     plans = build(args.cache)
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
-    result.update(model=MODEL, prompts=len(QUESTIONS), max_tokens=MAX_TOKENS, host=platform.node(),
+    result.update(model=MODEL, prompts=len(CHAT_QUESTIONS), max_tokens=MAX_TOKENS, host=platform.node(),
                   torch=torch.__version__)
     result.setdefault("plans", {})
     for name in args.plans:

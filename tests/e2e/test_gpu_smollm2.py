@@ -21,6 +21,7 @@ import dataclasses
 import pytest
 import torch
 
+from trtopt.quantize.data import CHAT_QUESTIONS
 from trtopt.runtime.sampling_params import SamplingParams
 
 # The harness, fixtures (plan_for, hf_for) and marks (gpu; skipped without CUDA) of the tiny-model e2e tests.
@@ -33,17 +34,7 @@ MODEL = "smollm2-135m"
 FP8_KV_LOGPROB_ATOL = 2.0
 W8A8_TIE_MARGIN = 2.0  # a W8A8 plan on CUDA against the same plan on the CPU (see QUANT_CONFIGS)
 MAX_TOKENS = 48
-QUESTIONS = [
-    "What is the capital of France?",
-    "Why is the sky blue?",
-    "Write a haiku about the sea.",
-    "How do I boil an egg?",
-    "What is 12 times 12?",
-    "Name three primary colors.",
-    "Explain what a CPU cache is in one paragraph.",
-    "Give me a name for a pet turtle.",
-]
-CHATS = [[{"role": "user", "content": q}] for q in QUESTIONS]
+CHATS = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
 
 
 def test_smollm2_fp32_chat_batched_equals_hf(plan_for, hf_for):

@@ -12,6 +12,9 @@ with every CPython. The rule, fixed and deterministic (no sampling, so no seed t
 
 The two slices must not overlap (checked). Calibration (trtopt/quantize/calibrate.py) and the accuracy benchmark
 (benchmarks/quant_accuracy.py) both read their tokens from here and nowhere else.
+
+``CHAT_QUESTIONS`` are the chat prompts on which greedy output is compared (the SmolLM2 GPU e2e tests,
+benchmarks/fp8_kv.py's agreement, benchmarks/w8a8_noise.py), kept here once so those runs speak of the same prompts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,16 @@ from trtopt.errors import ConfigError
 
 DEFAULT_CALIBRATION_SEQUENCES = 32
 DEFAULT_CALIBRATION_LENGTH = 512
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "What is 12 times 12?",
+    "Name three primary colors.",
+    "Explain what a CPU cache is in one paragraph.",
+    "Give me a name for a pet turtle.",
+)
 
 
 def corpus_text() -> str:
