@@ -12,6 +12,8 @@ failing run does not end the others):
 1. batch-1 decode tok/s (128-token prompt, --new-tokens new ones; gpu_e2e.batch1_decode);
 2. the --requests-request variable-length workload of gpu_e2e.py (continuous batching, max_num_seqs 256);
 3. N > 1: the NCCL kernel share of rank 0's eager decode step (torch.profiler); every N (N = 1 is the baseline):
+   rank 0's graphed decode steps by kernel, with the GPU's busy time against the wall time per step (and a Chrome
+   trace of 8 steps with the host's ops, <run>.trace.json.gz beside the run's row under --work/runs);
    a per-rank timeline of graphed batch-1 decode steps: CUDA events around every rank's execute(), mapped to the
    host's monotonic clock (one clock for every process of the host), so each rank's step start is an offset from
    rank 0's, each step's duration is its own, and the GPU's idle until the next step is the gap. The JSON keeps a summary (median/p90/max per rank) and the first --plot-steps steps;
@@ -570,6 +572,72 @@ def all_reduce_profile(engine, steps: int = 8) -> dict | None:
             "nccl_kernel_ms_per_step": nccl / steps / 1e3, "nccl_share": nccl / total if total else None}
 
 
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals (kernels that overlap count once)."""
+    busy, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            busy, reach = busy + (end - start), end
+        elif end > reach:
+            busy, reach = busy + (end - reach), end
+    return busy
+
+
+def graphed_profile(engine, steps: int = 16, trace: Path | None = None) -> dict | None:
+    """Rank 0's graphed batch-1 decode steps as served (every N, N = 1 the baseline): device time per step by
+    kernel (CUPTI records each kernel of a replayed graph, and what the engine launches around the replay: the id
+    share, the sampler, the copies), and the GPU's busy time per step (the union of its kernels' intervals) against
+    the wall time per step, whose difference is the GPU idle between and inside steps. A second pass with the host's
+    ops too (slower host: for where the host time goes, not for its length) is written to ``trace`` as a Chrome
+    trace (gzip) when given."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtopt.runtime.sampling_params import SamplingParams
+
+    if not torch.cuda.is_available() or engine.executor.graphs is None:
+        return None
+    engine.add_request("gprof", {"prompt_token_ids": list(range(9, 137))},
+                       SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True, temperature=0.0))
+    for _ in range(4):  # the prefill and a few graphed steps before the window
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    spans = []
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        spans.append((start, end))
+        entry = kernels.setdefault(event.name[:100], [0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+    busy = union_length(spans)
+    wall = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+    top = sorted(({"name": k, "per_step": c / steps, "us_per_step": t / steps} for k, (c, t) in kernels.items()),
+                 key=lambda k: -k["us_per_step"])
+    out = {"steps": steps, "kernels_per_step": len(spans) / steps, "kernel_us_per_step": sum(
+        k["us_per_step"] for k in top), "busy_us_per_step": busy / steps, "wall_us_per_step": wall / steps,
+        "top": top[:20]}
+    if trace is not None:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                engine.step()
+            torch.cuda.synchronize()
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        import gzip
+        trace.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
+        out["trace"] = str(trace)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return out
+
+
 def timeline_window(engine, recorder: StepRecorder, steps: int) -> None:
     """One request of ``steps`` decode steps with every rank's recorder on (its prefill carries the calibration)."""
     from trtopt.runtime.sampling_params import SamplingParams
@@ -628,6 +696,13 @@ def measure(spec: RunSpec) -> dict:
         log(f"batch-1 decode: {out['batch1']['decode_tok_s']:.1f} tok/s")
         if spec.profile and spec.size > 1 and device.type == "cuda":
             out["profile"] = all_reduce_profile(engine)
+        if spec.profile and device.type == "cuda":
+            trace = Path(spec.out).with_suffix(".trace.json.gz")
+            out["graphed_profile"] = graphed_profile(engine, trace=trace)
+            if out["graphed_profile"]:
+                g = out["graphed_profile"]
+                log(f"graphed step: {g['wall_us_per_step']:.0f} us wall, GPU busy {g['busy_us_per_step']:.0f} us; "
+                    + "; ".join(f"{k['name'][:40]} {k['us_per_step']:.0f}" for k in g["top"][:8]))
         if recorder is not None:
             timeline_window(engine, recorder, spec.timeline_steps)
         if spec.workload is not None:
@@ -922,7 +997,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=256, help="batch-1 decode tokens")
     ap.add_argument("--timeline-steps", type=int, default=32, help="graphed decode steps timed per rank (0: none)")
     ap.add_argument("--plot-steps", type=int, default=6, help="steps per rank kept in the JSON and drawn")
-    ap.add_argument("--no-profile", action="store_true", help="skip the eager NCCL-share profile")
+    ap.add_argument("--no-profile", action="store_true", help="skip the eager NCCL-share profile and the graphed kernel profile")
     ap.add_argument("--nnodes", type=int, default=1, choices=(1, 2),
                     help="2: only the two-node comparison: the largest --sizes as two 'nodes' of N/2 ranks vs one "
                     "node (batch-1 only; that plan alone is built)")

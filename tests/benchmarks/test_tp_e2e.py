@@ -96,6 +96,14 @@ def test_speedups_compare_like_with_like():
     assert tp_e2e.speedups({"2/nccl": one}) == {}
 
 
+def test_union_length_counts_overlapping_kernels_once():
+    assert tp_e2e.union_length([]) == 0.0
+    assert tp_e2e.union_length([(0, 10)]) == 10
+    # overlap (0-10 with 5-12), containment (20-30 holds 22-25), a gap (12-20 idle), unsorted input
+    assert tp_e2e.union_length([(20, 30), (5, 12), (0, 10), (22, 25)]) == 22
+    assert tp_e2e.union_length([(0, 5), (5, 7)]) == 7  # touching intervals
+
+
 def test_timeline_summary_offsets_from_rank0():
     # 5 steps; rank 1 starts 30 µs after rank 0, ends together; the first step is eager (not graphed)
     rank0 = [[k * 10_000, 1_000_000 + k * 100_000, 1_080_000 + k * 100_000, k > 0] for k in range(5)]
