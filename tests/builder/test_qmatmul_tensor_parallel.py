@@ -70,14 +70,15 @@ def test_every_quantized_projection_is_sharded_and_one_rank_equals_the_unsharded
 
     result = plan(name, 1)
     layers = result.config.model.num_layers
-    assert result.report.counts["horizontal_matmul"] == 0  # off in tensor-parallel builds
+    # Q/K/V and gate/up joined on the rank graph, after the sharding found them as separate projections
+    assert result.report.counts["horizontal_matmul"] == 2 * layers
     layout = result.parallel
     assert len(layout.attention) == len(layout.mlp) == layers
     assert [r.why for r in layout.replicated] == [LM_HEAD_REPLICATED]  # the LM head (not quantized)
     rank0 = rank_dir(result.plan_dir, 0)
     proto = onnx.load(rank0 / "model.onnx", load_external_data=False)
     types = [n.op_type for n in proto.graph.node]
-    assert types.count("QMatMul") == 7 * layers and types.count("AllReduce") == 2 * layers
+    assert types.count("QMatMul") == 4 * layers and types.count("AllReduce") == 2 * layers
     unsharded = plan(name, None).plan_dir
     single = read_plan(unsharded)
     executors = {"tp1": create_executor("onnxruntime", rank0, read_plan(rank0), num_blocks=24),
@@ -88,6 +89,19 @@ def test_every_quantized_projection_is_sharded_and_one_rank_equals_the_unsharded
                                 Tolerance(atol=1e-4, rtol=0.0), reference="whole")
     assert results["tp1"].greedy_tokens == results["whole"].greedy_tokens
     assert results["tp1"].logits.max_abs <= 1e-4, results["tp1"].logits.max_abs
+
+
+def joined_member(nodes: dict[str, onnx.NodeProto], name: str) -> tuple[onnx.NodeProto, slice]:
+    """The horizontally joined QMatMul holding projection ``name``, and ``name``'s columns in it."""
+    from trtopt.fusion_passes.horizontal_matmul import members
+
+    for node in nodes.values():
+        start = 0
+        for member, width in members(node) or ():
+            if member == name:
+                return node, slice(start, start + width)
+            start += width
+    raise AssertionError(f"no joined QMatMul holds {name}")
 
 
 @pytest.mark.parametrize("name", ["int4_asym_g32", "fp8_w8a8_static"])
@@ -103,10 +117,12 @@ def test_each_rank_holds_its_columns_and_rows_of_the_quantized_weights(name, pla
     for rank in range(2):
         got = initializers(rank_dir(result.plan_dir, rank))
         nodes = {n.name: n for n in onnx.load(rank_dir(result.plan_dir, rank) / "model.onnx").graph.node}
-        q, o = nodes[attention.q], nodes[o_name]
+        q, o = joined_member(nodes, attention.q), nodes[o_name]
+        whole_q = joined_member(whole_nodes, attention.q)
         part = slice(32 * rank, 32 * (rank + 1))  # q's columns and o's rows: 2 of the 4 query heads of 16
         for i in (1, 2, 3):
-            np.testing.assert_array_equal(got[q.input[i]], whole[whole_nodes[attention.q].input[i]][..., part])
+            np.testing.assert_array_equal(got[q[0].input[i]][..., q[1]],
+                                          whole[whole_q[0].input[i]][..., whole_q[1]][..., part])
         np.testing.assert_array_equal(got[o.input[1]], whole[whole_nodes[o_name].input[1]][part])
         for i in (2, 3):
             want = whole[whole_nodes[o_name].input[i]]
@@ -124,7 +140,8 @@ def test_a_row_shard_that_splits_an_int4_block_is_a_fusion_error_naming_the_grou
 
 
 def test_a_horizontally_fused_qkv_qmatmul_is_refused_by_the_sharding(plan):
-    """The build keeps horizontal fusion off with --tensor-parallel; a graph that has it anyway is refused."""
+    """The sharding analysis finds Q/K/V as separate projections (a --tensor-parallel build joins them after it);
+    a graph joined before sharding is refused."""
     fused = plan("int4_asym_g32", None)
     assert fused.report.counts["horizontal_matmul"] == 2 * fused.config.model.num_layers
     model = ir.load(str(fused.plan_dir / "model.onnx"))

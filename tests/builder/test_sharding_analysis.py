@@ -136,3 +136,62 @@ def test_the_context_length_rule(limits, max_model_len, context, expected):
 def test_an_explicit_max_model_len_beyond_the_context_is_refused():
     with pytest.raises(ConfigError, match="--max-model-len 600 exceeds the model's max_position_embeddings 512"):
         fit_limits(None, 600, 512)
+
+
+def test_projections_joined_after_sharding_give_each_rank_its_own_slices_side_by_side():
+    """h -> gate, up (an MLP split by I) and side (a projection no rule splits): joined on the rank graph into
+    [gate_r | up_r | side] for rank r, side cut out of rank 0's join whole; the Split widths agree on every rank."""
+    from trtopt.builder.sharding import join_fused, rank_weights
+    from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
+
+    ids = signature.INPUT_IDS.name
+    nodes = [
+        helper.make_node("Gather", ["emb", ids], ["h"], name="embed"),
+        helper.make_node("MatMul", ["h", "w_gate"], ["g"], name="gate"),
+        helper.make_node("MatMul", ["h", "w_up"], ["u"], name="up"),
+        helper.make_node("MatMul", ["h", "w_side"], ["side"], name="side"),
+        helper.make_node("Relu", ["g"], ["a"], name="act"),
+        helper.make_node("Mul", ["a", "u"], ["m"], name="mul"),
+        helper.make_node("MatMul", ["m", "w_down"], ["y"], name="down"),
+    ]
+    rng = np.random.default_rng(0)
+    shapes = {"emb": (16, 8), "w_gate": (8, 12), "w_up": (8, 12), "w_side": (8, 3), "w_down": (12, 8)}
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, [1, "T", 8 if o == "y" else 3]) for o in ("y", "side")],
+        [numpy_helper.from_array(w, n) for n, w in weights.items()],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    found = _analyze(model, 2, "replicated")
+    assert len(found.mlp) == 1
+    result = _shard_mlp_only(model, 2)
+    sources: dict = {}
+    assert fuse_horizontal_matmul(model, sources=sources) == 1
+    result = join_fused(result, model, sources)
+    (name, join), = result.joins.items()
+    assert join.shape == (8, 6 + 6 + 3) and list(join.shared) == [join.members[2]]
+    np.testing.assert_array_equal(model.graph.initializers[name].const_value.numpy(),
+                                  np.concatenate([weights["w_gate"][:, :6], weights["w_up"][:, :6],
+                                                  weights["w_side"]], axis=1))
+    got = rank_weights(result, 1)
+    assert not set(got) & set(join.members[:2])  # the split gate/up slices live only inside the join now
+    np.testing.assert_array_equal(got[name], np.concatenate([weights["w_gate"][:, 6:], weights["w_up"][:, 6:],
+                                                             weights["w_side"]], axis=1))
+
+
+def _shard_mlp_only(model: ir.Model, size: int):
+    """shard_structure's column/row rewrite of the MLPs of a graph without attention (which it refuses)."""
+    from trtopt.builder.sharding.analysis import ShardResult, _Rewriter
+
+    found = _analyze(model, size, "replicated")
+    rewriter = _Rewriter(model, size)
+    for node, ranges in found.column.items():
+        rewriter.column(node, ranges)
+    for node, ranges in found.row.items():
+        rewriter.row(node, ranges)
+    for name in [n for n, v in model.graph.initializers.items() if not v.uses() and not v.is_graph_output()]:
+        del model.graph.initializers[name]
+    layout = ParallelLayout(size=size, num_heads=0, num_kv_heads=0, heads_per_rank=0, kv_heads_per_rank=0,
+                            kv_heads_replicated=False, attention=(), mlp=tuple(found.mlp), replicated=())
+    return ShardResult(layout, tuple(rewriter.splits.values()), rewriter.full)

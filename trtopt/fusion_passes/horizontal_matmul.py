@@ -172,8 +172,10 @@ def members(node: onnx.NodeProto) -> list[tuple[str, int]] | None:
 # ---- the rewrite ---------------------------------------------------------------------------------------------------
 
 
-def _concat(values: list[ir.Value], axis: int) -> np.ndarray:
-    return np.concatenate([v.const_value.numpy() for v in values], axis=axis)
+# A joined initializer's name -> the initializers it concatenates (in order), the axis, and each one's width along
+# it (fuse_horizontal_matmul's ``sources``: a tensor-parallel build joins each rank's own slices the same way,
+# builder/sharding/analysis.py).
+Sources = dict[str, tuple[tuple[str, ...], int, tuple[int, ...]]]
 
 
 def _initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
@@ -183,19 +185,29 @@ def _initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataTy
     return value
 
 
-def _product(graph: ir.Graph, nodes: list[ir.Node], name: str) -> tuple[ir.Node, list[ir.Value], list[int]]:
+def _joined(graph: ir.Graph, name: str, values: list[ir.Value], axis: int, sources: Sources | None) -> ir.Value:
+    """The initializer ``name`` holding ``values`` concatenated along ``axis`` (recorded in ``sources``)."""
+    array = np.concatenate([v.const_value.numpy() for v in values], axis=axis)
+    if sources is not None:
+        sources[name] = (tuple(v.name for v in values), axis, tuple(v.const_value.shape[axis] for v in values))
+    return _initializer(graph, name, array, values[0].const_value.dtype)
+
+
+def _product(graph: ir.Graph, nodes: list[ir.Node], name: str,
+             sources: Sources | None) -> tuple[ir.Node, list[ir.Value], list[int]]:
     """The one node computing every member's columns side by side; the constants it replaces; each member's N."""
     first = nodes[0]
     if not is_quantized_projection(first):
         weights = [n.inputs[1] for n in nodes]
-        w_cat = _initializer(graph, f"{name}.hfused.weight", _concat(weights, 1), weights[0].const_value.dtype)
+        w_cat = _joined(graph, f"{name}.hfused.weight", weights, 1, sources)
         return ir.Node("", "MatMul", [first.inputs[0], w_cat], name=f"{name}.hfused"), weights, \
             [w.const_value.shape[1] for w in weights]
     # w_q [K, N], w_scale and w_zero_point [N] or [K/G, N]: N is the last axis of each.
     inputs, replaced = list(first.inputs), []
     for i, part in ((W_Q, "weight_quantized"), (W_SCALE, "weight_scale"), (W_ZERO_POINT, "weight_zero_point")):
         values = [n.inputs[i] for n in nodes]
-        inputs[i] = _initializer(graph, f"{name}.hfused.{part}", _concat(values, -1), values[0].const_value.dtype)
+        rank = len(values[0].const_value.shape)
+        inputs[i] = _joined(graph, f"{name}.hfused.{part}", values, rank - 1, sources)
         replaced += values
     widths = [int(n.inputs[W_Q].const_value.shape[1]) for n in nodes]
     attrs = [ir.Attr(a.name, a.type, a.value) for a in first.attributes.values()]
@@ -204,11 +216,10 @@ def _product(graph: ir.Graph, nodes: list[ir.Node], name: str) -> tuple[ir.Node,
     return node, replaced, widths
 
 
-def _fuse(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+def _fuse(graph: ir.Graph, nodes: list[ir.Node], sources: Sources | None) -> None:
     first = nodes[0]
     name = first.name or first.outputs[0].name
-    product, constants, widths = _product(graph, nodes, name)
-    dtype = _float_dtype(first)
+    product, constants, widths = _product(graph, nodes, name, sources)
     biases = [_bias_add(n, width) for n, width in zip(nodes, widths)]
     with_bias = all(b is not None for b in biases)
     sizes = _initializer(graph, f"{name}.hfused.split", np.array(widths, np.int64), ir.DataType.INT64)
@@ -219,7 +230,7 @@ def _fuse(graph: ir.Graph, nodes: list[ir.Node]) -> None:
     olds = [n.outputs[0] for n in nodes]
     dead = list(nodes)
     if with_bias:
-        b_cat = _initializer(graph, f"{name}.hfused.bias", _concat([b for _, b in biases], 0), dtype)
+        b_cat = _joined(graph, f"{name}.hfused.bias", [b for _, b in biases], 0, sources)
         new_nodes.append(ir.Node("", "Add", [fused, b_cat], name=f"{name}.hfused.bias_add"))
         fused = new_nodes[-1].outputs[0]
         fused.name = f"{name}.hfused.biased"
@@ -242,10 +253,10 @@ def _fuse(graph: ir.Graph, nodes: list[ir.Node]) -> None:
             graph.initializers.pop(value.name)
 
 
-def fuse_horizontal_matmul(model: ir.Model, trace: Trace | None = None) -> int:
+def fuse_horizontal_matmul(model: ir.Model, trace: Trace | None = None, *, sources: Sources | None = None) -> int:
     """Fuse every group of MatMuls (and of like-quantized QMatMuls) that share an input; returns the number of
-    groups (QKV and gate/up: 2 a layer)."""
+    groups (QKV and gate/up: 2 a layer). ``sources``, when given, gets each joined initializer's members."""
     groups = _groups(model.graph, trace) + _qmatmul_groups(model.graph, trace)
     for nodes in groups:
-        _fuse(model.graph, nodes)
+        _fuse(model.graph, nodes, sources)
     return len(groups)

@@ -89,8 +89,8 @@ def optimize(
     # horizontal_matmul joins QMatMuls too, matmul_add leaves them alone.
     counts["qmatmul"] = fuse_qmatmul(model, ctx.trace)
     # Before matmul_add, so that a group's concatenated bias becomes one MatMulAdd.
-    # Off for tensor-parallel builds: the sharding (builder/sharding/) does not split concatenated q/k/v or gate/up
-    # weights yet.
+    # Off for tensor-parallel builds (horizontal=False): the sharding analysis (builder/sharding/) finds Q/K/V and
+    # gate/up as separate projections, and the build runs this rule on the rank graph after sharding instead.
     counts["horizontal_matmul"] = (fuse_horizontal_matmul(model, ctx.trace)
                                    if horizontal and "horizontal_matmul" in on else 0)
     counts["silu_mul"] = fuse_silu_mul(model, ctx.trace) if "silu_mul" in on else 0

@@ -186,12 +186,25 @@ class ParallelLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Join:
+    """An initializer of the rank graph that concatenates others along ``axis`` (horizontal fusion after sharding:
+    rank r's Q/K/V or gate/up weights side by side are its own slices side by side)."""
+
+    members: tuple[str, ...]  # per-rank initializers (WeightSplit targets) or constants every rank shares, in order
+    axis: int
+    shape: tuple[int, ...]  # rank 0's (every rank's: the members' widths are equal on every rank)
+    shared: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # members that are not split
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardResult:
     """The rewritten rank graph's layout, and what ``rank_weights`` needs to give any rank its slices."""
 
     layout: ParallelLayout
     splits: tuple[WeightSplit, ...]  # every per-rank initializer of the rewritten graph
     full_weights: dict[str, np.ndarray]  # source name -> the unsplit weight
+    joins: dict[str, Join] = dataclasses.field(default_factory=dict)  # joined initializer name -> its members
+    joined_away: frozenset[str] = frozenset()  # split targets only a join reads (no longer in the graph)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -843,9 +856,36 @@ def _retype_kv_io(model: ir.Model, kv_per_rank: int) -> None:
             value.shape = ir.Shape(dims)
 
 
+def join_fused(result: ShardResult, model: ir.Model,
+               sources: dict[str, tuple[tuple[str, ...], int, tuple[int, ...]]]) -> ShardResult:
+    """``result`` for the rank graph after fuse_horizontal_matmul (fusion_passes/horizontal_matmul.py, run on the
+    rewritten graph with ``sources``): each joined initializer with a split member becomes a Join, so
+    ``rank_weights`` gives rank r the concatenation of its own slices (a member every rank holds whole is cut out of
+    rank 0's join). A join of whole members only is the same on every rank and stays as it is. Every rank's Split
+    cuts the same widths: a column split gives every rank the same width (Q/K/V by heads, gate/up by I/N)."""
+    targets = {s.target for s in result.splits}
+    joins: dict[str, Join] = {}
+    for name, (members, axis, widths) in sources.items():
+        if not any(m in targets for m in members):
+            continue
+        joined = model.graph.initializers[name].const_value
+        offsets = np.cumsum((0,) + widths)
+        shared = {m: np.take(joined.numpy(), np.arange(offsets[i], offsets[i + 1]), axis=axis)
+                  for i, m in enumerate(members) if m not in targets}
+        joins[name] = Join(members, axis, tuple(joined.shape), shared)
+    away = frozenset(m for j in joins.values() for m in j.members
+                     if m in targets and m not in model.graph.initializers)
+    return dataclasses.replace(result, joins={**result.joins, **joins}, joined_away=result.joined_away | away)
+
+
 def rank_weights(result: ShardResult, rank: int) -> dict[str, np.ndarray]:
-    """Per-rank initializer name -> rank ``rank``'s slice."""
-    return {s.target: _shard_data(result.full_weights[s.source], s, rank) for s in result.splits}
+    """Per-rank initializer name -> rank ``rank``'s slice (a join: its members' slices, concatenated)."""
+    parts = {s.target: _shard_data(result.full_weights[s.source], s, rank) for s in result.splits}
+    for name, join in result.joins.items():
+        data = np.concatenate([parts[m] if m in parts else join.shared[m] for m in join.members], axis=join.axis)
+        assert data.shape == join.shape, f"{name}: rank {rank}'s join is {data.shape}, rank 0's {join.shape}"
+        parts[name] = np.ascontiguousarray(data)
+    return {name: data for name, data in parts.items() if name not in result.joined_away}
 
 
 def unsharded_reasons(layout: ParallelLayout) -> list[str]:
