@@ -74,7 +74,7 @@ def two_cuda_ranks(monkeypatch):
         state["agreements"] += 1
         return ok and state["other"]
 
-    def create(group, device, limits):
+    def create(group, device, limits, **kw):
         state["made"].append(comm := FakeComm(world_size=2, agrees=state["agrees"]))
         return comm
 
@@ -115,7 +115,7 @@ def test_setup_falls_back_to_nccl_or_refuses_p2p(two_cuda_ranks, failure):
 
 
 def test_setup_survives_a_failed_rendezvous(two_cuda_ranks, monkeypatch):
-    def refuse(group, device, limits):
+    def refuse(group, device, limits, **kw):
         raise RuntimeError("CUDA driver error: invalid argument")
 
     monkeypatch.setattr(p2p.P2PAllReduce, "create", staticmethod(refuse))
@@ -155,3 +155,31 @@ def test_route_all_reduces_keeps_a_plans_logits(export_dir, module_tmp):
     assert worst["routed"] <= 1e-4, worst
     assert comm.taken > 0 and comm.taken % before == 0  # every layer's two all-reduces, every step
     assert paths.route_all_reduces(gm, comm) == 0  # nothing left to route
+
+
+def test_a_later_engine_in_the_process_rendezvouses_under_a_name_of_its_own(monkeypatch):
+    """torch keeps a group name's symmetric-memory info (rank, size, store) for the process's life, and every new
+    default group is named "0" again: the first P2P communicator of a process takes the default group's name, every
+    later one a fresh name (registered with the new group's store), never one already used here."""
+    monkeypatch.setattr(p2p, "_REGISTERED", set())
+    assert p2p.unused_group_name("0") == "0"
+    p2p._REGISTERED.add("0")
+    first = p2p.unused_group_name("0")
+    assert first != "0" and first.startswith("trtopt-p2p-")
+    p2p._REGISTERED.add(first)
+    second = p2p.unused_group_name("0")
+    assert second not in {"0", first}
+
+
+def test_setup_registers_a_name_of_its_own_with_the_store(two_cuda_ranks, monkeypatch):
+    seen = []
+
+    def create(group, device, limits, **kw):
+        seen.append((group, kw))
+        return FakeComm(world_size=2, agrees=True)
+
+    monkeypatch.setattr(p2p.P2PAllReduce, "create", staticmethod(create))
+    store = object()
+    paths.setup_all_reduce(CUDA0, local_world_size=2, mode="p2p", group_name="0", store=store)
+    paths.setup_all_reduce(CUDA0, local_world_size=2, mode="p2p", group_name="trtopt-p2p-1-0", store=store)
+    assert seen == [("0", {}), ("trtopt-p2p-1-0", {"store": store})]  # the default group's name needs no store

@@ -32,6 +32,7 @@ flags and clearing the peers' from a side stream; the tensor-parallel executor's
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -124,6 +125,26 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
+# Group names this process's symmetric memory holds group info for. torch keeps a name's rank, size and store from
+# its first rendezvous for the life of the process (set once, never cleared when the group is destroyed), and a
+# default group made after another was destroyed gets the same name ("0"): a second engine in one process would
+# rendezvous through the first one's store. On 4x H200 every P2P engine after the first in a test process failed,
+# and the same tests passed alone.
+_REGISTERED: set[str] = set()
+_fresh_names = itertools.count()
+
+
+def unused_group_name(default_name: str) -> str:
+    """The name this process's next P2P communicator should rendezvous under: the default group's while torch holds
+    no group info for it here (the first engine of the process), else a name of its own (``create`` with the
+    store). Rank 0 chooses; the other ranks read its choice (they are new processes, each engine's own)."""
+    if default_name not in _REGISTERED:
+        return default_name
+    while (name := f"trtopt-p2p-{os.getpid()}-{next(_fresh_names)}") in _REGISTERED:
+        pass
+    return name
+
+
 class P2PAllReduce:
     """One rank's symmetric buffer and the all-reduces over it. Made by ``create`` (a collective of the group) and
     owned by whoever made it (the tensor-parallel executor on each rank); ``close`` releases it."""
@@ -140,19 +161,30 @@ class P2PAllReduce:
         self._two_shot_op = next(op for op in TWO_SHOT_OPS if _has_op(op))
 
     @classmethod
-    def create(cls, group_name: str, device: torch.device, limits: P2PLimits) -> P2PAllReduce:
+    def create(cls, group_name: str, device: torch.device, limits: P2PLimits, *, store: object = None
+               ) -> P2PAllReduce:
         """Allocate this rank's buffer and map the peers' (a collective: every rank of the group calls it at the
         same point). NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST, unless the caller set it):
-        the machines this runs on disable NVLS, and the multimem ops are not used."""
+        the machines this runs on disable NVLS, and the multimem ops are not used.
+
+        ``group_name``: the default group's name, or (with ``store``, the group's store) a name of the caller's
+        that is registered here as a logical group of the default group's ranks (``unused_group_name``)."""
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import warnings
 
+        import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm
 
-        if _torch_version() < (2, 11) and hasattr(symm, "enable_symm_mem_for_group"):
+        if store is not None:
+            from torch._C._distributed_c10d import _SymmetricMemory
+
+            _SymmetricMemory.set_group_info(group_name, dist.get_rank(), dist.get_world_size(),
+                                            dist.PrefixStore(f"{group_name}/", store))
+        elif _torch_version() < (2, 11) and hasattr(symm, "enable_symm_mem_for_group"):
             with warnings.catch_warnings():  # needed before 2.11 (it gives rendezvous the group's store)
                 warnings.simplefilter("ignore", FutureWarning)
                 symm.enable_symm_mem_for_group(group_name)
+        _REGISTERED.add(group_name)
         buffer = symm.empty(limits.max_bytes, dtype=torch.uint8, device=device)
         buffer.zero_()
         handle = symm.rendezvous(buffer, group_name)

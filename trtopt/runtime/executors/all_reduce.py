@@ -49,10 +49,13 @@ def all_reduce_mode(value: str | None = None) -> Mode:
 
 
 def setup_all_reduce(device: torch.device, *, local_world_size: int, mode: str | None = None,
-                     limits: P2PLimits | None = None) -> P2PAllReduce | None:
+                     limits: P2PLimits | None = None, group_name: str | None = None,
+                     store: object = None) -> P2PAllReduce | None:
     """The fast path's communicator for this rank, or None (NCCL only). Call on every rank of the default group
     after it is joined and the rank's device is current. On CPU or for one rank it returns None at once, with no
-    collective (every rank has the same device type and group size). ``mode``: see the module docstring."""
+    collective (every rank has the same device type and group size). ``mode``: see the module docstring.
+    ``group_name``: the name every rank rendezvouses under (rank 0's ``p2p.unused_group_name``; default: the
+    default group's); one that is not the default group's is registered with the group's ``store``."""
     mode = all_reduce_mode(mode)
     if device.type != "cuda" or (size := dist.get_world_size()) == 1:
         return None
@@ -60,9 +63,11 @@ def setup_all_reduce(device: torch.device, *, local_world_size: int, mode: str |
               else p2p.unavailable_reason(device, world_size=size, local_world_size=local_world_size))
     comm = None
     if _every_rank(reason is None, device):
-        group = dist.group.WORLD.group_name
+        world = dist.group.WORLD.group_name
+        group = group_name or world
         try:
-            comm = P2PAllReduce.create(group, device, limits or p2p.default_limits(size))
+            own = {"store": store} if group != world else {}
+            comm = P2PAllReduce.create(group, device, limits or p2p.default_limits(size), **own)
             if not comm.agrees_with_sum():
                 reason = "its start-up sum came out wrong (a peer-to-peer path the driver reports but does not honour)"
         except Exception as e:  # a rendezvous the driver refuses (no IPC, no VMM): NCCL it is

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from trtopt.builder.plan import rank_dir, read_plan
 from trtopt.errors import ConfigError, WorkerDiedError
-from trtopt.plugins.all_reduce.p2p import P2PAllReduce
+from trtopt.plugins.all_reduce.p2p import P2PAllReduce, unused_group_name
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.config import NodeConfig
 from trtopt.runtime.executors.all_reduce import route_all_reduces, setup_all_reduce
@@ -59,6 +59,7 @@ from trtopt.runtime.executors.torch_executor import TorchExecutor
 
 log = logging.getLogger(__name__)
 
+P2P_GROUP_KEY = "trtopt/p2p_group"  # the store key of the name the P2P all-reduce rendezvouses under (rank 0's)
 DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a silent peer fails
 # How long the nodes of a multi-node group wait for each other at start-up (torchrun's default join timeout): people
 # start them by hand, and node 0 may come up minutes after the others.
@@ -239,7 +240,8 @@ def worker_main(plan_dir: str, device: str, cuda_graphs: bool, timeout_s: float,
     _init_group(rank, size, device, timeout_s, store)
     if str(device).startswith("cuda"):
         torch.cuda.set_device(local_rank)
-    fast_all_reduce = setup_all_reduce(torch.device(rank_device(device, local_rank)), local_world_size=local_size)
+    fast_all_reduce = setup_all_reduce(torch.device(rank_device(device, local_rank)), local_world_size=local_size,
+                                       group_name=store.get(P2P_GROUP_KEY).decode(), store=store)
     if fast_all_reduce is not None:
         _exit_with_parent(parent, rank)
     path = rank_dir(plan_dir, rank)
@@ -420,7 +422,10 @@ class TensorParallelExecutor(Executor):
             path = rank_dir(plan_dir, 0)
             if str(device).startswith("cuda"):
                 torch.cuda.set_device(0)
-            self._all_reduce = setup_all_reduce(torch.device(rank_device(device, 0)), local_world_size=local_size)
+            p2p_group = unused_group_name(dist.group.WORLD.group_name)
+            store.set(P2P_GROUP_KEY, p2p_group)  # every rank rendezvouses its P2P buffers under rank 0's choice
+            self._all_reduce = setup_all_reduce(torch.device(rank_device(device, 0)), local_world_size=local_size,
+                                                group_name=p2p_group, store=store)
             self.plan = read_plan(path)
             self._local = TorchExecutor(path, self.plan, device=rank_device(device, 0), cuda_graphs=cuda_graphs)
             if self._all_reduce is not None:
