@@ -138,10 +138,9 @@ def unused_group_name(default_name: str) -> str:
     """The name this process's next P2P communicator should rendezvous under: the default group's while torch holds
     no group info for it here (the first engine of the process), else a name of its own (``create`` with the
     store). Rank 0 chooses; the other ranks read its choice (they are new processes, each engine's own)."""
-    if default_name not in _REGISTERED:
-        return default_name
-    while (name := f"trtopt-p2p-{os.getpid()}-{next(_fresh_names)}") in _REGISTERED:
-        pass
+    name = default_name
+    while name in _REGISTERED:
+        name = f"trtopt-p2p-{os.getpid()}-{next(_fresh_names)}"
     return name
 
 
