@@ -157,18 +157,11 @@ def test_route_all_reduces_keeps_a_plans_logits(export_dir, module_tmp):
     assert paths.route_all_reduces(gm, comm) == 0  # nothing left to route
 
 
-def test_a_later_engine_in_the_process_rendezvouses_under_a_name_of_its_own(monkeypatch):
+def test_every_engine_rendezvouses_under_a_name_of_its_own():
     """torch keeps a group name's symmetric-memory info (rank, size, store) for the process's life, and every new
-    default group is named "0" again: the first P2P communicator of a process takes the default group's name, every
-    later one a fresh name (registered with the new group's store), never one already used here."""
-    monkeypatch.setattr(p2p, "_REGISTERED", set())
-    assert p2p.unused_group_name("0") == "0"
-    p2p._REGISTERED.add("0")
-    first = p2p.unused_group_name("0")
-    assert first != "0" and first.startswith("trtopt-p2p-")
-    p2p._REGISTERED.add(first)
-    second = p2p.unused_group_name("0")
-    assert second not in {"0", first}
+    default group is named "0" again: each engine's P2P communicator takes a fresh name, never the default group's."""
+    names = {p2p.engine_group_name() for _ in range(100)}
+    assert len(names) == 100 and all(n.startswith("trtopt-p2p-") and n != "0" for n in names)
 
 
 def test_setup_registers_a_name_of_its_own_with_the_store(two_cuda_ranks, monkeypatch):

@@ -32,11 +32,11 @@ flags and clearing the peers' from a side stream; the tensor-parallel executor's
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import threading
 import time
+import uuid
 from typing import Callable, Literal
 
 import torch
@@ -125,23 +125,13 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
-# Group names this process's symmetric memory holds group info for. torch keeps a name's rank, size and store from
-# its first rendezvous for the life of the process (set once, never cleared when the group is destroyed), and a
-# default group made after another was destroyed gets the same name ("0"): a second engine in one process would
-# rendezvous through the first one's store. On 4x H200 every P2P engine after the first in a test process failed,
-# and the same tests passed alone.
-_REGISTERED: set[str] = set()
-_fresh_names = itertools.count()
-
-
-def unused_group_name(default_name: str) -> str:
-    """The name this process's next P2P communicator should rendezvous under: the default group's while torch holds
-    no group info for it here (the first engine of the process), else a name of its own (``create`` with the
-    store). Rank 0 chooses; the other ranks read its choice (they are new processes, each engine's own)."""
-    name = default_name
-    while name in _REGISTERED:
-        name = f"trtopt-p2p-{os.getpid()}-{next(_fresh_names)}"
-    return name
+def engine_group_name() -> str:
+    """A name of its own for one engine's P2P communicator, chosen by rank 0 (the other ranks read it from the
+    group's store). Not the default group's: torch keeps a group name's symmetric-memory info (rank, size, store)
+    from its first rendezvous for the life of the process, and every new default group is named "0" again, so a
+    second engine in one process would rendezvous through the first one's store (on 4x H200 every P2P engine after
+    the first in a test process failed; the same tests passed alone)."""
+    return f"trtopt-p2p-{uuid.uuid4().hex}"
 
 
 class P2PAllReduce:
@@ -167,7 +157,7 @@ class P2PAllReduce:
         the machines this runs on disable NVLS, and the multimem ops are not used.
 
         ``group_name``: the default group's name, or (with ``store``, the group's store) a name of the caller's
-        that is registered here as a logical group of the default group's ranks (``unused_group_name``)."""
+        that is registered here as a logical group of the default group's ranks (``engine_group_name``)."""
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import warnings
 
@@ -183,7 +173,6 @@ class P2PAllReduce:
             with warnings.catch_warnings():  # needed before 2.11 (it gives rendezvous the group's store)
                 warnings.simplefilter("ignore", FutureWarning)
                 symm.enable_symm_mem_for_group(group_name)
-        _REGISTERED.add(group_name)
         buffer = symm.empty(limits.max_bytes, dtype=torch.uint8, device=device)
         buffer.zero_()
         handle = symm.rendezvous(buffer, group_name)

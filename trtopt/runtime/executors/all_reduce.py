@@ -54,7 +54,7 @@ def setup_all_reduce(device: torch.device, *, local_world_size: int, mode: str |
     """The fast path's communicator for this rank, or None (NCCL only). Call on every rank of the default group
     after it is joined and the rank's device is current. On CPU or for one rank it returns None at once, with no
     collective (every rank has the same device type and group size). ``mode``: see the module docstring.
-    ``group_name``: the name every rank rendezvouses under (rank 0's ``p2p.unused_group_name``; default: the
+    ``group_name``: the name every rank rendezvouses under (rank 0's ``p2p.engine_group_name``; default: the
     default group's); one that is not the default group's is registered with the group's ``store``."""
     mode = all_reduce_mode(mode)
     if device.type != "cuda" or (size := dist.get_world_size()) == 1:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from trtopt.builder.plan import rank_dir, read_plan
 from trtopt.errors import ConfigError, WorkerDiedError
-from trtopt.plugins.all_reduce.p2p import P2PAllReduce, unused_group_name
+from trtopt.plugins.all_reduce.p2p import P2PAllReduce, engine_group_name
 from trtopt.runtime.batch import StepInputs
 from trtopt.runtime.config import NodeConfig
 from trtopt.runtime.executors.all_reduce import route_all_reduces, setup_all_reduce
@@ -422,7 +422,7 @@ class TensorParallelExecutor(Executor):
             path = rank_dir(plan_dir, 0)
             if str(device).startswith("cuda"):
                 torch.cuda.set_device(0)
-            p2p_group = unused_group_name(dist.group.WORLD.group_name)
+            p2p_group = engine_group_name()
             store.set(P2P_GROUP_KEY, p2p_group)  # every rank rendezvouses its P2P buffers under rank 0's choice
             self._all_reduce = setup_all_reduce(torch.device(rank_device(device, 0)), local_world_size=local_size,
                                                 group_name=p2p_group, store=store)
