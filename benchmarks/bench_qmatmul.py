@@ -56,8 +56,8 @@ L2_MULTIPLE = 2
 MAX_REL_ERR = 2e-2
 INT4_GEMV_M = [1, 2]
 # (BLOCK_N, K values per tile, num_warps) the half2 GEMV is also timed at (kernel_half2.default_config_half2 is
-# (8, 2048, 2)): more columns a program (x packed for 16), 4 warps, and 4 columns (twice the programs).
-INT4_CONFIGS = [(16, 2048, 2), (8, 4096, 4), (4, 2048, 2)]
+# (8, 1024, 2) at one row): the first default, 4 warps, and 4 columns at one warp (probe_qgemv.py's sweep's next best).
+INT4_CONFIGS = [(8, 2048, 2), (8, 4096, 4), (4, 1024, 1)]
 SMOKE_INT4_CONFIGS = [(4, 64, 2)]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trtopt.plugins.qmatmul.kernel import MAX_ROWS, default_config, qgemv, qmatmul_packed, qmatmul_triton
+from trtopt.plugins.qmatmul.kernel_half2 import default_config_half2
 from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import dequantize_weight, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC
@@ -164,10 +165,22 @@ def test_launch_refusals():
 
 
 def test_default_config_reads_whole_tiles():
-    assert default_config(1, 3072, 2048) == (4, 2048, 4)
-    assert default_config(1, 4096, 14336, 128) == (4, 2048, 4)  # 14336 = 7 · 2048: no masked tile
+    # FP8 at one row: a column a program, tiles of at most 2048 that divide K where one can
+    assert default_config(1, 3072, 2048) == (1, 2048, 2)
+    assert default_config(1, 4096, 14336) == (1, 2048, 2)  # 14336 = 7 · 2048: no masked tile
+    assert default_config(1, 4096, 576) == (1, 1024, 2)  # SmolLM2's hidden: one masked tile
+    # two rows (and kernel.py's fp32 INT4 GEMV): TILE_VALUES a tile
+    assert default_config(2, 3072, 2048) == (4, 2048, 4)
+    assert default_config(1, 4096, 14336, 128) == (4, 2048, 4)
     assert default_config(1, 2048, 8192, 128) == (2, 4096, 4)
     assert default_config(1, 24, 96, 32) == (8, 128, 4)
+
+
+def test_default_config_half2():
+    assert default_config_half2(1, 6144, 4096, 128) == (8, 1024, 2)
+    assert default_config_half2(1, 24, 96, 32) == (8, 128, 2)  # K below the tile: one covering tile
+    assert default_config_half2(1, 24, 96, 256) == (8, 256, 2)  # at least one group
+    assert default_config_half2(2, 6144, 4096, 128) == (8, 4096, 4)
 
 
 # A decode step's real shapes (the 1.24B plan's O and down projections, the 8B's Q/K/V) at bf16, on CUDA.

@@ -172,12 +172,23 @@ def _tile_k(k: int) -> int:
     return tile if k % tile == 0 else min(next_pow2(k), MAX_TILE_K)
 
 
+FP8_ONE_ROW_TILE_K = 2048  # K values a tile of the one-row FP8 GEMV, at most (`default_config`)
+
+
 def default_config(rows: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, K values per tile, num_warps) for x [rows, k] against an [n, k] quantized weight (group 0: FP8).
-    A tile of TILE_VALUES values (K tiles as `_tile_k`, then as many columns as fit, at most 8), 4 warps: the
-    bf16 GEMV's product tile (gemv_triton.default_config), so the registers held are the same while the bytes
-    read per tile are a half (FP8) or a quarter (INT4) of its. Not tuned on a GPU yet: benchmarks/quant_e2e.py
-    sweeps alternatives and records them."""
+
+    FP8 at one row: one column a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K values (`_tile_k`'s
+    whole tiles where K allows). benchmarks/probe_qgemv.py --sweep timed 34 configs on Llama-8B's four projections
+    on an H200 (docs/benchmarks/probe_qgemv_sweep_h200.json): this one was best summed over the four (70.9 µs a
+    layer against 82.1 for the tile rule below, which `ncu` showed at 180 registers a thread and 12.5% occupancy on
+    the down projection's K = 14336), and within 8% of each projection's best.
+    Otherwise a tile of TILE_VALUES values (K tiles as `_tile_k`, then as many columns as fit, at most 8), 4 warps:
+    the bf16 GEMV's product tile (gemv_triton.default_config), so the registers held are the same while the bytes
+    read per tile are a half (FP8) or a quarter (INT4) of its (untuned for two rows and for kernel.py's fp32 INT4
+    GEMV, which the half2 one replaces for bf16/fp16 x)."""
+    if rows == 1 and group == 0:
+        return 1, min(_tile_k(k), FP8_ONE_ROW_TILE_K), 2
     tile_k = max(_tile_k(k), group)
     block_n = max(1, min(8, TILE_VALUES // tile_k))
     return block_n, tile_k, 4

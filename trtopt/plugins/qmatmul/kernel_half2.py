@@ -265,15 +265,21 @@ def x_chunk(k: int) -> int:
     return min(X_CHUNK_VALUES, triton.next_power_of_2(k))
 
 
+ONE_ROW_TILE_K = 1024  # K values a tile of the one-row half2 GEMV (whole groups: at least one group)
+
+
 def default_config_half2(rows: int, n: int, k: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, K values per tile, num_warps) for the half2 GEMV: 8 columns a program, held by each thread (x is
-    read and packed once for all eight), 2 warps, K tiles of 1024 · num_warps values (whole groups; the last one
-    masked when it does not divide K): at that size the compiler gives x's tile the weight tile's register layout,
-    with no shared-memory shuffle of x between them (sm_90a SASS: ~3 instructions a weight value at one row, 3.5
-    with the program's fixed costs at K = 4096; kernel.py's fp32 GEMV ~7.6). Two rows take 4 warps and tiles of
+    read and packed once for all eight); the last K tile is masked when it does not divide K.
+
+    One row: 2 warps, tiles of ONE_ROW_TILE_K values. The first default (tiles of 2048) held 255 registers a thread
+    (`ncu` on an H200: 12.5% theoretical occupancy, DRAM 21-31% busy on Llama-8B's gate/up and down projections);
+    benchmarks/probe_qgemv.py --sweep timed 37 configs on the four projections (docs/benchmarks/
+    probe_qgemv_sweep_h200.json) and this one took them from 86.4 µs a layer to 74.0 (within 5% of the best sum,
+    73.2, at 8 warps, which was 10% slower on Q/K/V). Two rows take 4 warps and tiles of
     4096: on an H200 (docs/benchmarks/qmatmul_int4_gemv_h200.json, Llama-8B's projections) that config beat the
-    2-warp one at M = 2 on every projection but O (1.04-1.18x of bf16 against 0.64-1.03x), while at M = 1 the 2-warp
-    one was best or within 12%. benchmarks/bench_qmatmul.py --int4-configs times alternatives."""
-    warps = 4 if rows >= 2 else 2
-    tile_k = max(group, min(1024 * warps, triton.next_power_of_2(k)))
-    return 8, tile_k, warps
+    2-warp one at M = 2 on every projection but O (1.04-1.18x of bf16 against 0.64-1.03x). benchmarks/
+    bench_qmatmul.py --int4-configs times alternatives."""
+    if rows == 1:
+        return 8, max(group, min(ONE_ROW_TILE_K, triton.next_power_of_2(k))), 2
+    return 8, max(group, min(4096, triton.next_power_of_2(k))), 4
