@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from test_qmatmul_kernel import _act_scale, _weight, _x
-from trtopt.plugins.qmatmul.gemm import (GemmConfig, fp8_scaled_mm, gemm_config, gemm_supported, int4_block_k, qgemm,
-                                         quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.gemm import (GemmConfig, fake_quantize_fp8_rows, fp8_scaled_mm, gemm_config, gemm_supported,
+                                         int4_block_k, qgemm, quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, qmatmul_packed, qmatmul_triton
 from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -100,6 +100,34 @@ def test_quantize_fp8_rows_gives_the_reference_codes():
         codes, row_scale = quantize_fp8_rows(x, s)
         assert codes.dtype == torch.float8_e4m3fn and row_scale.shape == (6, 1) and row_scale.is_contiguous()
         torch.testing.assert_close(codes.float() * row_scale, fake_quantize_fp8(x, s), atol=0, rtol=0)
+
+
+def _every_fp8_boundary() -> torch.Tensor:
+    """[1, n] fp32: every finite E4M3 value, every midpoint between neighbours (the ties) and a hair either side,
+    ±0, values past the saturation bound, and a few far below the smallest subnormal."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    v = codes[codes.isfinite()].sort().values
+    mids = (v[1:] + v[:-1]) / 2
+    extra = torch.tensor([-0.0, 0.0, 448.5, 464.0, -1000.0, float("inf"), -float("inf"), 1e-12, -3e-3, 2.0 ** -10])
+    return torch.cat([v, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), extra]).reshape(1, -1)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.1])
+def test_activation_quantize_kernel_is_onnx_quantize_linear_bit_for_bit(scale, kernel_device):
+    """`quantize_fp8_rows` / `fake_quantize_fp8_rows` (one Triton launch) give torch's codes and Q/DQ values exactly,
+    sign of zero included, at every rounding boundary of E4M3 (ties to even) and past saturation, for a static
+    scale and one per row."""
+    x = _every_fp8_boundary() * scale
+    x = torch.cat([x, -x]).to(kernel_device)  # two rows
+    for s in (torch.tensor(scale), torch.tensor([[scale], [scale * 0.5]])):
+        s = s.to(kernel_device)
+        want = fake_quantize_fp8(x, s.reshape(-1, 1) if s.dim() else s)
+        got = fake_quantize_fp8_rows(x, s)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+        codes, row_scale = quantize_fp8_rows(x, s)
+        want_codes = (x / (s.reshape(-1, 1) if s.dim() else s)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+        assert torch.equal(row_scale, s.float().reshape(-1, 1).expand(2, 1))
 
 
 @pytest.mark.parametrize("act", [ACT_STATIC, ACT_DYNAMIC])

@@ -32,7 +32,7 @@ The dequantized values are the reference's ((q − z) · s in fp32, reference.py
 applied to each group's (FP8: column's) sum instead of to each value, which reorders the rounding only (the result
 equals `qmatmul_ref` to fp32 rounding, tests/plugins/test_qmatmul_kernel.py). The output is rounded to x's dtype, as
 the reference rounds it. The activation's FP8 Q/DQ (static or dynamic) is elementwise on the small x and runs first,
-in torch (reference.py `fake_quantize_fp8`).
+in one Triton launch (gemm.py `fake_quantize_fp8_rows`: reference.py `fake_quantize_fp8`'s values).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
-from trtopt.plugins.qmatmul.gemm import (SCALED_MM_MIN_ROWS, fp8_scaled_mm, gemm_supported, qgemm,
-                                         quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.gemm import (SCALED_MM_MIN_ROWS, fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported,
+                                         qgemm, quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -271,11 +271,13 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
             else:
                 y = qgemm(codes, w, row_scale=row_scale.reshape(rows), out_dtype=x.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
-    if act_mode != ACT_NONE:  # the activation's Q/DQ, elementwise in fp32 (then rounded back: see below)
-        xf = fake_quantize_fp8(xf.float(), act_scale.float().reshape(-1, 1) if act_scale.dim() else
-                               act_scale.float())
-    if not 0 < rows <= MAX_ROWS:
+    if not 0 < rows <= MAX_ROWS:  # no kernel takes it: the reference's math
+        if act_mode != ACT_NONE:
+            xf = fake_quantize_fp8(xf.float(), act_scale.float().reshape(-1, 1) if act_scale.dim() else
+                                   act_scale.float())
         return (xf.float() @ dequantize_packed(w)).to(x.dtype).reshape(*x.shape[:-1], w.n)
+    if act_mode != ACT_NONE:  # the activation's Q/DQ in fp32, one launch (gemm.py)
+        xf = fake_quantize_fp8_rows(xf if xf.stride(-1) == 1 else xf.contiguous(), act_scale)
     # A Q/DQ'd activation stays fp32 (the reference multiplies it in fp32); a plain one is read in its own dtype.
     xk = xf if xf.stride(-1) == 1 else xf.contiguous()
     y = qgemv(xk, w, config)
