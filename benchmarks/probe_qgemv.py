@@ -226,7 +226,32 @@ def sweep_configs(fmt: str, k: int, smoke: bool) -> list[tuple[int, int, int]]:
     return out
 
 
-def variants(k, smoke, sweep=False):
+def gemm_configs(fmt: str, smoke: bool):
+    """gemm.GemmConfigs for a few-row GEMM: 16-row tiles, 16-64 columns, 2 or 4 warps, 4 or 6 stages (FP8 also
+    K blocks of 256; INT4's K block is its group's)."""
+    from trtopt.plugins.qmatmul.gemm import GemmConfig
+
+    if smoke:
+        return [GemmConfig(16, 16, 32 if fmt == "int4" else 64, 2, 2)]
+    return [GemmConfig(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in ((128, 256) if fmt == "fp8" else (128,))
+            for w in (2, 4) for st in (4, 6)]
+
+
+def variants(k, smoke, sweep=False, gemm_rows=0):
+    if gemm_rows:
+        from trtopt.plugins.qmatmul.gemm import gemm_config, qgemm
+        from trtopt.runtime.executors.gemv import projection
+
+        v = {"bf16": ("bf16", lambda x, w: projection(x, w))}
+        for fmt in ("fp8", "int4"):
+            group = 0 if fmt == "fp8" else (32 if smoke else 128)
+            default = gemm_config(gemm_rows, group, torch.bfloat16)
+            for cfg in [None] + gemm_configs(fmt, smoke):
+                if cfg == default:
+                    continue
+                name = "default" if cfg is None else f"{cfg.block_n}_{cfg.block_k}_{cfg.num_warps}_{cfg.num_stages}"
+                v[f"{fmt}_gemm_{name}"] = (fmt, lambda x, w, cfg=cfg: qgemm(x, w, config=cfg))
+        return v
     if sweep:
         from trtopt.plugins.qmatmul.kernel import qgemv
 
@@ -264,6 +289,8 @@ def main():
     ap.add_argument("--only", nargs="*", default=None, help="variant names to run")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time kernel.py's qgemv at the SWEEP configs instead")
+    ap.add_argument("--gemm-sweep", type=int, default=0, metavar="M",
+                    help="time gemm.py's qgemm (FP8 and INT4 weight-only) at M rows over GEMM_CONFIGS instead")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     gen = torch.Generator(device).manual_seed(0)
@@ -276,12 +303,13 @@ def main():
         from trtopt.plugins.qmatmul.packing import dequantize_packed
 
         want = {"bf16": None, "fp8": dequantize_packed(ws["fp8"]), "int4": dequantize_packed(ws["int4"])}
-        x = torch.randn(1, k, device=device, generator=gen).to(torch.bfloat16)
+        rows_x = args.gemm_sweep or 1
+        x = torch.randn(rows_x, k, device=device, generator=gen).to(torch.bfloat16)
         copies = {f: [w] + [w.clone() if f == "bf16" else clone_packed(w) for _ in range(
             copies_for(w.numel() * 2 if f == "bf16" else w.nbytes, device) - 1)] for f, w in ws.items()}
         nbytes = {f: (w.numel() * 2 if f == "bf16" else w.nbytes) for f, w in ws.items()}
         row = {}
-        for vname, (fmt, fn) in variants(k, args.smoke, args.sweep).items():
+        for vname, (fmt, fn) in variants(k, args.smoke, args.sweep, args.gemm_sweep).items():
             if args.only and vname not in args.only:
                 continue
             try:
@@ -307,7 +335,7 @@ def main():
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         args.out.write_text(json.dumps({"benchmark": "probe_qgemv", "machine": {"gpu": gpu,
                                         "torch": torch.__version__, "triton": triton.__version__},
-                                        "M": 1, "int4_group": group, "shapes": rows,
+                                        "M": args.gemm_sweep or 1, "int4_group": group, "shapes": rows,
                                         "wall_s": round(time.time() - t_start, 1)}, indent=1))
 
 
