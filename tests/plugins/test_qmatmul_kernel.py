@@ -162,6 +162,12 @@ def test_launch_refusals():
         qgemv(torch.zeros(MAX_ROWS + 1, 64), packed)
     with pytest.raises(ValueError, match="multiple of the group"):
         qgemv(torch.zeros(1, 64), packed, (1, 16, 1))
+    codes = torch.zeros(1, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="FP8 codes only"):  # an INT4 weight, and FP8 codes without a row scale
+        qgemv(codes, packed, row_scale=torch.ones(1), out_dtype=torch.float32)
+    fp8 = pack_weight(*_weight("fp8", 64, 8, 0, gen)[:3], block_size=0)
+    with pytest.raises(ValueError, match="FP8 codes only"):
+        qgemv(codes, fp8)
 
 
 def test_default_config_reads_whole_tiles():

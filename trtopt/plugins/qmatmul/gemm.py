@@ -139,13 +139,16 @@ def gemm_config(rows: int, group: int, dtype: torch.dtype) -> GemmConfig:
     tiles and narrow column tiles, so that the grid still covers the SMs while the weight is streamed about once;
     prefill: the Triton tutorial's 128 × 128 Hopper tile for FP8. INT4 tiles are half as wide from 65 rows on: its
     unpacked [BLOCK_K, BLOCK_N] block and the per-group partial product live in registers beside the accumulator.
-    fp32 x (the "ieee" dot) halves the stages for shared memory. Not tuned on a GPU yet: benchmarks/bench_qmatmul.py
-    times it."""
+    fp32 x (the "ieee" dot) halves the stages for shared memory. Only the FP8 few-row tile was tuned on a GPU (below);
+    benchmarks/bench_qmatmul.py times every M against cuBLAS."""
     int4 = group != 0
     block_k = int4_block_k(group) if int4 else 128
     assert block_k is not None, f"no INT4 GEMM for group {group}"
     if rows <= 16:
-        cfg = GemmConfig(16, 32, block_k, 4, 4)
+        # FP8: K blocks of 256 and 6 stages, from benchmarks/probe_qgemv.py --gemm-sweep 4 on an H200 (docs/
+        # benchmarks/probe_gemm_sweep_m4_h200.json): Llama-8B's four projections at 4 rows took 123 µs a layer
+        # against 148 for the K block of 128 at 4 stages (bf16 cuBLAS 118); INT4's best was within 2% of this.
+        cfg = GemmConfig(16, 32, block_k, 4, 4) if int4 else GemmConfig(16, 32, 256, 4, 6)
     elif rows <= 64:
         cfg = GemmConfig(32 if rows <= 32 else 64, 64, block_k, 4, 4)
     elif rows <= 256:

@@ -71,12 +71,15 @@ INT4_GEMV_VARIANTS = ("fp32", "half2")
 
 
 @triton.jit
-def _qgemv_fp8(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _qgemv_fp8(X, W, S, XS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
+               BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, X_FP8: tl.constexpr,
+               OUT_DTYPE: tl.constexpr):
     """Program p: columns (p // CHUNKS)·BLOCK_N.., rows (p % CHUNKS)·ROWS.. of x. Columns past N are clamped to
     N − 1 (read, never stored), so the weight loads need no column mask. One row: products accumulate in a
-    tile-shaped fp32 accumulator, reduced once after the last tile (one FMA a value, no per-tile shuffles)."""
+    tile-shaped fp32 accumulator, reduced once after the last tile (one FMA a value, no per-tile shuffles).
+    X_FP8: x holds an FP8-quantized activation's codes (uint8) and XS [M] fp32 its row scales, applied with the
+    column scale (code · weight products are exact in fp32: 4 + 4 significant bits)."""
     pid = tl.program_id(0)
     row0 = (pid % CHUNKS) * ROWS
     offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,8 +99,10 @@ def _qgemv_fp8(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym,
         w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         for r in tl.static_range(ROWS):
             k_end = tl.where(row0 + r < M, K, 0)  # a row past M reads nothing
-            x = tl.load(X + (row0 + r) * stride_xm + offs_k[None, :], mask=offs_k[None, :] < k_end,
-                        other=0.0).to(tl.float32)
+            x = tl.load(X + (row0 + r) * stride_xm + offs_k[None, :], mask=offs_k[None, :] < k_end, other=0)
+            if X_FP8:
+                x = x.to(tl.float8e4nv, bitcast=True)
+            x = x.to(tl.float32)
             if ROWS == 1:
                 acc_tile += w * x
             else:
@@ -109,6 +114,8 @@ def _qgemv_fp8(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     # Only this program's ROWS rows: the padding rows ROWS..ROWS_PAD hold zeros and are the next chunk's rows
     # (m = 12: rows 6, 7), which a racing store would overwrite on a GPU.
     row_ok = (offs_r < ROWS) & (rows < M)
+    if X_FP8:
+        acc = acc * tl.load(XS + rows, mask=row_ok, other=0.0)[:, None]
     out = Y + rows[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, (acc * scale[None, :]).to(OUT_DTYPE), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -201,14 +208,20 @@ def _chunks(rows: int) -> tuple[int, int]:
 
 
 def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None = None, *,
-          variant: str | None = None) -> torch.Tensor:
+          variant: str | None = None, row_scale: torch.Tensor | None = None,
+          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS, K contiguous, a float dtype) times the packed weight → a new [M, N] in x's
     dtype. config: (BLOCK_N, K values per tile, num_warps), the variant's default config by default. variant (INT4/
     UINT4 only): "fp32" or "half2" (INT4_GEMV_VARIANTS), INT4_GEMV_VARIANT when None; "half2" takes bf16/fp16 x,
-    fp32 x runs "fp32" (half2 would round it to fp16)."""
+    fp32 x runs "fp32" (half2 would round it to fp16). FP8 weights also take x as an FP8 activation's codes
+    (float8_e4m3fn) with row_scale [M] or [M, 1] fp32 and a float out_dtype: one byte of x a value, where the
+    Q/DQ'd activation in fp32 is four (the one-row config reads all of x once per output column)."""
     if x.dim() != 2 or x.shape[1] != w.k or not 0 < x.shape[0] <= MAX_ROWS:
         raise ValueError(f"qgemv needs x [M <= {MAX_ROWS}, {w.k}]; got {tuple(x.shape)}")
-    if x.dtype not in TL_DTYPES or x.stride(1) != 1 or x.device != w.data.device:
+    codes = x.dtype == torch.float8_e4m3fn
+    if codes != (row_scale is not None) or (codes and (not w.fp8 or out_dtype not in TL_DTYPES)):
+        raise ValueError("qgemv takes FP8 codes only for an FP8 weight, with a row_scale and a float out_dtype")
+    if (x.dtype not in TL_DTYPES and not codes) or x.stride(1) != 1 or x.device != w.data.device:
         raise ValueError(f"qgemv needs x of a float dtype with K contiguous on the weight's device; got {x.dtype} "
                          f"{x.stride()} on {x.device}")
     variant = variant or INT4_GEMV_VARIANT
@@ -216,18 +229,22 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
         raise ValueError(f"qgemv's variant is one of {INT4_GEMV_VARIANTS}; got {variant!r}")
     half2 = variant == "half2" and not w.fp8 and x.dtype in (torch.float16, torch.bfloat16)
     m = x.shape[0]
-    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(m, w.n, dtype=out_dtype, device=x.device)
     if w.n == 0:
         return y
     block_n, tile_k, warps = config or (default_config_half2 if half2 else default_config)(m, w.n, w.k, w.group)
     chunks, rows = _chunks(m)
     grid = (-(-w.n // block_n) * chunks,)
-    common = dict(ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n, OUT_DTYPE=TL_DTYPES[x.dtype],
+    common = dict(ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n, OUT_DTYPE=TL_DTYPES[out_dtype],
                   num_warps=warps)
     if w.fp8:
         tiles = -(-w.k // tile_k)
-        launcher.launch(_qgemv_fp8, grid, x, w.data, w.scale, y, m, w.n, w.k, x.stride(0), w.data.stride(0),
-                        y.stride(0), BLOCK_K=tile_k, K_TILES=tiles, EVEN_K=tiles * tile_k == w.k, **common)
+        xs = row_scale.reshape(m) if codes else w.scale  # not read without X_FP8
+        assert xs.dtype == torch.float32 and xs.is_contiguous(), (xs.dtype, xs.stride())
+        launcher.launch(_qgemv_fp8, grid, x.view(torch.uint8) if codes else x, w.data, w.scale, xs, y, m, w.n, w.k,
+                        x.stride(0), w.data.stride(0), y.stride(0), BLOCK_K=tile_k, K_TILES=tiles,
+                        EVEN_K=tiles * tile_k == w.k, X_FP8=codes, **common)
         return y
     if tile_k % w.group or tile_k & (tile_k - 1):
         raise ValueError(f"qgemv's K tile must be a power of two and a multiple of the group {w.group}; got {tile_k}")
@@ -276,11 +293,12 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
             xf = fake_quantize_fp8(xf.float(), act_scale.float().reshape(-1, 1) if act_scale.dim() else
                                    act_scale.float())
         return (xf.float() @ dequantize_packed(w)).to(x.dtype).reshape(*x.shape[:-1], w.n)
-    if act_mode != ACT_NONE:  # the activation's Q/DQ in fp32, one launch (gemm.py)
-        xf = fake_quantize_fp8_rows(xf if xf.stride(-1) == 1 else xf.contiguous(), act_scale)
-    # A Q/DQ'd activation stays fp32 (the reference multiplies it in fp32); a plain one is read in its own dtype.
     xk = xf if xf.stride(-1) == 1 else xf.contiguous()
-    y = qgemv(xk, w, config)
+    if act_mode != ACT_NONE and w.fp8:  # the activation's codes and row scale (one launch, gemm.py), into the GEMV
+        codes, row_scale = quantize_fp8_rows(xk, act_scale)
+        y = qgemv(codes, w, config, row_scale=row_scale, out_dtype=x.dtype)
+    else:  # a Q/DQ'd activation before an INT4 weight stays fp32 (the reference multiplies it in fp32)
+        y = qgemv(fake_quantize_fp8_rows(xk, act_scale) if act_mode != ACT_NONE else xk, w, config)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
 
 
