@@ -175,6 +175,8 @@ def test_default_config_reads_whole_tiles():
     assert default_config(1, 3072, 2048) == (1, 2048, 2)
     assert default_config(1, 4096, 14336) == (1, 2048, 2)  # 14336 = 7 · 2048: no masked tile
     assert default_config(1, 4096, 576) == (1, 1024, 2)  # SmolLM2's hidden: one masked tile
+    assert default_config(1, 4096, 576, 0, 1) == (1, 1024, 2)  # FP8 codes (W8A8)
+    assert default_config(1, 3072, 2048, 0, 4) == (4, 2048, 4)  # fp32 x: TILE_VALUES a tile
     # two rows (and kernel.py's fp32 INT4 GEMV): TILE_VALUES a tile
     assert default_config(2, 3072, 2048) == (4, 2048, 4)
     assert default_config(1, 4096, 14336, 128) == (4, 2048, 4)

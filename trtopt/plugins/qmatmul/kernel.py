@@ -182,10 +182,11 @@ def _tile_k(k: int) -> int:
 FP8_ONE_ROW_TILE_K = 2048  # K values a tile of the one-row FP8 GEMV, at most (`default_config`)
 
 
-def default_config(rows: int, n: int, k: int, group: int = 0) -> tuple[int, int, int]:
-    """(BLOCK_N, K values per tile, num_warps) for x [rows, k] against an [n, k] quantized weight (group 0: FP8).
+def default_config(rows: int, n: int, k: int, group: int = 0, x_bytes: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, K values per tile, num_warps) for x [rows, k] (x_bytes a value) against an [n, k] quantized weight
+    (group 0: FP8).
 
-    FP8 at one row: one column a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K values (`_tile_k`'s
+    FP8 at one row of 16-bit x or FP8 codes: one column a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K values (`_tile_k`'s
     whole tiles where K allows). benchmarks/probe_qgemv.py --sweep timed 34 configs on Llama-8B's four projections
     on an H200 (docs/benchmarks/probe_qgemv_sweep_h200.json): this one was best summed over the four (70.9 µs a
     layer against 82.1 for the tile rule below, which `ncu` showed at 180 registers a thread and 12.5% occupancy on
@@ -193,8 +194,10 @@ def default_config(rows: int, n: int, k: int, group: int = 0) -> tuple[int, int,
     Otherwise a tile of TILE_VALUES values (K tiles as `_tile_k`, then as many columns as fit, at most 8), 4 warps:
     the bf16 GEMV's product tile (gemv_triton.default_config), so the registers held are the same while the bytes
     read per tile are a half (FP8) or a quarter (INT4) of its (untuned for two rows and for kernel.py's fp32 INT4
-    GEMV, which the half2 one replaces for bf16/fp16 x)."""
-    if rows == 1 and group == 0:
+    GEMV, which the half2 one replaces for bf16/fp16 x). fp32 x keeps that rule at one row too: one column a program
+    reads all of x per column, four bytes a value against the weight's one (W8A8's Q/DQ'd fp32 x took gate/up from
+    50 to 79 µs that way on an H200, docs/benchmarks/qmatmul_nvidia_h200.json's notes)."""
+    if rows == 1 and group == 0 and x_bytes <= 2:
         return 1, min(_tile_k(k), FP8_ONE_ROW_TILE_K), 2
     tile_k = max(_tile_k(k), group)
     block_n = max(1, min(8, TILE_VALUES // tile_k))
@@ -233,7 +236,10 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
     y = torch.empty(m, w.n, dtype=out_dtype, device=x.device)
     if w.n == 0:
         return y
-    block_n, tile_k, warps = config or (default_config_half2 if half2 else default_config)(m, w.n, w.k, w.group)
+    if config is None:
+        config = (default_config_half2(m, w.n, w.k, w.group) if half2 else
+                  default_config(m, w.n, w.k, w.group, x.element_size()))
+    block_n, tile_k, warps = config
     chunks, rows = _chunks(m)
     grid = (-(-w.n // block_n) * chunks,)
     common = dict(ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n, OUT_DTYPE=TL_DTYPES[out_dtype],
