@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qmatmul import clone_packed, copies_for, time_calls  # noqa: E402
 
 from trtopt.plugins.qmatmul.kernel_half2 import (F16_1024, F16_MINUS_64, _dequant, _dot8, _pack, _pair,  # noqa: E402
-                                                 _row_scale, _x_half2, load_int4_tile, x_chunk)
+                                                 ROW_SCALE_TOP, _row_scale, _x_half2, load_int4_tile,
+                                                 x_chunk)
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 SMOKE_SHAPES = [("tiny", 256, 24), ("tiny_down", 512, 20)]
@@ -68,17 +69,7 @@ def _e4m3_half2(b, ASM: tl.constexpr):
         return _pair(v0, v1), _pair(v2, v3)
 
 
-@triton.jit
-def _row_scale16(x_row, K: tl.constexpr, CHUNK: tl.constexpr):
-    """(2^e, 2^-e) putting the row's largest |x| · 2^e in [16, 32): an e4m3 weight (|w| <= 448) times it stays
-    below 14336 and four such products below 65504."""
-    big = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c in tl.static_range(0, K, CHUNK):
-        offs = c + tl.arange(0, CHUNK)
-        big = tl.maximum(big, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    amax = tl.max(big, axis=0)
-    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 5), 254)
-    return ((258 - e) << 23).to(tl.float32, bitcast=True), ((e - 4) << 23).to(tl.float32, bitcast=True)
+FP8_ROW_SCALE_TOP = tl.constexpr(4)  # a row's largest |x| · 2^e in [16, 32): 448 · 32 · 4 < 65504 (e4m3 weights)
 
 
 @triton.jit
@@ -95,7 +86,7 @@ def _fp8_half2(X, W, S, Y, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
     safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_w = tl.arange(0, HW)
     acc = tl.zeros((BLOCK_N, HW), dtype=tl.float32)
-    up, down = _row_scale16(X, K, X_CHUNK)
+    up, down = _row_scale(X, K, K, X_CHUNK, FP8_ROW_SCALE_TOP)
     for t in tl.static_range(K_TILES):
         wa = t * 2 * HW + offs_w
         wb = wa + HW
@@ -142,7 +133,7 @@ def _int4_probe(X, W, S, Y, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr, GROU
         b0, s0, g0, ok0, so0 = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t0, TILE_GROUPS, GROUPS,
                                                WORDS)
     if ROW_SCALE:
-        up, down = _row_scale(X, K, K, X_CHUNK)
+        up, down = _row_scale(X, K, K, X_CHUNK, ROW_SCALE_TOP)
     else:
         up = 1.0
         down = 1.0

@@ -38,6 +38,8 @@ import triton.language as tl
 
 # fp16 bit patterns: 1024.0 (the magic exponent: mantissa bit 0 is worth 1), 1/16, and the per-zero-point offsets.
 F16_1024 = tl.constexpr(0x6400)
+# `_row_scale`'s target here: a row's largest |x| · 2^e in [2^7, 2^8), so a lane's four products stay below 65504
+ROW_SCALE_TOP = tl.constexpr(7)
 F16_MINUS_64 = tl.constexpr(0xD400)  # -64.0; -(64 + z') = F16_MINUS_64 + 16·z' (mantissa bit 0 is worth 1/16 at 64)
 
 
@@ -164,17 +166,19 @@ def _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_scale(x_row, k_end, K: tl.constexpr, CHUNK: tl.constexpr):
+def _row_scale(x_row, k_end, K: tl.constexpr, CHUNK: tl.constexpr, TOP: tl.constexpr):
     """(2^e, 2^-e) for one row of x (k_end: K, or 0 for a row past M): e puts the row's largest |x| · 2^e in
-    [128, 256). Read in CHUNK-value slices, once per program (x is small and stays in L1/L2)."""
+    [2^TOP, 2^(TOP+1)) (this module's GEMV: TOP = ROW_SCALE_TOP, [128, 256)). Read in CHUNK-value slices, once per
+    program (x is small and stays in L1/L2)."""
     big = tl.zeros((CHUNK,), dtype=tl.float32)
     for c in tl.static_range(0, K, CHUNK):
         offs = c + tl.arange(0, CHUNK)
         big = tl.maximum(big, tl.abs(tl.load(x_row + offs, mask=offs < k_end, other=0.0).to(tl.float32)))
     amax = tl.max(big, axis=0)
-    # Biased exponent E of amax, clamped so both powers of two are normal: 2^e = 2^(134 − E), 2^-e = 2^(E − 134).
-    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 8), 254)
-    return ((261 - e) << 23).to(tl.float32, bitcast=True), ((e - 7) << 23).to(tl.float32, bitcast=True)
+    # Biased exponent E of amax, clamped so both powers of two are normal: 2^e = 2^(127 + TOP − E), 2^-e = 2^(E −
+    # 127 − TOP), as fp32 bits (254 + TOP − E) << 23 and (E − TOP) << 23.
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, TOP + 1), 254)
+    return ((254 - e + TOP) << 23).to(tl.float32, bitcast=True), ((e - TOP) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -213,10 +217,11 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
     acc0 = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
     K: tl.constexpr = GROUPS * GROUP
-    up0, down0 = _row_scale(X + row0 * stride_xm, tl.where(row0 < M, K, 0), K, X_CHUNK)
+    up0, down0 = _row_scale(X + row0 * stride_xm, tl.where(row0 < M, K, 0), K, X_CHUNK, ROW_SCALE_TOP)
     up1, down1 = up0, down0
     if ROWS == 2:
-        up1, down1 = _row_scale(X + (row0 + 1) * stride_xm, tl.where(row0 + 1 < M, K, 0), K, X_CHUNK)
+        up1, down1 = _row_scale(X + (row0 + 1) * stride_xm, tl.where(row0 + 1 < M, K, 0), K, X_CHUNK,
+                                ROW_SCALE_TOP)
     for t in tl.static_range(K_TILES):
         b, s, offs_g, g_ok, s_off = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS, GROUPS,
                                                    WORDS)
@@ -236,7 +241,8 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
             if ROWS <= 2:
                 up = up0 if r == 0 else up1
             else:
-                up, down = _row_scale(X + (row0 + r) * stride_xm, tl.where(row0 + r < M, K, 0), K, X_CHUNK)
+                up, down = _row_scale(X + (row0 + r) * stride_xm, tl.where(row0 + r < M, K, 0), K, X_CHUNK,
+                                      ROW_SCALE_TOP)
             x0, x1, x2, x3 = _x_half2(X + (row0 + r) * stride_xm, x_off, x_ok, up, WORDS, ASM)
             part = _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM)  # [BLOCK_N, TILE_GROUPS, WORDS]
             if ROWS <= 2:
