@@ -9,7 +9,9 @@ does; no download):
   the codes, or _scaled_mm from gemm.SCALED_MM_MIN_ROWS rows; the activation's quantization included);
 - w8a8_triton: gemm.py `qgemm` on the codes with the row scale (the Triton W8A8 path, for SCALED_MM_MIN_ROWS);
 - fp8_gemv / fp8_gemm: FP8 weight-only, the GEMV (M <= 16) and the Triton GEMM forced;
-- int4_gemv / int4_gemm: INT4 g128 symmetric, the same two forced.
+- int4_gemv / int4_gemm: INT4 g128 symmetric, the same two forced;
+- fp8_dqmm / int4_dqmm (M >= 16): gemm.py `dequant_mm`, the weight dequantized to bf16 in one launch then cuBLAS
+  (the dispatch's path from gemm.DEQUANT_MM_MIN_ROWS rows, weight-only), the dequantization timed with it.
 `dispatch` names, per format, the path qmatmul_packed takes at that M and its time; `crossover` the smallest M from
 which the GEMM beats the GEMV (what kernel.GEMV_MAX_ROWS should follow) and from which _scaled_mm's dispatch beats
 the Triton W8A8 GEMM (gemm.SCALED_MM_MIN_ROWS).
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 SMOKE_SHAPES = [("tiny_qkv", 64, 96), ("tiny_down", 128, 48)]
-TABLE_M = [1, 16, 64, 256, 2048]
+TABLE_M = [1, 16, 64, 128, 256, 2048]
 CROSSOVER_M = [2, 4, 8]
 SMOKE_M = [1, 2, 17]
 GROUP = 128
@@ -133,7 +135,8 @@ def make_weights(k: int, n: int, group: int, device: torch.device, dtype: torch.
 
 
 def run_shape(name: str, k: int, n: int, ms: list[int], device, dtype, gen, deadline: float) -> dict:
-    from trtopt.plugins.qmatmul.gemm import fp8_scaled_mm, qgemm, quantize_fp8_rows, scaled_mm_supported
+    from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, dequant_mm, fp8_scaled_mm, qgemm, quantize_fp8_rows,
+                                             scaled_mm_supported)
     from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, MAX_ROWS, qgemv, qmatmul_packed
     from trtopt.plugins.qmatmul.packing import dequantize_packed
     from trtopt.plugins.qmatmul.reference import fake_quantize_fp8
@@ -160,6 +163,9 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device, dtype, gen, dead
             "int4_gemm": ("int4", "int4", lambda i: qgemm(x, ws["int4"][i])),
             "fp8_w8a8": ("fp8", "w8a8", lambda i: qmatmul_packed(x, ws["fp8"][i], act_scale, act_mode=ACT_DYNAMIC)),
         }
+        if m >= 16 and dtype != torch.float32:
+            variants["fp8_dqmm"] = ("fp8", "plain_fp8", lambda i: dequant_mm(x, ws["fp8"][i]))
+            variants["int4_dqmm"] = ("int4", "int4", lambda i: dequant_mm(x, ws["int4"][i]))
         if m <= MAX_ROWS:
             variants["fp8_gemv"] = ("fp8", "plain_fp8", lambda i: qgemv(x, ws["fp8"][i]))
             variants["int4_gemv"] = ("int4", "int4", lambda i: qgemv(x, ws["int4"][i]))
@@ -181,7 +187,7 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device, dtype, gen, dead
                           "GBps": round(moved / seconds / 1e9, 1), "max_rel_err": float(f"{err:.2e}")}
         for vname, r in row.items():
             r["speedup_vs_bf16"] = round(row["bf16"]["us"] / r["us"], 3)
-        gemv_or_gemm = "gemv" if m <= GEMV_MAX_ROWS else "gemm"
+        gemv_or_gemm = "gemv" if m <= GEMV_MAX_ROWS else "dqmm" if m >= DEQUANT_MM_MIN_ROWS else "gemm"
         row["dispatch"] = {"fp8_weight_only": f"fp8_{gemv_or_gemm}", "int4": f"int4_{gemv_or_gemm}",
                            "fp8_w8a8": "fp8_w8a8"}
         rows[str(m)] = row
@@ -246,6 +252,10 @@ def crossover(shape_rows: dict) -> dict:
         wins = [m for m in ms if f"{fmt}_gemv" in shape_rows["M"][str(m)]
                 and shape_rows["M"][str(m)][f"{fmt}_gemm"]["us"] < shape_rows["M"][str(m)][f"{fmt}_gemv"]["us"]]
         out[f"{fmt}_gemm_beats_gemv_from_M"] = wins[0] if wins else None
+    for fmt in ("fp8", "int4"):
+        wins = [m for m in ms if f"{fmt}_dqmm" in shape_rows["M"][str(m)]
+                and shape_rows["M"][str(m)][f"{fmt}_dqmm"]["us"] < shape_rows["M"][str(m)][f"{fmt}_gemm"]["us"]]
+        out[f"{fmt}_dqmm_beats_gemm_from_M"] = wins[0] if wins else None
     wins = [m for m in ms if "scaled_mm" in shape_rows["M"][str(m)] and "w8a8_triton" in shape_rows["M"][str(m)]
             and shape_rows["M"][str(m)]["scaled_mm"]["us"] < shape_rows["M"][str(m)]["w8a8_triton"]["us"]]
     out["scaled_mm_beats_triton_w8a8_from_M"] = wins[0] if wins else None
@@ -265,7 +275,7 @@ def plot(data: dict, path: Path) -> str | None:
     for ax, name in zip(axes[0], shapes):
         rows = data["shapes"][name]["M"]
         ms = sorted(int(m) for m in rows if m.isdigit())
-        for v in ("scaled_mm", "fp8_w8a8", "fp8_gemv", "fp8_gemm", "int4_gemv", "int4_gemm"):
+        for v in ("scaled_mm", "fp8_w8a8", "fp8_gemv", "fp8_gemm", "fp8_dqmm", "int4_gemv", "int4_gemm", "int4_dqmm"):
             pts = [(m, rows[str(m)][v]["speedup_vs_bf16"]) for m in ms if v in rows[str(m)]]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=v)

@@ -224,23 +224,28 @@ def gemm_configs(fmt: str, smoke: bool):
 
     if smoke:
         return [GemmConfig(16, 16, 32 if fmt == "int4" else 64, 2, 2)]
-    return [GemmConfig(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in ((128, 256) if fmt == "fp8" else (128,))
-            for w in (2, 4) for st in (4, 6)]
+    configs = [GemmConfig(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in ((128, 256) if fmt == "fp8" else (128,))
+               for w in (2, 4) for st in (4, 6)]
+    if fmt == "int4":  # the unfolded scale order (gemm.py FOLD_SCALE off) at the few-row default tile, and wider tiles
+        configs += [GemmConfig(16, 32, 128, 4, 4, fold_scale=False), GemmConfig(16, 128, 128, 4, 4),
+                    GemmConfig(16, 64, 128, 4, 3), GemmConfig(32, 64, 128, 4, 4)]
+    return configs
 
 
-def variants(k, smoke, sweep=False, gemm_rows=0):
+def variants(k, smoke, sweep=False, gemm_rows=0, formats=("fp8", "int4")):
     if gemm_rows:
         from trtopt.plugins.qmatmul.gemm import gemm_config, qgemm
         from trtopt.runtime.executors.gemv import projection
 
         v = {"bf16": ("bf16", lambda x, w: projection(x, w))}
-        for fmt in ("fp8", "int4"):
+        for fmt in formats:
             group = 0 if fmt == "fp8" else (32 if smoke else 128)
             default = gemm_config(gemm_rows, group, torch.bfloat16)
             for cfg in [None] + gemm_configs(fmt, smoke):
                 if cfg == default:
                     continue
-                name = "default" if cfg is None else f"{cfg.block_n}_{cfg.block_k}_{cfg.num_warps}_{cfg.num_stages}"
+                name = "default" if cfg is None else (f"{cfg.block_m}x{cfg.block_n}_{cfg.block_k}_{cfg.num_warps}_"
+                                                      f"{cfg.num_stages}" + ("_exact" if cfg.fold_scale is False else ""))
                 v[f"{fmt}_gemm_{name}"] = (fmt, lambda x, w, cfg=cfg: qgemm(x, w, config=cfg))
         return v
     if sweep:
@@ -282,6 +287,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time kernel.py's qgemv at the SWEEP configs instead")
     ap.add_argument("--gemm-sweep", type=int, default=0, metavar="M",
                     help="time gemm.py's qgemm (FP8 and INT4 weight-only) at M rows over GEMM_CONFIGS instead")
+    ap.add_argument("--formats", nargs="*", default=["fp8", "int4"], choices=["fp8", "int4"],
+                    help="--gemm-sweep: the formats swept")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     gen = torch.Generator(device).manual_seed(0)
@@ -300,7 +307,7 @@ def main():
             copies_for(w.numel() * 2 if f == "bf16" else w.nbytes, device) - 1)] for f, w in ws.items()}
         nbytes = {f: (w.numel() * 2 if f == "bf16" else w.nbytes) for f, w in ws.items()}
         row = {}
-        for vname, (fmt, fn) in variants(k, args.smoke, args.sweep, args.gemm_sweep).items():
+        for vname, (fmt, fn) in variants(k, args.smoke, args.sweep, args.gemm_sweep, args.formats).items():
             if args.only and vname not in args.only:
                 continue
             try:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from test_qmatmul_kernel import _act_scale, _weight, _x
-from trtopt.plugins.qmatmul.gemm import (GemmConfig, fake_quantize_fp8_rows, fp8_scaled_mm, gemm_config, gemm_supported,
-                                         int4_block_k, qgemm, quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, GemmConfig, dequantize_weight, fake_quantize_fp8_rows,
+                                         fp8_scaled_mm, gemm_config, gemm_supported, int4_block_k, qgemm,
+                                         quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, qmatmul_packed, qmatmul_triton
 from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -52,8 +53,25 @@ def test_gemm_with_quantized_activations(kind, m, k, n, act, kernel_device):
     torch.testing.assert_close(qmatmul_triton(*args, **attrs), qmatmul_ref(*args, **attrs), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind,k,n,group", [("fp8", 97, 13, 0), ("fp8", 1030, 33, 0), ("int4", 256, 33, 32),
+                                             ("int4z", 1024, 19, 128), ("uint4", 64, 5, 8), ("uint4z", 2048, 7, 1024),
+                                             ("int4", 768, 17, 256)])
+def test_dequantize_weight_is_the_reference_weight(kind, k, n, group, kernel_device):
+    """The prefill path's dequantization: fp32 output equals dequantize_packed bit for bit (odd N, K past one block,
+    groups from 8 to above the block); a 16-bit output is those values rounded once."""
+    gen = torch.Generator().manual_seed(k + n)
+    w, scale, zp, block = _weight(kind, k, n, group, gen)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
+    want = dequantize_packed(packed).t()
+    got = dequantize_weight(packed, torch.float32)
+    assert got.shape == (n, k) and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(dequantize_weight(packed, torch.bfloat16), want.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("config", [GemmConfig(16, 16, 128, 4, 2), GemmConfig(32, 64, 64, 4, 3, group_m=1),
-                                    GemmConfig(64, 32, 32, 4, 3, group_m=2)])
+                                    GemmConfig(64, 32, 32, 4, 3, group_m=2),
+                                    GemmConfig(16, 32, 32, 4, 2, fold_scale=True)])
 @pytest.mark.parametrize("kind", ["fp8", "int4z"])
 def test_other_gemm_configs(kind, config, kernel_device):
     """Tiles of every size the table uses (and K blocks below an INT4 group: two or four a group) compute the same
@@ -175,7 +193,14 @@ def test_dispatch_on_cuda_at_8b_shapes(kind, group, act, k, n, m):
     args = [x, *(t.cuda() for t in (w, scale, zp, _act_scale(x, act)))]
     attrs = dict(block_size=block, act_mode=act, act_block_size=k if act == ACT_DYNAMIC else 0)
     want = qmatmul_ref(*args, **attrs)  # fp32 math, rounded to bf16
-    got = qmatmul_packed(x, pack_weight(*args[1:4], block_size=block), args[4], act_mode=act)
+    packed = pack_weight(*args[1:4], block_size=block)
+    got = qmatmul_packed(x, packed, args[4], act_mode=act)
+    if act == ACT_NONE and (m >= DEQUANT_MM_MIN_ROWS or (kind != "fp8" and m > GEMV_MAX_ROWS)):
+        # the prefill path and the INT4 GEMM round each dequantized weight to bf16 (DequantizeLinear with the plan's
+        # bf16 scale): close to the fp32 reference on the whole, and that product exactly up to summation order
+        rel = float((got.float() - want.float()).norm() / want.float().norm())
+        assert rel < 2 ** -8, rel
+        want = (x.float() @ dequantize_weight(packed, torch.bfloat16).float().t()).to(torch.bfloat16)
     # bf16 output: one rounding of an fp32 sum either way; different summation orders may straddle a bf16 step.
     # W8A8 through _scaled_mm: cuBLASLt's FP8 GEMM (its own accumulation order) saw 1 of 262,144 outputs 0.025 off
     # at 0.43 on an H200: allow one in ten thousand past the bound, none past 5x it (outputs reach ~50 here).

@@ -7,13 +7,17 @@ steps of more than GEMV_MAX_ROWS rows to (prefill, large decode batches), over t
   - FP8: the [N, K] float8e4nv bytes widened to x's dtype (exact: every E4M3 value is a bf16/fp16 value), one
     tl.dot accumulating over K, the per-column scale applied once in the epilogue;
   - INT4/UINT4: a K block lies inside one quantization group (BLOCK_K <= G, or a whole group): its nibble planes
-    are unpacked to q − z (exact, |q − z| <= 15), one tl.dot per block, and the group's scale multiplies that
-    block's fp32 partial sum: s[g, n] · Σ_{k∈g} x[k] (q − z), the GEMV's order (kernel.py), not (q − z) · s rounded
-    to bf16 as Marlin-style kernels do.
+    are unpacked to q − z (exact, |q − z| <= 15). With a 16-bit dot (bf16/fp16 x) each value is multiplied by its
+    group's scale in fp32 and rounded once to x's dtype, (q − z) · s, and the blocks' dots chain on one fp32
+    accumulator, as Marlin-style kernels do and as the plan's own DequantizeLinear (whose scale has the plan's
+    dtype) rounds its output: on an H200 the unfolded order below, whose per-block product must be materialised
+    to be scaled, made Llama-8B's INT4 projections 1.6-1.8x slower than bf16 cuBLAS at 4-16 rows (docs/
+    benchmarks/qmatmul_nvidia_h200.json). fp32 x (the "ieee" dot) keeps the exact order: the group's scale
+    multiplies that block's fp32 partial sum, s[g, n] · Σ_{k∈g} x[k] (q − z), the GEMV's (kernel.py).
   - An optional per-row scale in the epilogue (ROW_SCALE): x holds FP8 codes of an FP8-quantized activation
     (exact in any float dtype) and the row scale is the activation's scale.
-  So the result is the reference's ((Q/DQ(x)) @ DQ(w) in fp32, reference.py) up to fp32 summation order, rounded
-  once to x's dtype. Configs come from a small table by M (`gemm_config`), no autotuning: the step CUDA graphs
+  So the result is the reference's ((Q/DQ(x)) @ DQ(w) in fp32, reference.py) up to fp32 summation order (and, for
+  INT4 with a 16-bit dot, the weight's rounding to x's dtype), rounded once to x's dtype. Configs come from a small table by M (`gemm_config`), no autotuning: the step CUDA graphs
   capture whatever launches, and an autotuner would time kernels on the first capture.
 - `fp8_scaled_mm`: FP8 W8A8 (static per-tensor or dynamic per-token activation scale) on Hopper's FP8 tensor cores
   through torch._scaled_mm (cuBLASLt): x's FP8 codes [M, K] row-major, the packed weight's [N, K] bytes viewed as
@@ -53,11 +57,13 @@ SCALED_MM_MIN_ROWS = 2
 def _qgemm(X, W, S, Z, XS, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
            INT4: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, X_FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-           DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, OUT_DTYPE: tl.constexpr):
+           FOLD_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+           OUT_DTYPE: tl.constexpr):
     """Program p: a BLOCK_M × BLOCK_N tile of y, GROUP_M row tiles per column band (the Triton tutorial's L2
     ordering). Rows past M and columns past N are clamped to M − 1 / N − 1 (read, never stored), so only K needs a
     mask, and only for FP8 (INT4's K is whole groups, a multiple of BLOCK_K). X_FP8: x is FP8 codes as uint8.
-    INT4: W [N, K/8] int32 nibble planes (packing.py), S and Z [N, K/G] (stride_sn), ZERO >= 0 a constant z'."""
+    INT4: W [N, K/8] int32 nibble planes (packing.py), S and Z [N, K/G] (stride_sn), ZERO >= 0 a constant z';
+    FOLD_SCALE: each dequantized value (q − z) · s is rounded to DOT_DTYPE before the dot (module docstring)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -95,9 +101,13 @@ def _qgemm(X, W, S, Z, XS, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_y
             else:
                 z = tl.load(Z + safe_n * stride_sn + g).to(tl.float32)
                 v = v - (z + 8388608.0)[None, None, :]
-            w = tl.reshape(v, (BLOCK_K, BLOCK_N)).to(DOT_DTYPE)  # q − z, K in the block's order
             s = tl.load(S + safe_n * stride_sn + g).to(tl.float32)
-            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+            if FOLD_SCALE:  # (q − z) · s rounded to the dot's dtype; the dots chain on one accumulator
+                w = tl.reshape(v * s[None, None, :], (BLOCK_K, BLOCK_N)).to(DOT_DTYPE)
+                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            else:
+                w = tl.reshape(v, (BLOCK_K, BLOCK_N)).to(DOT_DTYPE)  # q − z, K in the block's order
+                acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
     else:
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
             k = kb * BLOCK_K + offs_k
@@ -125,6 +135,8 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    # INT4: fold the group scale into the dequantized weight (None: when the dot is 16-bit; module docstring)
+    fold_scale: bool | None = None
 
 
 def int4_block_k(group: int) -> int | None:
@@ -199,10 +211,100 @@ def qgemm(x: torch.Tensor, w: PackedQWeight, *, row_scale: torch.Tensor | None =
                     x.stride(0), w.data.stride(0), w.scale.stride(0) if not w.fp8 else 0, y.stride(0),
                     INT4=not w.fp8, GROUP=w.group, ZERO=-1 if w.zero is not None else w.zero_const, X_FP8=codes,
                     ROW_SCALE=row_scale is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    GROUP_M=cfg.group_m, DOT_DTYPE=TL_DTYPES[dot_dtype],
+                    GROUP_M=cfg.group_m, FOLD_SCALE=(cfg.fold_scale if cfg.fold_scale is not None else
+                                                     dot_dtype != torch.float32),
+                    DOT_DTYPE=TL_DTYPES[dot_dtype],
                     DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", OUT_DTYPE=TL_DTYPES[out_dtype],
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+# Weight-only steps of at least this many rows dequantize the whole weight to x's dtype (`dequantize_weight`, one
+# memory-bound pass) and run cuBLAS on it (`dequant_mm`), instead of the Triton GEMM, whose in-register
+# dequantization costs more than the weight's bytes save once M is large: on an H200 (docs/benchmarks/
+# qmatmul_nvidia_h200.json) Llama-8B's gate/up at 2048 rows took 2856 µs through the INT4 Triton GEMM and 1418
+# through the FP8 one, against 603 for bf16 cuBLAS. benchmarks/bench_qmatmul.py times both paths at every M.
+DEQUANT_MM_MIN_ROWS = 128
+
+
+@triton.jit
+def _dequantize_weight(W, S, Z, OUT, N, K, stride_wn, stride_sn, stride_on, INT4: tl.constexpr, GROUP: tl.constexpr,
+                       ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Program (i, j): columns i·BLOCK_N.. and K values j·BLOCK_K.. of the packed weight → OUT [N, K] (K contiguous)
+    in OUT_DTYPE: (q − z) · s computed in fp32 (packing.py `dequantize_packed`'s values, bit for bit) and rounded
+    once. INT4: BLOCK_K is whole groups; each of a word's eight nibble planes is a run of G/8 values (packing.py)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    if INT4:
+        WORDS: tl.constexpr = GROUP // 8
+        TILE_GROUPS: tl.constexpr = BLOCK_K // GROUP
+        offs_g = tl.program_id(1) * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+        offs_j = tl.arange(0, WORDS)
+        ok = n_ok[:, None] & (offs_g < K // GROUP)[None, :]  # [BLOCK_N, TILE_GROUPS]
+        words = tl.load(W + rows[:, None, None] * stride_wn + offs_g[None, :, None] * WORDS + offs_j[None, None, :],
+                        mask=ok[:, :, None], other=0).to(tl.uint32, bitcast=True)
+        s_off = rows[:, None] * stride_sn + offs_g[None, :]
+        s = tl.load(S + s_off, mask=ok, other=0.0).to(tl.float32)[:, :, None]
+        if ZERO >= 0:
+            z = ZERO * 1.0
+        else:
+            z = tl.load(Z + s_off, mask=ok, other=0).to(tl.float32)[:, :, None]
+        out = OUT + rows[:, None, None] * stride_on + offs_g[None, :, None] * GROUP + offs_j[None, None, :]
+        for p in tl.static_range(8):
+            u = ((words >> (4 * p)) & 15).to(tl.float32)
+            tl.store(out + p * WORDS, _to_out((u - z) * s, OUT_DTYPE), mask=ok[:, :, None])
+    else:
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok = n_ok[:, None] & (offs_k < K)[None, :]
+        codes = tl.load(W + rows[:, None] * stride_wn + offs_k[None, :], mask=ok, other=0)
+        s = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+        tl.store(OUT + rows[:, None] * stride_on + offs_k[None, :], _to_out(w, OUT_DTYPE), mask=ok)
+
+
+@triton.jit
+def _to_out(v, OUT_DTYPE: tl.constexpr):
+    """fp32 v (finite) → OUT_DTYPE, rounded to nearest even. bf16: rounded in integer bits first, so the conversion
+    is exact (Triton's interpreter, 3.9, truncates fp32 → bf16; compiled kernels round to nearest even either way)."""
+    if OUT_DTYPE == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(OUT_DTYPE)
+
+
+DEQUANT_BLOCK = (16, 512)  # (columns, K values) one program of `_dequantize_weight` writes (INT4: K whole groups)
+
+
+def dequantize_weight(w: PackedQWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The packed weight dequantized → a new [N, K] in `dtype` (nn.Linear's layout, what F.linear takes): each
+    value (q − z) · s in fp32, rounded once to dtype, which is what an ONNX DequantizeLinear whose scale has the
+    plan's dtype computes; in fp32 the values equal `dequantize_packed` bit for bit. One Triton launch."""
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"dequantize_weight writes a float dtype; got {dtype}")
+    out = torch.empty(w.n, w.k, dtype=dtype, device=w.data.device)
+    if w.n == 0 or w.k == 0:
+        return out
+    block_n, block_k = DEQUANT_BLOCK
+    if not w.fp8:
+        block_k = max(block_k, w.group)
+    grid = (triton.cdiv(w.n, block_n), triton.cdiv(w.k, block_k))
+    zero = w.zero if w.zero is not None else w.scale  # not read when ZERO >= 0
+    launcher.launch(_dequantize_weight, grid, w.data, w.scale, zero, out, w.n, w.k, w.data.stride(0),
+                    w.scale.stride(0) if not w.fp8 else 0, out.stride(0), INT4=not w.fp8, GROUP=w.group,
+                    ZERO=-1 if w.zero is not None else w.zero_const, BLOCK_N=block_n, BLOCK_K=block_k,
+                    OUT_DTYPE=TL_DTYPES[dtype], num_warps=4)
+    return out
+
+
+def dequant_mm(x: torch.Tensor, w: PackedQWeight) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) times the packed weight, weight-only: `dequantize_weight` into a transient [N, K] of x's
+    dtype (from torch's caching allocator: the next layer's call reuses the block; the CUDA graph pool during
+    capture), then cuBLAS (F.linear, fp32 accumulation) → a new [M, N] in x's dtype. For large M (prefill), where
+    the bf16 GEMM is compute-bound and the extra write and read of the weight cost less than dequantizing it in the
+    GEMM's inner loop."""
+    return torch.nn.functional.linear(x, dequantize_weight(w, x.dtype))
 
 
 @triton.jit

@@ -43,8 +43,9 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
-from trtopt.plugins.qmatmul.gemm import (SCALED_MM_MIN_ROWS, fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported,
-                                         qgemm, quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS, dequant_mm, fake_quantize_fp8_rows,
+                                         fp8_scaled_mm, gemm_supported, qgemm, quantize_fp8_rows,
+                                         scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -270,18 +271,24 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
                    config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype, dispatched on the step's rows M:
 
+    - weight-only (act_mode none) on CUDA bf16/fp16 x, M >= DEQUANT_MM_MIN_ROWS: the weight dequantized to x's dtype
+      in one launch, then cuBLAS (gemm.py `dequant_mm`; each weight value rounded once to x's dtype);
     - FP8 W8A8 (act_mode static or dynamic), M >= SCALED_MM_MIN_ROWS and `scaled_mm_supported`: the activation's
       FP8 codes through torch._scaled_mm (gemm.py `fp8_scaled_mm`);
     - else M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
     - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
       row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
 
-    Every path computes the reference's values (qmatmul_ref) up to fp32 summation order. Callers route CUDA
+    Every path computes the reference's values (qmatmul_ref) up to fp32 summation order (the dequantizing path: and
+    the weight's rounding to x's dtype). Callers route CUDA
     tensors here (the CPU runs the reference: trtopt_ops.py); on the CPU the Triton kernels need the interpreter
     (TRITON_INTERPRET=1), which the tests and benchmarks/quant_e2e.py --smoke use. No host sync: the step's CUDA
     graph captures whichever path its M takes."""
     rows = x.numel() // w.k if w.k else 0
     xf = x.reshape(rows, w.k)
+    if (act_mode == ACT_NONE and rows >= DEQUANT_MM_MIN_ROWS and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        return dequant_mm(xf, w).reshape(*x.shape[:-1], w.n)
     scaled_mm = act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
     if scaled_mm or (rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k):
         xk = xf if xf.stride(-1) == 1 else xf.contiguous()
