@@ -7,17 +7,15 @@ steps of more than GEMV_MAX_ROWS rows to (prefill, large decode batches), over t
   - FP8: the [N, K] float8e4nv bytes widened to x's dtype (exact: every E4M3 value is a bf16/fp16 value), one
     tl.dot accumulating over K, the per-column scale applied once in the epilogue;
   - INT4/UINT4: a K block lies inside one quantization group (BLOCK_K <= G, or a whole group): its nibble planes
-    are unpacked to q − z (exact, |q − z| <= 15). With a 16-bit dot (bf16/fp16 x) each value is multiplied by its
-    group's scale in fp32 and rounded once to x's dtype, (q − z) · s, and the blocks' dots chain on one fp32
-    accumulator, as Marlin-style kernels do and as the plan's own DequantizeLinear (whose scale has the plan's
-    dtype) rounds its output: on an H200 the unfolded order below, whose per-block product must be materialised
-    to be scaled, made Llama-8B's INT4 projections 1.6-1.8x slower than bf16 cuBLAS at 4-16 rows (docs/
-    benchmarks/qmatmul_nvidia_h200.json). fp32 x (the "ieee" dot) keeps the exact order: the group's scale
-    multiplies that block's fp32 partial sum, s[g, n] · Σ_{k∈g} x[k] (q − z), the GEMV's (kernel.py).
+    are unpacked to q − z (exact, |q − z| <= 15), one tl.dot per block, and the group's scale multiplies that
+    block's fp32 partial sum: s[g, n] · Σ_{k∈g} x[k] (q − z), the GEMV's order (kernel.py), not (q − z) · s rounded
+    to bf16 as Marlin-style kernels do. That order (GemmConfig.fold_scale, the dots chained on one accumulator) was
+    timed too and was not faster: Llama-8B's projections at 16 rows on an H200, 219 µs a layer folded against 206
+    (docs/benchmarks/probe_gemm_sweep_m16_int4_h200.json), so the exact order stays.
   - An optional per-row scale in the epilogue (ROW_SCALE): x holds FP8 codes of an FP8-quantized activation
     (exact in any float dtype) and the row scale is the activation's scale.
-  So the result is the reference's ((Q/DQ(x)) @ DQ(w) in fp32, reference.py) up to fp32 summation order (and, for
-  INT4 with a 16-bit dot, the weight's rounding to x's dtype), rounded once to x's dtype. Configs come from a small table by M (`gemm_config`), no autotuning: the step CUDA graphs
+  So the result is the reference's ((Q/DQ(x)) @ DQ(w) in fp32, reference.py) up to fp32 summation order, rounded
+  once to x's dtype. Configs come from a small table by M (`gemm_config`), no autotuning: the step CUDA graphs
   capture whatever launches, and an autotuner would time kernels on the first capture.
 - `fp8_scaled_mm`: FP8 W8A8 (static per-tensor or dynamic per-token activation scale) on Hopper's FP8 tensor cores
   through torch._scaled_mm (cuBLASLt): x's FP8 codes [M, K] row-major, the packed weight's [N, K] bytes viewed as
@@ -135,8 +133,9 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
-    # INT4: fold the group scale into the dequantized weight (None: when the dot is 16-bit; module docstring)
-    fold_scale: bool | None = None
+    # INT4: multiply each dequantized value by its group's scale before the dot, rounded to the dot's dtype (a
+    # probe: not faster, module docstring)
+    fold_scale: bool = False
 
 
 def int4_block_k(group: int) -> int | None:
@@ -159,8 +158,11 @@ def gemm_config(rows: int, group: int, dtype: torch.dtype) -> GemmConfig:
     if rows <= 16:
         # FP8: K blocks of 256 and 6 stages, from benchmarks/probe_qgemv.py --gemm-sweep 4 on an H200 (docs/
         # benchmarks/probe_gemm_sweep_m4_h200.json): Llama-8B's four projections at 4 rows took 123 µs a layer
-        # against 148 for the K block of 128 at 4 stages (bf16 cuBLAS 118); INT4's best was within 2% of this.
-        cfg = GemmConfig(16, 32, block_k, 4, 4) if int4 else GemmConfig(16, 32, 256, 4, 6)
+        # against 148 for the K block of 128 at 4 stages (bf16 cuBLAS 118). INT4: 16 columns at 2 warps, from
+        # --gemm-sweep 16 --formats int4 (docs/benchmarks/probe_gemm_sweep_m16_int4_h200.json): 173 µs a layer at
+        # 16 rows against 219 for (32 columns, 4 warps), bf16 120; at 4 rows the two were within 4% (221 / 212,
+        # two calls on one H200: docs/benchmarks/qmatmul_few_rows_nvidia_h200.json, qmatmul_nvidia_h200.json).
+        cfg = GemmConfig(16, 16, block_k, 2, 4) if int4 else GemmConfig(16, 32, 256, 4, 6)
     elif rows <= 64:
         cfg = GemmConfig(32 if rows <= 32 else 64, 64, block_k, 4, 4)
     elif rows <= 256:
@@ -211,8 +213,7 @@ def qgemm(x: torch.Tensor, w: PackedQWeight, *, row_scale: torch.Tensor | None =
                     x.stride(0), w.data.stride(0), w.scale.stride(0) if not w.fp8 else 0, y.stride(0),
                     INT4=not w.fp8, GROUP=w.group, ZERO=-1 if w.zero is not None else w.zero_const, X_FP8=codes,
                     ROW_SCALE=row_scale is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    GROUP_M=cfg.group_m, FOLD_SCALE=(cfg.fold_scale if cfg.fold_scale is not None else
-                                                     dot_dtype != torch.float32),
+                    GROUP_M=cfg.group_m, FOLD_SCALE=cfg.fold_scale,
                     DOT_DTYPE=TL_DTYPES[dot_dtype],
                     DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", OUT_DTYPE=TL_DTYPES[out_dtype],
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
