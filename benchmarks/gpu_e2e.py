@@ -254,8 +254,8 @@ def build(work: Path, shape: Shape, device: torch.device, max_num_seqs: int,
             result = build_plan(q.out_dir, work / f"plan-q-{row}", force=True, progress=False, limits=limits)
             times[f"build_q_{row}_s"] = time.perf_counter() - t
             shutil.rmtree(q.out_dir)
-            log(f"quantized ({row}, {times[f'quantize_{row}_s']:.1f} s) and built: {result.report.counts.get('qmatmul')} "
-                f"QMatMuls ({times[f'build_q_{row}_s']:.1f} s)")
+            log(f"quantized ({row}, {times[f'quantize_{row}_s']:.1f} s) and built: "
+                f"{result.report.counts.get('qmatmul')} QMatMuls ({times[f'build_q_{row}_s']:.1f} s)")
     shutil.rmtree(onnx_dir)  # the plan holds its own copy of the weights
     return hf_dir, plan_dir, params, times
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from test_qmatmul_kernel import _act_scale, _weight, _x
-from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, GemmConfig, dequantize_weight, fake_quantize_fp8_rows,
-                                         fp8_scaled_mm, gemm_config, gemm_supported, int4_block_k, qgemm,
-                                         quantize_fp8_rows, scaled_mm_supported)
+from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, DynamicScale, GemmConfig, dequantize_weight,
+                                         fake_quantize_fp8_rows, fp8_scaled_mm, gemm_config, gemm_supported,
+                                         int4_block_k, qgemm, quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, qmatmul_packed, qmatmul_triton
 from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -253,3 +253,64 @@ def test_scaled_mm_and_triton_gemm_agree_on_cuda(act, m):
     graph.replay()
     want = qmatmul_ref(x, *(t.cuda() for t in (w, scale, zp)), s, act_mode=act)
     torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 96), (3, 1500), (17, 64)])
+def test_dynamic_scale_in_the_quantize_launch_is_the_graphs(dtype, m, k, kernel_device):
+    """The per-token scale computed inside the quantize launch (DynamicScale) equals the quantizer's graph formula run
+    by torch in the graph's dtype, bit for bit, and so do the codes; a row of zeros takes the minimum scale, and
+    the dispatch gives the same product either way."""
+    gen = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).reshape(m, 1)).to(dtype)
+    x[0, :] = 0.0 if m > 1 else x[0, :]
+    x = x.to(kernel_device)
+    dyn = DynamicScale(dtype, 2.0 ** -24)
+    want_scale = dyn.reference(x)
+    codes, row_scale = quantize_fp8_rows(x, None, dyn)
+    want_codes, want_rows = quantize_fp8_rows(x, want_scale)
+    assert torch.equal(row_scale, want_scale.float())
+    assert torch.equal(row_scale, want_rows)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(fake_quantize_fp8_rows(x, None, dyn), fake_quantize_fp8_rows(x, want_scale))
+    w, scale, zp, block = _weight("fp8", k, 24, 0, gen)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale.to(dtype), zp)), block_size=block)
+    torch.testing.assert_close(qmatmul_packed(x, packed, None, act_mode=ACT_DYNAMIC, dynamic=dyn),
+                               qmatmul_packed(x, packed, want_scale, act_mode=ACT_DYNAMIC), atol=0, rtol=0)
+
+
+_COMPILE_GEMM_KERNELS = """
+import triton.language as tl
+from trtopt.plugins.qmatmul.gemm import _dequantize_weight, _quantize_fp8_rows
+from trtopt.plugins.trt_common import compile_ptx
+target = ("cuda", 90, 32)
+sig = {"X": "*bf16", "S": "*bf16", "Q": "*u8", "RS": "*fp32", "K": "i32", "stride_xm": "i32", "stride_s": "i32",
+       "stride_qm": "i32", "MIN_SCALE": "fp32"}
+for dynamic in (True, False):
+    k = compile_ptx(_quantize_fp8_rows, sig, dict(BLOCK_K=1024, DEQUANT=False, DYNAMIC=dynamic,
+                    SCALE_DTYPE=tl.bfloat16), num_warps=4, num_stages=1, target=target)
+    assert ".target sm_90" in k.ptx
+    print("quantize", dynamic)
+sig = {"W": "*i32", "S": "*bf16", "Z": "*u8", "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+       "stride_sn": "i32", "stride_on": "i32"}
+for int4, zero in ((True, 8), (True, -1), (False, 0)):
+    k = compile_ptx(_dequantize_weight, dict(sig, W="*i32" if int4 else "*u8"), dict(
+        INT4=int4, GROUP=128 if int4 else 0, ZERO=zero, BLOCK_N=16, BLOCK_K=512, OUT_DTYPE=tl.bfloat16),
+        num_warps=4, num_stages=1, target=target)
+    assert ".target sm_90" in k.ptx
+    print("dequantize", int4, zero)
+"""
+
+
+def test_new_gemm_kernels_compile_for_sm90():
+    """The activation quantize launch (static and DYNAMIC) and the prefill path's dequantization lower to sm_90 PTX
+    on this CPU machine, in a fresh process (this one may be in interpreter mode)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_GEMM_KERNELS], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("\n") == 5, done.stdout

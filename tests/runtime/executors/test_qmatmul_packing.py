@@ -134,3 +134,61 @@ def test_packed_graph_on_cuda_equals_the_op():
                 assert torch.equal(a, b)
             else:
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _dynamic_model(dtype=TensorProto.FLOAT) -> ir.Model:
+    """y0 = QMatMul(x, f8, dynamic) with the quantizer's per-token scale of x (quantize/qdq.py), y1 = the same weight
+    with that formula applied to x2 but fed x's call (not x's scale: kept), y2 the scale itself (a second reader)."""
+    np_dtype = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}[dtype]
+    w, s, z, attrs = _fp8(24)
+    inits = [("w", w), ("s", s.astype(np_dtype)), ("z", z), ("act_zp", np.zeros((), FP8)),
+             ("yes", np.asarray(True)), ("no", np.asarray(False)), ("axes", np.asarray([-1], np.int64)),
+             ("fmax", np.asarray(448.0, np_dtype)), ("tiny", np.asarray(2.0 ** -24, np_dtype))]
+    nodes = []
+    for src in ("x", "x2"):
+        nodes += [helper.make_node("Abs", [src], [f"{src}_abs"]),
+                  helper.make_node("ReduceMax", [f"{src}_abs", "axes"], [f"{src}_amax"], keepdims=1),
+                  helper.make_node("Div", [f"{src}_amax", "fmax"], [f"{src}_ratio"]),
+                  helper.make_node("Max", [f"{src}_ratio", "tiny"], [f"{src}_scale"])]
+    for i, scale in enumerate(("x_scale", "x2_scale")):
+        nodes.append(helper.make_node("QMatMul", ["x", "w", "s", "z", scale, "act_zp", "yes", "no"], [f"y{i}"],
+                                      domain="trtopt", act_mode=ACT_DYNAMIC, act_block_size=K, **attrs))
+    outputs = [helper.make_tensor_value_info(n, dtype, None) for n in ("y0", "y1", "x2_scale")]
+    inputs = [helper.make_tensor_value_info(n, dtype, ["B", "T", K]) for n in ("x", "x2")]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in inits])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("trtopt", 1)],
+                              ir_version=10)
+    return ir.from_proto(proto)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA for CPU tensors under the Triton interpreter")
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_dynamic_scale_moves_into_the_quantize_launch(monkeypatch, dtype):
+    """The quantizer's per-token scale of the call's own x leaves the graph (its four ops erased) and the kernels
+    compute it; a scale of another tensor stays a graph input of its call; outputs are bit for bit those of the same
+    kernels reading the graph's scale."""
+    model = _dynamic_model(dtype)
+    ref_gm, unfolded_gm, gm = (onnx_to_torch(model).module for _ in range(3))
+    before = _targets(gm)
+    monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
+    with monkeypatch.context() as m:  # the same kernels with the graph's scale: what folding must equal bit for bit
+        m.setattr(qmatmul_packing, "_dynamic_scale", lambda *args: None)
+        assert qmatmul_packing.pack_qmatmul_weights(unfolded_gm) == 2
+    assert qmatmul_packing.pack_qmatmul_weights(gm) == 2
+    after = _targets(gm)
+    assert before.count(torch.abs) == 2 and after.count(torch.abs) == 1  # x's formula gone, x2's kept (read twice)
+    calls = [n for n in gm.graph.nodes if n.target is qmatmul_packing.qmatmul_packed_call]
+    assert [n.args[4] is None for n in calls] == [True, False]
+    assert calls[0].kwargs["dynamic_min_scale"] == 2.0 ** -24
+    torch_dtype = {TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16}[dtype]
+    assert calls[0].kwargs["dynamic_dtype"] == torch_dtype
+    for rows in (1, 5, MAX_ROWS + 3):
+        gen = torch.Generator().manual_seed(rows)
+        x = (torch.randn(1, rows, K, generator=gen) * 3).to(torch_dtype)
+        x[0, 0] = 0  # a row of zeros: the minimum scale
+        x2 = torch.randn(1, rows, K, generator=gen).to(torch_dtype)
+        got = gm(x, x2)
+        for a, b, want in zip(got, unfolded_gm(x, x2), ref_gm(x, x2)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+            tol = 1e-4 if dtype == TensorProto.FLOAT else 2e-3  # the CPU reference, another summation order
+            torch.testing.assert_close(a.float(), want.float(), atol=tol, rtol=tol)

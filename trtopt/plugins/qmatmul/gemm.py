@@ -309,13 +309,24 @@ def dequant_mm(x: torch.Tensor, w: PackedQWeight) -> torch.Tensor:
 
 
 @triton.jit
-def _quantize_fp8_rows(X, S, Q, RS, K, stride_xm, stride_s, stride_qm, BLOCK_K: tl.constexpr,
-                       DEQUANT: tl.constexpr):
+def _quantize_fp8_rows(X, S, Q, RS, K, stride_xm, stride_s, stride_qm, MIN_SCALE, BLOCK_K: tl.constexpr,
+                       DEQUANT: tl.constexpr, DYNAMIC: tl.constexpr, SCALE_DTYPE: tl.constexpr):
     """Program r: row r of x [M, K] under its scale S[r · stride_s] (stride 0: one static scale): ONNX
     QuantizeLinear to FP8 E4M3 (x / s rounded to nearest even, saturating at ±448; the division correctly rounded,
-    as torch's) → Q's row as the codes' bytes, or (DEQUANT) as the DequantizeLinear's fp32 values; RS[r] = s."""
+    as torch's) → Q's row as the codes' bytes, or (DEQUANT) as the DequantizeLinear's fp32 values; RS[r] = s.
+    DYNAMIC: S is not read; s is the per-token scale the quantizer's graph computes (quantize/qdq.py
+    `write_dynamic_fp8`), max(max|x| / 448, MIN_SCALE) with the division rounded to SCALE_DTYPE (the graph's dtype),
+    from a first pass over the row."""
     row = tl.program_id(0)
-    s = tl.load(S + row * stride_s).to(tl.float32)
+    if DYNAMIC:
+        big = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            big = tl.maximum(big, tl.abs(tl.load(X + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        ratio = _to_out(tl.math.div_rn(tl.max(big, axis=0), FP8_MAX_TL), SCALE_DTYPE).to(tl.float32)
+        s = tl.maximum(ratio, MIN_SCALE)
+    else:
+        s = tl.load(S + row * stride_s).to(tl.float32)
     tl.store(RS + row, s)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -357,33 +368,57 @@ def _row_scales(act_scale: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
     return scale, 0 if scale.numel() == 1 else scale.stride(0)
 
 
-def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor, dequant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class DynamicScale:
+    """A per-token activation scale the kernels compute themselves instead of reading it: the quantizer's graph
+    max(ReduceMax(Abs(x), -1) / 448, min_scale) (quantize/qdq.py `write_dynamic_fp8`) in `dtype` (the graph's, x's).
+    runtime/executors/qmatmul_packing.py passes one where it finds that subgraph feeding a QMatMul, and drops the
+    subgraph's four kernels a projection."""
+
+    dtype: torch.dtype
+    min_scale: float
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The graph's scale [..., 1] in `dtype`, by the graph's torch ops."""
+        amax = x.to(self.dtype).abs().amax(-1, keepdim=True)
+        return torch.maximum(amax / torch.tensor(FP8_MAX, dtype=self.dtype, device=x.device),
+                             torch.tensor(self.min_scale, dtype=self.dtype, device=x.device))
+
+
+def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor | None, dequant: bool,
+                     dynamic: DynamicScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     assert x.stride(1) == 1 or k <= 1, x.stride()
-    scale, stride_s = _row_scales(act_scale, m)
+    assert (act_scale is None) == (dynamic is not None), "an activation scale, or a DynamicScale to compute it"
     out = torch.empty(m, k, dtype=torch.float32 if dequant else torch.uint8, device=x.device)
     row_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    scale, stride_s = _row_scales(act_scale, m) if dynamic is None else (row_scale, 0)  # not read when DYNAMIC
     if m:
         launcher.launch(_quantize_fp8_rows, (m,), x, scale, out, row_scale, k, x.stride(0), stride_s, out.stride(0),
+                        dynamic.min_scale if dynamic else 0.0,
                         BLOCK_K=min(QUANTIZE_BLOCK_K, triton.next_power_of_2(max(k, 16))), DEQUANT=dequant,
-                        num_warps=4)
+                        DYNAMIC=dynamic is not None,
+                        SCALE_DTYPE=TL_DTYPES[dynamic.dtype] if dynamic else tl.float32, num_warps=4)
     return out, row_scale
 
 
-def quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None,
+                      dynamic: DynamicScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [M, K] float8_e4m3fn, row scale [M, 1] fp32 contiguous) of x [M, K] (K contiguous) under the
-    activation's scale ([] static, or one per row): ONNX QuantizeLinear's codes (reference.py `fake_quantize_fp8`
-    before its DQ), in one Triton launch. In torch the same took five kernels plus the scale's expansion: 23 µs at
-    two rows of K = 4096 on an H200 (docs/benchmarks/qmatmul_nvidia_h200.json, fp8_w8a8 against scaled_mm), more
-    than the FP8 GEMM it feeds."""
-    codes, row_scale = _launch_quantize(x, act_scale, dequant=False)
+    activation's scale ([] static, or one per row; or None with `dynamic`, computed in the same launch): ONNX
+    QuantizeLinear's codes (reference.py `fake_quantize_fp8` before its DQ), in one Triton launch. In torch the same
+    took five kernels plus the scale's expansion: 23 µs at two rows of K = 4096 on an H200 (docs/benchmarks/
+    qmatmul_nvidia_h200.json, fp8_w8a8 against scaled_mm), more than the FP8 GEMM it feeds."""
+    codes, row_scale = _launch_quantize(x, act_scale, dequant=False, dynamic=dynamic)
     return codes.view(torch.float8_e4m3fn), row_scale
 
 
-def fake_quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor:
+def fake_quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None,
+                           dynamic: DynamicScale | None = None) -> torch.Tensor:
     """reference.py `fake_quantize_fp8(x.float(), scale)` of x [M, K] (K contiguous) under the activation's scale
-    ([] static, or one per row) → a new fp32 [M, K], in one Triton launch (the GEMV's W8A8 input)."""
-    return _launch_quantize(x, act_scale, dequant=True)[0]
+    ([] static, or one per row; or None with `dynamic`) → a new fp32 [M, K], in one Triton launch (the GEMV's W8A8
+    input)."""
+    return _launch_quantize(x, act_scale, dequant=True, dynamic=dynamic)[0]
 
 
 @functools.cache

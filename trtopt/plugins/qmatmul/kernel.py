@@ -43,9 +43,9 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
-from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS, dequant_mm, fake_quantize_fp8_rows,
-                                         fp8_scaled_mm, gemm_supported, qgemm, quantize_fp8_rows,
-                                         scaled_mm_supported)
+from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS, DynamicScale, dequant_mm,
+                                         fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported, qgemm,
+                                         quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -267,8 +267,8 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
     return y
 
 
-def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *, act_mode: int = ACT_NONE,
-                   config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | None, *, act_mode: int = ACT_NONE,
+                   config: tuple[int, int, int] | None = None, dynamic: DynamicScale | None = None) -> torch.Tensor:
     """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype, dispatched on the step's rows M:
 
     - weight-only (act_mode none) on CUDA bf16/fp16 x, M >= DEQUANT_MM_MIN_ROWS: the weight dequantized to x's dtype
@@ -278,6 +278,9 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
     - else M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
     - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
       row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
+
+    act_scale None with `dynamic` (act_mode dynamic): the per-token scale is the graph's formula, computed by the
+    activation's quantize launch (gemm.py `DynamicScale`), the same values.
 
     Every path computes the reference's values (qmatmul_ref) up to fp32 summation order (the dequantizing path: and
     the weight's rounding to x's dtype). Callers route CUDA
@@ -295,23 +298,25 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor, *
         if act_mode == ACT_NONE:
             y = qgemm(xk, w)
         else:
-            codes, row_scale = quantize_fp8_rows(xk, act_scale)
+            codes, row_scale = quantize_fp8_rows(xk, act_scale, dynamic)
             if scaled_mm:
                 y = fp8_scaled_mm(codes, w, row_scale)
             else:
                 y = qgemm(codes, w, row_scale=row_scale.reshape(rows), out_dtype=x.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
     if not 0 < rows <= MAX_ROWS:  # no kernel takes it: the reference's math
+        if act_scale is None and act_mode != ACT_NONE:
+            act_scale = dynamic.reference(xf)
         if act_mode != ACT_NONE:
             xf = fake_quantize_fp8(xf.float(), act_scale.float().reshape(-1, 1) if act_scale.dim() else
                                    act_scale.float())
         return (xf.float() @ dequantize_packed(w)).to(x.dtype).reshape(*x.shape[:-1], w.n)
     xk = xf if xf.stride(-1) == 1 else xf.contiguous()
     if act_mode != ACT_NONE and w.fp8:  # the activation's codes and row scale (one launch, gemm.py), into the GEMV
-        codes, row_scale = quantize_fp8_rows(xk, act_scale)
+        codes, row_scale = quantize_fp8_rows(xk, act_scale, dynamic)
         y = qgemv(codes, w, config, row_scale=row_scale, out_dtype=x.dtype)
     else:  # a Q/DQ'd activation before an INT4 weight stays fp32 (the reference multiplies it in fp32)
-        y = qgemv(fake_quantize_fp8_rows(xk, act_scale) if act_mode != ACT_NONE else xk, w, config)
+        y = qgemv(fake_quantize_fp8_rows(xk, act_scale, dynamic) if act_mode != ACT_NONE else xk, w, config)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
 
 

@@ -11,6 +11,13 @@ on every call: several reads of the weight and host syncs per projection.
 2. the plan's buffers it read are dropped when nothing else reads them, so memory does not grow (INT4: it
    halves).
 
+3. a dynamic per-token activation scale computed by the quantizer's formula (Max(Div(ReduceMax(Abs(x)), 448),
+   tiny), quantize/qdq.py `write_dynamic_fp8`) from the call's own x moves into the activation's quantize launch
+   (gemm.py `DynamicScale`: the same values, bit for bit) and its four ops leave the graph: four kernels less a
+   W8A8 projection. They are the likeliest cause (not yet measured apart) of a 1.24B W8A8-dynamic plan's batch-1
+   decode at 0.59x of bf16 on an H200, where FP8 weight-only ran 1.11x (docs/benchmarks/
+   quant_e2e_workload_h200.json, measured before this rewrite).
+
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
 one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
 """
@@ -23,6 +30,7 @@ import torch
 import torch.fx
 
 from trtopt.plugins.qmatmul.packing import PackedQWeight, pack_weight, packable
+from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC
 from trtopt.runtime.executors import trtopt_ops
 from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
 
@@ -41,13 +49,58 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 
 def qmatmul_packed_call(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                        act_scale: torch.Tensor, *, k: int, group: int, zero_const: int,
-                        act_mode: int) -> torch.Tensor:
+                        act_scale: torch.Tensor | None, *, k: int, group: int, zero_const: int, act_mode: int,
+                        dynamic_dtype: torch.dtype | None = None, dynamic_min_scale: float = 0.0) -> torch.Tensor:
     """trtopt::QMatMul on a weight packed at load: PackedQWeight's tensors (data [N, ·], scale, zero or None) and
     fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to GEMV_MAX_ROWS rows, else a tensor-core
-    GEMM: plugins/qmatmul/gemm.py)."""
+    GEMM: plugins/qmatmul/gemm.py). act_scale None: the per-token scale computed in the kernels (gemm.py
+    `DynamicScale(dynamic_dtype, dynamic_min_scale)`, `fold_dynamic_scales`)."""
+    from trtopt.plugins.qmatmul.gemm import DynamicScale
+
     w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
-    return _kernel().qmatmul_packed(x, w, act_scale, act_mode=act_mode)
+    dynamic = DynamicScale(dynamic_dtype, dynamic_min_scale) if act_scale is None else None
+    return _kernel().qmatmul_packed(x, w, act_scale, act_mode=act_mode, dynamic=dynamic)
+
+
+def _const(gm: torch.fx.GraphModule, arg) -> torch.Tensor | float | None:
+    """A node argument's constant value: a Python number, or a get_attr's 0-d tensor; else None."""
+    if isinstance(arg, (int, float)):
+        return arg
+    if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+        value = getattr(gm, arg.target, None)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value
+    return None
+
+
+def _call_of(arg, *targets) -> bool:
+    return isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target in targets
+
+
+def _dynamic_scale(gm: torch.fx.GraphModule, x, scale) -> tuple[torch.dtype, float, list[torch.fx.Node]] | None:
+    """(dtype, min scale, the nodes) when `scale` is the quantizer's per-token formula of `x` (quantize/qdq.py
+    `write_dynamic_fp8`): Max(Div(ReduceMax(Abs(x), axes=[-1], keepdims=1), 448), tiny) with tiny a constant tensor
+    of the graph's dtype; else None."""
+    from trtopt.plugins.qmatmul.reference import FP8_MAX
+    from trtopt.runtime.executors import onnx_ops
+
+    if not (isinstance(scale, torch.fx.Node) and scale.op == "call_function" and len(scale.args) == 2
+            and getattr(scale.target, "__name__", "") in ("variadic_maximum", "maximum")):
+        return None
+    ratio, tiny = scale.args
+    tiny = _const(gm, tiny)
+    if not (isinstance(tiny, torch.Tensor) and tiny.is_floating_point() and _call_of(ratio, onnx_ops.div)):
+        return None
+    amax, fmax = ratio.args
+    fmax = _const(gm, fmax)
+    if fmax is None or float(fmax) != FP8_MAX or not _call_of(amax, onnx_ops.reduce_max):
+        return None
+    axes = amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("axes")
+    if list(axes or ()) != [-1] or amax.kwargs.get("keepdims", 1) != 1 or not _call_of(amax.args[0], torch.abs):
+        return None
+    if amax.args[0].args[0] is not x:
+        return None
+    return tiny.dtype, float(tiny), [scale, ratio, amax, amax.args[0]]
 
 
 def _axis_fits(axis: int, block_size: int) -> bool:
@@ -99,8 +152,20 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
             packed[key] = reads, dict(k=w.k, group=w.group, zero_const=w.zero_const)
         reads, fields = packed[key]
         old_consts = dict.fromkeys(a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr")
-        replace_node(gm, node, qmatmul_packed_call, (node.args[0], *reads, node.args[4]),
-                     dict(fields, act_mode=node.kwargs.get("act_mode", 0)))
+        act_mode, act_scale = node.kwargs.get("act_mode", 0), node.args[4]
+        dynamic = _dynamic_scale(gm, node.args[0], act_scale) if act_mode == ACT_DYNAMIC else None
+        if dynamic is not None:  # the scale's four ops move into the activation's quantize launch
+            dtype, min_scale, scale_nodes = dynamic
+            fields = dict(fields, dynamic_dtype=dtype, dynamic_min_scale=min_scale)
+            act_scale = None
+        replace_node(gm, node, qmatmul_packed_call, (node.args[0], *reads, act_scale), dict(fields, act_mode=act_mode))
+        if dynamic is not None:
+            for n in scale_nodes:  # Max, Div, ReduceMax, Abs: erased once nothing else reads them
+                if not n.users:
+                    consts = [a for a in n.all_input_nodes if a.op == "get_attr"]
+                    gm.graph.erase_node(n)
+                    for const in consts:
+                        _drop_if_unread(gm, const)
         for const in old_consts:  # the plan's weight, and the zero point and flags the packed call does not read
             _drop_if_unread(gm, const)
         count += 1
