@@ -14,7 +14,10 @@ Cells (one plan each, built from one export in --dtype: bf16 on CUDA, fp32 on th
 - fp8_smooth_k, fp8_smooth: fp8 built with kv_cache_smoothing="k" (the keys' calibrated per-layer mean subtracted)
   or "kv" (the values' too); fp8_hadamard_smooth_k, fp8_hadamard_smooth: the same with the Hadamard rotation on top
   (when build_plan takes kv_cache_smoothing; else skipped, noted). The build calibrates the means on data.py's
-  calibration slice, disjoint from the held-out windows.
+  calibration slice, disjoint from the held-out windows;
+- fp8_hadamard_kv_smooth: K and V smoothed and both rotated (kv_cache_rotation="hadamard_kv"); ..._amax: the same
+  with per-layer scales amax / 448 of its own pools at scale 1.0 over the calibration windows (what the pools store
+  after the transforms, as e4m3 rounds it).
 
 Perplexity and KL: trtopt/quantize/data.py's text rule (the last --windows x --window tokens of Python's reference
 manual, held out from calibration; BOS in front of each window when the tokenizer adds one, as for Gemma). The
@@ -126,6 +129,8 @@ CELLS = {c.name: c for c in (
     Cell("fp8_smooth_k", "fp8", smoothing="k"), Cell("fp8_smooth", "fp8", smoothing="kv"),
     Cell("fp8_hadamard_smooth_k", "fp8", rotation="hadamard", smoothing="k"),
     Cell("fp8_hadamard_smooth", "fp8", rotation="hadamard", smoothing="kv"),
+    Cell("fp8_hadamard_kv_smooth", "fp8", rotation="hadamard_kv", smoothing="kv"),
+    Cell("fp8_hadamard_kv_smooth_amax", "fp8", "amax_self", rotation="hadamard_kv", smoothing="kv"),
 )}
 
 
@@ -305,13 +310,14 @@ def summarize(accs: dict) -> dict:
 
 
 def amax_scales(executor, windows: np.ndarray, *, batch: int, chunk: int, plan) -> tuple[list[float], list[float]]:
-    """Per-layer K and V scales amax / 448 of the model-dtype pools over ``windows``."""
+    """Per-layer K and V scales amax / 448 of the pools over ``windows`` (model-dtype pools; or FP8 pools at scale
+    1.0, whose values are e4m3's roundings of what they store, for amax_self)."""
     executor.allocate_kv_cache(pool_blocks(windows.shape[1], batch, plan.limits.block_size))
     amax = None
     for step in window_steps(windows, batch=batch, chunk=chunk, block_size=plan.limits.block_size,
                              max_blocks_per_seq=plan.max_blocks_per_seq):
         executor.execute(step.inputs)
-        now = torch.stack([p.abs().amax(dim=(0, 2, 3, 4)).float() for p in executor.kv_caches])  # [layers, 2]
+        now = torch.stack([p.float().abs().amax(dim=(0, 2, 3, 4)) for p in executor.kv_caches])  # [layers, 2]
         amax = now if amax is None else torch.maximum(amax, now)
     k, v = (amax / FP8_E4M3_MAX).cpu().T.tolist()
     return k, v
@@ -435,6 +441,15 @@ def cell_plans(cells: list[Cell], source: Path, limits: Limits, args, auto_execu
     """Each cell's plan dir; fp8_amax's scales come from ``auto_executor`` over the calibration windows."""
     plans: dict[str, Path] = {}
     for cell in cells:
+        if cell.scale == "amax_self":  # the transforms' own values: amax of this cell's pools at scale 1.0
+            base = build(source, args.cache, dataclasses.replace(cell, name=cell.name + "_x1", scale=1.0), limits)
+            executor = open_executor(base, args.device, args.attention)
+            k, v = amax_scales(executor, calibration, batch=args.batch, chunk=args.chunk, plan=executor.plan)
+            del executor
+            log(f"  {cell.name}: amax scales of its transformed K/V over {len(calibration)} calibration windows: "
+                f"K {min(k):.4f}..{max(k):.4f}, V {min(v):.4f}..{max(v):.4f}")
+            plans[cell.name] = with_scales(base, args.cache / f"{base.name}-{cell.name}", k, v)
+            continue
         if cell.kv_cache_dtype == "auto" or cell.build_options() or cell.scale == 1.0:
             plans[cell.name] = build(source, args.cache, cell, limits)
             continue
@@ -471,7 +486,7 @@ def ppl_phase(args, source: Path, tokenizer, limits: Limits) -> None:
     results = summarize(perplexities(executors, heldout, batch=args.batch, chunk=args.chunk, plan=auto.plan))
     for name, res in results.items():
         res["kv_pool_dtype"] = executors[name].plan.kv_pool_dtype
-        if name == "fp8_amax":
+        if name in ("fp8_amax", "fp8_hadamard_kv_smooth_amax"):
             res["k_scales"], res["v_scales"] = scales_of(plans[name])
         log(f"  {name}: ppl {res['perplexity']} ({res['delta_ppl_pct']:+.3f}% +- {res['delta_ppl_pct_paired_stderr']}),"
             f" KL {res['mean_kl_nats']:.2e}, top-1 {res['top1_agreement']:.4f} [{res['seconds']} s]")

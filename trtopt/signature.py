@@ -93,8 +93,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_KV_DTYPE = "float8_e4m3fn"  # the pool dtype of an "fp8" plan (torch.float8_e4m3fn, ONNX FLOAT8E4M3FN)
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn; the write saturates to ±this
 # `trtopt build --kv-cache-rotation` (with --kv-cache-dtype fp8 only): "hadamard" rotates q and k by one orthonormal
-# Hadamard matrix before each PagedAttention (fusion_passes/kv_rotation.py), so the pools hold k·H, not k.
-KV_CACHE_ROTATIONS = ("none", "hadamard")
+# Hadamard matrix before each PagedAttention (fusion_passes/kv_rotation.py), so the pools hold k·H, not k;
+# "hadamard_kv" also v (the pools hold v·H, the output is multiplied by H after attention).
+KV_CACHE_ROTATIONS = ("none", "hadamard", "hadamard_kv")
 # `trtopt build --kv-cache-smoothing` (with --kv-cache-dtype fp8 only): "k" subtracts a calibrated per-layer mean from
 # the keys before each PagedAttention, "kv" from the values too and adds it back to the output
 # (fusion_passes/kv_smoothing.py), so the pools hold k - b_k (and v - b_v).

@@ -116,3 +116,79 @@ def test_rotate_qk_divides_the_rounding_out_of_the_scale():
     np.testing.assert_allclose(node.attributes["scale"].value, scale / factor, rtol=1e-7)
     assert [n.op_type for n in model.graph] == ["MatMul", "MatMul", "PagedAttention"]
     assert node.inputs[2] is v and node.inputs[0].dtype == ir.DataType.FLOAT16
+
+
+def _marked_kv(plan_dir, out) -> tuple[object, int]:
+    """A copy of the plan with q, k and v rotated (values=True), outputting every PagedAttention's rotated-back
+    attention output (the reader-facing value); returns (plan dir, layers rotated)."""
+    proto = onnx.load(str(plan_dir / MODEL_FILE))
+    model = ir.from_proto(proto)
+    rotated = rotate_qk(model, values=True)
+    proto = ir.to_proto(model)
+    for node in proto.graph.node:
+        if node.name.endswith(".rotate_back_v"):
+            proto.graph.output.append(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
+    out.mkdir()
+    onnx.save(proto, str(out / MODEL_FILE))
+    shutil.copy(plan_dir / "plan.json", out / "plan.json")
+    return out, rotated
+
+
+def test_value_rotation_leaves_attention_and_logits_unchanged_on_onnxruntime(plan_dir, tmp_path):
+    """`hadamard_kv`: v·H stored and the output times H: on float32 pools the attention outputs (after the rotation
+    back) and the logits equal the unrotated plan's; both pool halves hold rotated values."""
+    source = plan_dir(MODEL)
+    plan = read_plan(source)
+    base, _ = _marked(source, tmp_path / "base", rotate=False)
+    rot, count = _marked_kv(source, tmp_path / "rot")
+    assert count == plan.model.num_layers
+    graph = onnx.load(str(rot / MODEL_FILE), load_external_data=False).graph
+    produced_by = {out: node for node in graph.node for out in node.output}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    for node in (n for n in graph.node if n.op_type == "PagedAttention"):
+        assert [produced_by[name].op_type for name in node.input[:3]] == ["MatMul"] * 3
+        assert [r.name for r in readers[node.output[0]]] == [f"{node.name}.rotate_back_v"]  # nothing else reads it
+
+    executors = {name: OrtExecutor(d, plan) for name, d in (("base", base), ("rot", rot))}
+    for ex in executors.values():
+        ex.allocate_kv_cache(8)
+    builder = InputBuilder(plan.limits.block_size, plan.max_blocks_per_seq)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, 5000, 36)]
+    steps = [ScheduledBatch([ScheduledSeq("a", tokens[:33], 0, [1, 2, 3], True)], 33, [])]
+    steps += [ScheduledBatch([ScheduledSeq("a", [tokens[i]], i, [1, 2, 3], True)], 1, []) for i in range(33, 36)]
+    for batch in steps:
+        inputs = builder.build(batch)
+        logits = {name: ex.execute(inputs).numpy() for name, ex in executors.items()}
+        np.testing.assert_allclose(logits["rot"], logits["base"], rtol=0, atol=1e-5)
+        base_out = list(executors["base"].extra_outputs.values())
+        rot_out = list(executors["rot"].extra_outputs.values())
+        assert len(base_out) == len(rot_out) == plan.model.num_layers
+        for a, b in zip(rot_out, base_out):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-5)
+    h = hadamard(16).astype(np.float32)
+    pools = {name: ex.kv_caches[0] for name, ex in executors.items()}
+    for half in (0, 1):  # K and V both stored rotated
+        np.testing.assert_allclose(pools["rot"][:, half], pools["base"][:, half] @ h, atol=1e-5)
+
+
+def test_value_rotation_divides_the_rounding_out_of_the_output():
+    """fp16 at head_dim 32: the rotated-back output is multiplied by 1/alpha² (the stored H is alpha·H)."""
+    from trtopt.plugins.common import DOMAIN
+
+    d = 32
+    q, k, v = (ir.Value(name=n, shape=ir.Shape([1, 2, "T", d]), type=ir.TensorType(ir.DataType.FLOAT16))
+               for n in "qkv")
+    attrs = [ir.AttrInt64("head_dim", d), ir.AttrFloat32("scale", 0.1)]
+    node = ir.Node(DOMAIN, "PagedAttention", [q, k, v], attrs, num_outputs=2, name="PagedAttention_0")
+    node.outputs[0].dtype = ir.DataType.FLOAT16
+    out = node.outputs[0]
+    model = ir.Model(ir.Graph([q, k, v], [out], nodes=[node]), ir_version=10)
+    assert rotate_qk(model, values=True) == 1
+    assert [n.op_type for n in model.graph] == ["MatMul", "MatMul", "MatMul", "PagedAttention", "MatMul", "Mul"]
+    _, factor = _rotation(ir.Graph([], [], nodes=[]), d, ir.DataType.FLOAT16, {})
+    mul = list(model.graph)[-1]
+    assert model.graph.outputs[0] is mul.outputs[0]  # the graph output now reads the rotated-back value
+    np.testing.assert_allclose(float(mul.inputs[1].const_value.numpy()), 1 / factor, rtol=1e-3)

@@ -31,11 +31,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plans(export_dir, plan_dir, module_tmp):
-    """The tiny Llama's plans: "auto" (the session's float32 plan), "fp8" and "hadamard" (fp8 + rotation)."""
+    """The tiny Llama's plans: "auto" (the session's float32 plan), "fp8", "hadamard" (fp8 + rotation) and
+    "hadamard_kv" (fp8 + q, k and v rotated)."""
     from trtopt.builder.pipeline import build_plan
 
     out = {"auto": plan_dir(MODEL)}
-    for name, rotation in (("fp8", "none"), ("hadamard", "hadamard")):
+    for name, rotation in (("fp8", "none"), ("hadamard", "hadamard"), ("hadamard_kv", "hadamard_kv")):
         out[name] = build_plan(export_dir(MODEL), module_tmp / name, limits=LIMITS, force=True, progress=False,
                                kv_cache_dtype="fp8", kv_cache_rotation=rotation).plan_dir
     return out
@@ -87,13 +88,26 @@ def test_the_build_records_the_rotation_in_plan_json_and_the_graph(plans):
     assert sum(n.op_type == "MatMul" and n.input[1] == h.name for n in graph.node) == 2 * plan.model.num_layers
 
 
-def test_torch_executor_greedy_equals_the_onnx_body_on_onnxruntime(plans, executors):
-    tokens = {backend: _greedy(executors("hadamard", backend), plans["hadamard"])
-              for backend in ("torch", "onnxruntime")}
+@pytest.mark.parametrize("name", ["hadamard", "hadamard_kv"])
+def test_torch_executor_greedy_equals_the_onnx_body_on_onnxruntime(plans, executors, name):
+    tokens = {backend: _greedy(executors(name, backend), plans[name]) for backend in ("torch", "onnxruntime")}
     assert tokens["torch"] == tokens["onnxruntime"]
     assert all(len(t) == 20 for t in tokens["torch"])
     # The cost: with MatMul(·, H) between them, the torch executor no longer folds Rope into PagedAttention.
-    assert executors("hadamard", "torch").num_fused_rope_kv == 0 and executors("fp8", "torch").num_fused_rope_kv == 2
+    assert executors(name, "torch").num_fused_rope_kv == 0 and executors("fp8", "torch").num_fused_rope_kv == 2
+
+
+def test_value_rotation_is_recorded_and_rotates_v_and_the_output(plans):
+    plan = read_plan(plans["hadamard_kv"])
+    assert (plan.kv_cache_dtype, plan.kv_cache_rotation) == ("fp8", "hadamard_kv")
+    graph = onnx.load(str(plans["hadamard_kv"] / "model.onnx"), load_external_data=False).graph
+    produced_by = {out: node for node in graph.node for out in node.output}
+    (h,) = [t for t in graph.initializer if t.name.startswith(INITIALIZER_PREFIX)]
+    for node in (n for n in graph.node if n.op_type == "PagedAttention"):
+        assert [produced_by[i].input[1] for i in node.input[:3]] == [h.name] * 3
+        (back,) = [n for n in graph.node if node.output[0] in n.input]
+        assert back.op_type == "MatMul" and back.input[1] == h.name  # the output rotated back, read by nothing else
+    assert sum(n.op_type == "MatMul" and n.input[1] == h.name for n in graph.node) == 4 * plan.model.num_layers
 
 
 def test_the_rotated_plan_errs_like_fp8_against_the_float32_plan(plans, executors):
@@ -110,7 +124,7 @@ def test_the_rotated_plan_errs_like_fp8_against_the_float32_plan(plans, executor
     steps += [builder.build(ScheduledBatch([ScheduledSeq("a", [tokens[i]], i, [1, 2, 3], True)], 1, []))
               for i in range(37, 40)]
     logits = {}
-    for name in ("auto", "fp8", "hadamard"):
+    for name in ("auto", "fp8", "hadamard", "hadamard_kv"):
         ex = executors(name, "torch")
         ex.allocate_kv_cache(8)
         logits[name] = torch.cat([ex.execute(s).float() for s in steps])
@@ -119,9 +133,10 @@ def test_the_rotated_plan_errs_like_fp8_against_the_float32_plan(plans, executor
         ref, lp = torch.log_softmax(logits["auto"], -1), torch.log_softmax(logits[name], -1)
         return float((ref.exp() * (ref - lp)).sum(-1).mean())
 
-    err = {name: float((logits[name] - logits["auto"]).abs().max()) for name in ("fp8", "hadamard")}
-    assert 0 < err["hadamard"] < 2 * err["fp8"] and 0 < kl("hadamard") < 2 * kl("fp8"), (err, kl("fp8"))
-    assert kl("hadamard") < 0.02  # FP8's size on this model (about 4e-3 both ways)
+    err = {name: float((logits[name] - logits["auto"]).abs().max()) for name in ("fp8", "hadamard", "hadamard_kv")}
+    for name in ("hadamard", "hadamard_kv"):
+        assert 0 < err[name] < 2 * err["fp8"] and 0 < kl(name) < 2 * kl("fp8"), (name, err, kl("fp8"))
+        assert kl(name) < 0.02  # FP8's size on this model (about 4e-3 both ways)
 
 
 def test_a_self_draft_plan_keeps_the_rotation(plans, tmp_path):

@@ -77,7 +77,7 @@ class BuildOptions:
     disable_passes: tuple[str, ...]  # OPTIONAL_PASSES to skip
     explain: bool  # recorded in fusion_report.json
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "fp8" stores the KV pools as float8_e4m3fn
-    kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS: "hadamard" rotates q and k (kv_cache_dtype "fp8")
+    kv_cache_rotation: str = "none"  # KV_CACHE_ROTATIONS: "hadamard" rotates q and k, "hadamard_kv" v too (fp8 only)
     kv_cache_smoothing: str = "none"  # one of KV_CACHE_SMOOTHINGS: "k"/"kv" subtract calibrated means (fp8 only)
     kv_calibrator: KvCalibrator | None = None  # runs the graph for kv_cache_smoothing (the runtime's kv_means)
 
@@ -334,10 +334,10 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
         facts = model_facts(model, report.kind, config_json, options.generation_json)
         notes = tuple(config_disagreements(facts, config_json))
         check_signature(model, report.kind)
-    if options.kv_cache_rotation == "hadamard":
+    if options.kv_cache_rotation != "none":
         odd = sorted({d for d in head_dims(model) if not is_power_of_two(d)})
         if odd:
-            raise ConfigError(f"--kv-cache-rotation hadamard needs a power-of-two head_dim (Sylvester's Hadamard "
+            raise ConfigError(f"--kv-cache-rotation {options.kv_cache_rotation} needs a power-of-two head_dim (Sylvester's Hadamard "
                               f"matrix), and {options.onnx_path} has head_dim {', '.join(map(str, odd))}; build "
                               "without --kv-cache-rotation.")
     means = None
@@ -396,7 +396,7 @@ def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGra
 
 
 def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
-    """With --kv-cache-rotation hadamard: rotate q and k before every PagedAttention of ``fused.model`` (the rank
+    """With --kv-cache-rotation hadamard(_kv): rotate q and k (and v) before every PagedAttention of ``fused.model`` (the rank
     graph when sharded), in place.
 
     After shard, not in fuse: H acts within a head, so every rank takes the same H, and the sharding analysis would
@@ -404,8 +404,9 @@ def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
     if options.kv_cache_rotation == "none":
         return
     assert fused.model is not None, "rotate runs before write consumes the graph"
-    with steps.step(f"rotating q and k ({options.kv_cache_rotation})"):
-        rotated = rotate_qk(fused.model)
+    with steps.step(f"rotating q, k{' and v' if options.kv_cache_rotation == 'hadamard_kv' else ''} "
+                    f"({options.kv_cache_rotation})"):
+        rotated = rotate_qk(fused.model, values=options.kv_cache_rotation == "hadamard_kv")
     assert rotated == fused.facts.num_layers, f"rotated {rotated} of {fused.facts.num_layers} attention layers"
 
 
@@ -493,9 +494,9 @@ def build_plan(
     scales of 1.0 on the PagedAttention nodes; fusion_passes/paged_attention.py use_fp8_kv_cache); ConfigError for
     another value, or for "fp8" on a plan without a KV cache.
 
-    ``kv_cache_rotation`` (with kv_cache_dtype "fp8" only): "none" or "hadamard" (q and k multiplied by one
+    ``kv_cache_rotation`` (with kv_cache_dtype "fp8" only): "none", "hadamard" (q and k multiplied by one
     orthonormal Hadamard matrix before each PagedAttention, exact in real arithmetic, so the FP8 pools hold k·H:
-    fusion_passes/kv_rotation.py); ConfigError for another value, without "fp8", or for a head_dim that is not a
+    fusion_passes/kv_rotation.py) or "hadamard_kv" (v too, and the output rotated back); ConfigError for another value, without "fp8", or for a head_dim that is not a
     power of two.
 
     ``kv_cache_smoothing`` (with kv_cache_dtype "fp8" only): "none", "k" (every layer's mean post-RoPE key per KV

@@ -21,7 +21,8 @@ def _print_report(result, explain: bool) -> None:
         f"[green]built[/] {result.plan_dir}: {facts.num_layers} layers, {facts.num_heads}/{facts.num_kv_heads} heads "
         f"× {facts.head_dim}, vocab {facts.vocab_size}, {facts.dtype}"
         + (f", KV cache {result.config.kv_pool_dtype}" if result.config.kv_cache_dtype != "auto" else "")
-        + (f", q/k rotated ({result.config.kv_cache_rotation})" if result.config.kv_cache_rotation != "none" else "")
+        + (f", {'q/k/v' if result.config.kv_cache_rotation == 'hadamard_kv' else 'q/k'} rotated "
+           f"({result.config.kv_cache_rotation})" if result.config.kv_cache_rotation != "none" else "")
         + (f", {'K/V' if result.config.kv_cache_smoothing == 'kv' else 'K'} smoothed ({result.kv_calibration})"
            if result.config.kv_cache_smoothing != "none" else "")
     )
@@ -89,9 +90,10 @@ def build(
     ),
     kv_cache_rotation: str = typer.Option(
         "none", "--kv-cache-rotation",
-        help="With --kv-cache-dtype fp8: `none` or `hadamard` (q and k multiplied by one orthonormal Hadamard matrix "
+        help="With --kv-cache-dtype fp8: `none`, `hadamard` (q and k multiplied by one orthonormal Hadamard matrix "
         "before attention, exact before rounding, so the FP8 pools hold rotated keys; needs a power-of-two "
-        "head_dim). Whether it lowers FP8's perplexity cost depends on the model: measure it.",
+        "head_dim) or `hadamard_kv` (v too: the pools hold rotated values and the output is rotated back). Whether "
+        "it lowers FP8's perplexity cost depends on the model: measure it.",
     ),
     kv_cache_smoothing: str = typer.Option(
         "none", "--kv-cache-smoothing",

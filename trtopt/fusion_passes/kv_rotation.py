@@ -7,7 +7,9 @@
 
 Exact in real arithmetic: H Hᵀ = I, so (qH)(kH)ᵀ = q kᵀ and the attention output is unchanged; the pools then hold
 kH, whose values FP8 rounds differently: rotating spreads a key's few large channels over all D. V is left alone
-(nearly all of FP8's loss on SmolLM2 is K's). Whether it helps is a property of the model (it did on SmolLM2, not on
+(nearly all of FP8's loss on SmolLM2 is K's) unless asked (`hadamard_kv`: v·H stored, the output multiplied by H
+after attention, P·(vH)·H = P·v; with K and V smoothing it took Gemma-3-270m's fake-quantized FP8 KV from +0.89% to
++0.54%, docs/benchmarks/fp8_kv_schemes_gemma3_cpu.json). Whether it helps is a property of the model (it did on SmolLM2, not on
 Gemma-3-270m), so it is an option, measured per model (benchmarks/fp8_kv.py, cell fp8_hadamard).
 
 q and k are [1, H, T, D] after RoPE and MatMul broadcasts H over heads and tokens, so the rewrite acts within a head:
@@ -68,9 +70,38 @@ def _rotated(graph: ir.Graph, node: ir.Node, index: int, h: ir.Value, what: str)
     node.replace_input_with(index, matmul.outputs[0])
 
 
-def rotate_qk(model: ir.Model) -> int:
+def _rotated_back(graph: ir.Graph, node: ir.Node, h: ir.Value, factor: float) -> None:
+    """The attention output o of ``node`` (computed on v·H) replaced, for every reader, by o·H (H symmetric: H·H =
+    I), divided by ``factor`` when the stored H is alpha·H with alpha² = factor != 1."""
+    out = node.outputs[0]
+    readers = list(out.uses())  # before the MatMul below becomes one
+    matmul = ir.node("MatMul", [out, h], name=f"{node.name}.rotate_back_v")
+    result = matmul.outputs[0]
+    result.name, result.shape, result.type = f"{out.name}.rotated_back", out.shape, out.type
+    nodes = [matmul]
+    if factor != 1.0:
+        inv = ir.Value(name=f"{h.name}_inv_alpha2", const_value=ir.tensor(
+            np.asarray(1.0 / factor, dtype=out.dtype.numpy()), name=f"{h.name}_inv_alpha2"))
+        inv.shape, inv.type = ir.Shape([]), ir.TensorType(out.dtype)
+        if inv.name not in graph.initializers:
+            graph.register_initializer(inv)
+        inv = graph.initializers[inv.name]
+        mul = ir.node("Mul", [result, inv], name=f"{node.name}.rotate_back_v_scale")
+        mul.outputs[0].name, mul.outputs[0].shape, mul.outputs[0].type = f"{out.name}.unrotated", out.shape, out.type
+        nodes.append(mul)
+    final = nodes[-1].outputs[0]
+    for reader, index in readers:
+        reader.replace_input_with(index, final)
+    if out.is_graph_output():
+        graph.outputs[graph.outputs.index(out)] = final
+    graph.insert_after(node, nodes)
+
+
+def rotate_qk(model: ir.Model, *, values: bool = False) -> int:
     """Put MatMul(q, H) and MatMul(k, H) before every trtopt.PagedAttention (H = hadamard(head_dim) in q's dtype,
-    one initializer per head_dim shared by every layer); returns the number of nodes rotated. Mutates ``model``.
+    one initializer per head_dim shared by every layer); with ``values`` (`--kv-cache-rotation hadamard_kv`) also
+    MatMul(v, H) before it and MatMul(o, H) after it (the pools hold v·H; the output P·v·H times H is P·v). Returns
+    the number of nodes rotated. Mutates ``model``.
 
     Works on any paged graph, whatever its pool dtype (the build allows it with FP8 pools only, where it pays). Every
     node's head_dim must be a power of two: the caller checks it (assert here)."""
@@ -86,6 +117,9 @@ def rotate_qk(model: ir.Model) -> int:
         _rotated(graph, node, 1, h, "k")
         if score_factor != 1.0:
             node.attributes["scale"] = ir.AttrFloat32("scale", float(node.attributes["scale"].value) / score_factor)
+        if values:
+            _rotated(graph, node, 2, h, "v")
+            _rotated_back(graph, node, h, score_factor)
     return len(nodes)
 
 
