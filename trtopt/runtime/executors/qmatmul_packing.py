@@ -50,15 +50,16 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 def qmatmul_packed_call(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                         act_scale: torch.Tensor | None, *, k: int, group: int, zero_const: int, act_mode: int,
-                        dynamic_dtype: torch.dtype | None = None, dynamic_min_scale: float = 0.0) -> torch.Tensor:
+                        dynamic_min_scale: float = 0.0) -> torch.Tensor:
     """trtopt::QMatMul on a weight packed at load: PackedQWeight's tensors (data [N, ·], scale, zero or None) and
     fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to GEMV_MAX_ROWS rows, else a tensor-core
     GEMM: plugins/qmatmul/gemm.py). act_scale None: the per-token scale computed in the kernels (gemm.py
-    `DynamicScale(dynamic_dtype, dynamic_min_scale)`, `fold_dynamic_scales`)."""
+    `DynamicScale(x.dtype, dynamic_min_scale)`: the graph's Div runs in x's dtype whatever the dtype of its tiny
+    constant, and the Max after it only widens)."""
     from trtopt.plugins.qmatmul.gemm import DynamicScale
 
     w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
-    dynamic = DynamicScale(dynamic_dtype, dynamic_min_scale) if act_scale is None else None
+    dynamic = DynamicScale(x.dtype, dynamic_min_scale) if act_scale is None else None
     return _kernel().qmatmul_packed(x, w, act_scale, act_mode=act_mode, dynamic=dynamic)
 
 
@@ -77,10 +78,10 @@ def _call_of(arg, *targets) -> bool:
     return isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target in targets
 
 
-def _dynamic_scale(gm: torch.fx.GraphModule, x, scale) -> tuple[torch.dtype, float, list[torch.fx.Node]] | None:
-    """(dtype, min scale, the nodes) when `scale` is the quantizer's per-token formula of `x` (quantize/qdq.py
-    `write_dynamic_fp8`): Max(Div(ReduceMax(Abs(x), axes=[-1], keepdims=1), 448), tiny) with tiny a constant tensor
-    of the graph's dtype; else None."""
+def _dynamic_scale(gm: torch.fx.GraphModule, x, scale) -> tuple[float, list[torch.fx.Node]] | None:
+    """(min scale, the nodes) when `scale` is the quantizer's per-token formula of `x` (quantize/qdq.py
+    `write_dynamic_fp8`): Max(Div(ReduceMax(Abs(x), axes=[-1], keepdims=1), 448), tiny) with tiny a constant float
+    tensor whose value the kernels' fp32 holds exactly; else None."""
     from trtopt.plugins.qmatmul.reference import FP8_MAX
     from trtopt.runtime.executors import onnx_ops
 
@@ -89,7 +90,8 @@ def _dynamic_scale(gm: torch.fx.GraphModule, x, scale) -> tuple[torch.dtype, flo
         return None
     ratio, tiny = scale.args
     tiny = _const(gm, tiny)
-    if not (isinstance(tiny, torch.Tensor) and tiny.is_floating_point() and _call_of(ratio, onnx_ops.div)):
+    if not (isinstance(tiny, torch.Tensor) and tiny.is_floating_point() and _call_of(ratio, onnx_ops.div)
+            and float(tiny.float()) == float(tiny)):
         return None
     amax, fmax = ratio.args
     fmax = _const(gm, fmax)
@@ -100,7 +102,7 @@ def _dynamic_scale(gm: torch.fx.GraphModule, x, scale) -> tuple[torch.dtype, flo
         return None
     if amax.args[0].args[0] is not x:
         return None
-    return tiny.dtype, float(tiny), [scale, ratio, amax, amax.args[0]]
+    return float(tiny), [scale, ratio, amax, amax.args[0]]
 
 
 def _axis_fits(axis: int, block_size: int) -> bool:
@@ -155,8 +157,8 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
         act_mode, act_scale = node.kwargs.get("act_mode", 0), node.args[4]
         dynamic = _dynamic_scale(gm, node.args[0], act_scale) if act_mode == ACT_DYNAMIC else None
         if dynamic is not None:  # the scale's four ops move into the activation's quantize launch
-            dtype, min_scale, scale_nodes = dynamic
-            fields = dict(fields, dynamic_dtype=dtype, dynamic_min_scale=min_scale)
+            min_scale, scale_nodes = dynamic
+            fields = dict(fields, dynamic_min_scale=min_scale)
             act_scale = None
         replace_node(gm, node, qmatmul_packed_call, (node.args[0], *reads, act_scale), dict(fields, act_mode=act_mode))
         if dynamic is not None:
