@@ -320,8 +320,9 @@ def main() -> None:
         log(f"{name:36s} dppl {r['dppl_pct']:+7.3f}% +- {r['dppl_pct_stderr']}  KL {r['kl_mnats']:7.3f} mnats  "
             f"top-1 {r['top1_agreement']:.4f}")
     report = {
-        "what": f"{MODELS[args.model]} (bundled GGUF, fp32 HF transformers on the CPU), post-RoPE K and V fake-quantized to "
-                "float8_e4m3fn (saturating at 448) in a patched attention; every scheme is exact in real arithmetic",
+        "what": f"{MODELS[args.model]} (bundled GGUF, fp32 HF transformers on the CPU), post-RoPE K and V "
+                "fake-quantized to float8_e4m3fn (saturating at 448) in a patched attention; every scheme is exact "
+                "in real arithmetic",
         "text": f"trtopt/quantize/data.py: held-out = last {args.windows} x {args.window} tokens, calibration (b_k, "
                 f"b_v, amax scales) = first {args.calibration_windows} x {args.window} tokens",
         "scored_tokens": args.windows * (args.window - 1),

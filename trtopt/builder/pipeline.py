@@ -337,8 +337,8 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
     if options.kv_cache_rotation != "none":
         odd = sorted({d for d in head_dims(model) if not is_power_of_two(d)})
         if odd:
-            raise ConfigError(f"--kv-cache-rotation {options.kv_cache_rotation} needs a power-of-two head_dim (Sylvester's Hadamard "
-                              f"matrix), and {options.onnx_path} has head_dim {', '.join(map(str, odd))}; build "
+            raise ConfigError(f"--kv-cache-rotation {options.kv_cache_rotation} needs a power-of-two "
+                              f"head_dim (Sylvester's Hadamard matrix), and {options.onnx_path} has head_dim {', '.join(map(str, odd))}; build "
                               "without --kv-cache-rotation.")
     means = None
     if options.kv_cache_dtype == "fp8":
@@ -396,8 +396,8 @@ def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGra
 
 
 def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
-    """With --kv-cache-rotation hadamard(_kv): rotate q and k (and v) before every PagedAttention of ``fused.model`` (the rank
-    graph when sharded), in place.
+    """With --kv-cache-rotation hadamard(_kv): rotate q and k (and v) before every PagedAttention of ``fused.model``
+    (the rank graph when sharded), in place.
 
     After shard, not in fuse: H acts within a head, so every rank takes the same H, and the sharding analysis would
     take MatMul(q, H), a MatMul by a constant 2-D weight, for the Q projection."""
@@ -496,8 +496,8 @@ def build_plan(
 
     ``kv_cache_rotation`` (with kv_cache_dtype "fp8" only): "none", "hadamard" (q and k multiplied by one
     orthonormal Hadamard matrix before each PagedAttention, exact in real arithmetic, so the FP8 pools hold k·H:
-    fusion_passes/kv_rotation.py) or "hadamard_kv" (v too, and the output rotated back); ConfigError for another value, without "fp8", or for a head_dim that is not a
-    power of two.
+    fusion_passes/kv_rotation.py) or "hadamard_kv" (v too, and the output rotated back); ConfigError for another
+    value, without "fp8", or for a head_dim that is not a power of two.
 
     ``kv_cache_smoothing`` (with kv_cache_dtype "fp8" only): "none", "k" (every layer's mean post-RoPE key per KV
     head and channel, calibrated on data.py's text at build time, subtracted before each PagedAttention: exact in

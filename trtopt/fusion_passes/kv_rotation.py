@@ -8,8 +8,8 @@
 Exact in real arithmetic: H Hᵀ = I, so (qH)(kH)ᵀ = q kᵀ and the attention output is unchanged; the pools then hold
 kH, whose values FP8 rounds differently: rotating spreads a key's few large channels over all D. V is left alone
 (nearly all of FP8's loss on SmolLM2 is K's) unless asked (`hadamard_kv`: v·H stored, the output multiplied by H
-after attention, P·(vH)·H = P·v; with K and V smoothing it took Gemma-3-270m's fake-quantized FP8 KV from +0.89% to
-+0.54%, docs/benchmarks/fp8_kv_schemes_gemma3_cpu.json). Whether it helps is a property of the model (it did on SmolLM2, not on
+after attention, P·(vH)·H = P·v; with K and V smoothing it took Gemma-3-270m's fake-quantized FP8 KV from +0.89%
+to +0.54%, docs/benchmarks/fp8_kv_schemes_gemma3_cpu.json). Whether it helps is a property of the model (it did on SmolLM2, not on
 Gemma-3-270m), so it is an option, measured per model (benchmarks/fp8_kv.py, cell fp8_hadamard).
 
 q and k are [1, H, T, D] after RoPE and MatMul broadcasts H over heads and tokens, so the rewrite acts within a head:
