@@ -535,6 +535,24 @@ def kv_budget_gb(plan, requests: list[tuple[list[int], int]], *, fraction: float
     return (blocks + 0.25) * block_bytes(plan) / 2**30
 
 
+def warm_then_timed(engine, warmup: list[tuple[list[int], int]], requests: list[tuple[list[int], int]],
+                    device: torch.device, label: str) -> dict:
+    """The workload on ``engine`` as the fp8_kv and quant sections time it: ``warmup`` run once untimed, then every
+    request queued at once and timed with the garbage collector frozen (as timed_workload does)."""
+    t = time.perf_counter()
+    run_engine(engine, warmup, wave=None, device=device)
+    log(f"{label}: warm-up on {len(warmup)} requests ({time.perf_counter() - t:.1f} s)")
+    gc.collect()
+    gc.freeze()
+    try:
+        r = run_engine(engine, requests, wave=None, device=device)
+    finally:
+        gc.unfreeze()
+    log(f"{label}: workload {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, max running "
+        f"{r['max_running']}, mean {r['mean_running']:.0f}, {r['preemptions']} preemptions")
+    return r
+
+
 def fp8_kv_section(work: Path, requests: list[tuple[list[int], int]], kv: KVSection, *, vocab: int,
                    device: torch.device, max_num_seqs: int, kv_gb: float | None, async_scheduling: bool) -> dict:
     """Batch-1 decode and the workload at one KV budget, with the bf16-pool plan then the FP8-pool plan (both
@@ -569,17 +587,7 @@ def fp8_kv_section(work: Path, requests: list[tuple[list[int], int]], kv: KVSect
                                                                    prompt_len=prompt_len)
             log(f"fp8_kv {name}: batch 1, prompt {prompt_len}: {b['decode_tok_s']:.0f} tok/s "
                 f"({b['ms_per_token']:.3f} ms/token)")
-        t = time.perf_counter()
-        run_engine(engine, warmup, wave=None, device=device)
-        log(f"fp8_kv {name}: warm-up on {len(warmup)} requests ({time.perf_counter() - t:.1f} s)")
-        gc.collect()
-        gc.freeze()  # as timed_workload does
-        try:
-            r = row["workload"] = run_engine(engine, requests, wave=None, device=device)
-        finally:
-            gc.unfreeze()
-        log(f"fp8_kv {name}: workload {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
-            f"max running {r['max_running']}, mean {r['mean_running']:.0f}, {r['preemptions']} preemptions")
+        r = row["workload"] = warm_then_timed(engine, warmup, requests, device, f"fp8_kv {name}")
         del engine, executor
         gc.collect()
         if device.type == "cuda":
@@ -613,18 +621,8 @@ def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: i
         engine = make_engine(executor, plan, max_num_seqs=max_num_seqs, kv_gb=kv_gb, async_scheduling=async_scheduling)
         row = section[name] = {"engine_start_s": time.perf_counter() - t}
         b = row["batch1"] = batch1_decode(engine, vocab, device)
-        t = time.perf_counter()
-        run_engine(engine, warmup, wave=None, device=device)
-        log(f"quant {name}: batch 1 {b['decode_tok_s']:.0f} tok/s; warm-up on {len(warmup)} requests "
-            f"({time.perf_counter() - t:.1f} s)")
-        gc.collect()
-        gc.freeze()  # as timed_workload does
-        try:
-            r = row["workload"] = run_engine(engine, requests, wave=None, device=device)
-        finally:
-            gc.unfreeze()
-        log(f"quant {name}: workload {r['output_tok_s']:.0f} output tok/s, {r['wall_s']:.1f} s, "
-            f"max running {r['max_running']}, {r['preemptions']} preemptions")
+        log(f"quant {name}: batch 1 {b['decode_tok_s']:.0f} tok/s")
+        row["workload"] = warm_then_timed(engine, warmup, requests, device, f"quant {name}")
         del engine, executor
         gc.collect()
         if device.type == "cuda":

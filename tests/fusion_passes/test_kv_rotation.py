@@ -41,15 +41,16 @@ def test_a_rounded_h_is_alpha_times_h_and_alpha_squared_is_returned(d, dtype):
     assert abs(factor - 1.0) < 3e-4 and value.name.startswith(INITIALIZER_PREFIX + str(d))
 
 
-def _marked(plan_dir, out, *, rotate: bool) -> tuple[object, int]:
-    """A copy of the plan whose graph also outputs every PagedAttention's attention output; rotated when asked.
-    Returns (plan dir, layers rotated)."""
+def _marked(plan_dir, out, *, rotate: bool, values: bool = False) -> tuple[object, int]:
+    """A copy of the plan whose graph also outputs every PagedAttention's attention output; rotated when asked (with
+    ``values``, q, k and v, and the output marked is the rotated-back one that the graph's readers see). Returns
+    (plan dir, layers rotated)."""
     proto = onnx.load(str(plan_dir / MODEL_FILE))
     model = ir.from_proto(proto)
-    rotated = rotate_qk(model) if rotate else 0
+    rotated = rotate_qk(model, values=values) if rotate else 0
     proto = ir.to_proto(model)
     for node in proto.graph.node:
-        if node.op_type == "PagedAttention":
+        if node.name.endswith(".rotate_back_v") if values else node.op_type == "PagedAttention":
             proto.graph.output.append(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
     out.mkdir()
     onnx.save(proto, str(out / MODEL_FILE))
@@ -118,29 +119,13 @@ def test_rotate_qk_divides_the_rounding_out_of_the_scale():
     assert node.inputs[2] is v and node.inputs[0].dtype == ir.DataType.FLOAT16
 
 
-def _marked_kv(plan_dir, out) -> tuple[object, int]:
-    """A copy of the plan with q, k and v rotated (values=True), outputting every PagedAttention's rotated-back
-    attention output (the reader-facing value); returns (plan dir, layers rotated)."""
-    proto = onnx.load(str(plan_dir / MODEL_FILE))
-    model = ir.from_proto(proto)
-    rotated = rotate_qk(model, values=True)
-    proto = ir.to_proto(model)
-    for node in proto.graph.node:
-        if node.name.endswith(".rotate_back_v"):
-            proto.graph.output.append(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None))
-    out.mkdir()
-    onnx.save(proto, str(out / MODEL_FILE))
-    shutil.copy(plan_dir / "plan.json", out / "plan.json")
-    return out, rotated
-
-
 def test_value_rotation_leaves_attention_and_logits_unchanged_on_onnxruntime(plan_dir, tmp_path):
     """`hadamard_kv`: v·H stored and the output times H: on float32 pools the attention outputs (after the rotation
     back) and the logits equal the unrotated plan's; both pool halves hold rotated values."""
     source = plan_dir(MODEL)
     plan = read_plan(source)
     base, _ = _marked(source, tmp_path / "base", rotate=False)
-    rot, count = _marked_kv(source, tmp_path / "rot")
+    rot, count = _marked(source, tmp_path / "rot", rotate=True, values=True)
     assert count == plan.model.num_layers
     graph = onnx.load(str(rot / MODEL_FILE), load_external_data=False).graph
     produced_by = {out: node for node in graph.node for out in node.output}
