@@ -140,6 +140,24 @@ def _prepared(aengine: AsyncLLMEngine, max_tokens: int):
     return aengine.prepare(PROMPT, SamplingParams(max_tokens=max_tokens))
 
 
+class _HeldRound:
+    """A round's RequestStream that yields nothing until cancelled: the search is then mid-round for certain (its
+    engine requests are submitted and its _round is set), however fast the engine runs them."""
+
+    def __init__(self, stream, held: asyncio.Event) -> None:
+        self._stream, self._held = stream, held
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        self._held.set()
+        await asyncio.Event().wait()  # until the test cancels the search
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 def test_other_requests_keep_their_results_and_a_cancelled_search_frees_its_blocks(smol_tokenizer):
     aengine = AsyncLLMEngine(make_engine(smol_tokenizer))
 
@@ -157,18 +175,22 @@ def test_other_requests_keep_their_results_and_a_cancelled_search_frees_its_bloc
 
     async def main():
         together = await asyncio.gather(greedy("g1"), beams("b1", 2), greedy("g2"))
-        # a long search (its live beams say EOS-free filler after round 2), cancelled mid-round
+        # a long search (its live beams say EOS-free filler after round 2), cancelled in its fourth round
         stream = BeamSearchStream(aengine, [("long", _prepared(aengine, 200))], BeamSearchParams(2, 200))
+        held, add_requests = asyncio.Event(), aengine.add_requests
+
+        async def adding(requests):
+            round_ = await add_requests(requests)
+            return _HeldRound(round_, held) if stream._rounds == 4 else round_
+
+        aengine.add_requests = adding
 
         async def drain():
             async for _ in stream:
                 pass
 
         task = asyncio.create_task(drain())
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if stream._round is not None and stream._rounds > 3:
-                break
+        await asyncio.wait_for(held.wait(), timeout=60)
         assert stream._round is not None, "the search is between rounds of engine requests"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
