@@ -17,7 +17,8 @@ Cells (one plan each, built from one export in --dtype: bf16 on CUDA, fp32 on th
   calibration slice, disjoint from the held-out windows;
 - fp8_hadamard_kv_smooth: K and V smoothed and both rotated (kv_cache_rotation="hadamard_kv"); ..._amax: the same
   with per-layer scales amax / 448 of its own pools at scale 1.0 over the calibration windows (what the pools store
-  after the transforms, as e4m3 rounds it).
+  after the transforms, as e4m3 rounds it); ..._amax_built: the same scales computed by the build
+  (kv_cache_scales="amax": the final graph's K/V amax over data.py's calibration windows, model-dtype pools).
 
 Perplexity and KL: trtopt/quantize/data.py's text rule (the last --windows x --window tokens of Python's reference
 manual, held out from calibration; BOS in front of each window when the tokenizer adds one, as for Gemma). The
@@ -106,21 +107,26 @@ def log(msg: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One KV configuration: the pools' dtype, the per-layer scales (a multiplier of 1.0, or "amax"), a rotation, a
-    smoothing."""
+    """One KV configuration: the pools' dtype, the per-layer scales (a multiplier of 1.0, or "amax" / "amax_self" set
+    here), a rotation, a smoothing, the build's own scales (build_plan's kv_cache_scales)."""
 
     name: str
     kv_cache_dtype: str = "auto"
     scale: float | str = 1.0
     rotation: str | None = None
     smoothing: str | None = None
+    build_scales: str | None = None
 
     def build_options(self) -> dict:
         """build_plan's keywords beyond kv_cache_dtype."""
-        if self.smoothing:
-            from trtopt.runtime.kv_calibration import kv_means
+        calibrated = {}
+        if self.smoothing or self.build_scales:
+            from trtopt.runtime.kv_calibration import kv_stats
+
+            calibrated = {"kv_calibrator": kv_stats}
         return {**({"kv_cache_rotation": self.rotation} if self.rotation else {}),
-                **({"kv_cache_smoothing": self.smoothing, "kv_calibrator": kv_means} if self.smoothing else {})}
+                **({"kv_cache_smoothing": self.smoothing} if self.smoothing else {}),
+                **({"kv_cache_scales": self.build_scales} if self.build_scales else {}), **calibrated}
 
 
 CELLS = {c.name: c for c in (
@@ -131,6 +137,7 @@ CELLS = {c.name: c for c in (
     Cell("fp8_hadamard_smooth", "fp8", rotation="hadamard", smoothing="kv"),
     Cell("fp8_hadamard_kv_smooth", "fp8", rotation="hadamard_kv", smoothing="kv"),
     Cell("fp8_hadamard_kv_smooth_amax", "fp8", "amax_self", rotation="hadamard_kv", smoothing="kv"),
+    Cell("fp8_hadamard_kv_smooth_amax_built", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="amax"),
 )}
 
 
@@ -161,7 +168,8 @@ def export(model: str, dtype: str, cache: Path) -> Path:
 def build(source: Path, cache: Path, cell: Cell, limits: Limits) -> Path:
     """The plan of ``cell`` without its scales (those are rewritten by with_scales), cached by its build options."""
     kwargs: dict = {"kv_cache_dtype": cell.kv_cache_dtype, **cell.build_options()}
-    suffix = "".join(f"-{x}" for x in (cell.rotation, cell.smoothing and f"smooth_{cell.smoothing}") if x)
+    suffix = "".join(f"-{x}" for x in (cell.rotation, cell.smoothing and f"smooth_{cell.smoothing}",
+                                        cell.build_scales and f"scales_{cell.build_scales}") if x)
     out = cache / f"{source.name}-plan-{cell.kv_cache_dtype}{suffix}"
     named = {k: v for k, v in kwargs.items() if k != "kv_calibrator"}  # the options, not the function that runs them
     stamp = json.dumps({"source": str(source), "limits": dataclasses.asdict(limits), **named}, sort_keys=True)
@@ -486,7 +494,7 @@ def ppl_phase(args, source: Path, tokenizer, limits: Limits) -> None:
     results = summarize(perplexities(executors, heldout, batch=args.batch, chunk=args.chunk, plan=auto.plan))
     for name, res in results.items():
         res["kv_pool_dtype"] = executors[name].plan.kv_pool_dtype
-        if name in ("fp8_amax", "fp8_hadamard_kv_smooth_amax"):
+        if name in ("fp8_amax", "fp8_hadamard_kv_smooth_amax", "fp8_hadamard_kv_smooth_amax_built"):
             res["k_scales"], res["v_scales"] = scales_of(plans[name])
         log(f"  {name}: ppl {res['perplexity']} ({res['delta_ppl_pct']:+.3f}% +- {res['delta_ppl_pct_paired_stderr']}),"
             f" KL {res['mean_kl_nats']:.2e}, top-1 {res['top1_agreement']:.4f} [{res['seconds']} s]")

@@ -100,6 +100,9 @@ KV_CACHE_ROTATIONS = ("none", "hadamard", "hadamard_kv")
 # the keys before each PagedAttention, "kv" from the values too and adds it back to the output
 # (fusion_passes/kv_smoothing.py), so the pools hold k - b_k (and v - b_v).
 KV_CACHE_SMOOTHINGS = ("none", "k", "kv")
+# `trtopt build --kv-cache-scales` (with --kv-cache-dtype fp8 only): "one" gives every layer K and V scales of 1.0;
+# "amax" calibrates them on the final plan graph (after smoothing and rotation): the layer's largest |k| (|v|) / 448.
+KV_CACHE_SCALES = ("one", "amax")
 
 
 def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:

@@ -1,7 +1,7 @@
 """kv_smoothing: Sub(k, b_k), Sub(v, b_v) before every PagedAttention and Add(out, b_v) after it. Exact whatever b
 is, so on float32 pools the tiny Llama plan smoothed with large arbitrary means gives the plan's logits on
 onnxruntime (the pass is applied to a plan with model-dtype pools here, which the build does not allow: it is exact
-there and pays only with FP8); and kv_means reads the means of what the pools hold."""
+there and pays only with FP8); and kv_stats reads the means of what the pools hold."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+import torch
 
 from trtopt.builder.kv_calibration import calibration_windows
-from trtopt.runtime.kv_calibration import kv_means
+from trtopt.runtime.kv_calibration import kv_stats
 from trtopt.builder.plan import MODEL_FILE, read_plan
 from trtopt.fusion_passes.kv_rotation import rotate_qk
 from trtopt.fusion_passes.kv_smoothing import INITIALIZER_PREFIX, smooth_kv
@@ -100,9 +101,9 @@ def test_smoothing_on_float32_pools_leaves_the_logits_unchanged_on_onnxruntime(p
         np.testing.assert_allclose(tokens(pools["smoothed"], 1), tokens(pools["base"], 1) - shift, atol=1e-4)
 
 
-def test_kv_means_are_the_means_of_what_the_pools_hold(plan_dir):
-    """kv_means' mean over two windows equals the mean of the K and V slots an executor's pools hold after
-    prefilling the same windows (the tiny Llama's real tokenizer and data.py's calibration text)."""
+def test_kv_stats_are_the_means_and_amaxes_of_what_the_pools_hold(plan_dir):
+    """kv_stats' mean and per-head amax over two windows equal those of the K and V slots an executor's pools hold
+    after prefilling the same windows (the tiny Llama's real tokenizer and data.py's calibration text)."""
     from trtopt.runtime.config import load_tokenizer
     from trtopt.runtime.executors import create_executor
 
@@ -113,7 +114,7 @@ def test_kv_means_are_the_means_of_what_the_pools_hold(plan_dir):
     model = ir.from_proto(onnx.load(str(source / MODEL_FILE)))
     outputs = [v.name for v in model.graph.outputs]
     calls = []
-    means = kv_means(model, windows, block_size=plan.limits.block_size, device="cpu", on_window=lambda: calls.append(1))
+    means = kv_stats(model, windows, block_size=plan.limits.block_size, device="cpu", on_window=lambda: calls.append(1))
     assert [v.name for v in model.graph.outputs] == outputs  # the extra outputs are gone again
     assert len(calls) == 2 and means.tokens == 80 and len(means.k) == len(means.v) == plan.model.num_layers
     assert means.k[0].shape == (plan.model.num_kv_heads, plan.model.head_dim)
@@ -122,6 +123,7 @@ def test_kv_means_are_the_means_of_what_the_pools_hold(plan_dir):
     executor.allocate_kv_cache(8)
     builder = InputBuilder(plan.limits.block_size, plan.max_blocks_per_seq)
     sums = [0.0] * plan.model.num_layers
+    amaxes = [torch.zeros(2, plan.model.num_kv_heads, dtype=torch.float64)] * plan.model.num_layers
     for window in windows:
         executor.execute(builder.build(ScheduledBatch([ScheduledSeq("w", window.tolist(), 0, [1, 2, 3], True)], 40,
                                                       [])))
@@ -130,8 +132,14 @@ def test_kv_means_are_the_means_of_what_the_pools_hold(plan_dir):
             slots = pool[1:4].permute(1, 2, 0, 3, 4).reshape(2, plan.model.num_kv_heads, -1, plan.model.head_dim)
             slots = slots[:, :, :40]
             sums[layer] = sums[layer] + slots.double().sum(dim=2)  # [2, Hkv, D]
+            amaxes[layer] = torch.maximum(amaxes[layer], slots.double().abs().amax(dim=(2, 3)))  # [2, Hkv]
     for layer in range(plan.model.num_layers):
         expected = (sums[layer] / 80).numpy()
         np.testing.assert_allclose(means.k[layer], expected[0], atol=1e-5)
         np.testing.assert_allclose(means.v[layer], expected[1], atol=1e-5)
-    assert np.abs(means.k[0]).max() > 0
+        np.testing.assert_allclose(means.k_amax[layer], amaxes[layer][0].numpy(), rtol=1e-6)
+        np.testing.assert_allclose(means.v_amax[layer], amaxes[layer][1].numpy(), rtol=1e-6)
+    assert np.abs(means.k[0]).max() > 0 and means.k_amax[0].min() > np.abs(means.k[0]).max()
+    k_scales, v_scales = means.fp8_scales()  # each layer's amax over its heads lands on E4M3's 448
+    assert k_scales == [float(a.max()) / 448 for a in means.k_amax] and v_scales == [float(a.max()) / 448
+                                                                                     for a in means.v_amax]

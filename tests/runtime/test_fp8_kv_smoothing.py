@@ -35,13 +35,13 @@ def plans(export_dir, plan_dir, module_tmp):
     """The tiny Llama's plans: "auto" (the session's float32 plan), "fp8", "smooth" (fp8 + K/V smoothing) and
     "both" (fp8 + smoothing + the Hadamard rotation)."""
     from trtopt.builder.pipeline import build_plan
-    from trtopt.runtime.kv_calibration import kv_means
+    from trtopt.runtime.kv_calibration import kv_stats
 
     out = {"auto": plan_dir(MODEL)}
     for name, smoothing, rotation in (("fp8", "none", "none"), ("smooth", "kv", "none"), ("both", "kv", "hadamard")):
         out[name] = build_plan(export_dir(MODEL), module_tmp / name, limits=LIMITS, force=True, progress=False,
                                kv_cache_dtype="fp8", kv_cache_smoothing=smoothing,
-                               kv_cache_rotation=rotation, kv_calibrator=kv_means).plan_dir
+                               kv_cache_rotation=rotation, kv_calibrator=kv_stats).plan_dir
     return out
 
 
@@ -168,13 +168,13 @@ def test_a_source_without_a_tokenizer_is_a_config_error(export_dir, tmp_path):
     for f in source.iterdir():
         if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
             f.unlink()
-    from trtopt.runtime.kv_calibration import kv_means
+    from trtopt.runtime.kv_calibration import kv_stats
 
     with pytest.raises(ConfigError, match="tokenizer files"):
         build_plan(source, tmp_path / "plan", limits=LIMITS, progress=False, kv_cache_dtype="fp8",
-                   kv_cache_smoothing="k", kv_calibrator=kv_means)
+                   kv_cache_smoothing="k", kv_calibrator=kv_stats)
     # The builder cannot run the graph itself: without the runtime's calibrator it says what to pass.
-    with pytest.raises(ConfigError, match="kv_calibrator=trtopt.runtime.kv_calibration.kv_means"):
+    with pytest.raises(ConfigError, match="kv_calibrator=trtopt.runtime.kv_calibration.kv_stats"):
         build_plan(export_dir(MODEL), tmp_path / "plan2", limits=LIMITS, progress=False, kv_cache_dtype="fp8",
                    kv_cache_smoothing="k")
 

@@ -265,10 +265,10 @@ SMOOTHED = dict(kv_cache_dtype="fp8", kv_cache_smoothing="kv")
 
 def _smoothed_plans(model: str, source, out, sizes) -> dict:
     """size (None: unsharded) -> the plan dir of ``source`` built with FP8 pools and K/V smoothing."""
-    from trtopt.runtime.kv_calibration import kv_means
+    from trtopt.runtime.kv_calibration import kv_stats
 
     return {n: build_plan(source, out / f"smooth-{model}-tp{n}", limits=LIMITS, force=True, progress=False,
-                          tensor_parallel=n, kv_calibrator=kv_means, **SMOOTHED).plan_dir for n in sizes}
+                          tensor_parallel=n, kv_calibrator=kv_stats, **SMOOTHED).plan_dir for n in sizes}
 
 
 def _smoothing_constants(plan_dir) -> dict:

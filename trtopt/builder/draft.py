@@ -45,9 +45,7 @@ def build_draft_plan(plan_dir: str | Path, num_layers: int, out_dir: str | Path 
     out.mkdir(parents=True)
     save_model(model, out)  # the builder's writer: external data when large, then the full ONNX checker
     draft = dataclasses.replace(plan, model=dataclasses.replace(plan.model, num_layers=num_layers))
-    write_plan(out, PlanConfig(model=draft.model, limits=plan.limits, kind=plan.kind,
-                               kv_cache_dtype=plan.kv_cache_dtype, kv_cache_rotation=plan.kv_cache_rotation,
-                               kv_cache_smoothing=plan.kv_cache_smoothing))
+    write_plan(out, PlanConfig(model=draft.model, limits=plan.limits, kind=plan.kind, **plan.kv_options()))
     copy_side_files(plan_dir, out)
     return out
 

@@ -1,9 +1,10 @@
-"""The calibration of `trtopt build --kv-cache-smoothing` (docs/architecture.md §3): every layer's mean post-RoPE key
-and value per KV head and channel, read where the fused plan graph hands them to PagedAttention.
+"""The calibrations of `trtopt build --kv-cache-smoothing` and `--kv-cache-scales amax` (docs/architecture.md §3):
+every layer's mean post-RoPE key and value per KV head and channel, and their largest magnitude per KV head, read where
+the fused plan graph hands them to PagedAttention.
 
 The text is trtopt/quantize/data.py's calibration rule (the first windows of Python's reference manual, BOS in front
 when the tokenizer starts every text with one; nothing is downloaded). Running the graph over them is the
-``KvCalibrator``'s job, which the caller hands to build_plan: runtime/kv_calibration.py's `kv_means` (what `trtopt
+``KvCalibrator``'s job, which the caller hands to build_plan: runtime/kv_calibration.py's `kv_stats` (what `trtopt
 build` passes) runs the plan graph through the torch executor's converter on CUDA when torch sees a device, else on
 the CPU, before its pools become FP8, one window a step from position 0, reading every PagedAttention's k and v
 inputs as extra graph outputs that are removed again afterwards.
@@ -17,20 +18,35 @@ from typing import Callable, Protocol
 import numpy as np
 import onnx_ir as ir
 
+from trtopt.signature import FP8_E4M3_MAX
+
 DEFAULT_WINDOWS = 8  # calibration windows ...
 DEFAULT_WINDOW = 512  # ... of this many tokens (fewer when the plan's max_model_len is shorter)
 
 
 @dataclasses.dataclass(frozen=True)
-class KvMeans:
-    """Per layer (graph order): the mean key and value, [Hkv, D] float64 each, over ``tokens`` calibration tokens."""
+class KvStats:
+    """Per layer (graph order), over ``tokens`` calibration tokens: the mean key and value, [Hkv, D] float64 each
+    (``k``, ``v``), and the largest |key| and |value| per KV head, [Hkv] float64 each (``k_amax``, ``v_amax``)."""
 
     k: list[np.ndarray]
     v: list[np.ndarray]
+    k_amax: list[np.ndarray]
+    v_amax: list[np.ndarray]
     tokens: int
     windows: int
     device: str
     seconds: float
+
+    def fp8_scales(self) -> tuple[list[float], list[float]]:
+        """Every layer's K and V scale for FP8 pools (`--kv-cache-scales amax`): its amax over all KV heads / 448,
+        so the largest calibrated key or value lands on E4M3's largest finite value (1.0 where the layer saw only
+        zeros)."""
+        def scale(amax: np.ndarray) -> float:
+            top = float(np.max(amax))
+            return top / FP8_E4M3_MAX if top > 0 else 1.0
+
+        return [scale(a) for a in self.k_amax], [scale(a) for a in self.v_amax]
 
     def describe(self) -> str:
         return (f"calibrated on {self.windows} x {self.tokens // max(self.windows, 1)} tokens of Python's reference "
@@ -51,8 +67,8 @@ def calibration_windows(tokenizer, *, max_len: int, windows: int = DEFAULT_WINDO
 
 class KvCalibrator(Protocol):
     """What runs the paged graph over the calibration windows (``build_plan(kv_calibrator=...)``): the runtime's
-    trtopt/runtime/kv_calibration.py `kv_means`, which `trtopt build` passes. It lives above the builder because it
+    trtopt/runtime/kv_calibration.py `kv_stats`, which `trtopt build` passes. It lives above the builder because it
     executes the graph through the runtime's torch converter and input builder (the builder never imports them)."""
 
     def __call__(self, model: ir.Model, windows: np.ndarray, *, block_size: int,
-                 on_window: Callable[[], None]) -> KvMeans: ...
+                 on_window: Callable[[], None]) -> KvStats: ...

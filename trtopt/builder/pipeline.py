@@ -3,14 +3,15 @@
 Four steps, each a function with a typed value between them:
 
     build_plan args ──validate_options──▶ BuildOptions ──fuse──▶ FusedGraph ──shard──▶ ShardedGraph | None
-                                                                                          │
+                                                                                          │ rotate, store_fp8
     plan dir ◀──write── model.onnx (+ .data) or rank{r}/, plan.json, fusion_report.json, tokenizer + config files
 
 ``fuse`` loads the source (source.py), runs the fusion passes (fusion_passes/pipeline.py) and validates the plan
 graph (with --kv-cache-smoothing it also calibrates the K/V means, through the caller's calibrator, and subtracts
 them before attention: builder/kv_calibration.py, fusion_passes/kv_smoothing.py); ``shard`` (--tensor-parallel only)
 rewrites it into the rank graph (sharding/analysis.py); ``rotate`` (--kv-cache-rotation only) rotates q and k before
-attention (fusion_passes/kv_rotation.py); ``write`` attaches the trtopt op functions and writes the files
+attention (fusion_passes/kv_rotation.py); ``store_fp8`` (--kv-cache-dtype fp8 only) makes the pools float8 E4M3, with
+per-layer K/V scales calibrated on the final graph under --kv-cache-scales amax; ``write`` attaches the trtopt op functions and writes the files
 (plan_files.py, sharding/writer.py, plan.py).
 """
 
@@ -35,7 +36,7 @@ from trtopt.builder.model_facts import (
     model_facts,
     read_json,
 )
-from trtopt.builder.kv_calibration import KvCalibrator, KvMeans, calibration_windows
+from trtopt.builder.kv_calibration import KvCalibrator, KvStats, calibration_windows
 from trtopt.builder.plan import REPORT_FILE, Limits, ModelFacts, PlanConfig, write_plan
 from trtopt.builder.plan_files import copy_side_files, save_model
 from trtopt.builder.sharding import (
@@ -58,7 +59,7 @@ from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimiz
 from trtopt.fusion_passes.trace import Trace
 from trtopt.plugins import attach_functions
 from trtopt.plugins.paged_attention.function import attach_fp8_kv_function
-from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SMOOTHINGS
+from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SCALES, KV_CACHE_SMOOTHINGS
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
 
@@ -79,7 +80,8 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "fp8" stores the KV pools as float8_e4m3fn
     kv_cache_rotation: str = "none"  # KV_CACHE_ROTATIONS: "hadamard" rotates q and k, "hadamard_kv" v too (fp8 only)
     kv_cache_smoothing: str = "none"  # one of KV_CACHE_SMOOTHINGS: "k"/"kv" subtract calibrated means (fp8 only)
-    kv_calibrator: KvCalibrator | None = None  # runs the graph for kv_cache_smoothing (the runtime's kv_means)
+    kv_cache_scales: str = "one"  # one of KV_CACHE_SCALES: "amax" calibrates the FP8 K/V scales (fp8 only)
+    kv_calibrator: KvCalibrator | None = None  # runs the graph for the two above (the runtime's kv_stats)
 
 
 @dataclasses.dataclass
@@ -90,7 +92,8 @@ class FusedGraph:
     report: FusionReport  # the fusion counts, plan kind and unfused regions
     facts: ModelFacts  # read off the fused graph (global head counts): the top-level plan.json's
     notes: tuple[str, ...]  # where config.json and the graph disagreed (the graph won)
-    kv_means: KvMeans | None = None  # with --kv-cache-smoothing: the calibrated means the graph subtracts
+    kv_means: KvStats | None = None  # with --kv-cache-smoothing: the calibration whose means the graph subtracts
+    kv_amax: KvStats | None = None  # with --kv-cache-scales amax: the calibration (of the final graph) of the scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +115,7 @@ class BuildResult:
     parallel: ParallelLayout | None = None  # the tensor-parallel layout, when built with tensor_parallel
     notes: tuple[str, ...] = ()  # where config.json and the graph disagree (the graph won)
     kv_calibration: str = ""  # with --kv-cache-smoothing: what the means were calibrated on, and its cost
+    kv_scales: str = ""  # with --kv-cache-scales amax: the scales' range, what they were calibrated on, and its cost
 
 
 def validate_limits(limits: Limits) -> None:
@@ -266,6 +270,7 @@ def validate_options(
     kv_cache_dtype: str = "auto",
     kv_cache_rotation: str = "none",
     kv_cache_smoothing: str = "none",
+    kv_cache_scales: str = "one",
     kv_calibrator: KvCalibrator | None = None,
 ) -> BuildOptions:
     """Check every option and the source and plan paths before any work is done (build_plan's arguments)."""
@@ -302,15 +307,29 @@ def validate_options(
     if kv_cache_smoothing != "none" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing} only changes what an FP8 KV cache loses to "
                           "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-smoothing.")
-    if kv_cache_smoothing != "none" and kv_calibrator is None:
-        raise ConfigError(f"kv_cache_smoothing={kv_cache_smoothing!r} calibrates by running the graph: pass "
-                          "kv_calibrator=trtopt.runtime.kv_calibration.kv_means to build_plan (`trtopt build` does).")
+    if kv_cache_scales not in KV_CACHE_SCALES:
+        raise ConfigError(f"--kv-cache-scales {kv_cache_scales!r} is not supported; choose one of "
+                          f"{', '.join(KV_CACHE_SCALES)} (one: 1.0 each; amax: calibrated per layer).")
+    if kv_cache_scales != "one" and kv_cache_dtype != "fp8":
+        raise ConfigError(f"--kv-cache-scales {kv_cache_scales} sets the scales of an FP8 KV cache; add "
+                          "--kv-cache-dtype fp8 or drop --kv-cache-scales.")
+    if kv_cache_scales == "amax" and tensor_parallel is not None:
+        raise ConfigError("--kv-cache-scales amax calibrates on the whole final graph, and --tensor-parallel leaves "
+                          "only the rank graph to run; build with --kv-cache-scales one (scales of 1.0) or without "
+                          "--tensor-parallel.")
+    calibrated = [f"{name}={value!r}" for name, value, off in (("kv_cache_smoothing", kv_cache_smoothing, "none"),
+                                                                ("kv_cache_scales", kv_cache_scales, "one"))
+                  if value != off]
+    if calibrated and kv_calibrator is None:
+        raise ConfigError(f"{' and '.join(calibrated)} calibrate by running the graph: pass "
+                          "kv_calibrator=trtopt.runtime.kv_calibration.kv_stats to build_plan (`trtopt build` does).")
     _check_out_dir(out_dir, source_dir, force)
     return BuildOptions(onnx_path=onnx_path, out_dir=out_dir, config_json=config_json,
                         generation_json=generation_json, limits=limits, tensor_parallel=tensor_parallel,
                         lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain,
                         kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation,
-                        kv_cache_smoothing=kv_cache_smoothing, kv_calibrator=kv_calibrator)
+                        kv_cache_smoothing=kv_cache_smoothing, kv_cache_scales=kv_cache_scales,
+                        kv_calibrator=kv_calibrator)
 
 
 def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
@@ -346,7 +365,6 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
             raise ConfigError(f"--kv-cache-dtype fp8 sets the dtype of a KV cache, and {options.onnx_path} builds a "
                               f"{report.kind!r} plan without one; build it without --kv-cache-dtype.")
         means = smooth(options, model, steps)
-        use_fp8_kv_cache(model)
     return FusedGraph(model=model, report=report, facts=facts, notes=notes, kv_means=means)
 
 
@@ -358,21 +376,26 @@ def smooth(options: BuildOptions, model: ir.Model, steps: _Steps) -> KvMeans | N
     (sharding/analysis.py, as it splits the K/V projections)."""
     if options.kv_cache_smoothing == "none":
         return None
+    means = _calibrate(options, model, steps, "the K/V means", "--kv-cache-smoothing")
+    smoothed = smooth_kv(model, means.k, means.v if options.kv_cache_smoothing == "kv" else None)
+    assert smoothed == len(means.k), f"smoothed {smoothed} of {len(means.k)} attention layers"
+    return means
+
+
+def _calibrate(options: BuildOptions, model: ir.Model, steps: _Steps, what: str, flag: str) -> KvStats:
+    """Run options.kv_calibrator over builder/kv_calibration.py's windows of the source's tokenizer (a bar)."""
     from trtopt.quantize import data
 
     try:
         tokenizer = data.load_tokenizer(options.onnx_path.parent)
     except Exception as e:  # transformers raises OSError, ValueError... for a missing or broken tokenizer
-        raise ConfigError(f"--kv-cache-smoothing calibrates on text, and the tokenizer files next to "
-                          f"{options.onnx_path.name} cannot be read ({type(e).__name__}); build the directory "
-                          "`trtopt export` wrote, or drop --kv-cache-smoothing.") from e
+        raise ConfigError(f"{flag} calibrates on text, and the tokenizer files next to {options.onnx_path.name} "
+                          f"cannot be read ({type(e).__name__}); build the directory `trtopt export` wrote, or drop "
+                          f"{flag}.") from e
     windows = calibration_windows(tokenizer, max_len=options.limits.max_model_len)
-    with steps.bar(f"calibrating the K/V means ({windows.shape[0]} x {windows.shape[1]} tokens)",
-                   len(windows)) as advance:
-        means = options.kv_calibrator(model, windows, block_size=options.limits.block_size, on_window=advance)
-    smoothed = smooth_kv(model, means.k, means.v if options.kv_cache_smoothing == "kv" else None)
-    assert smoothed == len(means.k), f"smoothed {smoothed} of {len(means.k)} attention layers"
-    return means
+    assert options.kv_calibrator is not None, "validate_options requires a calibrator"
+    with steps.bar(f"calibrating {what} ({windows.shape[0]} x {windows.shape[1]} tokens)", len(windows)) as advance:
+        return options.kv_calibrator(model, windows, block_size=options.limits.block_size, on_window=advance)
 
 
 def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGraph | None:
@@ -410,6 +433,21 @@ def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
     assert rotated == fused.facts.num_layers, f"rotated {rotated} of {fused.facts.num_layers} attention layers"
 
 
+def store_fp8(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
+    """With --kv-cache-dtype fp8: make the pools of ``fused.model`` (the rank graph when sharded) float8 E4M3, in
+    place, with K/V scales of 1.0, or under --kv-cache-scales amax each layer's amax / 448, calibrated here on the
+    final graph (after smoothing and rotation: what the pools will hold), its pools still in the model's dtype."""
+    if options.kv_cache_dtype != "fp8":
+        return
+    assert fused.model is not None, "store_fp8 runs before write consumes the graph"
+    k_scales = v_scales = None
+    if options.kv_cache_scales == "amax":
+        fused.kv_amax = _calibrate(options, fused.model, steps, "the K/V scales", "--kv-cache-scales amax")
+        k_scales, v_scales = fused.kv_amax.fp8_scales()
+    with steps.step("storing the KV pools as float8 E4M3"):
+        use_fp8_kv_cache(fused.model, k_scales=k_scales, v_scales=v_scales)
+
+
 def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None, steps: _Steps, *,
           start: float) -> BuildResult:
     """Write the plan dir: model.onnx (or rank{r}/ per rank), plan.json, the side files and fusion_report.json.
@@ -428,7 +466,7 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
     with steps.step(f"writing {out_dir}"):
         _prepare_out_dir(out_dir)
         kv = dict(kv_cache_dtype=options.kv_cache_dtype, kv_cache_rotation=options.kv_cache_rotation,
-                  kv_cache_smoothing=options.kv_cache_smoothing)
+                  kv_cache_smoothing=options.kv_cache_smoothing, kv_cache_scales=options.kv_cache_scales)
         config = PlanConfig(model=fused.facts, limits=options.limits, kind=fused.report.kind, **kv)
         if sharded is None:
             save_model(proto, out_dir)
@@ -447,13 +485,25 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
             "seconds": round(seconds, 3),
             "explain": options.explain,
             "notes": list(fused.notes),
-            **({"kv_smoothing": {"tokens": means.tokens, "windows": means.windows, "device": means.device,
-                                 "seconds": round(means.seconds, 3)}} if means is not None else {}),
+            **({"kv_smoothing": _calibration_report(means)} if means is not None else {}),
+            **({"kv_scales": {**_calibration_report(fused.kv_amax), **dict(zip("kv", fused.kv_amax.fp8_scales()))}}
+               if fused.kv_amax is not None else {}),
         }
         (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
     layout = sharded.result.layout if sharded is not None else None
     return BuildResult(plan_dir=out_dir, config=config, report=fused.report, seconds=seconds, parallel=layout,
-                       notes=fused.notes, kv_calibration=means.describe() if means is not None else "")
+                       notes=fused.notes, kv_calibration=means.describe() if means is not None else "",
+                       kv_scales=_describe_scales(fused.kv_amax) if fused.kv_amax is not None else "")
+
+
+def _calibration_report(stats: KvStats) -> dict:
+    return {"tokens": stats.tokens, "windows": stats.windows, "device": stats.device,
+            "seconds": round(stats.seconds, 3)}
+
+
+def _describe_scales(stats: KvStats) -> str:
+    k, v = stats.fp8_scales()
+    return f"K {min(k):.3g}–{max(k):.3g}, V {min(v):.3g}–{max(v):.3g}; {stats.describe()}"
 
 
 def build_plan(
@@ -471,6 +521,7 @@ def build_plan(
     kv_cache_dtype: str = "auto",
     kv_cache_rotation: str = "none",
     kv_cache_smoothing: str = "none",
+    kv_cache_scales: str = "one",
     kv_calibrator: KvCalibrator | None = None,
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
@@ -504,8 +555,16 @@ def build_plan(
     real arithmetic, the softmax ignores a shift shared by all of a query's scores) or "kv" (the values' mean too,
     added back to the attention output); fusion_passes/kv_smoothing.py. With ``tensor_parallel`` each rank keeps the
     means of its KV heads. ConfigError for another value, without "fp8", or without the tokenizer files beside the
-    source. The calibration runs the graph, which the builder cannot do itself (it never imports the runtime): pass
-    ``kv_calibrator``, the runtime's ``trtopt.runtime.kv_calibration.kv_means`` (`trtopt build` does); ConfigError
+    source.
+
+    ``kv_cache_scales`` (with kv_cache_dtype "fp8" only): "one" (every layer's K and V scale 1.0) or "amax" (each
+    layer's largest |k| and |v| over the calibration text, read on the final graph after smoothing and rotation,
+    over 448: the largest calibrated value lands on E4M3's largest finite one). ConfigError for another value,
+    without "fp8", with ``tensor_parallel`` (the rank graph cannot run the whole model), or without the tokenizer
+    files.
+
+    Both calibrations run the graph, which the builder cannot do itself (it never imports the runtime): pass
+    ``kv_calibrator``, the runtime's ``trtopt.runtime.kv_calibration.kv_stats`` (`trtopt build` does); ConfigError
     when it is missing.
     """
     start = time.perf_counter()
@@ -513,10 +572,11 @@ def build_plan(
                                explain=explain, tensor_parallel=tensor_parallel, lm_head=lm_head,
                                disable_passes=disable_passes, kv_cache_dtype=kv_cache_dtype,
                                kv_cache_rotation=kv_cache_rotation, kv_cache_smoothing=kv_cache_smoothing,
-                               kv_calibrator=kv_calibrator)
+                               kv_cache_scales=kv_cache_scales, kv_calibrator=kv_calibrator)
     steps = _Steps(progress)
     with steps.run():
         fused = fuse(options, steps)
         sharded = shard(options, fused, steps)
         rotate(options, fused, steps)
+        store_fp8(options, fused, steps)
         return write(options, fused, sharded, steps, start=start)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from trtopt.errors import BuildError
-from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SMOOTHINGS, kv_pool_dtype
+from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SCALES, KV_CACHE_SMOOTHINGS, kv_pool_dtype
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -69,6 +69,11 @@ def rank_dir(plan_dir: str | Path, rank: int) -> Path:
     return Path(plan_dir) / f"rank{rank}"
 
 
+# PlanConfig's `trtopt build --kv-cache-*` fields: (the default, which plan.json omits, and the values it may hold).
+_KV_OPTIONS = {"kv_cache_dtype": ("auto", KV_CACHE_DTYPES), "kv_cache_rotation": ("none", KV_CACHE_ROTATIONS),
+               "kv_cache_smoothing": ("none", KV_CACHE_SMOOTHINGS), "kv_cache_scales": ("one", KV_CACHE_SCALES)}
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """The contents of plan.json."""
@@ -89,6 +94,9 @@ class PlanConfig:
     # each PagedAttention) or "kv" (from the values too, added back to the output); fp8 plans only. Written only when
     # not "none", like kv_cache_dtype.
     kv_cache_smoothing: str = "none"
+    # `trtopt build --kv-cache-scales`: "one" (every layer's K/V scales 1.0) or "amax" (calibrated per layer on the
+    # final graph); fp8 plans only. Written only when not "one", like kv_cache_dtype.
+    kv_cache_scales: str = "one"
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -101,12 +109,9 @@ class PlanConfig:
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
-        if d["kv_cache_dtype"] == "auto":
-            del d["kv_cache_dtype"]
-        if d["kv_cache_rotation"] == "none":
-            del d["kv_cache_rotation"]
-        if d["kv_cache_smoothing"] == "none":
-            del d["kv_cache_smoothing"]
+        for name, (default, _) in _KV_OPTIONS.items():
+            if d[name] == default:
+                del d[name]
         return json.dumps(d, indent=2)
 
     @classmethod
@@ -121,21 +126,17 @@ class PlanConfig:
         model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
         model["layer_sliding_windows"] = tuple(model.get("layer_sliding_windows", ()))
         parallel = ParallelConfig(**d["parallel"]) if d.get("parallel") else None
-        kv_cache_dtype = d.get("kv_cache_dtype", "auto")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise BuildError(f"plan.json has kv_cache_dtype {kv_cache_dtype!r}, which this trtopt does not know "
-                             f"({', '.join(KV_CACHE_DTYPES)}); rebuild the plan with `trtopt build`.")
-        kv_cache_rotation = d.get("kv_cache_rotation", "none")
-        if kv_cache_rotation not in KV_CACHE_ROTATIONS:
-            raise BuildError(f"plan.json has kv_cache_rotation {kv_cache_rotation!r}, which this trtopt does not know "
-                             f"({', '.join(KV_CACHE_ROTATIONS)}); rebuild the plan with `trtopt build`.")
-        kv_cache_smoothing = d.get("kv_cache_smoothing", "none")
-        if kv_cache_smoothing not in KV_CACHE_SMOOTHINGS:
-            raise BuildError(f"plan.json has kv_cache_smoothing {kv_cache_smoothing!r}, which this trtopt does not "
-                             f"know ({', '.join(KV_CACHE_SMOOTHINGS)}); rebuild the plan with `trtopt build`.")
+        kv = {name: d.get(name, default) for name, (default, _) in _KV_OPTIONS.items()}
+        for name, (_, known) in _KV_OPTIONS.items():
+            if kv[name] not in known:
+                raise BuildError(f"plan.json has {name} {kv[name]!r}, which this trtopt does not know "
+                                 f"({', '.join(known)}); rebuild the plan with `trtopt build`.")
         return cls(model=ModelFacts(**model), limits=Limits(**d["limits"]), kind=d.get("kind", "paged"),
-                   version=version, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
-                   kv_cache_rotation=kv_cache_rotation, kv_cache_smoothing=kv_cache_smoothing)
+                   version=version, parallel=parallel, **kv)
+
+    def kv_options(self) -> dict[str, str]:
+        """The `trtopt build --kv-cache-*` options the plan was built with (PlanConfig's fields of those names)."""
+        return {name: getattr(self, name) for name in _KV_OPTIONS}
 
 
 def write_plan(plan_dir: str | Path, config: PlanConfig) -> Path:

@@ -25,6 +25,7 @@ def _print_report(result, explain: bool) -> None:
            f"({result.config.kv_cache_rotation})" if result.config.kv_cache_rotation != "none" else "")
         + (f", {'K/V' if result.config.kv_cache_smoothing == 'kv' else 'K'} smoothed ({result.kv_calibration})"
            if result.config.kv_cache_smoothing != "none" else "")
+        + (f", amax K/V scales ({result.kv_scales})" if result.config.kv_cache_scales != "one" else "")
     )
     for note in result.notes:
         console.print(f"[yellow]note[/]: {note}", highlight=False)
@@ -100,7 +101,13 @@ def build(
         help="With --kv-cache-dtype fp8: `none`, `k` (each layer's mean key per head and channel, calibrated at build "
         "time on 8 x 512 tokens of Python's reference manual, subtracted before attention: exact before rounding, "
         "the softmax ignores the shift) or `kv` (the values' mean too, added back after attention). Combines with "
-        "--kv-cache-rotation hadamard; not with --tensor-parallel.",
+        "--kv-cache-rotation and --tensor-parallel.",
+    ),
+    kv_cache_scales: str = typer.Option(
+        "one", "--kv-cache-scales",
+        help="With --kv-cache-dtype fp8: `one` (every layer's K and V scale 1.0, as vLLM without checkpoint scales) "
+        "or `amax` (each layer's largest |k| and |v| / 448, calibrated at build time on the final graph, after "
+        "smoothing and rotation, over the same text as --kv-cache-smoothing); not with --tensor-parallel.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
@@ -115,19 +122,21 @@ def build(
         trtopt build out/smollm2-onnx -o out/smollm2-plan
 
         trtopt build model.onnx -o plan --block-size 32 --max-model-len 4096 --explain --force
+
+        trtopt build out/smollm2-onnx -o out/smollm2-fp8kv --kv-cache-dtype fp8 --kv-cache-scales amax
     """
     from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits
 
     limits = Limits(block_size=block_size, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
     kv_calibrator = None
-    if kv_cache_smoothing != "none":  # the calibration runs the graph: the runtime's job (and its torch import)
-        from trtopt.runtime.kv_calibration import kv_means as kv_calibrator
+    if kv_cache_smoothing != "none" or kv_cache_scales != "one":  # calibration runs the graph: the runtime's job
+        from trtopt.runtime.kv_calibration import kv_stats as kv_calibrator
     result = build_plan(
         model, output, limits=limits, max_model_len=max_model_len, force=force, explain=explain, progress=True,
         tensor_parallel=tensor_parallel, lm_head=lm_head, disable_passes=tuple(disable_pass or ()),
         kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation, kv_cache_smoothing=kv_cache_smoothing,
-        kv_calibrator=kv_calibrator,
+        kv_cache_scales=kv_cache_scales, kv_calibrator=kv_calibrator,
     )
     _print_report(result, explain)
     if draft_layers:

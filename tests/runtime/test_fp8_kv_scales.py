@@ -1,0 +1,178 @@
+"""A plan built with `--kv-cache-dtype fp8 --kv-cache-scales amax` on the CPU (tiny Llama): the scales are each
+layer's amax / 448 of what its pools hold on the calibration text (read back from the FP8 pools an executor fills),
+calibrated on the final graph (after smoothing and rotation), recorded in plan.json, fusion_report.json and the build
+summary; greedy decoding on the torch executor equals the ONNX body on onnxruntime; the self-draft plan keeps them;
+and the one-line errors a user can meet. The calibration's statistics are tested in
+tests/fusion_passes/test_kv_smoothing.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from trtopt.builder.kv_calibration import calibration_windows
+from trtopt.builder.plan import Limits, PlanConfig, read_plan
+from trtopt.errors import BuildError, ConfigError
+from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
+from trtopt.runtime.config import EngineConfig, load_tokenizer
+from trtopt.runtime.sampling_params import SamplingParams
+
+from stepping import assert_idle, run_all
+
+MODEL = "tiny-llama"
+LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PLANS = {"amax": dict(kv_cache_scales="amax"),  # name -> build_plan's KV options beside kv_cache_dtype="fp8"
+         "amax_rotated": dict(kv_cache_scales="amax", kv_cache_smoothing="kv", kv_cache_rotation="hadamard_kv"),
+         "one": dict()}
+
+
+@pytest.fixture(scope="module")
+def plans(export_dir, module_tmp):
+    from trtopt.builder.pipeline import build_plan
+    from trtopt.runtime.kv_calibration import kv_stats
+
+    return {name: build_plan(export_dir(MODEL), module_tmp / name, limits=LIMITS, force=True, progress=False,
+                             kv_cache_dtype="fp8", kv_calibrator=kv_stats, **options).plan_dir
+            for name, options in PLANS.items()}
+
+
+def _node_scales(plan_dir) -> tuple[list[float], list[float]]:
+    graph = onnx.load(str(plan_dir / "model.onnx"), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "PagedAttention"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    return [a["k_scale"] for a in attrs], [a["v_scale"] for a in attrs]
+
+
+def _pool_amax_codes(plan_dir) -> np.ndarray:
+    """[layers, 2 (K, V)]: the largest |FP8 code| the plan's pools hold over the calibration windows (each window
+    prefilled from position 0, as the calibration runs them)."""
+    from trtopt.runtime.executors import create_executor
+    from trtopt.runtime.input_builder import InputBuilder
+
+    plan = read_plan(plan_dir)
+    windows = calibration_windows(load_tokenizer(plan_dir), max_len=plan.limits.max_model_len)
+    blocks = -(-windows.shape[1] // plan.limits.block_size)
+    executor = create_executor("torch", plan_dir, plan)
+    executor.allocate_kv_cache(blocks + 1)
+    builder = InputBuilder(plan.limits.block_size, plan.max_blocks_per_seq)
+    top = np.zeros((plan.model.num_layers, 2))
+    for window in windows:
+        seq = ScheduledSeq("w", window.tolist(), 0, list(range(1, blocks + 1)), True)
+        executor.execute(builder.build(ScheduledBatch([seq], windows.shape[1], [])))
+        for layer, pool in enumerate(executor.kv_caches):  # [blocks, 2, Hkv, block, D] float8_e4m3fn
+            codes = pool[1:].float().abs().transpose(0, 1).reshape(2, -1).amax(dim=1).numpy()
+            top[layer] = np.maximum(top[layer], codes)
+    return top
+
+
+def test_the_scales_put_each_layers_largest_calibrated_value_on_448(plans):
+    """The FP8 pools an executor fills with the calibration windows: layer 0's largest key and value code is exactly
+    448 (its K and V do not depend on earlier layers' FP8 rounding); later layers' are within one E4M3 step of it
+    (their inputs went through FP8 attention, the calibration's did not). With scales of 1.0 the tiny model's keys
+    use a small corner of the range, which is what the amax scales are for."""
+    for name in ("amax", "amax_rotated"):
+        top = _pool_amax_codes(plans[name])
+        assert (top[0] == 448).all(), (name, top)
+        assert (top >= 416).all(), (name, top)  # E4M3's values below 448 are 416, 384, ...
+    assert _pool_amax_codes(plans["one"]).max() < 64
+
+
+def test_the_build_records_the_scales_in_the_graph_plan_json_and_the_report(plans):
+    for name in ("amax", "amax_rotated"):
+        plan = read_plan(plans[name])
+        assert plan.kv_cache_scales == "amax"
+        assert json.loads((plans[name] / "plan.json").read_text())["kv_cache_scales"] == "amax"
+        report = json.loads((plans[name] / "fusion_report.json").read_text())["kv_scales"]
+        assert report == {**report, "windows": 8, "tokens": 8 * 256, "device": "cpu"}
+        k, v = _node_scales(plans[name])
+        assert len(k) == len(v) == plan.model.num_layers
+        np.testing.assert_allclose(report["k"], k, rtol=1e-6)  # the attributes are float32
+        np.testing.assert_allclose(report["v"], v, rtol=1e-6)
+    # smoothing and rotation change what the pools hold, so the same text gives other scales
+    assert _node_scales(plans["amax"]) != _node_scales(plans["amax_rotated"])
+    assert _node_scales(plans["one"]) == ([1.0] * 2, [1.0] * 2)
+    data = json.loads((plans["one"] / "plan.json").read_text())
+    assert "kv_cache_scales" not in data and read_plan(plans["one"]).kv_cache_scales == "one"
+    assert "kv_scales" not in json.loads((plans["one"] / "fusion_report.json").read_text())
+
+
+def test_torch_executor_greedy_equals_the_onnx_body_on_onnxruntime(plans):
+    from trtopt.runtime.engine import LLMEngine
+    from trtopt.runtime.executors import create_executor
+
+    prompts = ["Hello, my name is", "The capital of France"]
+
+    def greedy(backend: str) -> list[list[int]]:
+        plan = read_plan(plans["amax_rotated"])
+        engine = LLMEngine(create_executor(backend, plans["amax_rotated"], plan), plan,
+                           load_tokenizer(plans["amax_rotated"]), EngineConfig(max_model_len=128))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, GREEDY)
+        done = run_all(engine)
+        assert_idle(engine)
+        return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+    tokens = greedy("torch")
+    assert tokens == greedy("onnxruntime") and all(len(t) == 16 for t in tokens)
+
+
+def test_a_self_draft_plan_keeps_the_scales(plans, tmp_path):
+    from trtopt.builder.draft import build_draft_plan
+
+    draft = build_draft_plan(plans["amax"], 1, tmp_path / "draft_1")
+    assert read_plan(draft).kv_cache_scales == "amax"
+    k, v = _node_scales(plans["amax"])
+    assert _node_scales(draft) == (k[:1], v[:1])
+
+
+def test_an_unknown_scales_value_in_plan_json_is_refused(plans):
+    data = json.loads((plans["amax"] / "plan.json").read_text())
+    assert PlanConfig.from_dict(data).kv_cache_scales == "amax"
+    with pytest.raises(BuildError, match="kv_cache_scales 'max'"):
+        PlanConfig.from_dict({**data, "kv_cache_scales": "max"})
+
+
+def test_the_build_summary_names_the_scales(export_dir, tmp_path):
+    from trtopt.cli.main import app
+
+    result = CliRunner().invoke(app, ["build", str(export_dir(MODEL)), "-o", str(tmp_path / "plan"),
+                                      "--kv-cache-dtype", "fp8", "--kv-cache-scales", "amax", "--max-model-len", "128"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "KV cache float8_e4m3fn, amax K/V scales (K " in text and "calibrated on 8 x 128 tokens" in text, text
+
+
+def _one_line_error(args: list[str], plan) -> str:
+    from trtopt.cli.main import app
+
+    result = CliRunner().invoke(app, ["build", *args, "-o", str(plan)])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert not plan.exists()
+    return lines[0]
+
+
+def test_bad_scales_options_are_one_line_errors(export_dir, tmp_path):
+    source = str(export_dir(MODEL))
+    line = _one_line_error([source, "--kv-cache-scales", "amax"], tmp_path / "a")
+    assert "--kv-cache-scales amax" in line and "--kv-cache-dtype fp8" in line
+    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "max"], tmp_path / "b")
+    assert "--kv-cache-scales 'max'" in line and "one, amax" in line
+    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "amax", "--tensor-parallel", "2"],
+                           tmp_path / "c")
+    assert "--tensor-parallel" in line and "--kv-cache-scales one" in line
+
+
+def test_build_plan_without_the_calibrator_says_what_to_pass(export_dir, tmp_path):
+    from trtopt.builder.pipeline import build_plan
+
+    with pytest.raises(ConfigError, match="kv_cache_scales='amax' calibrate.*kv_calibration.kv_stats"):
+        build_plan(export_dir(MODEL), tmp_path / "plan", limits=LIMITS, progress=False, kv_cache_dtype="fp8",
+                   kv_cache_scales="amax")
+
