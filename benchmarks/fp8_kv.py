@@ -18,7 +18,9 @@ Cells (one plan each, built from one export in --dtype: bf16 on CUDA, fp32 on th
 - fp8_hadamard_kv_smooth: K and V smoothed and both rotated (kv_cache_rotation="hadamard_kv"); ..._amax: the same
   with per-layer scales amax / 448 of its own pools at scale 1.0 over the calibration windows (what the pools store
   after the transforms, as e4m3 rounds it); ..._amax_built: the same scales computed by the build
-  (kv_cache_scales="amax": the final graph's K/V amax over data.py's calibration windows, model-dtype pools).
+  (kv_cache_scales="amax": the final graph's K/V amax over data.py's calibration windows, model-dtype pools);
+  ..._amax_head: kv_cache_scales="amax_head" (those, and every KV head brought within 2x of its layer's range by a
+  power of two, undone exactly on q and the output).
 
 Perplexity and KL: trtopt/quantize/data.py's text rule (the last --windows x --window tokens of Python's reference
 manual, held out from calibration; BOS in front of each window when the tokenizer adds one, as for Gemma). The
@@ -138,6 +140,7 @@ CELLS = {c.name: c for c in (
     Cell("fp8_hadamard_kv_smooth", "fp8", rotation="hadamard_kv", smoothing="kv"),
     Cell("fp8_hadamard_kv_smooth_amax", "fp8", "amax_self", rotation="hadamard_kv", smoothing="kv"),
     Cell("fp8_hadamard_kv_smooth_amax_built", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="amax"),
+    Cell("fp8_hadamard_kv_smooth_amax_head", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="amax_head"),
 )}
 
 
@@ -494,7 +497,7 @@ def ppl_phase(args, source: Path, tokenizer, limits: Limits) -> None:
     results = summarize(perplexities(executors, heldout, batch=args.batch, chunk=args.chunk, plan=auto.plan))
     for name, res in results.items():
         res["kv_pool_dtype"] = executors[name].plan.kv_pool_dtype
-        if name in ("fp8_amax", "fp8_hadamard_kv_smooth_amax", "fp8_hadamard_kv_smooth_amax_built"):
+        if name in ("fp8_amax", "fp8_hadamard_kv_smooth_amax") or CELLS[name].build_scales:
             res["k_scales"], res["v_scales"] = scales_of(plans[name])
         log(f"  {name}: ppl {res['perplexity']} ({res['delta_ppl_pct']:+.3f}% +- {res['delta_ppl_pct_paired_stderr']}),"
             f" KL {res['mean_kl_nats']:.2e}, top-1 {res['top1_agreement']:.4f} [{res['seconds']} s]")

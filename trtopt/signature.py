@@ -101,8 +101,10 @@ KV_CACHE_ROTATIONS = ("none", "hadamard", "hadamard_kv")
 # (fusion_passes/kv_smoothing.py), so the pools hold k - b_k (and v - b_v).
 KV_CACHE_SMOOTHINGS = ("none", "k", "kv")
 # `trtopt build --kv-cache-scales` (with --kv-cache-dtype fp8 only): "one" gives every layer K and V scales of 1.0;
-# "amax" calibrates them on the final plan graph (after smoothing and rotation): the layer's largest |k| (|v|) / 448.
-KV_CACHE_SCALES = ("one", "amax")
+# "amax" calibrates them on the final plan graph (after smoothing and rotation): the layer's largest |k| (|v|) / 448;
+# "amax_head" also multiplies each KV head's k (v) by a power of two that brings its amax within 2x of the layer's,
+# exactly undone on q (the output) (fusion_passes/kv_head_scales.py): per-head scales without a kernel change.
+KV_CACHE_SCALES = ("one", "amax", "amax_head")
 
 
 def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:

@@ -1,13 +1,16 @@
 """A plan built with `--kv-cache-dtype fp8 --kv-cache-scales amax` on the CPU (tiny Llama): the scales are each
 layer's amax / 448 of what its pools hold on the calibration text (read back from the FP8 pools an executor fills),
 calibrated on the final graph (after smoothing and rotation), recorded in plan.json, fusion_report.json and the build
-summary; greedy decoding on the torch executor equals the ONNX body on onnxruntime; the self-draft plan keeps them;
-and the one-line errors a user can meet. The calibration's statistics are tested in
-tests/fusion_passes/test_kv_smoothing.py."""
+summary; with `amax_head` (on a source whose heads have uneven ranges) every head's largest code lands within 2x of
+the layer's; greedy decoding on the torch executor equals the ONNX body on onnxruntime; the self-draft plan keeps
+them; and the one-line errors a user can meet. The calibration's statistics are tested in
+tests/fusion_passes/test_kv_smoothing.py, the head factors' exactness in tests/fusion_passes/test_kv_head_scales.py."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -31,14 +34,38 @@ PLANS = {"amax": dict(kv_cache_scales="amax"),  # name -> build_plan's KV option
          "one": dict()}
 
 
+UNEVEN = {"amax_uneven": dict(kv_cache_scales="amax"),  # plans of the uneven source (below)
+          "amax_head": dict(kv_cache_scales="amax_head", kv_cache_smoothing="kv", kv_cache_rotation="hadamard_kv")}
+
+
+def _uneven_source(export: Path, out: Path) -> Path:
+    """The tiny Llama export with KV head 1's keys and KV head 0's values made 16x smaller in every layer (their K/V
+    projection columns divided by 16): heads of uneven range, as real models have (the random tiny model's are
+    within 2x of each other)."""
+    shutil.copytree(export, out)
+    model = onnx.load(str(out / "model.onnx"))
+    inits = {t.name: t for t in model.graph.initializer}
+    kv = [inits[n.input[1]] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+          and list(inits[n.input[1]].dims) == [64, 32]]  # [hidden, Hkv * D]: k_proj, v_proj of each layer, in order
+    assert len(kv) == 4, [t.name for t in kv]
+    for i, tensor in enumerate(kv):
+        w = onnx.numpy_helper.to_array(tensor).copy()
+        w[:, 16:] /= 16 if i % 2 == 0 else 1  # K: head 1
+        w[:, :16] /= 16 if i % 2 == 1 else 1  # V: head 0
+        tensor.CopyFrom(onnx.numpy_helper.from_array(w, tensor.name))
+    onnx.save(model, str(out / "model.onnx"))
+    return out
+
+
 @pytest.fixture(scope="module")
 def plans(export_dir, module_tmp):
     from trtopt.builder.pipeline import build_plan
     from trtopt.runtime.kv_calibration import kv_stats
 
-    return {name: build_plan(export_dir(MODEL), module_tmp / name, limits=LIMITS, force=True, progress=False,
+    uneven = _uneven_source(export_dir(MODEL), module_tmp / "uneven-source")
+    return {name: build_plan(source, module_tmp / name, limits=LIMITS, force=True, progress=False,
                              kv_cache_dtype="fp8", kv_calibrator=kv_stats, **options).plan_dir
-            for name, options in PLANS.items()}
+            for source, table in ((export_dir(MODEL), PLANS), (uneven, UNEVEN)) for name, options in table.items()}
 
 
 def _node_scales(plan_dir) -> tuple[list[float], list[float]]:
@@ -49,7 +76,7 @@ def _node_scales(plan_dir) -> tuple[list[float], list[float]]:
 
 
 def _pool_amax_codes(plan_dir) -> np.ndarray:
-    """[layers, 2 (K, V)]: the largest |FP8 code| the plan's pools hold over the calibration windows (each window
+    """[layers, 2 (K, V), Hkv]: the largest |FP8 code| each head of the plan's pools holds over the calibration windows (each window
     prefilled from position 0, as the calibration runs them)."""
     from trtopt.runtime.executors import create_executor
     from trtopt.runtime.input_builder import InputBuilder
@@ -60,12 +87,12 @@ def _pool_amax_codes(plan_dir) -> np.ndarray:
     executor = create_executor("torch", plan_dir, plan)
     executor.allocate_kv_cache(blocks + 1)
     builder = InputBuilder(plan.limits.block_size, plan.max_blocks_per_seq)
-    top = np.zeros((plan.model.num_layers, 2))
+    top = np.zeros((plan.model.num_layers, 2, plan.model.num_kv_heads))
     for window in windows:
         seq = ScheduledSeq("w", window.tolist(), 0, list(range(1, blocks + 1)), True)
         executor.execute(builder.build(ScheduledBatch([seq], windows.shape[1], [])))
         for layer, pool in enumerate(executor.kv_caches):  # [blocks, 2, Hkv, block, D] float8_e4m3fn
-            codes = pool[1:].float().abs().transpose(0, 1).reshape(2, -1).amax(dim=1).numpy()
+            codes = pool[1:].float().abs().amax(dim=(0, 3, 4)).numpy()  # [2, Hkv]
             top[layer] = np.maximum(top[layer], codes)
     return top
 
@@ -75,18 +102,33 @@ def test_the_scales_put_each_layers_largest_calibrated_value_on_448(plans):
     448 (its K and V do not depend on earlier layers' FP8 rounding); later layers' are within one E4M3 step of it
     (their inputs went through FP8 attention, the calibration's did not). With scales of 1.0 the tiny model's keys
     use a small corner of the range, which is what the amax scales are for."""
-    for name in ("amax", "amax_rotated"):
-        top = _pool_amax_codes(plans[name])
+    for name in ("amax", "amax_rotated", "amax_uneven", "amax_head"):
+        top = _pool_amax_codes(plans[name]).max(axis=2)  # [layers, 2]: over the heads
         assert (top[0] == 448).all(), (name, top)
         assert (top >= 416).all(), (name, top)  # E4M3's values below 448 are 416, 384, ...
     assert _pool_amax_codes(plans["one"]).max() < 64
 
 
+def test_amax_head_brings_every_head_within_2x_of_its_layers_range(plans):
+    """On the uneven source, per-layer amax scales leave the small heads' largest codes near 448 / 16; with the
+    per-head powers of two every head's largest code is above half the layer's (layer 0: (224, 448]; later layers
+    within an E4M3 step of that, as above)."""
+    plain = _pool_amax_codes(plans["amax_uneven"])
+    assert plain[:, 0, 1].max() < 64 and plain[:, 1, 0].max() < 64, plain  # K head 1, V head 0
+    heads = _pool_amax_codes(plans["amax_head"])
+    assert (heads[0] > 224).all() and (heads[0] <= 448).all(), heads[0]
+    assert (heads >= 208).all(), heads
+    report = json.loads((plans["amax_head"] / "fusion_report.json").read_text())["kv_scales"]
+    factors = np.array([report["k_head_factors"], report["v_head_factors"]])  # [2 (K, V), layers, Hkv]
+    assert (factors[0, :, 1] >= 8).all() and (factors[1, :, 0] >= 8).all(), factors
+    assert (factors >= 1).all() and (np.exp2(np.round(np.log2(factors))) == factors).all()
+
+
 def test_the_build_records_the_scales_in_the_graph_plan_json_and_the_report(plans):
-    for name in ("amax", "amax_rotated"):
+    for name in ("amax", "amax_rotated", "amax_head"):
         plan = read_plan(plans[name])
-        assert plan.kv_cache_scales == "amax"
-        assert json.loads((plans[name] / "plan.json").read_text())["kv_cache_scales"] == "amax"
+        assert plan.kv_cache_scales == {**PLANS, **UNEVEN}[name]["kv_cache_scales"]
+        assert json.loads((plans[name] / "plan.json").read_text())["kv_cache_scales"] == plan.kv_cache_scales
         report = json.loads((plans[name] / "fusion_report.json").read_text())["kv_scales"]
         assert report == {**report, "windows": 8, "tokens": 8 * 256, "device": "cpu"}
         k, v = _node_scales(plans[name])
@@ -107,27 +149,35 @@ def test_torch_executor_greedy_equals_the_onnx_body_on_onnxruntime(plans):
 
     prompts = ["Hello, my name is", "The capital of France"]
 
-    def greedy(backend: str) -> list[list[int]]:
-        plan = read_plan(plans["amax_rotated"])
-        engine = LLMEngine(create_executor(backend, plans["amax_rotated"], plan), plan,
-                           load_tokenizer(plans["amax_rotated"]), EngineConfig(max_model_len=128))
+    def greedy(backend: str, name: str) -> list[list[int]]:
+        plan = read_plan(plans[name])
+        engine = LLMEngine(create_executor(backend, plans[name], plan), plan, load_tokenizer(plans[name]),
+                           EngineConfig(max_model_len=128))
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, GREEDY)
         done = run_all(engine)
         assert_idle(engine)
         return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
-    tokens = greedy("torch")
-    assert tokens == greedy("onnxruntime") and all(len(t) == 16 for t in tokens)
+    for name in ("amax_rotated", "amax_head"):
+        tokens = greedy("torch", name)
+        assert tokens == greedy("onnxruntime", name) and all(len(t) == 16 for t in tokens)
 
 
-def test_a_self_draft_plan_keeps_the_scales(plans, tmp_path):
+@pytest.mark.parametrize("name", ["amax", "amax_head"])
+def test_a_self_draft_plan_keeps_the_scales(plans, tmp_path, name):
     from trtopt.builder.draft import build_draft_plan
+    from trtopt.fusion_passes.kv_head_scales import INITIALIZER_PREFIX
 
-    draft = build_draft_plan(plans["amax"], 1, tmp_path / "draft_1")
-    assert read_plan(draft).kv_cache_scales == "amax"
-    k, v = _node_scales(plans["amax"])
+    draft = build_draft_plan(plans[name], 1, tmp_path / "draft_1")
+    assert read_plan(draft).kv_cache_scales == name
+    k, v = _node_scales(plans[name])
     assert _node_scales(draft) == (k[:1], v[:1])
+    graph = onnx.load(str(draft / "model.onnx"), load_external_data=False).graph
+    factors = sorted(t.name for t in graph.initializer if t.name.startswith(INITIALIZER_PREFIX))
+    assert factors == ([f"{INITIALIZER_PREFIX}{what}_0" for what in ("k", "out", "q", "v")] if name == "amax_head"
+                       else [])
+    assert _pool_amax_codes(draft)[0].max() == 448  # the draft runs, its layer 0 as the target's
 
 
 def test_an_unknown_scales_value_in_plan_json_is_refused(plans):
@@ -163,7 +213,7 @@ def test_bad_scales_options_are_one_line_errors(export_dir, tmp_path):
     line = _one_line_error([source, "--kv-cache-scales", "amax"], tmp_path / "a")
     assert "--kv-cache-scales amax" in line and "--kv-cache-dtype fp8" in line
     line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "max"], tmp_path / "b")
-    assert "--kv-cache-scales 'max'" in line and "one, amax" in line
+    assert "--kv-cache-scales 'max'" in line and "one, amax, amax_head" in line
     line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "amax", "--tensor-parallel", "2"],
                            tmp_path / "c")
     assert "--tensor-parallel" in line and "--kv-cache-scales one" in line

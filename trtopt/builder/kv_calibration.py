@@ -48,6 +48,18 @@ class KvStats:
 
         return [scale(a) for a in self.k_amax], [scale(a) for a in self.v_amax]
 
+    def head_factors(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Every layer's K and V factors per KV head (`--kv-cache-scales amax_head`): [Hkv] powers of two,
+        2^floor(log2(layer amax / head amax)), so each head's amax times its factor is within 2x of the layer's and
+        never above it (the layer's own largest head gets 1, as does a head that saw only zeros)."""
+        def factors(amax: np.ndarray) -> np.ndarray:
+            top = float(np.max(amax))
+            safe = np.where(amax > 0, amax, top if top > 0 else 1.0)
+            f = np.exp2(np.floor(np.log2(np.maximum(top, 1e-300) / safe))).clip(1.0, None)
+            return np.where(safe * f > top, f / 2, f).clip(1.0, None)  # (where log2 rounded up)
+
+        return [factors(a) for a in self.k_amax], [factors(a) for a in self.v_amax]
+
     def describe(self) -> str:
         return (f"calibrated on {self.windows} x {self.tokens // max(self.windows, 1)} tokens of Python's reference "
                 f"manual ({self.device}, {self.seconds:.1f} s)")

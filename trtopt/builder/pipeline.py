@@ -11,7 +11,8 @@ graph (with --kv-cache-smoothing it also calibrates the K/V means, through the c
 them before attention: builder/kv_calibration.py, fusion_passes/kv_smoothing.py); ``shard`` (--tensor-parallel only)
 rewrites it into the rank graph (sharding/analysis.py); ``rotate`` (--kv-cache-rotation only) rotates q and k before
 attention (fusion_passes/kv_rotation.py); ``store_fp8`` (--kv-cache-dtype fp8 only) makes the pools float8 E4M3, with
-per-layer K/V scales calibrated on the final graph under --kv-cache-scales amax; ``write`` attaches the trtopt op functions and writes the files
+per-layer K/V scales calibrated on the final graph under --kv-cache-scales amax (and per-head powers of two under
+amax_head: fusion_passes/kv_head_scales.py); ``write`` attaches the trtopt op functions and writes the files
 (plan_files.py, sharding/writer.py, plan.py).
 """
 
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -53,6 +55,7 @@ from trtopt.builder.source import load_source, resolve_model_path
 from trtopt.errors import BuildError, ConfigError
 from trtopt.fusion_passes.kv_rotation import head_dims, is_power_of_two, rotate_qk
 from trtopt.fusion_passes.horizontal_matmul import fuse_horizontal_matmul
+from trtopt.fusion_passes.kv_head_scales import scale_kv_heads
 from trtopt.fusion_passes.kv_smoothing import smooth_kv
 from trtopt.fusion_passes.paged_attention import use_fp8_kv_cache
 from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimize
@@ -309,12 +312,13 @@ def validate_options(
                           "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-smoothing.")
     if kv_cache_scales not in KV_CACHE_SCALES:
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales!r} is not supported; choose one of "
-                          f"{', '.join(KV_CACHE_SCALES)} (one: 1.0 each; amax: calibrated per layer).")
+                          f"{', '.join(KV_CACHE_SCALES)} (one: 1.0 each; amax: calibrated per layer; amax_head: "
+                          "per layer, each head brought within 2x of the layer's range).")
     if kv_cache_scales != "one" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales} sets the scales of an FP8 KV cache; add "
                           "--kv-cache-dtype fp8 or drop --kv-cache-scales.")
-    if kv_cache_scales == "amax" and tensor_parallel is not None:
-        raise ConfigError("--kv-cache-scales amax calibrates on the whole final graph, and --tensor-parallel leaves "
+    if kv_cache_scales != "one" and tensor_parallel is not None:
+        raise ConfigError(f"--kv-cache-scales {kv_cache_scales} calibrates on the whole final graph, and --tensor-parallel leaves "
                           "only the rank graph to run; build with --kv-cache-scales one (scales of 1.0) or without "
                           "--tensor-parallel.")
     calibrated = [f"{name}={value!r}" for name, value, off in (("kv_cache_smoothing", kv_cache_smoothing, "none"),
@@ -436,14 +440,19 @@ def rotate(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
 def store_fp8(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
     """With --kv-cache-dtype fp8: make the pools of ``fused.model`` (the rank graph when sharded) float8 E4M3, in
     place, with K/V scales of 1.0, or under --kv-cache-scales amax each layer's amax / 448, calibrated here on the
-    final graph (after smoothing and rotation: what the pools will hold), its pools still in the model's dtype."""
+    final graph (after smoothing and rotation: what the pools will hold), its pools still in the model's dtype;
+    under amax_head the heads are then multiplied by their power-of-two factors (kv_head_scales.py)."""
     if options.kv_cache_dtype != "fp8":
         return
     assert fused.model is not None, "store_fp8 runs before write consumes the graph"
     k_scales = v_scales = None
-    if options.kv_cache_scales == "amax":
-        fused.kv_amax = _calibrate(options, fused.model, steps, "the K/V scales", "--kv-cache-scales amax")
-        k_scales, v_scales = fused.kv_amax.fp8_scales()
+    if options.kv_cache_scales != "one":
+        flag = f"--kv-cache-scales {options.kv_cache_scales}"
+        fused.kv_amax = _calibrate(options, fused.model, steps, "the K/V scales", flag)
+        k_scales, v_scales = fused.kv_amax.fp8_scales()  # the layer's amax: its largest head keeps the factor 1
+        if options.kv_cache_scales == "amax_head":
+            with steps.step("scaling every KV head by a power of two"):
+                scale_kv_heads(fused.model, *fused.kv_amax.head_factors())
     with steps.step("storing the KV pools as float8 E4M3"):
         use_fp8_kv_cache(fused.model, k_scales=k_scales, v_scales=v_scales)
 
@@ -486,14 +495,15 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
             "explain": options.explain,
             "notes": list(fused.notes),
             **({"kv_smoothing": _calibration_report(means)} if means is not None else {}),
-            **({"kv_scales": {**_calibration_report(fused.kv_amax), **dict(zip("kv", fused.kv_amax.fp8_scales()))}}
+            **({"kv_scales": _scales_report(fused.kv_amax, per_head=options.kv_cache_scales == "amax_head")}
                if fused.kv_amax is not None else {}),
         }
         (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
     layout = sharded.result.layout if sharded is not None else None
     return BuildResult(plan_dir=out_dir, config=config, report=fused.report, seconds=seconds, parallel=layout,
                        notes=fused.notes, kv_calibration=means.describe() if means is not None else "",
-                       kv_scales=_describe_scales(fused.kv_amax) if fused.kv_amax is not None else "")
+                       kv_scales=_describe_scales(fused.kv_amax, per_head=options.kv_cache_scales == "amax_head")
+                       if fused.kv_amax is not None else "")
 
 
 def _calibration_report(stats: KvStats) -> dict:
@@ -501,9 +511,24 @@ def _calibration_report(stats: KvStats) -> dict:
             "seconds": round(stats.seconds, 3)}
 
 
-def _describe_scales(stats: KvStats) -> str:
+def _scales_report(stats: KvStats, *, per_head: bool) -> dict:
+    """fusion_report.json's kv_scales: the calibration, every layer's K and V scale, and with amax_head every layer's
+    head factors."""
     k, v = stats.fp8_scales()
-    return f"K {min(k):.3g}–{max(k):.3g}, V {min(v):.3g}–{max(v):.3g}; {stats.describe()}"
+    heads = stats.head_factors() if per_head else None
+    return {**_calibration_report(stats), "k": k, "v": v,
+            **({"k_head_factors": [f.tolist() for f in heads[0]], "v_head_factors": [f.tolist() for f in heads[1]]}
+               if heads is not None else {})}
+
+
+def _describe_scales(stats: KvStats, *, per_head: bool) -> str:
+    k, v = stats.fp8_scales()
+    text = f"K {min(k):.3g}–{max(k):.3g}, V {min(v):.3g}–{max(v):.3g}"
+    if per_head:
+        for name, factors in zip("KV", stats.head_factors()):
+            flat = np.concatenate(factors)
+            text += f"; {int((flat > 1).sum())} of {flat.size} {name} heads scaled (up to {int(flat.max())}x)"
+    return f"{text}; {stats.describe()}"
 
 
 def build_plan(
@@ -557,9 +582,11 @@ def build_plan(
     means of its KV heads. ConfigError for another value, without "fp8", or without the tokenizer files beside the
     source.
 
-    ``kv_cache_scales`` (with kv_cache_dtype "fp8" only): "one" (every layer's K and V scale 1.0) or "amax" (each
+    ``kv_cache_scales`` (with kv_cache_dtype "fp8" only): "one" (every layer's K and V scale 1.0), "amax" (each
     layer's largest |k| and |v| over the calibration text, read on the final graph after smoothing and rotation,
-    over 448: the largest calibrated value lands on E4M3's largest finite one). ConfigError for another value,
+    over 448: the largest calibrated value lands on E4M3's largest finite one) or "amax_head" (amax, and each KV
+    head's k and v multiplied by a power of two that brings its amax within 2x of the layer's, divided back out of
+    q and the output: exact in floating point; fusion_passes/kv_head_scales.py). ConfigError for another value,
     without "fp8", with ``tensor_parallel`` (the rank graph cannot run the whole model), or without the tokenizer
     files.
 

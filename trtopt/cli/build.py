@@ -25,7 +25,8 @@ def _print_report(result, explain: bool) -> None:
            f"({result.config.kv_cache_rotation})" if result.config.kv_cache_rotation != "none" else "")
         + (f", {'K/V' if result.config.kv_cache_smoothing == 'kv' else 'K'} smoothed ({result.kv_calibration})"
            if result.config.kv_cache_smoothing != "none" else "")
-        + (f", amax K/V scales ({result.kv_scales})" if result.config.kv_cache_scales != "one" else "")
+        + (f", {result.config.kv_cache_scales} K/V scales ({result.kv_scales})"
+           if result.config.kv_cache_scales != "one" else "")
     )
     for note in result.notes:
         console.print(f"[yellow]note[/]: {note}", highlight=False)
@@ -105,9 +106,11 @@ def build(
     ),
     kv_cache_scales: str = typer.Option(
         "one", "--kv-cache-scales",
-        help="With --kv-cache-dtype fp8: `one` (every layer's K and V scale 1.0, as vLLM without checkpoint scales) "
-        "or `amax` (each layer's largest |k| and |v| / 448, calibrated at build time on the final graph, after "
-        "smoothing and rotation, over the same text as --kv-cache-smoothing); not with --tensor-parallel.",
+        help="With --kv-cache-dtype fp8: `one` (every layer's K and V scale 1.0, as vLLM without checkpoint scales), "
+        "`amax` (each layer's largest |k| and |v| / 448, calibrated at build time on the final graph, after "
+        "smoothing and rotation, over the same text as --kv-cache-smoothing) or `amax_head` (per-head scales: amax, "
+        "and each KV head multiplied by a power of two that brings it within 2x of the layer's range, exactly "
+        "undone on q and the output); not with --tensor-parallel.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "

@@ -91,6 +91,23 @@ def int64_initializer(graph: ir.Graph, name: str, values: list[int]) -> ir.Value
     return value
 
 
+def initializer(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
+    """Register ``array``, cast to ``dtype``, as the initializer ``name`` of ``graph``."""
+    tensor = array.astype(dtype.numpy())
+    value = ir.Value(name=name, const_value=ir.tensor(tensor, name=name))
+    value.shape, value.type = ir.Shape(list(tensor.shape)), ir.TensorType(dtype)
+    graph.register_initializer(value)
+    return value
+
+
+def binary_node(op: str, x: ir.Value, b: ir.Value, name: str) -> ir.Node:
+    """A new (not inserted) ``op``(x, b) node whose output, named ``name``, has x's shape and type."""
+    node = ir.node(op, [x, b], name=name)
+    node.outputs[0].name = name
+    node.outputs[0].shape, node.outputs[0].type = x.shape, x.type
+    return node
+
+
 def infer_missing_shapes(model: ir.Model) -> int:
     """Give intermediate values whose shape is missing or partly unknown the one onnxruntime's symbolic shape inference derives (it
     propagates shape arithmetic, so `[B·H, S, D]` folds come out as `4*batch_size`, ...); returns how many got one.

@@ -27,24 +27,10 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from trtopt.fusion_passes.ir_helpers import binary_node, initializer
 from trtopt.plugins.common import DOMAIN
 
 INITIALIZER_PREFIX = "trtopt_kv_smoothing_"  # + "k_{layer}", "v_{layer}" or "v_out_{layer}"
-
-
-def _constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType) -> ir.Value:
-    tensor = array.astype(dtype.numpy())
-    value = ir.Value(name=name, const_value=ir.tensor(tensor, name=name))
-    value.shape, value.type = ir.Shape(list(tensor.shape)), ir.TensorType(dtype)
-    graph.register_initializer(value)
-    return value
-
-
-def _binary(graph: ir.Graph, op: str, x: ir.Value, b: ir.Value, name: str) -> ir.Node:
-    node = ir.node(op, [x, b], name=name)
-    node.outputs[0].name = name
-    node.outputs[0].shape, node.outputs[0].type = x.shape, x.type
-    return node
 
 
 def smooth_kv(model: ir.Model, k_means: Sequence[np.ndarray], v_means: Sequence[np.ndarray] | None = None) -> int:
@@ -61,8 +47,8 @@ def smooth_kv(model: ir.Model, k_means: Sequence[np.ndarray], v_means: Sequence[
         assert k is not None and v is not None and k.dtype is not None, f"{node.name}: k or v is absent or untyped"
         b_k = np.asarray(k_means[layer], dtype=np.float64)
         assert b_k.shape == (hkv, d), f"{node.name}: a K mean of shape {b_k.shape}, not {(hkv, d)}"
-        b = _constant(graph, f"{INITIALIZER_PREFIX}k_{layer}", b_k.reshape(1, hkv, 1, d), k.dtype)
-        sub = _binary(graph, "Sub", k, b, f"{node.name}.smooth_k")
+        b = initializer(graph, f"{INITIALIZER_PREFIX}k_{layer}", b_k.reshape(1, hkv, 1, d), k.dtype)
+        sub = binary_node("Sub", k, b, f"{node.name}.smooth_k")
         graph.insert_before(node, sub)
         node.replace_input_with(1, sub.outputs[0])
         if v_means is None:
@@ -70,14 +56,14 @@ def smooth_kv(model: ir.Model, k_means: Sequence[np.ndarray], v_means: Sequence[
         # The same rounded constant is subtracted and added back; each query head adds its KV head's mean.
         b_v = np.asarray(v_means[layer], dtype=np.float64).astype(v.dtype.numpy())
         assert b_v.shape == (hkv, d), f"{node.name}: a V mean of shape {b_v.shape}, not {(hkv, d)}"
-        b = _constant(graph, f"{INITIALIZER_PREFIX}v_{layer}", b_v.reshape(1, hkv, 1, d), v.dtype)
-        sub = _binary(graph, "Sub", v, b, f"{node.name}.smooth_v")
+        b = initializer(graph, f"{INITIALIZER_PREFIX}v_{layer}", b_v.reshape(1, hkv, 1, d), v.dtype)
+        sub = binary_node("Sub", v, b, f"{node.name}.smooth_v")
         graph.insert_before(node, sub)
         node.replace_input_with(2, sub.outputs[0])
         per_head = np.repeat(b_v, hq // hkv, axis=0).reshape(1, hq, 1, d)
         assert not out.is_graph_output(), f"{node.name}: the attention output is a graph output"
         uses = list(out.uses())
-        add = _binary(graph, "Add", out, _constant(graph, f"{INITIALIZER_PREFIX}v_out_{layer}", per_head, v.dtype),
+        add = binary_node("Add", out, initializer(graph, f"{INITIALIZER_PREFIX}v_out_{layer}", per_head, v.dtype),
                       f"{node.name}.unsmooth_out")
         graph.insert_after(node, add)
         for user, index in uses:
