@@ -20,7 +20,8 @@ Cells (one plan each, built from one export in --dtype: bf16 on CUDA, fp32 on th
   after the transforms, as e4m3 rounds it); ..._amax_built: the same scales computed by the build
   (kv_cache_scales="amax": the final graph's K/V amax over data.py's calibration windows, model-dtype pools);
   ..._amax_head: kv_cache_scales="amax_head" (those, and every KV head brought within 2x of its layer's range by a
-  power of two, undone exactly on q and the output).
+  power of two, undone exactly on q and the output); fp8_search, ..._search: kv_cache_scales="search" (each layer's
+  scale the one of 16 in [2, 4) x amax / 448 whose rounding costs the attention output least on calibration text).
 
 Perplexity and KL: trtopt/quantize/data.py's text rule (the last --windows x --window tokens of Python's reference
 manual, held out from calibration; BOS in front of each window when the tokenizer adds one, as for Gemma). The
@@ -114,7 +115,7 @@ class Cell:
 
     name: str
     kv_cache_dtype: str = "auto"
-    scale: float | str = 1.0
+    scale: float | str | tuple[float, float] = 1.0  # with build_scales: a multiplier of the built ones (K, V)
     rotation: str | None = None
     smoothing: str | None = None
     build_scales: str | None = None
@@ -141,6 +142,12 @@ CELLS = {c.name: c for c in (
     Cell("fp8_hadamard_kv_smooth_amax", "fp8", "amax_self", rotation="hadamard_kv", smoothing="kv"),
     Cell("fp8_hadamard_kv_smooth_amax_built", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="amax"),
     Cell("fp8_hadamard_kv_smooth_amax_head", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="amax_head"),
+    Cell("fp8_search", "fp8", build_scales="search"),
+    Cell("fp8_hadamard_kv_smooth_search", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="search"),
+    # headroom over the build's amax scales (the held-out text exceeds the calibration's amax): x2, x4, and vLLM's
+    # calculate_kv_scales constants (K amax -> 200, V amax -> 100 instead of 448)
+    *(Cell(f"fp8_hadamard_kv_smooth_amax_built_{tag}", "fp8", mult, rotation="hadamard_kv", smoothing="kv",
+           build_scales="amax") for tag, mult in (("x2", 2.0), ("x4", 4.0), ("vllm", (448 / 200, 448 / 100)))),
 )}
 
 
@@ -460,6 +467,13 @@ def cell_plans(cells: list[Cell], source: Path, limits: Limits, args, auto_execu
             log(f"  {cell.name}: amax scales of its transformed K/V over {len(calibration)} calibration windows: "
                 f"K {min(k):.4f}..{max(k):.4f}, V {min(v):.4f}..{max(v):.4f}")
             plans[cell.name] = with_scales(base, args.cache / f"{base.name}-{cell.name}", k, v)
+            continue
+        if cell.build_scales and cell.scale != 1.0:  # headroom over the build's own scales
+            base = build(source, args.cache, dataclasses.replace(cell, scale=1.0), limits)
+            mk, mv = cell.scale if isinstance(cell.scale, tuple) else (cell.scale, cell.scale)
+            k, v = scales_of(base)
+            plans[cell.name] = with_scales(base, args.cache / f"{base.name}-{cell.name}", [x * mk for x in k],
+                                           [x * mv for x in v])
             continue
         if cell.kv_cache_dtype == "auto" or cell.build_options() or cell.scale == 1.0:
             plans[cell.name] = build(source, args.cache, cell, limits)

@@ -103,8 +103,10 @@ KV_CACHE_SMOOTHINGS = ("none", "k", "kv")
 # `trtopt build --kv-cache-scales` (with --kv-cache-dtype fp8 only): "one" gives every layer K and V scales of 1.0;
 # "amax" calibrates them on the final plan graph (after smoothing and rotation): the layer's largest |k| (|v|) / 448;
 # "amax_head" also multiplies each KV head's k (v) by a power of two that brings its amax within 2x of the layer's,
-# exactly undone on q (the output) (fusion_passes/kv_head_scales.py): per-head scales without a kernel change.
-KV_CACHE_SCALES = ("one", "amax", "amax_head")
+# exactly undone on q (the output) (fusion_passes/kv_head_scales.py): per-head scales without a kernel change;
+# "search" picks each layer's K and V scale among 16 in [2, 4) x amax / 448 by the attention output's error on the
+# calibration text (builder/kv_calibration.py).
+KV_CACHE_SCALES = ("one", "amax", "amax_head", "search")
 
 
 def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:

@@ -31,6 +31,7 @@ LIMITS = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PLANS = {"amax": dict(kv_cache_scales="amax"),  # name -> build_plan's KV options beside kv_cache_dtype="fp8"
          "amax_rotated": dict(kv_cache_scales="amax", kv_cache_smoothing="kv", kv_cache_rotation="hadamard_kv"),
+         "search": dict(kv_cache_scales="search"),
          "one": dict()}
 
 
@@ -76,8 +77,8 @@ def _node_scales(plan_dir) -> tuple[list[float], list[float]]:
 
 
 def _pool_amax_codes(plan_dir) -> np.ndarray:
-    """[layers, 2 (K, V), Hkv]: the largest |FP8 code| each head of the plan's pools holds over the calibration windows (each window
-    prefilled from position 0, as the calibration runs them)."""
+    """[layers, 2 (K, V), Hkv]: the largest |FP8 code| each head of the plan's pools holds over the calibration
+    windows (each window prefilled from position 0, as the calibration runs them)."""
     from trtopt.runtime.executors import create_executor
     from trtopt.runtime.input_builder import InputBuilder
 
@@ -143,6 +144,44 @@ def test_the_build_records_the_scales_in_the_graph_plan_json_and_the_report(plan
     assert "kv_scales" not in json.loads((plans["one"] / "fusion_report.json").read_text())
 
 
+def test_search_keeps_the_candidate_with_the_least_attention_error(plans):
+    """Each layer's searched scale is its least-error candidate of [2, 4) x amax / 448 (the first calibration's
+    amax, as the amax plan's), recorded in the report and on the node."""
+    from trtopt.builder.kv_calibration import SEARCH_HEADROOM, SEARCH_STEPS
+
+    report = json.loads((plans["search"] / "fusion_report.json").read_text())["kv_scales"]
+    amax_k, amax_v = _node_scales(plans["amax"])
+    k, v = _node_scales(plans["search"])
+    grid = SEARCH_HEADROOM * np.exp2(np.arange(SEARCH_STEPS) / SEARCH_STEPS)
+    for scales, amax, errors in ((k, amax_k, report["k_relative_errors"]), (v, amax_v, report["v_relative_errors"])):
+        for layer, (scale, base, errs) in enumerate(zip(scales, amax, errors)):
+            assert len(errs) == SEARCH_STEPS and min(errs) == 1.0 and max(errs) > 1.0, (layer, errs)
+            np.testing.assert_allclose(scale, base * grid[int(np.argmin(errs))], rtol=1e-6)
+    assert [round(x, 6) for x in report["k"]] == [round(x, 6) for x in k]
+    top = _pool_amax_codes(plans["search"]).max(axis=2)  # the headroom: nothing saturates, codes span (112, 224]
+    assert (top[0] > 112).all() and (top <= 240).all(), top
+
+
+def test_the_search_errors_measure_the_attention_output(plan_dir):
+    """kv_stats' candidate errors: a scale and twice it round alike (within the subnormals' change), a scale 50x too
+    small saturates most values and costs far more, and the exact attention (no candidate) has no error."""
+    import onnx_ir as ir
+
+    from trtopt.runtime.kv_calibration import kv_stats
+
+    source = plan_dir(MODEL)
+    plan = read_plan(source)
+    windows = calibration_windows(load_tokenizer(source), max_len=plan.limits.max_model_len, windows=2, window=64)
+    model = ir.from_proto(onnx.load(str(source / "model.onnx")))
+    first = kv_stats(model, windows, block_size=plan.limits.block_size, device="cpu")
+    k, v = first.fp8_scales()
+    candidates = ([np.array([s, 2 * s, s / 50]) for s in k], [np.array([s, 2 * s, s / 50]) for s in v])
+    stats = kv_stats(model, windows, block_size=plan.limits.block_size, device="cpu", scale_candidates=candidates)
+    np.testing.assert_allclose(stats.k_amax, first.k_amax)  # the statistics do not change
+    for errors in stats.k_errors + stats.v_errors:
+        assert errors[0] > 0 and abs(errors[1] / errors[0] - 1) < 0.05 and errors[2] > 20 * errors[0], errors
+
+
 def test_torch_executor_greedy_equals_the_onnx_body_on_onnxruntime(plans):
     from trtopt.runtime.engine import LLMEngine
     from trtopt.runtime.executors import create_executor
@@ -159,7 +198,7 @@ def test_torch_executor_greedy_equals_the_onnx_body_on_onnxruntime(plans):
         assert_idle(engine)
         return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
-    for name in ("amax_rotated", "amax_head"):
+    for name in ("amax_rotated", "amax_head", "search"):
         tokens = greedy("torch", name)
         assert tokens == greedy("onnxruntime", name) and all(len(t) == 16 for t in tokens)
 
@@ -213,7 +252,7 @@ def test_bad_scales_options_are_one_line_errors(export_dir, tmp_path):
     line = _one_line_error([source, "--kv-cache-scales", "amax"], tmp_path / "a")
     assert "--kv-cache-scales amax" in line and "--kv-cache-dtype fp8" in line
     line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "max"], tmp_path / "b")
-    assert "--kv-cache-scales 'max'" in line and "one, amax, amax_head" in line
+    assert "--kv-cache-scales 'max'" in line and "one, amax, amax_head, search" in line
     line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "amax", "--tensor-parallel", "2"],
                            tmp_path / "c")
     assert "--tensor-parallel" in line and "--kv-cache-scales one" in line

@@ -22,6 +22,12 @@ from trtopt.signature import FP8_E4M3_MAX
 
 DEFAULT_WINDOWS = 8  # calibration windows ...
 DEFAULT_WINDOW = 512  # ... of this many tokens (fewer when the plan's max_model_len is shorter)
+# `--kv-cache-scales search`: each layer's candidate scales are amax / 448 times SEARCH_HEADROOM times 2^(i / SEARCH_STEPS)
+# for i < SEARCH_STEPS. E4M3 rounds x / s and x / 2s alike (a power of two moves only the exponent), so one binade of
+# candidates holds every rounding pattern a scale can give; the headroom keeps held-out values up to 2x the
+# calibration's amax from saturating.
+SEARCH_STEPS = 16
+SEARCH_HEADROOM = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,10 @@ class KvStats:
     windows: int
     device: str
     seconds: float
+    # with scale candidates (`--kv-cache-scales search`): per layer, [C] squared attention-output errors of each
+    # candidate K (V) scale over the windows (runtime/kv_calibration.py kv_stats)
+    k_errors: list[np.ndarray] = dataclasses.field(default_factory=list)
+    v_errors: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     def fp8_scales(self) -> tuple[list[float], list[float]]:
         """Every layer's K and V scale for FP8 pools (`--kv-cache-scales amax`): its amax over all KV heads / 448,
@@ -60,6 +70,20 @@ class KvStats:
 
         return [factors(a) for a in self.k_amax], [factors(a) for a in self.v_amax]
 
+    def scale_candidates(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Every layer's candidate K and V scales for `--kv-cache-scales search`, [SEARCH_STEPS] each."""
+        grid = SEARCH_HEADROOM * np.exp2(np.arange(SEARCH_STEPS) / SEARCH_STEPS)
+        k, v = self.fp8_scales()
+        return [s * grid for s in k], [s * grid for s in v]
+
+    def searched_scales(self, candidates: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[float], list[float]]:
+        """Every layer's K and V scale: the candidate whose rounding cost the attention output least over the
+        calibration windows (k_errors / v_errors, measured by a calibration run given ``candidates``)."""
+        assert len(self.k_errors) == len(candidates[0]) and len(self.v_errors) == len(candidates[1]), (
+            "the calibration ran without these candidates")
+        return ([float(c[int(np.argmin(e))]) for c, e in zip(candidates[0], self.k_errors)],
+                [float(c[int(np.argmin(e))]) for c, e in zip(candidates[1], self.v_errors)])
+
     def describe(self) -> str:
         return (f"calibrated on {self.windows} x {self.tokens // max(self.windows, 1)} tokens of Python's reference "
                 f"manual ({self.device}, {self.seconds:.1f} s)")
@@ -82,5 +106,5 @@ class KvCalibrator(Protocol):
     trtopt/runtime/kv_calibration.py `kv_stats`, which `trtopt build` passes. It lives above the builder because it
     executes the graph through the runtime's torch converter and input builder (the builder never imports them)."""
 
-    def __call__(self, model: ir.Model, windows: np.ndarray, *, block_size: int,
-                 on_window: Callable[[], None]) -> KvStats: ...
+    def __call__(self, model: ir.Model, windows: np.ndarray, *, block_size: int, on_window: Callable[[], None],
+                 scale_candidates: tuple[list[np.ndarray], list[np.ndarray]] | None = None) -> KvStats: ...

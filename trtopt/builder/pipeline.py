@@ -96,7 +96,8 @@ class FusedGraph:
     facts: ModelFacts  # read off the fused graph (global head counts): the top-level plan.json's
     notes: tuple[str, ...]  # where config.json and the graph disagreed (the graph won)
     kv_means: KvStats | None = None  # with --kv-cache-smoothing: the calibration whose means the graph subtracts
-    kv_amax: KvStats | None = None  # with --kv-cache-scales amax: the calibration (of the final graph) of the scales
+    kv_amax: KvStats | None = None  # with --kv-cache-scales: the calibration (of the final graph) of the scales
+    kv_scales: tuple[list[float], list[float]] | None = None  # with --kv-cache-scales: every layer's K and V scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,14 +314,15 @@ def validate_options(
     if kv_cache_scales not in KV_CACHE_SCALES:
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales!r} is not supported; choose one of "
                           f"{', '.join(KV_CACHE_SCALES)} (one: 1.0 each; amax: calibrated per layer; amax_head: "
-                          "per layer, each head brought within 2x of the layer's range).")
+                          "per layer, each head brought within 2x of the layer's range; search: per layer, chosen "
+                          "by the attention error).")
     if kv_cache_scales != "one" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales} sets the scales of an FP8 KV cache; add "
                           "--kv-cache-dtype fp8 or drop --kv-cache-scales.")
     if kv_cache_scales != "one" and tensor_parallel is not None:
-        raise ConfigError(f"--kv-cache-scales {kv_cache_scales} calibrates on the whole final graph, and --tensor-parallel leaves "
-                          "only the rank graph to run; build with --kv-cache-scales one (scales of 1.0) or without "
-                          "--tensor-parallel.")
+        raise ConfigError(f"--kv-cache-scales {kv_cache_scales} calibrates on the whole final graph, and "
+                          "--tensor-parallel leaves only the rank graph to run; build with --kv-cache-scales one "
+                          "(scales of 1.0) or without --tensor-parallel.")
     calibrated = [f"{name}={value!r}" for name, value, off in (("kv_cache_smoothing", kv_cache_smoothing, "none"),
                                                                 ("kv_cache_scales", kv_cache_scales, "one"))
                   if value != off]
@@ -372,7 +374,7 @@ def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
     return FusedGraph(model=model, report=report, facts=facts, notes=notes, kv_means=means)
 
 
-def smooth(options: BuildOptions, model: ir.Model, steps: _Steps) -> KvMeans | None:
+def smooth(options: BuildOptions, model: ir.Model, steps: _Steps) -> KvStats | None:
     """With --kv-cache-smoothing: calibrate every layer's mean key (and value) on the paged ``model`` while its
     pools still have the model's dtype, then subtract them before attention (in place). Runs in fuse, before the
     pools become FP8, and before shard and rotate: with the rotation the pools hold (k - b_k)·H; with
@@ -386,8 +388,10 @@ def smooth(options: BuildOptions, model: ir.Model, steps: _Steps) -> KvMeans | N
     return means
 
 
-def _calibrate(options: BuildOptions, model: ir.Model, steps: _Steps, what: str, flag: str) -> KvStats:
-    """Run options.kv_calibrator over builder/kv_calibration.py's windows of the source's tokenizer (a bar)."""
+def _calibrate(options: BuildOptions, model: ir.Model, steps: _Steps, what: str, flag: str,
+               **candidates) -> KvStats:
+    """Run options.kv_calibrator over builder/kv_calibration.py's windows of the source's tokenizer (a bar);
+    ``candidates``: scale_candidates=, for --kv-cache-scales search."""
     from trtopt.quantize import data
 
     try:
@@ -399,7 +403,8 @@ def _calibrate(options: BuildOptions, model: ir.Model, steps: _Steps, what: str,
     windows = calibration_windows(tokenizer, max_len=options.limits.max_model_len)
     assert options.kv_calibrator is not None, "validate_options requires a calibrator"
     with steps.bar(f"calibrating {what} ({windows.shape[0]} x {windows.shape[1]} tokens)", len(windows)) as advance:
-        return options.kv_calibrator(model, windows, block_size=options.limits.block_size, on_window=advance)
+        return options.kv_calibrator(model, windows, block_size=options.limits.block_size, on_window=advance,
+                                     **candidates)
 
 
 def shard(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> ShardedGraph | None:
@@ -450,6 +455,12 @@ def store_fp8(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
         flag = f"--kv-cache-scales {options.kv_cache_scales}"
         fused.kv_amax = _calibrate(options, fused.model, steps, "the K/V scales", flag)
         k_scales, v_scales = fused.kv_amax.fp8_scales()  # the layer's amax: its largest head keeps the factor 1
+        if options.kv_cache_scales == "search":
+            candidates = fused.kv_amax.scale_candidates()
+            fused.kv_amax = _calibrate(options, fused.model, steps, f"{len(candidates[0][0])} candidate K/V scales "
+                                       "by their attention error", flag, scale_candidates=candidates)
+            k_scales, v_scales = fused.kv_amax.searched_scales(candidates)
+        fused.kv_scales = k_scales, v_scales
         if options.kv_cache_scales == "amax_head":
             with steps.step("scaling every KV head by a power of two"):
                 scale_kv_heads(fused.model, *fused.kv_amax.head_factors())
@@ -495,14 +506,14 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
             "explain": options.explain,
             "notes": list(fused.notes),
             **({"kv_smoothing": _calibration_report(means)} if means is not None else {}),
-            **({"kv_scales": _scales_report(fused.kv_amax, per_head=options.kv_cache_scales == "amax_head")}
+            **({"kv_scales": _scales_report(fused, per_head=options.kv_cache_scales == "amax_head")}
                if fused.kv_amax is not None else {}),
         }
         (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
     layout = sharded.result.layout if sharded is not None else None
     return BuildResult(plan_dir=out_dir, config=config, report=fused.report, seconds=seconds, parallel=layout,
                        notes=fused.notes, kv_calibration=means.describe() if means is not None else "",
-                       kv_scales=_describe_scales(fused.kv_amax, per_head=options.kv_cache_scales == "amax_head")
+                       kv_scales=_describe_scales(fused, per_head=options.kv_cache_scales == "amax_head")
                        if fused.kv_amax is not None else "")
 
 
@@ -511,23 +522,33 @@ def _calibration_report(stats: KvStats) -> dict:
             "seconds": round(stats.seconds, 3)}
 
 
-def _scales_report(stats: KvStats, *, per_head: bool) -> dict:
-    """fusion_report.json's kv_scales: the calibration, every layer's K and V scale, and with amax_head every layer's
-    head factors."""
-    k, v = stats.fp8_scales()
+def _scales_report(fused: FusedGraph, *, per_head: bool) -> dict:
+    """fusion_report.json's kv_scales: the calibration, every layer's K and V scale, with amax_head every layer's
+    head factors, with search every layer's candidates' attention errors relative to the best."""
+    stats = fused.kv_amax
+    assert stats is not None and fused.kv_scales is not None
+    k, v = fused.kv_scales
     heads = stats.head_factors() if per_head else None
     return {**_calibration_report(stats), "k": k, "v": v,
             **({"k_head_factors": [f.tolist() for f in heads[0]], "v_head_factors": [f.tolist() for f in heads[1]]}
-               if heads is not None else {})}
+               if heads is not None else {}),
+            **({"k_relative_errors": [np.round(e / max(e.min(), 1e-300), 4).tolist() for e in stats.k_errors],
+                "v_relative_errors": [np.round(e / max(e.min(), 1e-300), 4).tolist() for e in stats.v_errors]}
+               if stats.k_errors else {})}
 
 
-def _describe_scales(stats: KvStats, *, per_head: bool) -> str:
-    k, v = stats.fp8_scales()
+def _describe_scales(fused: FusedGraph, *, per_head: bool) -> str:
+    stats = fused.kv_amax
+    assert stats is not None and fused.kv_scales is not None
+    k, v = fused.kv_scales
     text = f"K {min(k):.3g}–{max(k):.3g}, V {min(v):.3g}–{max(v):.3g}"
     if per_head:
         for name, factors in zip("KV", stats.head_factors()):
             flat = np.concatenate(factors)
             text += f"; {int((flat > 1).sum())} of {flat.size} {name} heads scaled (up to {int(flat.max())}x)"
+    if stats.k_errors:
+        gain = [float(e.max() / max(e.min(), 1e-300)) for e in stats.k_errors + stats.v_errors]
+        text += f"; searched: the best of 16 cut a layer's attention error by up to {max(gain):.2f}x"
     return f"{text}; {stats.describe()}"
 
 
@@ -586,7 +607,9 @@ def build_plan(
     layer's largest |k| and |v| over the calibration text, read on the final graph after smoothing and rotation,
     over 448: the largest calibrated value lands on E4M3's largest finite one) or "amax_head" (amax, and each KV
     head's k and v multiplied by a power of two that brings its amax within 2x of the layer's, divided back out of
-    q and the output: exact in floating point; fusion_passes/kv_head_scales.py). ConfigError for another value,
+    q and the output: exact in floating point; fusion_passes/kv_head_scales.py) or "search" (each layer's K and V
+    scale the one of 16 candidates in [2, 4) x amax / 448 whose e4m3 rounding costs the attention output least on
+    the calibration text; builder/kv_calibration.py SEARCH_STEPS). ConfigError for another value,
     without "fp8", with ``tensor_parallel`` (the rank graph cannot run the whole model), or without the tokenizer
     files.
 

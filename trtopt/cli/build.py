@@ -110,7 +110,9 @@ def build(
         "`amax` (each layer's largest |k| and |v| / 448, calibrated at build time on the final graph, after "
         "smoothing and rotation, over the same text as --kv-cache-smoothing) or `amax_head` (per-head scales: amax, "
         "and each KV head multiplied by a power of two that brings it within 2x of the layer's range, exactly "
-        "undone on q and the output); not with --tensor-parallel.",
+        "undone on q and the output) or `search` (each layer's K and V scale chosen among 16 in [2, 4) x amax / 448 "
+        "by the attention output's error on the calibration text: E4M3's rounding of a few large shared keys, such "
+        "as the first token's, depends on the scale); not with --tensor-parallel.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "
