@@ -446,7 +446,8 @@ def store_fp8(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
     """With --kv-cache-dtype fp8: make the pools of ``fused.model`` (the rank graph when sharded) float8 E4M3, in
     place, with K/V scales of 1.0, or under --kv-cache-scales amax each layer's amax / 448, calibrated here on the
     final graph (after smoothing and rotation: what the pools will hold), its pools still in the model's dtype;
-    under amax_head the heads are then multiplied by their power-of-two factors (kv_head_scales.py)."""
+    under amax_head the heads are then multiplied by their power-of-two factors (kv_head_scales.py); under search a
+    second calibration measures every candidate scale's attention error and keeps the least."""
     if options.kv_cache_dtype != "fp8":
         return
     assert fused.model is not None, "store_fp8 runs before write consumes the graph"
