@@ -101,8 +101,8 @@ def _rounding_errors(node: ir.Node, q, k, v, kv_index: int, candidates: np.ndarr
     attrs.update({name: node.attributes[name].value for name in ("causal", "sliding_window") if name in node.attributes})
     alibi = node.inputs[8] if len(node.inputs) > 8 else None
     assert alibi is None or alibi.const_value is not None, f"{node.name}: ALiBi slopes that are not a constant"
-    slopes = None if alibi is None else torch.from_numpy(alibi.const_value.numpy()).float()
     q, k, v = q.float(), k.float(), v.float()
+    slopes = None if alibi is None else torch.from_numpy(alibi.const_value.numpy()).float().to(q.device)
     length = q.shape[2]
     num_blocks = -(-length // block_size)
     tables = torch.arange(1, num_blocks + 1, dtype=torch.int32)[None]
