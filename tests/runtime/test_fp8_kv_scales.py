@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from trtopt.builder.kv_calibration import calibration_windows
@@ -265,3 +266,28 @@ def test_build_plan_without_the_calibrator_says_what_to_pass(export_dir, tmp_pat
         build_plan(export_dir(MODEL), tmp_path / "plan", limits=LIMITS, progress=False, kv_cache_dtype="fp8",
                    kv_cache_scales="amax")
 
+
+
+def test_the_search_errors_read_alibi_slopes_and_the_window():
+    """_rounding_errors attends as the node does: its ALiBi slopes (a constant input) and sliding window change the
+    errors it measures, and a node without them measures plain causal attention."""
+    import onnx_ir as ir
+
+    from trtopt.plugins.common import DOMAIN
+    from trtopt.runtime.kv_calibration import _rounding_errors
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 8, generator=gen) for h in (4, 2, 2))
+    slopes = ir.Value(name="slopes", const_value=ir.tensor(np.array([0.5, 0.25, 0.125, 0.0625], np.float32)))
+
+    def node(alibi: bool, window: int = 0) -> ir.Node:
+        inputs = [ir.Value(name=n) for n in ("q", "k", "v", "kv_cache", "bt", "sl", "qsl", "slots")]
+        attrs = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "scale": 8 ** -0.5, "sliding_window": window}
+        return ir.node("PagedAttention", [*inputs, *([slopes] if alibi else [])], attributes=attrs, domain=DOMAIN)
+
+    candidates = np.array([0.01, 0.02, 0.0005])
+    plain = _rounding_errors(node(False), q, k, v, 0, candidates, 16)
+    alibi = _rounding_errors(node(True), q, k, v, 0, candidates, 16)
+    windowed = _rounding_errors(node(False, window=8), q, k, v, 0, candidates, 16)
+    assert (plain > 0).all() and not np.allclose(plain, alibi) and not np.allclose(plain, windowed)
+    assert plain[2] > 10 * plain[0]  # a scale 20x too small saturates every |k| above 0.224
