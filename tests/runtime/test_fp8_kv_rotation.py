@@ -21,6 +21,7 @@ from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
 from trtopt.runtime.config import EngineConfig, load_tokenizer
 from trtopt.runtime.sampling_params import SamplingParams
 
+from build_errors import one_line_error
 from stepping import assert_idle, run_all
 
 MODEL = "tiny-llama"
@@ -180,25 +181,11 @@ def test_old_plan_json_reads_as_none_and_an_unknown_rotation_is_refused(plans):
         PlanConfig.from_dict({**data, "kv_cache_rotation": "givens"})
 
 
-def _one_line_error(args: list[str], plan, *, after_progress: bool = False) -> str:
-    """The error line of a failed `trtopt build`: the only line, or (``after_progress``: a check of the fused graph)
-    the last one, after the progress lines of the steps that ran."""
-    from trtopt.cli.main import app
-
-    result = CliRunner().invoke(app, ["build", *args, "-o", str(plan)])
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:")]
-    assert errors == lines[-1:] and (after_progress or len(lines) == 1), result.output
-    assert not plan.exists()
-    return lines[-1]
-
-
 def test_bad_rotation_options_are_one_line_errors(export_dir, tmp_path):
     source = str(export_dir(MODEL))
-    line = _one_line_error([source, "--kv-cache-rotation", "hadamard"], tmp_path / "a")
+    line = one_line_error([source, "--kv-cache-rotation", "hadamard"], tmp_path / "a")
     assert "--kv-cache-rotation hadamard" in line and "--kv-cache-dtype fp8" in line
-    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-rotation", "givens"], tmp_path / "b")
+    line = one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-rotation", "givens"], tmp_path / "b")
     assert "--kv-cache-rotation 'givens'" in line and "none, hadamard" in line
 
 
@@ -208,7 +195,7 @@ def test_a_head_dim_that_is_not_a_power_of_two_is_a_one_line_error(export_dir, t
     from trtopt.builder import pipeline
 
     monkeypatch.setattr(pipeline, "is_power_of_two", lambda d: d != 16)
-    line = _one_line_error([str(export_dir(MODEL)), "--kv-cache-dtype", "fp8", "--kv-cache-rotation", "hadamard"],
+    line = one_line_error([str(export_dir(MODEL)), "--kv-cache-dtype", "fp8", "--kv-cache-rotation", "hadamard"],
                            tmp_path / "plan", after_progress=True)
     assert "power-of-two head_dim" in line and "head_dim 16" in line
 

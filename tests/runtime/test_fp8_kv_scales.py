@@ -25,6 +25,7 @@ from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
 from trtopt.runtime.config import EngineConfig, load_tokenizer
 from trtopt.runtime.sampling_params import SamplingParams
 
+from build_errors import one_line_error
 from stepping import assert_idle, run_all
 
 MODEL = "tiny-llama"
@@ -237,24 +238,13 @@ def test_the_build_summary_names_the_scales(export_dir, tmp_path):
     assert "KV cache float8_e4m3fn, amax K/V scales (K " in text and "calibrated on 8 x 128 tokens" in text, text
 
 
-def _one_line_error(args: list[str], plan) -> str:
-    from trtopt.cli.main import app
-
-    result = CliRunner().invoke(app, ["build", *args, "-o", str(plan)])
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    assert not plan.exists()
-    return lines[0]
-
-
 def test_bad_scales_options_are_one_line_errors(export_dir, tmp_path):
     source = str(export_dir(MODEL))
-    line = _one_line_error([source, "--kv-cache-scales", "amax"], tmp_path / "a")
+    line = one_line_error([source, "--kv-cache-scales", "amax"], tmp_path / "a")
     assert "--kv-cache-scales amax" in line and "--kv-cache-dtype fp8" in line
-    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "max"], tmp_path / "b")
+    line = one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "max"], tmp_path / "b")
     assert "--kv-cache-scales 'max'" in line and "one, amax, amax_head, search" in line
-    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "amax", "--tensor-parallel", "2"],
+    line = one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-scales", "amax", "--tensor-parallel", "2"],
                            tmp_path / "c")
     assert "--tensor-parallel" in line and "--kv-cache-scales one" in line
 

@@ -22,6 +22,7 @@ from trtopt.runtime.batch import ScheduledBatch, ScheduledSeq
 from trtopt.runtime.config import EngineConfig, load_tokenizer
 from trtopt.runtime.sampling_params import SamplingParams
 
+from build_errors import one_line_error
 from stepping import assert_idle, run_all
 
 MODEL = "tiny-llama"
@@ -139,22 +140,11 @@ def test_old_plan_json_reads_as_none_and_an_unknown_smoothing_is_refused(plans):
         PlanConfig.from_dict({**data, "kv_cache_smoothing": "q"})
 
 
-def _one_line_error(args: list[str], plan) -> str:
-    from trtopt.cli.main import app
-
-    result = CliRunner().invoke(app, ["build", *args, "-o", str(plan)])
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    assert not plan.exists()
-    return lines[0]
-
-
 def test_bad_smoothing_options_are_one_line_errors(export_dir, tmp_path):
     source = str(export_dir(MODEL))
-    line = _one_line_error([source, "--kv-cache-smoothing", "kv"], tmp_path / "a")
+    line = one_line_error([source, "--kv-cache-smoothing", "kv"], tmp_path / "a")
     assert "--kv-cache-smoothing kv" in line and "--kv-cache-dtype fp8" in line
-    line = _one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-smoothing", "q"], tmp_path / "b")
+    line = one_line_error([source, "--kv-cache-dtype", "fp8", "--kv-cache-smoothing", "q"], tmp_path / "b")
     assert "--kv-cache-smoothing 'q'" in line and "none, k, kv" in line
 
 
