@@ -217,13 +217,21 @@ def sweep_configs(fmt: str, k: int, smoke: bool) -> list[tuple[int, int, int]]:
     return out
 
 
-def gemm_configs(fmt: str, smoke: bool):
+def gemm_configs(fmt: str, smoke: bool, rows: int = 16):
     """gemm.GemmConfigs for a few-row GEMM: 16-row tiles, 16-64 columns, 2 or 4 warps, 4 or 6 stages (FP8 also
-    K blocks of 256; INT4's K block is its group's)."""
+    K blocks of 256; INT4's K block is its group's). Above 16 rows: row tiles of min(rows, 64) (and 128 from 128
+    rows), 32-128 columns, 4 or 8 warps, 3 or 4 stages."""
     from trtopt.plugins.qmatmul.gemm import GemmConfig
 
     if smoke:
         return [GemmConfig(16, 16, 32 if fmt == "int4" else 64, 2, 2)]
+    if rows > 16:
+        block_ks = (64, 128, 256) if fmt == "fp8" else (128,)
+        configs = [GemmConfig(min(rows, 64), bn, bk, w, st) for bn in (32, 64, 128) for bk in block_ks
+                   for w in (4, 8) for st in (3, 4)]
+        if rows >= 128:
+            configs += [GemmConfig(128, bn, 128 if fmt == "int4" else 64, 8, st) for bn in (64, 128) for st in (3, 4)]
+        return configs
     configs = [GemmConfig(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in ((128, 256) if fmt == "fp8" else (128,))
                for w in (2, 4) for st in (4, 6)]
     if fmt == "int4":  # the unfolded scale order (gemm.py FOLD_SCALE off) at the few-row default tile, and wider tiles
@@ -241,7 +249,7 @@ def variants(k, smoke, sweep=False, gemm_rows=0, formats=("fp8", "int4")):
         for fmt in formats:
             group = 0 if fmt == "fp8" else (32 if smoke else 128)
             default = gemm_config(gemm_rows, group, torch.bfloat16)
-            for cfg in [None] + gemm_configs(fmt, smoke):
+            for cfg in [None] + gemm_configs(fmt, smoke, gemm_rows):
                 if cfg == default:
                     continue
                 name = "default" if cfg is None else (f"{cfg.block_m}x{cfg.block_n}_{cfg.block_k}_{cfg.num_warps}_"

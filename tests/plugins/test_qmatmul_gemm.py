@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_qmatmul_kernel import _act_scale, _weight, _x
+from trtopt.plugins.qmatmul import gemm
 from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, DynamicScale, GemmConfig, dequantize_weight,
                                          fake_quantize_fp8_rows, fp8_scaled_mm, gemm_config, gemm_supported,
                                          int4_block_k, qgemm, quantize_fp8_rows, scaled_mm_supported)
@@ -130,11 +131,14 @@ def _every_fp8_boundary() -> torch.Tensor:
     return torch.cat([v, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), extra]).reshape(1, -1)
 
 
+@pytest.mark.parametrize("slice_k", [None, 128])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3.1])
-def test_activation_quantize_kernel_is_onnx_quantize_linear_bit_for_bit(scale, kernel_device):
+def test_activation_quantize_kernel_is_onnx_quantize_linear_bit_for_bit(scale, slice_k, kernel_device, monkeypatch):
     """`quantize_fp8_rows` / `fake_quantize_fp8_rows` (one Triton launch) give torch's codes and Q/DQ values exactly,
     sign of zero included, at every rounding boundary of E4M3 (ties to even) and past saturation, for a static
-    scale and one per row."""
+    scale and one per row; with the row in registers, and read in slices (slice_k: rows longer than a block)."""
+    if slice_k:
+        monkeypatch.setattr(gemm, "QUANTIZE_BLOCK_K", slice_k)
     x = _every_fp8_boundary() * scale
     x = torch.cat([x, -x]).to(kernel_device)  # two rows
     for s in (torch.tensor(scale), torch.tensor([[scale], [scale * 0.5]])):
@@ -256,11 +260,13 @@ def test_scaled_mm_and_triton_gemm_agree_on_cuda(act, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k", [(1, 96), (3, 1500), (17, 64)])
-def test_dynamic_scale_in_the_quantize_launch_is_the_graphs(dtype, m, k, kernel_device):
+@pytest.mark.parametrize("m,k,slice_k", [(1, 96, None), (3, 1500, None), (3, 1500, 256), (17, 64, None)])
+def test_dynamic_scale_in_the_quantize_launch_is_the_graphs(dtype, m, k, slice_k, kernel_device, monkeypatch):
     """The per-token scale computed inside the quantize launch (DynamicScale) equals the quantizer's graph formula run
     by torch in the graph's dtype, bit for bit, and so do the codes; a row of zeros takes the minimum scale, and
-    the dispatch gives the same product either way."""
+    the dispatch gives the same product either way. slice_k: rows longer than the kernel's block (read twice)."""
+    if slice_k:
+        monkeypatch.setattr(gemm, "QUANTIZE_BLOCK_K", slice_k)
     gen = torch.Generator().manual_seed(m * k)
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).reshape(m, 1)).to(dtype)
     x[0, :] = 0.0 if m > 1 else x[0, :]

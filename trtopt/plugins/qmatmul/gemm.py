@@ -315,28 +315,51 @@ def _quantize_fp8_rows(X, S, Q, RS, K, stride_xm, stride_s, stride_qm, MIN_SCALE
     QuantizeLinear to FP8 E4M3 (x / s rounded to nearest even, saturating at ±448; the division correctly rounded,
     as torch's) → Q's row as the codes' bytes, or (DEQUANT) as the DequantizeLinear's fp32 values; RS[r] = s.
     DYNAMIC: S is not read; s is the per-token scale the quantizer's graph computes (quantize/qdq.py
-    `write_dynamic_fp8`), max(max|x| / 448, MIN_SCALE) with the division rounded to SCALE_DTYPE (the graph's dtype),
-    from a first pass over the row."""
+    `write_dynamic_fp8`), max(max|x| / 448, MIN_SCALE) with the division rounded to SCALE_DTYPE (the graph's dtype).
+    A row of at most BLOCK_K values is read once and kept in registers (one memory round trip: the launch is
+    latency-bound, `_quantize_launch_config`); longer rows are read in BLOCK_K slices, twice when DYNAMIC."""
     row = tl.program_id(0)
-    if DYNAMIC:
+    x_row = X + row * stride_xm
+    if K <= BLOCK_K:
+        offs = tl.arange(0, BLOCK_K)
+        ok = offs < K
+        x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        s = _row_fp8_scale(S, row, stride_s, tl.abs(x), MIN_SCALE, DYNAMIC, SCALE_DTYPE)
+        tl.store(RS + row, s)
+        _store_fp8_codes(Q + row * stride_qm + offs, x, s, ok, DEQUANT)
+    else:
         big = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if DYNAMIC:
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                big = tl.maximum(big, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+        s = _row_fp8_scale(S, row, stride_s, big, MIN_SCALE, DYNAMIC, SCALE_DTYPE)
+        tl.store(RS + row, s)
         for k0 in range(0, K, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
-            big = tl.maximum(big, tl.abs(tl.load(X + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)))
-        ratio = _to_out(tl.math.div_rn(tl.max(big, axis=0), FP8_MAX_TL), SCALE_DTYPE).to(tl.float32)
-        s = tl.maximum(ratio, MIN_SCALE)
+            ok = offs < K
+            x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+            _store_fp8_codes(Q + row * stride_qm + offs, x, s, ok, DEQUANT)
+
+
+@triton.jit
+def _row_fp8_scale(S, row, stride_s, abs_x, MIN_SCALE, DYNAMIC: tl.constexpr, SCALE_DTYPE: tl.constexpr):
+    """The row's activation scale, fp32: DYNAMIC, max(max(abs_x) / 448 rounded to SCALE_DTYPE, MIN_SCALE) (abs_x:
+    |x| over the row, or a running elementwise max of it); else S[row · stride_s]."""
+    if DYNAMIC:
+        ratio = _to_out(tl.math.div_rn(tl.max(abs_x, axis=0), FP8_MAX_TL), SCALE_DTYPE).to(tl.float32)
+        return tl.maximum(ratio, MIN_SCALE)
+    return tl.load(S + row * stride_s).to(tl.float32)
+
+
+@triton.jit
+def _store_fp8_codes(q_ptr, x, s, ok, DEQUANT: tl.constexpr):
+    """x / s rounded to E4M3 (saturating) → its code bytes at q_ptr, or (DEQUANT) the code's value · s in fp32."""
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX_TL), FP8_MAX_TL))
+    if DEQUANT:
+        tl.store(q_ptr, q * s, mask=ok)
     else:
-        s = tl.load(S + row * stride_s).to(tl.float32)
-    tl.store(RS + row, s)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        ok = offs < K
-        x = tl.load(X + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        q = _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX_TL), FP8_MAX_TL))
-        if DEQUANT:
-            tl.store(Q + row * stride_qm + offs, q * s, mask=ok)
-        else:
-            tl.store(Q + row * stride_qm + offs, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=ok)
+        tl.store(q_ptr, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=ok)
 
 
 @triton.jit
@@ -356,7 +379,19 @@ def _round_e4m3(v):
 
 
 FP8_MAX_TL = tl.constexpr(FP8_MAX)
-QUANTIZE_BLOCK_K = 1024  # x values one step of `_quantize_fp8_rows` reads (at most; a power of two)
+# Rows of up to this many values are read once and quantized from registers by `_quantize_fp8_rows`; longer rows
+# are read in slices of this size. A power of two.
+QUANTIZE_BLOCK_K = 16384
+
+
+def _quantize_launch_config(k: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps) of `_quantize_fp8_rows` for rows of k values: the whole row in one block up to
+    QUANTIZE_BLOCK_K, at most 32 fp32 values a thread. The launch moves a few KB a row and is bound by the latency
+    of its dependent memory round trips, not by bandwidth: the first version read a row in slices of 1024 values,
+    twice for a dynamic scale (8 round trips at K = 4096), and cost 3-4.5 us beside _scaled_mm's 14 us on Llama-8B's
+    projections at 64-256 rows on an H200 (docs/benchmarks/qmatmul_nvidia_h200.json: fp8_w8a8 against scaled_mm)."""
+    block_k = min(QUANTIZE_BLOCK_K, triton.next_power_of_2(max(k, 16)))
+    return block_k, max(1, min(16, block_k // (32 * 32)))
 
 
 def _row_scales(act_scale: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
@@ -394,11 +429,11 @@ def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor | None, dequant: b
     row_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     scale, stride_s = _row_scales(act_scale, m) if dynamic is None else (row_scale, 0)  # not read when DYNAMIC
     if m:
+        block_k, warps = _quantize_launch_config(k)
         launcher.launch(_quantize_fp8_rows, (m,), x, scale, out, row_scale, k, x.stride(0), stride_s, out.stride(0),
-                        dynamic.min_scale if dynamic else 0.0,
-                        BLOCK_K=min(QUANTIZE_BLOCK_K, triton.next_power_of_2(max(k, 16))), DEQUANT=dequant,
+                        dynamic.min_scale if dynamic else 0.0, BLOCK_K=block_k, DEQUANT=dequant,
                         DYNAMIC=dynamic is not None,
-                        SCALE_DTYPE=TL_DTYPES[dynamic.dtype] if dynamic else tl.float32, num_warps=4)
+                        SCALE_DTYPE=TL_DTYPES[dynamic.dtype] if dynamic else tl.float32, num_warps=warps)
     return out, row_scale
 
 
