@@ -337,12 +337,12 @@ def main():
                   flush=True)
         rows[name] = {"K": k, "N": n, "bytes": nbytes, "variants": row}
         del copies, ws, want
-    if args.out and not args.ncu:
-        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        args.out.write_text(json.dumps({"benchmark": "probe_qgemv", "machine": {"gpu": gpu,
-                                        "torch": torch.__version__, "triton": triton.__version__},
-                                        "M": args.gemm_sweep or 1, "int4_group": group, "shapes": rows,
-                                        "wall_s": round(time.time() - t_start, 1)}, indent=1))
+        if args.out and not args.ncu:  # after every shape: a run cut short keeps the shapes it finished
+            gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+            args.out.write_text(json.dumps({"benchmark": "probe_qgemv", "machine": {"gpu": gpu,
+                                            "torch": torch.__version__, "triton": triton.__version__},
+                                            "M": args.gemm_sweep or 1, "int4_group": group, "shapes": rows,
+                                            "wall_s": round(time.time() - t_start, 1)}, indent=1))
 
 
 if __name__ == "__main__":
