@@ -496,6 +496,26 @@ def profile_decode(engine, vocab: int, device: torch.device, steps: int = 4, gra
             "kernel_us_per_step": sum(k["us_per_step"] for k in kernels), "top": kernels[:15]}
 
 
+def profile_workload(engine, requests: list[tuple[list[int], int]], device: torch.device, top: int = 25) -> dict | None:
+    """Where the device time of a workload goes, by kernel name: ``requests`` run once more under torch.profiler
+    (CUPTI records the kernels of replayed step graphs) after the timed run. Not timed itself: the profiler's
+    overhead falls on the host, so the kernel times are the served ones, but the wall time is not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_engine(engine, requests, wave=None, device=device)
+        sync(device)
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.count and t and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            kernels.append({"name": e.key[:100], "count": e.count, "ms": t / 1e3})
+    kernels.sort(key=lambda k: -k["ms"])
+    return {"requests": len(requests), "kernel_ms": sum(k["ms"] for k in kernels), "top": kernels[:top]}
+
+
 def graph_replay_ms(engine, device: torch.device) -> float | None:
     """Device time of one replay of the batch-1 decode graph (the model alone, no engine)."""
     from trtopt.runtime.executors.cuda_graphs import GraphBucket
@@ -623,6 +643,11 @@ def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: i
         b = row["batch1"] = batch1_decode(engine, vocab, device)
         log(f"quant {name}: batch 1 {b['decode_tok_s']:.0f} tok/s")
         row["workload"] = warm_then_timed(engine, warmup, requests, device, f"quant {name}")
+        row["workload_profile"] = profile_workload(engine, warmup, device)
+        if row["workload_profile"]:
+            top = row["workload_profile"]["top"][:6]
+            log(f"quant {name}: warm-up set profiled, {row['workload_profile']['kernel_ms']:.0f} ms of kernels; top: "
+                + ", ".join(f"{k['name'][:40]} {k['ms']:.0f} ms" for k in top))
         del engine, executor
         gc.collect()
         if device.type == "cuda":

@@ -320,7 +320,7 @@ def main():
                 continue
             try:
                 got = fn(x, ws[fmt]).float()
-            except (AssertionError, ValueError):  # a split or tile that does not fit this shape
+            except (AssertionError, ValueError, triton.runtime.errors.OutOfResources):  # a tile that does not fit
                 continue
             ref = x.float() @ (ws["bf16"].float().t() if fmt == "bf16" else want[fmt])
             err = float((got - ref).abs().max() / ref.abs().max())
