@@ -168,6 +168,18 @@ def test_fp8_scaled_mm_matches_the_reference(m, k, n, act):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_w8a8_steps_with_few_output_tiles_take_the_fp8_triton_gemm():
+    """_scaled_mm (one 128 x 128 tile kernel) only where its output tiles fill the GPU; the Triton FP8 GEMM's tile
+    grows with the rows and narrows its columns when 64 would leave the grid small."""
+    assert gemm.prefer_fp8_dot(16, 6144) and gemm.prefer_fp8_dot(256, 4096)  # 48 and 64 tiles
+    assert not gemm.prefer_fp8_dot(128, 28672) and not gemm.prefer_fp8_dot(300, 6144)  # 224 and 144
+    assert gemm.prefer_fp8_dot(512, 2048) and not gemm.prefer_fp8_dot(2048, 2048)  # 64 and 256
+    assert gemm.fp8_dot_config(16, 28672) == GemmConfig(16, 64, 128, 4, 4)  # 448 tiles of 64 columns: kept
+    assert gemm.fp8_dot_config(16, 6144) == GemmConfig(16, 32, 128, 4, 4)  # 96 tiles of 64: 192 of 32
+    assert gemm.fp8_dot_config(64, 2048) == GemmConfig(64, 32, 128, 4, 4)
+    assert gemm.fp8_dot_config(512, 16384) == GemmConfig(128, 64, 128, 8, 4)  # 4 x 256 tiles
+
+
 def test_scaled_mm_is_taken_only_where_it_runs():
     gen = torch.Generator().manual_seed(3)
     fp8 = pack_weight(*_weight("fp8", 64, 32, 0, gen)[:3], block_size=0)
@@ -189,7 +201,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("kind,group,act", [("fp8", 0, ACT_NONE), ("fp8", 0, ACT_STATIC), ("fp8", 0, ACT_DYNAMIC),
                                             ("int4", 128, ACT_NONE), ("uint4z", 32, ACT_NONE)])
 @pytest.mark.parametrize("k,n", GPU_SHAPES)
-@pytest.mark.parametrize("m", [2, 16, 64, 300])
+@pytest.mark.parametrize("m", [2, 16, 64, 128, 300])
 def test_dispatch_on_cuda_at_8b_shapes(kind, group, act, k, n, m):
     gen = torch.Generator().manual_seed(m + k + n)
     w, scale, zp, block = _weight(kind, k, n, group, gen, dtype=torch.bfloat16)
@@ -297,6 +309,17 @@ for dynamic in (True, False):
                     SCALE_DTYPE=tl.bfloat16), num_warps=4, num_stages=1, target=target)
     assert ".target sm_90" in k.ptx
     print("quantize", dynamic)
+from trtopt.plugins.qmatmul.gemm import _qgemm
+gsig = {"X": "*u8", "W": "*u8", "S": "*fp32", "Z": "*fp32", "XS": "*fp32", "Y": "*bf16", "M": "i32", "N": "i32",
+        "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+for bm, bn, warps in ((16, 64, 4), (64, 32, 4), (128, 64, 8)):  # fp8_dot_config's tiles
+    k = compile_ptx(_qgemm, gsig, dict(INT4=False, GROUP=0, ZERO=0, X_FP8=True, ROW_SCALE=True, BLOCK_M=bm,
+                    BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, FOLD_SCALE=False, DOT_DTYPE=tl.float8e4nv,
+                    DOT_PRECISION="tf32", OUT_DTYPE=tl.bfloat16, FP8_DOT=True), num_warps=warps, num_stages=4,
+                    target=target)
+    # 64-row tiles and up: Hopper's FP8 warpgroup MMA on the codes; 16 rows: mma.sync on them widened (exact)
+    assert bm < 64 or "wgmma.mma_async.sync.aligned.m64n%dk32.f32.e4m3.e4m3" % bn in k.ptx, bm
+    print("fp8 dot", bm)
 sig = {"W": "*i32", "S": "*bf16", "Z": "*u8", "OUT": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
        "stride_sn": "i32", "stride_on": "i32"}
 for int4, zero in ((True, 8), (True, -1), (False, 0)):
@@ -309,7 +332,8 @@ for int4, zero in ((True, 8), (True, -1), (False, 0)):
 
 
 def test_new_gemm_kernels_compile_for_sm90():
-    """The activation quantize launch (static and DYNAMIC) and the prefill path's dequantization lower to sm_90 PTX
+    """The activation quantize launch (static and DYNAMIC), the W8A8 GEMM on FP8 tensor cores at its tiles and the
+    prefill path's dequantization lower to sm_90 PTX
     on this CPU machine, in a fresh process (this one may be in interpreter mode)."""
     import os
     import subprocess
@@ -319,4 +343,4 @@ def test_new_gemm_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE_GEMM_KERNELS], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("\n") == 5, done.stdout
+    assert done.stdout.count("\n") == 8, done.stdout

@@ -56,12 +56,15 @@ def _qgemm(X, W, S, Z, XS, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_y
            INT4: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, X_FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
            FOLD_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-           OUT_DTYPE: tl.constexpr):
+           OUT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr = False):
     """Program p: a BLOCK_M × BLOCK_N tile of y, GROUP_M row tiles per column band (the Triton tutorial's L2
     ordering). Rows past M and columns past N are clamped to M − 1 / N − 1 (read, never stored), so only K needs a
     mask, and only for FP8 (INT4's K is whole groups, a multiple of BLOCK_K). X_FP8: x is FP8 codes as uint8.
     INT4: W [N, K/8] int32 nibble planes (packing.py), S and Z [N, K/G] (stride_sn), ZERO >= 0 a constant z';
-    FOLD_SCALE: each dequantized value (q − z) · s is rounded to DOT_DTYPE before the dot (module docstring)."""
+    FOLD_SCALE: each dequantized value (q − z) · s is rounded to DOT_DTYPE before the dot (module docstring).
+    FP8_DOT (X_FP8 with an FP8 weight, DOT_DTYPE float8e4nv): both operands stay FP8 codes on the FP8 tensor cores;
+    each K block's dot starts from zero and is added to the fp32 accumulator (the tensor cores' FP8 accumulation
+    keeps fewer bits than fp32, so it never runs longer than one block, as cuBLAS's use_fast_accum=False)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -115,7 +118,10 @@ def _qgemm(X, W, S, Z, XS, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_y
             x = x.to(DOT_DTYPE)
             w = tl.load(W + safe_n[None, :] * stride_wn + k[:, None], mask=k[:, None] < K, other=0)  # [BK, BN]
             w = w.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            if FP8_DOT:
+                acc += tl.dot(x, w)
+            else:
+                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         acc = acc * tl.load(S + safe_n).to(tl.float32)[None, :]
     if ROW_SCALE:
         acc = acc * tl.load(XS + safe_m).to(tl.float32)[:, None]
@@ -174,6 +180,29 @@ def gemm_config(rows: int, group: int, dtype: torch.dtype) -> GemmConfig:
     return cfg
 
 
+def fp8_dot_config(rows: int, n: int) -> GemmConfig:
+    """The tile of the W8A8 GEMM on FP8 tensor cores (`qgemm` of FP8 codes on CUDA): 16-row tiles up to 16 rows
+    (mma.sync's FP8 shape), else 64 or 128 rows (one or two warpgroups); columns narrowed to 32 when 64-column
+    tiles would leave most of an H200's 132 SMs idle (the steps this GEMM takes are those, `prefer_fp8_dot`);
+    K blocks of 128 (each block's FP8 accumulation promoted to fp32, `_qgemm`)."""
+    block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
+    block_n = 64 if triton.cdiv(rows, block_m) * triton.cdiv(n, 64) >= 132 else 32
+    return GemmConfig(block_m, block_n, 128, 8 if block_m == 128 else 4, 4)
+
+
+# `_scaled_mm` (cuBLASLt with rowwise scales) ran every Llama projection on an H200 with one kernel, tiles of
+# 128 × 128 (nvjet_sm90_qqtst_128x128_128x6 in torch.profiler, gpu_e2e.py --only quant), so a step whose output has
+# few such tiles leaves most SMs idle: the 1.24B plan's Q/K/V, O and down projections at 128-256 rows ran 0.73-0.93x
+# of bf16 cuBLAS (docs/benchmarks/qmatmul_1b_nvidia_h200.json) while gate/up (128 tiles at 128 rows) ran 1.5-1.6x.
+# Steps with fewer output tiles than this take the Triton GEMM on FP8 tensor cores (`fp8_dot_config`).
+SCALED_MM_MIN_TILES = 66
+
+
+def prefer_fp8_dot(rows: int, n: int) -> bool:
+    """Whether a W8A8 step of `rows` rows and n output columns takes the Triton FP8 GEMM over `_scaled_mm`."""
+    return triton.cdiv(rows, 128) * triton.cdiv(n, 128) < SCALED_MM_MIN_TILES
+
+
 def gemm_supported(w: PackedQWeight) -> bool:
     """Whether `qgemm` takes this weight: FP8 always; INT4/UINT4 when its group makes an INT4 K block."""
     return w.fp8 or int4_block_k(w.group) is not None
@@ -192,6 +221,7 @@ def qgemm(x: torch.Tensor, w: PackedQWeight, *, row_scale: torch.Tensor | None =
     dot_dtype = out_dtype if codes else x.dtype
     if x.device.type == "cpu":  # the Triton interpreter: its bf16/fp16 tl.dot is wrong (3.9); fp32 holds them exactly
         dot_dtype = torch.float32
+    fp8_dot = codes and w.fp8 and x.is_cuda and _capability(_device_index(x)) >= (8, 9)
     if dot_dtype not in TL_DTYPES or out_dtype not in TL_DTYPES or codes != (row_scale is not None):
         raise ValueError(f"qgemm needs float x, or FP8 codes with a row scale and a float out_dtype; got {x.dtype}, "
                          f"out_dtype {out_dtype}, row_scale {'given' if row_scale is not None else 'none'}")
@@ -203,7 +233,7 @@ def qgemm(x: torch.Tensor, w: PackedQWeight, *, row_scale: torch.Tensor | None =
         return y
     if w.k == 0:
         return y.zero_()
-    cfg = config or gemm_config(m, w.group, dot_dtype)
+    cfg = config or (fp8_dot_config(m, w.n) if fp8_dot else gemm_config(m, w.group, dot_dtype))
     if not w.fp8 and (cfg.block_k < w.group // 8 or w.group % cfg.block_k):
         raise ValueError(f"qgemm's INT4 K block must divide the group {w.group} and cover G/8; got {cfg.block_k}")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n),)
@@ -213,8 +243,8 @@ def qgemm(x: torch.Tensor, w: PackedQWeight, *, row_scale: torch.Tensor | None =
                     x.stride(0), w.data.stride(0), w.scale.stride(0) if not w.fp8 else 0, y.stride(0),
                     INT4=not w.fp8, GROUP=w.group, ZERO=-1 if w.zero is not None else w.zero_const, X_FP8=codes,
                     ROW_SCALE=row_scale is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    GROUP_M=cfg.group_m, FOLD_SCALE=cfg.fold_scale,
-                    DOT_DTYPE=TL_DTYPES[dot_dtype],
+                    GROUP_M=cfg.group_m, FOLD_SCALE=cfg.fold_scale, FP8_DOT=fp8_dot,
+                    DOT_DTYPE=tl.float8e4nv if fp8_dot else TL_DTYPES[dot_dtype],
                     DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32", OUT_DTYPE=TL_DTYPES[out_dtype],
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
@@ -386,12 +416,15 @@ QUANTIZE_BLOCK_K = 16384
 
 def _quantize_launch_config(k: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) of `_quantize_fp8_rows` for rows of k values: the whole row in one block up to
-    QUANTIZE_BLOCK_K, at most 32 fp32 values a thread. The launch moves a few KB a row and is bound by the latency
+    QUANTIZE_BLOCK_K, 8 values a thread (16 at the longest rows, 32 warps). One program a row has the latency of
+    its per-thread chain (a correctly rounded division and the E4M3 rounding a value), so the values a thread
+    holds set the launch's time: at 32 a thread a step's quantize launches took 13% of a W8A8 workload's kernel time
+    (torch.profiler, gpu_e2e.py --only quant on an H200). The launch moves a few KB a row and is bound by the latency
     of its dependent memory round trips, not by bandwidth: the first version read a row in slices of 1024 values,
     twice for a dynamic scale (8 round trips at K = 4096), and cost 3-4.5 us beside _scaled_mm's 14 us on Llama-8B's
     projections at 64-256 rows on an H200 (docs/benchmarks/qmatmul_nvidia_h200.json: fp8_w8a8 against scaled_mm)."""
     block_k = min(QUANTIZE_BLOCK_K, triton.next_power_of_2(max(k, 16)))
-    return block_k, max(1, min(16, block_k // (32 * 32)))
+    return block_k, max(1, min(32, block_k // (32 * 8)))
 
 
 def _row_scales(act_scale: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
@@ -461,11 +494,15 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
 def scaled_mm_supported(x: torch.Tensor, w: PackedQWeight) -> bool:
     """Whether `fp8_scaled_mm` takes this step: an FP8 weight, bf16 x on CUDA with compute capability >= 9.0 (cuBLASLt
     FP8 with rowwise scales), K and N multiples of 16 (_scaled_mm's shape rule)."""
     return (w.fp8 and x.is_cuda and x.dtype == torch.bfloat16 and w.k % 16 == 0 and w.n % 16 == 0
-            and _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (9, 0))
+            and _capability(_device_index(x)) >= (9, 0))
 
 
 def fp8_scaled_mm(codes: torch.Tensor, w: PackedQWeight, row_scale: torch.Tensor) -> torch.Tensor:

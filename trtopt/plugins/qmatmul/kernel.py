@@ -44,8 +44,8 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
 from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS, DynamicScale, dequant_mm,
-                                         fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported, qgemm,
-                                         quantize_fp8_rows, scaled_mm_supported)
+                                         fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported,
+                                         prefer_fp8_dot, qgemm, quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -292,7 +292,8 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
     if (act_mode == ACT_NONE and rows >= DEQUANT_MM_MIN_ROWS and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)):
         return dequant_mm(xf, w).reshape(*x.shape[:-1], w.n)
-    scaled_mm = act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
+    scaled_mm = (act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
+                 and not prefer_fp8_dot(rows, w.n))
     if scaled_mm or (rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k):
         xk = xf if xf.stride(-1) == 1 else xf.contiguous()
         if act_mode == ACT_NONE:
