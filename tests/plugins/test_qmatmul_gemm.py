@@ -168,12 +168,11 @@ def test_fp8_scaled_mm_matches_the_reference(m, k, n, act):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
-def test_w8a8_steps_with_few_output_tiles_take_the_fp8_triton_gemm():
-    """_scaled_mm (one 128 x 128 tile kernel) only where its output tiles fill the GPU; the Triton FP8 GEMM's tile
-    grows with the rows and narrows its columns when 64 would leave the grid small."""
-    assert gemm.prefer_fp8_dot(16, 6144) and gemm.prefer_fp8_dot(256, 4096)  # 48 and 64 tiles
-    assert not gemm.prefer_fp8_dot(128, 28672) and not gemm.prefer_fp8_dot(300, 6144)  # 224 and 144
-    assert gemm.prefer_fp8_dot(512, 2048) and not gemm.prefer_fp8_dot(2048, 2048)  # 64 and 256
+def test_few_row_w8a8_steps_take_the_fp8_triton_gemm():
+    """Up to FP8_DOT_MAX_ROWS rows the Triton FP8 GEMM, more _scaled_mm; the Triton GEMM's tile grows with the rows
+    and narrows its columns when 64 would leave the grid small."""
+    assert gemm.prefer_fp8_dot(3, 4096) and gemm.prefer_fp8_dot(gemm.FP8_DOT_MAX_ROWS, 28672)
+    assert not gemm.prefer_fp8_dot(gemm.FP8_DOT_MAX_ROWS + 1, 4096)
     assert gemm.fp8_dot_config(16, 28672) == GemmConfig(16, 64, 128, 4, 4)  # 448 tiles of 64 columns: kept
     assert gemm.fp8_dot_config(16, 6144) == GemmConfig(16, 32, 128, 4, 4)  # 96 tiles of 64: 192 of 32
     assert gemm.fp8_dot_config(64, 2048) == GemmConfig(64, 32, 128, 4, 4)

@@ -182,25 +182,26 @@ def gemm_config(rows: int, group: int, dtype: torch.dtype) -> GemmConfig:
 
 def fp8_dot_config(rows: int, n: int) -> GemmConfig:
     """The tile of the W8A8 GEMM on FP8 tensor cores (`qgemm` of FP8 codes on CUDA): 16-row tiles up to 16 rows
-    (mma.sync's FP8 shape), else 64 or 128 rows (one or two warpgroups); columns narrowed to 32 when 64-column
-    tiles would leave most of an H200's 132 SMs idle (the steps this GEMM takes are those, `prefer_fp8_dot`);
-    K blocks of 128 (each block's FP8 accumulation promoted to fp32, `_qgemm`)."""
+    (mma.sync on the codes widened to fp16, exact), else 64 or 128 rows (one or two warpgroups of FP8 wgmma);
+    columns narrowed to 32 when 64-column tiles would leave most of an H200's 132 SMs idle; K blocks of 128 (each
+    block's FP8 accumulation promoted to fp32, `_qgemm`). The dispatch takes it up to FP8_DOT_MAX_ROWS rows only."""
     block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
     block_n = 64 if triton.cdiv(rows, block_m) * triton.cdiv(n, 64) >= 132 else 32
     return GemmConfig(block_m, block_n, 128, 8 if block_m == 128 else 4, 4)
 
 
-# `_scaled_mm` (cuBLASLt with rowwise scales) ran every Llama projection on an H200 with one kernel, tiles of
-# 128 × 128 (nvjet_sm90_qqtst_128x128_128x6 in torch.profiler, gpu_e2e.py --only quant), so a step whose output has
-# few such tiles leaves most SMs idle: the 1.24B plan's Q/K/V, O and down projections at 128-256 rows ran 0.73-0.93x
-# of bf16 cuBLAS (docs/benchmarks/qmatmul_1b_nvidia_h200.json) while gate/up (128 tiles at 128 rows) ran 1.5-1.6x.
-# Steps with fewer output tiles than this take the Triton GEMM on FP8 tensor cores (`fp8_dot_config`).
-SCALED_MM_MIN_TILES = 66
+# W8A8 steps of at most this many rows (and more than kernel.py's GEMV_MAX_ROWS) take the Triton GEMM on FP8 tensor
+# cores (`fp8_dot_config`'s 16-row tile), more rows `_scaled_mm`. On an H200 at 16 rows the Triton GEMM beat
+# _scaled_mm on all eight Llama projections of the 1.24B and 8B shapes (8B gate/up 32.7 us against 45.3, Q/K/V 13.4
+# against 16.1; 1.24B Q/K/V 7.2 against 8.7), whose cuBLASLt kernel with rowwise scales was one 128 x 128 tile for
+# every shape (nvjet_sm90_qqtst_128x128_128x6 in torch.profiler); from 64 rows on its 64- and 128-row tiles won on
+# three of eight and lost by up to 2.6x at 256-512 rows (docs/benchmarks/qmatmul_w8a8_{1b,8b}_nvidia_h200.json).
+FP8_DOT_MAX_ROWS = 16
 
 
 def prefer_fp8_dot(rows: int, n: int) -> bool:
     """Whether a W8A8 step of `rows` rows and n output columns takes the Triton FP8 GEMM over `_scaled_mm`."""
-    return triton.cdiv(rows, 128) * triton.cdiv(n, 128) < SCALED_MM_MIN_TILES
+    return rows <= FP8_DOT_MAX_ROWS
 
 
 def gemm_supported(w: PackedQWeight) -> bool:
