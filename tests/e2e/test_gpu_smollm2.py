@@ -70,9 +70,9 @@ def test_smollm2_fp8_kv_within_bf16_tolerance_of_hf(plan_for, hf_for, tmp_path):
 
 # Quantized plans of the same bf16 export (`trtopt quantize --method rtn`: no calibration, seconds). SmolLM2's K of
 # 576 takes INT4 groups of 64, not 128. On CUDA the QMatMuls run the packed kernels (plugins/qmatmul/kernel.py): the
-# GEMV for one-row steps, the Triton GEMM for larger INT4 steps, torch._scaled_mm for W8A8 steps of 2+ rows
-# (gemm.py SCALED_MM_MIN_ROWS); the reference is the same plan on the CPU's torch executor (the QMatMul reference:
-# dequantize, fp32).
+# GEMV for steps of up to 2 rows, the Triton GEMM for larger INT4 steps and W8A8 steps of 3-16 rows (on the FP8
+# tensor cores), torch._scaled_mm for W8A8 steps of more (gemm.py SCALED_MM_MIN_ROWS); the reference is the same
+# plan on the CPU's torch executor (the QMatMul reference: dequantize, fp32).
 # Both runs are bf16 plans: the x each QMatMul quantizes is bf16 on the CPU too, so the two differ only by the bf16
 # roundings of their kernels (attention, norms, summation orders).
 # Tolerances: int4 weight-only differs from the CPU as bf16 does. W8A8 re-rounds every QMatMul input to e4m3 codes

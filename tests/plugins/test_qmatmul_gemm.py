@@ -133,20 +133,19 @@ def _every_fp8_boundary() -> torch.Tensor:
 
 @pytest.mark.parametrize("slice_k", [None, 128])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3.1])
-def test_activation_quantize_kernel_is_onnx_quantize_linear_bit_for_bit(scale, slice_k, kernel_device, monkeypatch):
+def test_activation_quantize_kernel_is_onnx_quantize_linear_bit_for_bit(scale, slice_k, kernel_device):
     """`quantize_fp8_rows` / `fake_quantize_fp8_rows` (one Triton launch) give torch's codes and Q/DQ values exactly,
     sign of zero included, at every rounding boundary of E4M3 (ties to even) and past saturation, for a static
     scale and one per row; with the row in registers, and read in slices (slice_k: rows longer than a block)."""
-    if slice_k:
-        monkeypatch.setattr(gemm, "QUANTIZE_BLOCK_K", slice_k)
+    block = {"max_block": slice_k} if slice_k else {}
     x = _every_fp8_boundary() * scale
     x = torch.cat([x, -x]).to(kernel_device)  # two rows
     for s in (torch.tensor(scale), torch.tensor([[scale], [scale * 0.5]])):
         s = s.to(kernel_device)
         want = fake_quantize_fp8(x, s.reshape(-1, 1) if s.dim() else s)
-        got = fake_quantize_fp8_rows(x, s)
+        got = fake_quantize_fp8_rows(x, s, **block)
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
-        codes, row_scale = quantize_fp8_rows(x, s)
+        codes, row_scale = quantize_fp8_rows(x, s, **block)
         want_codes = (x / (s.reshape(-1, 1) if s.dim() else s)).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
         assert torch.equal(row_scale, s.float().reshape(-1, 1).expand(2, 1))
@@ -169,10 +168,9 @@ def test_fp8_scaled_mm_matches_the_reference(m, k, n, act):
 
 
 def test_few_row_w8a8_steps_take_the_fp8_triton_gemm():
-    """Up to FP8_DOT_MAX_ROWS rows the Triton FP8 GEMM, more _scaled_mm; the Triton GEMM's tile grows with the rows
-    and narrows its columns when 64 would leave the grid small."""
-    assert gemm.prefer_fp8_dot(3, 4096) and gemm.prefer_fp8_dot(gemm.FP8_DOT_MAX_ROWS, 28672)
-    assert not gemm.prefer_fp8_dot(gemm.FP8_DOT_MAX_ROWS + 1, 4096)
+    """The Triton FP8 GEMM's tile grows with the rows and narrows its columns when 64 would leave the grid small;
+    the dispatch takes it for W8A8 steps of GEMV_MAX_ROWS + 1 to 16 rows (then _scaled_mm)."""
+    assert gemm.SCALED_MM_MIN_ROWS == 17 and GEMV_MAX_ROWS < 3
     assert gemm.fp8_dot_config(16, 28672) == GemmConfig(16, 64, 128, 4, 4)  # 448 tiles of 64 columns: kept
     assert gemm.fp8_dot_config(16, 6144) == GemmConfig(16, 32, 128, 4, 4)  # 96 tiles of 64: 192 of 32
     assert gemm.fp8_dot_config(64, 2048) == GemmConfig(64, 32, 128, 4, 4)
@@ -272,24 +270,23 @@ def test_scaled_mm_and_triton_gemm_agree_on_cuda(act, m):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,k,slice_k", [(1, 96, None), (3, 1500, None), (3, 1500, 256), (17, 64, None)])
-def test_dynamic_scale_in_the_quantize_launch_is_the_graphs(dtype, m, k, slice_k, kernel_device, monkeypatch):
+def test_dynamic_scale_in_the_quantize_launch_is_the_graphs(dtype, m, k, slice_k, kernel_device):
     """The per-token scale computed inside the quantize launch (DynamicScale) equals the quantizer's graph formula run
     by torch in the graph's dtype, bit for bit, and so do the codes; a row of zeros takes the minimum scale, and
     the dispatch gives the same product either way. slice_k: rows longer than the kernel's block (read twice)."""
-    if slice_k:
-        monkeypatch.setattr(gemm, "QUANTIZE_BLOCK_K", slice_k)
+    block = {"max_block": slice_k} if slice_k else {}
     gen = torch.Generator().manual_seed(m * k)
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m).reshape(m, 1)).to(dtype)
     x[0, :] = 0.0 if m > 1 else x[0, :]
     x = x.to(kernel_device)
     dyn = DynamicScale(dtype, 2.0 ** -24)
     want_scale = dyn.reference(x)
-    codes, row_scale = quantize_fp8_rows(x, None, dyn)
+    codes, row_scale = quantize_fp8_rows(x, None, dyn, **block)
     want_codes, want_rows = quantize_fp8_rows(x, want_scale)
     assert torch.equal(row_scale, want_scale.float())
     assert torch.equal(row_scale, want_rows)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(fake_quantize_fp8_rows(x, None, dyn), fake_quantize_fp8_rows(x, want_scale))
+    assert torch.equal(fake_quantize_fp8_rows(x, None, dyn, **block), fake_quantize_fp8_rows(x, want_scale))
     w, scale, zp, block = _weight("fp8", k, 24, 0, gen)
     packed = pack_weight(*(t.to(kernel_device) for t in (w, scale.to(dtype), zp)), block_size=block)
     torch.testing.assert_close(qmatmul_packed(x, packed, None, act_mode=ACT_DYNAMIC, dynamic=dyn),

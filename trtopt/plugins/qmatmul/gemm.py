@@ -45,10 +45,15 @@ from trtopt.plugins.qmatmul.packing import PackedQWeight
 from trtopt.plugins.qmatmul.reference import FP8_MAX
 
 MAX_INT4_BLOCK_K = 256  # an INT4 K block is min(G, 128) values, at least one word per plane (G/8); above: no GEMM
-# W8A8 steps of at least this many rows take torch._scaled_mm, fewer the GEMV: on an H200 _scaled_mm beat the
-# Triton W8A8 GEMM from 2 rows on every 8B projection (docs/benchmarks/qmatmul_nvidia_h200.json, down at 2 rows
-# 43.1 us against 79.2) and beat bf16 cuBLAS from 64 rows (qkv 1.14x, gate_up 1.51x).
-SCALED_MM_MIN_ROWS = 2
+# W8A8 steps of at least this many rows take torch._scaled_mm; fewer take the GEMV (up to kernel.py's GEMV_MAX_ROWS)
+# or the Triton GEMM on the FP8 tensor cores (`fp8_dot_config`'s 16-row tile). On an H200 at 16 rows that GEMM beat
+# _scaled_mm on all eight Llama projections of the 1.24B and 8B shapes (8B gate/up 32.7 us against 45.3, Q/K/V 13.4
+# against 16.1; 1.24B Q/K/V 7.2 against 8.7). _scaled_mm's cuBLASLt kernel with rowwise scales was one 128 x 128 tile
+# for every shape (nvjet_sm90_qqtst_128x128_128x6 in torch.profiler). From 64 rows on the Triton GEMM's 64- and
+# 128-row tiles won on three of eight projections and lost by up to 2.6x at 256-512 rows
+# (docs/benchmarks/qmatmul_w8a8_{1b,8b}_nvidia_h200.json). Before the FP8 dot (the codes widened to bf16) the Triton
+# GEMM lost from 2 rows (docs/benchmarks/qmatmul_nvidia_h200.json).
+SCALED_MM_MIN_ROWS = 17
 
 
 @triton.jit
@@ -184,24 +189,10 @@ def fp8_dot_config(rows: int, n: int) -> GemmConfig:
     """The tile of the W8A8 GEMM on FP8 tensor cores (`qgemm` of FP8 codes on CUDA): 16-row tiles up to 16 rows
     (mma.sync on the codes widened to fp16, exact), else 64 or 128 rows (one or two warpgroups of FP8 wgmma);
     columns narrowed to 32 when 64-column tiles would leave most of an H200's 132 SMs idle; K blocks of 128 (each
-    block's FP8 accumulation promoted to fp32, `_qgemm`). The dispatch takes it up to FP8_DOT_MAX_ROWS rows only."""
+    block's FP8 accumulation promoted to fp32, `_qgemm`). The dispatch takes it below SCALED_MM_MIN_ROWS rows."""
     block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
     block_n = 64 if triton.cdiv(rows, block_m) * triton.cdiv(n, 64) >= 132 else 32
     return GemmConfig(block_m, block_n, 128, 8 if block_m == 128 else 4, 4)
-
-
-# W8A8 steps of at most this many rows (and more than kernel.py's GEMV_MAX_ROWS) take the Triton GEMM on FP8 tensor
-# cores (`fp8_dot_config`'s 16-row tile), more rows `_scaled_mm`. On an H200 at 16 rows the Triton GEMM beat
-# _scaled_mm on all eight Llama projections of the 1.24B and 8B shapes (8B gate/up 32.7 us against 45.3, Q/K/V 13.4
-# against 16.1; 1.24B Q/K/V 7.2 against 8.7), whose cuBLASLt kernel with rowwise scales was one 128 x 128 tile for
-# every shape (nvjet_sm90_qqtst_128x128_128x6 in torch.profiler); from 64 rows on its 64- and 128-row tiles won on
-# three of eight and lost by up to 2.6x at 256-512 rows (docs/benchmarks/qmatmul_w8a8_{1b,8b}_nvidia_h200.json).
-FP8_DOT_MAX_ROWS = 16
-
-
-def prefer_fp8_dot(rows: int, n: int) -> bool:
-    """Whether a W8A8 step of `rows` rows and n output columns takes the Triton FP8 GEMM over `_scaled_mm`."""
-    return rows <= FP8_DOT_MAX_ROWS
 
 
 def gemm_supported(w: PackedQWeight) -> bool:
@@ -415,16 +406,16 @@ FP8_MAX_TL = tl.constexpr(FP8_MAX)
 QUANTIZE_BLOCK_K = 16384
 
 
-def _quantize_launch_config(k: int) -> tuple[int, int]:
+def _quantize_launch_config(k: int, max_block: int = QUANTIZE_BLOCK_K) -> tuple[int, int]:
     """(BLOCK_K, num_warps) of `_quantize_fp8_rows` for rows of k values: the whole row in one block up to
-    QUANTIZE_BLOCK_K, 8 values a thread (16 at the longest rows, 32 warps). One program a row has the latency of
+    max_block (a power of two; longer rows are read in slices of it), 8 values a thread (16 at the longest rows, 32 warps). One program a row has the latency of
     its per-thread chain (a correctly rounded division and the E4M3 rounding a value), so the values a thread
     holds set the launch's time: at 32 a thread a step's quantize launches took 13% of a W8A8 workload's kernel time
     (torch.profiler, gpu_e2e.py --only quant on an H200). The launch moves a few KB a row and is bound by the latency
     of its dependent memory round trips, not by bandwidth: the first version read a row in slices of 1024 values,
     twice for a dynamic scale (8 round trips at K = 4096), and cost 3-4.5 us beside _scaled_mm's 14 us on Llama-8B's
     projections at 64-256 rows on an H200 (docs/benchmarks/qmatmul_nvidia_h200.json: fp8_w8a8 against scaled_mm)."""
-    block_k = min(QUANTIZE_BLOCK_K, triton.next_power_of_2(max(k, 16)))
+    block_k = min(max_block, triton.next_power_of_2(max(k, 16)))
     return block_k, max(1, min(32, block_k // (32 * 8)))
 
 
@@ -455,7 +446,8 @@ class DynamicScale:
 
 
 def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor | None, dequant: bool,
-                     dynamic: DynamicScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     dynamic: DynamicScale | None = None,
+                     max_block: int = QUANTIZE_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     assert x.stride(1) == 1 or k <= 1, x.stride()
     assert (act_scale is None) == (dynamic is not None), "an activation scale, or a DynamicScale to compute it"
@@ -463,7 +455,7 @@ def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor | None, dequant: b
     row_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     scale, stride_s = _row_scales(act_scale, m) if dynamic is None else (row_scale, 0)  # not read when DYNAMIC
     if m:
-        block_k, warps = _quantize_launch_config(k)
+        block_k, warps = _quantize_launch_config(k, max_block)
         launcher.launch(_quantize_fp8_rows, (m,), x, scale, out, row_scale, k, x.stride(0), stride_s, out.stride(0),
                         dynamic.min_scale if dynamic else 0.0, BLOCK_K=block_k, DEQUANT=dequant,
                         DYNAMIC=dynamic is not None,
@@ -471,23 +463,24 @@ def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor | None, dequant: b
     return out, row_scale
 
 
-def quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None,
-                      dynamic: DynamicScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None, dynamic: DynamicScale | None = None, *,
+                      max_block: int = QUANTIZE_BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [M, K] float8_e4m3fn, row scale [M, 1] fp32 contiguous) of x [M, K] (K contiguous) under the
     activation's scale ([] static, or one per row; or None with `dynamic`, computed in the same launch): ONNX
     QuantizeLinear's codes (reference.py `fake_quantize_fp8` before its DQ), in one Triton launch. In torch the same
     took five kernels plus the scale's expansion: 23 µs at two rows of K = 4096 on an H200 (docs/benchmarks/
-    qmatmul_nvidia_h200.json, fp8_w8a8 against scaled_mm), more than the FP8 GEMM it feeds."""
-    codes, row_scale = _launch_quantize(x, act_scale, dequant=False, dynamic=dynamic)
+    qmatmul_nvidia_h200.json, fp8_w8a8 against scaled_mm), more than the FP8 GEMM it feeds. max_block: rows longer
+    than this many values are read in slices (`_quantize_launch_config`)."""
+    codes, row_scale = _launch_quantize(x, act_scale, dequant=False, dynamic=dynamic, max_block=max_block)
     return codes.view(torch.float8_e4m3fn), row_scale
 
 
-def fake_quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None,
-                           dynamic: DynamicScale | None = None) -> torch.Tensor:
+def fake_quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None, dynamic: DynamicScale | None = None, *,
+                           max_block: int = QUANTIZE_BLOCK_K) -> torch.Tensor:
     """reference.py `fake_quantize_fp8(x.float(), scale)` of x [M, K] (K contiguous) under the activation's scale
     ([] static, or one per row; or None with `dynamic`) → a new fp32 [M, K], in one Triton launch (the GEMV's W8A8
-    input)."""
-    return _launch_quantize(x, act_scale, dequant=True, dynamic=dynamic)[0]
+    input). max_block: as for `quantize_fp8_rows`."""
+    return _launch_quantize(x, act_scale, dequant=True, dynamic=dynamic, max_block=max_block)[0]
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """QMatMul as Triton decode GEMVs (face 4 of docs/architecture.md §4), and the CUDA path's dispatch by step size
 (`qmatmul_packed`): steps of up to GEMV_MAX_ROWS rows of x run the GEMV below; larger ones (prefill, large decode
 batches) a tensor-core GEMM over the same packed weight (gemm.py: FP8 W8A8 through torch._scaled_mm from
-SCALED_MM_MIN_ROWS rows, else a Triton tl.dot GEMM dequantizing in registers); weights no GEMM takes (INT4 groups
-below 16) dequantize once and run one fp32 GEMM (the reference's math).
+SCALED_MM_MIN_ROWS rows, else a Triton tl.dot GEMM dequantizing in registers, on the FP8 tensor cores for W8A8);
+weights no GEMM takes (INT4 groups below 16) dequantize once and run one fp32 GEMM (the reference's math).
 
 Why: a batch-1 decode step is bound by the bytes of its weights, so a quantized projection is only faster than the
 bf16 one if the kernel streams the *quantized* bytes once, at the rate runtime/kernels/gemv_triton.py streams bf16
@@ -44,8 +44,8 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
 from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS, DynamicScale, dequant_mm,
-                                         fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported,
-                                         prefer_fp8_dot, qgemm, quantize_fp8_rows, scaled_mm_supported)
+                                         fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported, qgemm,
+                                         quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
@@ -277,7 +277,8 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
       FP8 codes through torch._scaled_mm (gemm.py `fp8_scaled_mm`);
     - else M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
     - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
-      row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
+      row scale (on CUDA both operands FP8 on the FP8 tensor cores); weights it does not take (INT4 groups below 16)
+      dequantize once and run one fp32 GEMM.
 
     act_scale None with `dynamic` (act_mode dynamic): the per-token scale is the graph's formula, computed by the
     activation's quantize launch (gemm.py `DynamicScale`), the same values.
@@ -292,8 +293,7 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
     if (act_mode == ACT_NONE and rows >= DEQUANT_MM_MIN_ROWS and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)):
         return dequant_mm(xf, w).reshape(*x.shape[:-1], w.n)
-    scaled_mm = (act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
-                 and not prefer_fp8_dot(rows, w.n))
+    scaled_mm = act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
     if scaled_mm or (rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k):
         xk = xf if xf.stride(-1) == 1 else xf.contiguous()
         if act_mode == ACT_NONE:
