@@ -48,9 +48,9 @@ SCRIPT = textwrap.dedent("""
     ptx(_argmax_rows, {"Keys": "*i64", "Idx": "*i32", "Out": "*i64", "num_pieces": "i32"}, dict(BLOCK=32), warps=1)
 
     # Plugin kernels changed since their last GPU run (issue 13: the norms' scale-dtype output, GELU·mul).
-    from trtopt.plugins.add_rms_norm.kernel import _add_rms_norm_kernel
+    from trtopt.plugins.add_rms_norm.kernel import _add_rms_norm_fp8_kernel, _add_rms_norm_kernel
     from trtopt.plugins.gelu_mul.kernel import _gelu_mul_kernel
-    from trtopt.plugins.rms_norm.kernel import _rms_norm_kernel
+    from trtopt.plugins.rms_norm.kernel import _rms_norm_fp8_kernel, _rms_norm_kernel
     for x_dt, scale_dt in (("bf16", "fp32"), ("fp16", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")):
         x, sc = "*" + x_dt, "*" + scale_dt
         norm = dict(BLOCK=1024, X_DTYPE=TL[x_dt], OUT_DTYPE=TL[scale_dt])
@@ -58,6 +58,12 @@ SCRIPT = textwrap.dedent("""
                                    "stride_r": "i32", "N": "i32", "eps": "fp32"}, norm)
         ptx(_rms_norm_kernel, {"X": x, "Scale": sc, "Out": sc, "stride_x": "i32", "stride_o": "i32", "N": "i32",
                                "eps": "fp32"}, norm)
+        # their FP8 forms (a W8A8 projection's input quantized in the norm's launch)
+        ptx(_add_rms_norm_fp8_kernel, {"X": x, "R": x, "Scale": sc, "Sum": x, "Q": "*u8", "RS": "*fp32",
+                                       "stride_x": "i32", "stride_r": "i32", "N": "i32", "eps": "fp32",
+                                       "MIN_SCALE": "fp32"}, norm)
+        ptx(_rms_norm_fp8_kernel, {"X": x, "Scale": sc, "Q": "*u8", "RS": "*fp32", "stride_x": "i32", "N": "i32",
+                                   "eps": "fp32", "MIN_SCALE": "fp32"}, norm)
     for dt in ("fp32", "fp16", "bf16"):
         for tanh in (0, 1):
             ptx(_gelu_mul_kernel, {"G": "*" + dt, "U": "*" + dt, "Y": "*" + dt, "stride_g": "i32", "stride_u": "i32",
@@ -94,4 +100,4 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 3 * 2 + 2 + 1 + 4 * 2 + 3 * 2 + 2 * 2 * 2 + 2 * 2 * 2
+    assert int(done.stdout.split()[-1]) == 3 * 2 + 2 + 1 + 4 * 4 + 3 * 2 + 2 * 2 * 2 + 2 * 2 * 2

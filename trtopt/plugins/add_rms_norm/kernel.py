@@ -20,7 +20,8 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
-from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN
+from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
+from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN, _warps, rms_row
 
 
 @triton.jit
@@ -33,17 +34,29 @@ def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
     r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     s = (x + r).to(X_DTYPE)
     tl.store(Sum + row * N + offs, s, mask=mask)
-    s = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
-    y = (s * rstd).to(OUT_DTYPE).to(tl.float32)  # rounded to y's dtype (the sum's, or fp32 with an fp32 scale)
     w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * N + offs, (w * y).to(OUT_DTYPE), mask=mask)
+    # the normalized row rounded to y's dtype (the sum's, or fp32 with an fp32 scale), then times the scale
+    tl.store(Out + row * N + offs, rms_row(s.to(tl.float32), w, N, eps, OUT_DTYPE, OUT_DTYPE), mask=mask)
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *,
-                        epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, sum) for x and residual [..., N] of one shape and dtype, scale [N]; both outputs new and contiguous.
-    y has the wider of x's and scale's dtypes (schema.py)."""
+@triton.jit
+def _add_rms_norm_fp8_kernel(X, R, Scale, Sum, Q, RS, stride_x, stride_r, N, eps, MIN_SCALE,
+                             BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """`_add_rms_norm_kernel` with its normed row quantized to FP8 under its dynamic per-token scale instead of
+    stored (the codes' bytes to Q [R, N], the scale to RS [R]); the sum is stored as there."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(X_DTYPE)
+    tl.store(Sum + row * N + offs, s, mask=mask)
+    w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
+    y = rms_row(s.to(tl.float32), w, N, eps, OUT_DTYPE, OUT_DTYPE).to(tl.float32)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, MIN_SCALE, OUT_DTYPE)
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor) -> None:
     n = x.shape[-1]
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"AddRMSNorm's kernel needs x and residual of one shape and dtype; got {tuple(x.shape)} "
@@ -54,6 +67,14 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
         raise ValueError(f"AddRMSNorm supports float32/float16/bfloat16; got x {x.dtype}, scale {scale.dtype}")
     if n > _MAX_HIDDEN:
         raise ValueError(f"AddRMSNorm over {n} > {_MAX_HIDDEN} elements is not supported by the one-row kernel")
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *,
+                        epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, sum) for x and residual [..., N] of one shape and dtype, scale [N]; both outputs new and contiguous.
+    y has the wider of x's and scale's dtypes (schema.py)."""
+    _check(x, residual, scale)
+    n = x.shape[-1]
     out_dtype = torch.promote_types(scale.dtype, x.dtype)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -64,6 +85,27 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
     launcher.launch(_add_rms_norm_kernel, (xs.shape[0],),
         xs, rs, scale.contiguous(), total, out, xs.stride(0), rs.stride(0), n, float(epsilon),
         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
-        num_warps=4 if block <= 4096 else 8,
+        num_warps=_warps(block),
     )
     return out, total
+
+
+def add_rms_norm_fp8_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
+                            min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
+    """AddRMSNorm with y quantized to FP8 per row instead of written: (sum, codes [..., N] float8_e4m3fn, row
+    scale [R, 1] fp32, y's dtype), one launch. Bit for bit `add_rms_norm_triton` followed by plugins/qmatmul/
+    gemm.py `quantize_fp8_rows(y, None, DynamicScale(y.dtype, min_scale))` (plugins/rms_norm/kernel.py
+    `rms_norm_fp8_triton` says why)."""
+    _check(x, residual, scale)
+    n = x.shape[-1]
+    out_dtype = torch.promote_types(scale.dtype, x.dtype)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    xs, rs = as_rows(x, n), as_rows(residual, n)
+    row_scale = torch.empty(xs.shape[0], 1, dtype=torch.float32, device=x.device)
+    if xs.shape[0]:
+        block = next_pow2(n)
+        launcher.launch(_add_rms_norm_fp8_kernel, (xs.shape[0],), xs, rs, scale.contiguous(), total, codes,
+                        row_scale, xs.stride(0), rs.stride(0), n, float(epsilon), float(min_scale), BLOCK=block,
+                        X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=_warps(block))
+    return total, codes.view(torch.float8_e4m3fn), row_scale, out_dtype

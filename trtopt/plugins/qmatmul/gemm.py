@@ -366,12 +366,29 @@ def _quantize_fp8_rows(X, S, Q, RS, K, stride_xm, stride_s, stride_qm, MIN_SCALE
 
 @triton.jit
 def _row_fp8_scale(S, row, stride_s, abs_x, MIN_SCALE, DYNAMIC: tl.constexpr, SCALE_DTYPE: tl.constexpr):
-    """The row's activation scale, fp32: DYNAMIC, max(max(abs_x) / 448 rounded to SCALE_DTYPE, MIN_SCALE) (abs_x:
-    |x| over the row, or a running elementwise max of it); else S[row · stride_s]."""
+    """The row's activation scale, fp32: DYNAMIC, `dynamic_fp8_scale` of abs_x (|x| over the row, or a running
+    elementwise max of it); else S[row · stride_s]."""
     if DYNAMIC:
-        ratio = _to_out(tl.math.div_rn(tl.max(abs_x, axis=0), FP8_MAX_TL), SCALE_DTYPE).to(tl.float32)
-        return tl.maximum(ratio, MIN_SCALE)
+        return dynamic_fp8_scale(abs_x, MIN_SCALE, SCALE_DTYPE)
     return tl.load(S + row * stride_s).to(tl.float32)
+
+
+@triton.jit
+def dynamic_fp8_scale(abs_x, MIN_SCALE, SCALE_DTYPE: tl.constexpr):
+    """A row's per-token FP8 scale (`DynamicScale`'s formula) as fp32: max(max(abs_x) / 448 with the division
+    rounded to SCALE_DTYPE, MIN_SCALE)."""
+    ratio = _to_out(tl.math.div_rn(tl.max(abs_x, axis=0), FP8_MAX_TL), SCALE_DTYPE).to(tl.float32)
+    return tl.maximum(ratio, MIN_SCALE)
+
+
+@triton.jit
+def quantize_row_fp8(q_ptr, rs_ptr, x, ok, MIN_SCALE, SCALE_DTYPE: tl.constexpr):
+    """One whole row x (fp32, positions past ok zero) under its dynamic per-token scale: the codes' bytes at q_ptr,
+    the scale at rs_ptr. What `_quantize_fp8_rows` does to a row it holds in registers, for kernels that produce
+    the row (the RMSNorm kernels' FP8 form: plugins/rms_norm/kernel.py)."""
+    s = dynamic_fp8_scale(tl.abs(x), MIN_SCALE, SCALE_DTYPE)
+    tl.store(rs_ptr, s)
+    _store_fp8_codes(q_ptr, x, s, ok, False)
 
 
 @triton.jit

@@ -16,6 +16,17 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
+from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
+
+
+@triton.jit
+def rms_row(x, s, N, eps, ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One row's RMSNorm in fp32 (x and the scale s loaded as fp32, zeros past N): x · rsqrt(mean(x²) + eps)
+    rounded to ROUND_DTYPE, times s, rounded to OUT_DTYPE. The row math of every RMSNorm kernel (this module's, its
+    FP8 form, add_rms_norm's), so that each gives the others' values bit for bit at the same BLOCK and warps."""
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = (x * rstd).to(ROUND_DTYPE).to(tl.float32)
+    return (s * y).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -25,17 +36,29 @@ def _rms_norm_kernel(X, Scale, Out, stride_x, stride_o, N, eps,
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    y = (x * rstd).to(X_DTYPE).to(tl.float32)  # rounded to x's dtype, as the reference's .to(x.dtype)
     s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (s * y).to(OUT_DTYPE), mask=mask)
+    # y rounded to x's dtype, as the reference's .to(x.dtype), then the scale's product in the promoted dtype
+    tl.store(Out + row * stride_o + offs, rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(X, Scale, Q, RS, stride_x, N, eps, MIN_SCALE,
+                         BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """`_rms_norm_kernel`'s row, not stored: quantized to FP8 under its dynamic per-token scale instead (the codes'
+    bytes to Q [R, N], the scale to RS [R])."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
+    y = rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE).to(tl.float32)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, MIN_SCALE, OUT_DTYPE)
 
 
 _MAX_HIDDEN = 65536
 
 
-def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> torch.Tensor:
-    """out[..., :] = scale * (x * rsqrt(mean(x², -1) + eps)).to(x.dtype), for x [..., N] and scale [N]."""
+def _check(x: torch.Tensor, scale: torch.Tensor) -> None:
     n = x.shape[-1]
     if scale.dim() != 1 or scale.shape[0] != n:
         raise ValueError(f"RMSNorm scale must be [{n}] (x's last dim); got {tuple(scale.shape)}")
@@ -45,6 +68,16 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
         raise ValueError(f"x is on {x.device} but scale on {scale.device}")
     if n > _MAX_HIDDEN:
         raise ValueError(f"RMSNorm over {n} > {_MAX_HIDDEN} elements is not supported by the one-row kernel")
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 4096 else 8
+
+
+def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> torch.Tensor:
+    """out[..., :] = scale * (x * rsqrt(mean(x², -1) + eps)).to(x.dtype), for x [..., N] and scale [N]."""
+    _check(x, scale)
+    n = x.shape[-1]
     out_dtype = torch.promote_types(scale.dtype, x.dtype)
     rows = as_rows(x, n)
     scale = scale.contiguous()
@@ -55,6 +88,28 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
     launcher.launch(_rms_norm_kernel, (rows.shape[0],),
         rows, scale, out, rows.stride(0), n, n, float(epsilon),
         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
-        num_warps=4 if block <= 4096 else 8,
+        num_warps=_warps(block),
     )
     return out
+
+
+def rms_norm_fp8_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
+                        min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """RMSNorm's output quantized to FP8 per row, in one launch, without writing the output itself: (codes [..., N]
+    float8_e4m3fn, row scale [R, 1] fp32, the output's dtype). Bit for bit `rms_norm_triton` followed by
+    plugins/qmatmul/gemm.py `quantize_fp8_rows(y, None, DynamicScale(y.dtype, min_scale))`: the same row math
+    (`rms_row`, same block and warps) and the same quantization. For a W8A8 projection whose input is the norm's
+    (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`): one launch instead of two, and the bf16 row is
+    neither written nor read back."""
+    _check(x, scale)
+    n = x.shape[-1]
+    out_dtype = torch.promote_types(scale.dtype, x.dtype)
+    rows = as_rows(x, n)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    row_scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        block = next_pow2(n)
+        launcher.launch(_rms_norm_fp8_kernel, (rows.shape[0],), rows, scale.contiguous(), codes, row_scale,
+                        rows.stride(0), n, float(epsilon), float(min_scale), BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype],
+                        OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=_warps(block))
+    return codes.view(torch.float8_e4m3fn), row_scale, out_dtype

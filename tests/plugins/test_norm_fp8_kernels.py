@@ -1,0 +1,71 @@
+"""The RMSNorm kernels' FP8 forms (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py
+`add_rms_norm_fp8_triton`): one launch that normalizes a row and quantizes it to FP8 under its dynamic per-token
+scale, bit for bit the norm kernel followed by the activation's quantize launch (plugins/qmatmul/gemm.py
+`quantize_fp8_rows` with a `DynamicScale`), which is what a W8A8 projection after the norm ran before the torch
+executor fused them (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`). On the GPU and under the
+interpreter alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_fp8_triton, add_rms_norm_triton
+from trtopt.plugins.qmatmul.gemm import DynamicScale, quantize_fp8_rows
+from trtopt.plugins.rms_norm.kernel import rms_norm_fp8_triton, rms_norm_triton
+
+MIN_SCALE = 2.0 ** -24
+# (x dtype, scale dtype): the plan's dtype, and Gemma's fp32 scale on half-precision rows
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+          (torch.bfloat16, torch.float32)]
+
+
+def _rows(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-2, 2, shape[-2]).reshape(-1, 1)
+    x[..., 0, :] = 0.0  # a row of zeros: the minimum scale
+    return x.to(device, dtype), (torch.randn(*shape, generator=gen) * 2).to(device, dtype)
+
+
+def _quantized(y: torch.Tensor):
+    codes, row_scale = quantize_fp8_rows(y.reshape(-1, y.shape[-1]), None, DynamicScale(y.dtype, MIN_SCALE))
+    return codes.view(torch.uint8).reshape(y.shape), row_scale
+
+
+@pytest.mark.parametrize("dtype,scale_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 64), (2, 5, 96), (7, 1000)], ids=str)
+def test_rms_norm_fp8_is_the_norm_then_the_quantize_launch(shape, dtype, scale_dtype, kernel_device):
+    x, _ = _rows(shape, dtype, kernel_device, sum(shape))
+    scale = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(1)) + 0.5).to(kernel_device, scale_dtype)
+    codes, row_scale, out_dtype = rms_norm_fp8_triton(x, scale, epsilon=1e-6, min_scale=MIN_SCALE)
+    y = rms_norm_triton(x, scale, epsilon=1e-6)
+    want_codes, want_scale = _quantized(y)
+    assert out_dtype == y.dtype and codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape
+    assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
+    assert float(row_scale[0]) == MIN_SCALE  # the zero row
+    assert int((codes.view(torch.uint8) & 0x7F).max()) == 0x7E  # each row's largest |y| lands on 448
+
+
+@pytest.mark.parametrize("dtype,scale_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 64), (3, 700)], ids=str)
+def test_add_rms_norm_fp8_is_the_fused_add_norm_then_the_quantize_launch(shape, dtype, scale_dtype, kernel_device):
+    x, r = _rows(shape, dtype, kernel_device, sum(shape) + 1)
+    scale = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(2)) + 0.5).to(kernel_device, scale_dtype)
+    total, codes, row_scale, out_dtype = add_rms_norm_fp8_triton(x, r, scale, epsilon=1e-5, min_scale=MIN_SCALE)
+    y, want_total = add_rms_norm_triton(x, r, scale, epsilon=1e-5)
+    want_codes, want_scale = _quantized(y)
+    assert out_dtype == y.dtype and torch.equal(total, want_total)
+    assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
+
+
+def test_empty_rows_and_bad_scales(kernel_device):
+    x = torch.zeros(0, 64, device=kernel_device)
+    codes, row_scale, _ = rms_norm_fp8_triton(x, torch.ones(64, device=kernel_device), epsilon=1e-6,
+                                              min_scale=MIN_SCALE)
+    assert codes.shape == (0, 64) and row_scale.shape == (0, 1)
+    with pytest.raises(ValueError, match="scale must be"):
+        rms_norm_fp8_triton(torch.ones(2, 64, device=kernel_device), torch.ones(32, device=kernel_device),
+                            epsilon=1e-6, min_scale=MIN_SCALE)
+    with pytest.raises(ValueError, match="one shape"):
+        add_rms_norm_fp8_triton(torch.ones(2, 64, device=kernel_device), torch.ones(1, 64, device=kernel_device),
+                                torch.ones(64, device=kernel_device), epsilon=1e-6, min_scale=MIN_SCALE)
