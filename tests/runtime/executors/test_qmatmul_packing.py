@@ -191,3 +191,47 @@ def test_dynamic_scale_moves_into_the_quantize_launch(monkeypatch, dtype):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
             tol = 1e-4 if dtype == TensorProto.FLOAT else 2e-3  # the CPU reference, another summation order
             torch.testing.assert_close(a.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA for CPU tensors under the Triton interpreter")
+def test_w8a8_projections_after_a_norm_take_their_codes_from_the_norms_launch(export_dir, tmp_path, monkeypatch):
+    """On a tiny-llama quantized W8A8 with per-token scales, the Q/K/V and gate/up projections (the readers of an
+    RMSNorm or AddRMSNorm output) read FP8 codes from the norm's launch, O and down keep the quantize launch, the
+    final norm (the LM head stays unquantized) stays a plain norm; and the fused executor's logits and greedy tokens
+    equal the unfused one's exactly, both running the same Triton norm kernels (the CPU's torch reference norm
+    would differ in the last bit and flip codes)."""
+    from trtopt.builder.pipeline import build_plan
+    from trtopt.builder.plan import Limits, read_plan
+    from trtopt.check.compare import Tolerance
+    from trtopt.check.runner import Workload, compare_executors
+    from trtopt.quantize import QuantizeConfig, quantize_model
+    from trtopt.runtime.executors import torch_executor
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    quantize_model(export_dir("tiny-llama"), tmp_path / "q", QuantizeConfig(
+        weights="fp8", activations="fp8", activation_scales="dynamic"), force=True)
+    built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
+                       limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
+    plan = read_plan(built.plan_dir)
+    monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
+    impl = trtopt_ops._impl
+    monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if "norm" in op else device))
+    fused = TorchExecutor(built.plan_dir, plan)
+    with monkeypatch.context() as m:
+        m.setattr(torch_executor, "fuse_norm_quantize", lambda gm: 0)
+        unfused = TorchExecutor(built.plan_dir, plan)
+    layers = plan.model.num_layers
+    assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
+    assert fused.num_norm_quantize_fusions == 2 * layers and unfused.num_norm_quantize_fusions == 0
+    targets = _targets(fused.graph.module)
+    assert targets.count(qmatmul_packing.qmatmul_codes_call) == 2 * layers
+    assert targets.count(qmatmul_packing.qmatmul_packed_call) == 2 * layers  # O and down
+    assert targets.count(trtopt_ops.rms_norm) + targets.count(trtopt_ops.add_rms_norm) == 1  # the final norm
+    for executor in (fused, unfused):
+        executor.allocate_kv_cache(16)
+    rng = np.random.default_rng(1)
+    prompts = tuple(tuple(rng.integers(0, plan.model.vocab_size, n).tolist()) for n in (11, 3, 1))
+    results = compare_executors(plan, {"fused": fused, "unfused": unfused}, Workload(prompts, chunk=8, decode_steps=3),
+                                Tolerance(atol=0.0, rtol=0.0), reference="unfused")
+    assert results["fused"].greedy_tokens == results["unfused"].greedy_tokens and all(results["fused"].greedy_tokens)
+    assert results["fused"].logits.max_abs == 0.0, results["fused"].logits.max_abs

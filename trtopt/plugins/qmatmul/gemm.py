@@ -509,10 +509,11 @@ def _device_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
-def scaled_mm_supported(x: torch.Tensor, w: PackedQWeight) -> bool:
-    """Whether `fp8_scaled_mm` takes this step: an FP8 weight, bf16 x on CUDA with compute capability >= 9.0 (cuBLASLt
-    FP8 with rowwise scales), K and N multiples of 16 (_scaled_mm's shape rule)."""
-    return (w.fp8 and x.is_cuda and x.dtype == torch.bfloat16 and w.k % 16 == 0 and w.n % 16 == 0
+def scaled_mm_supported(x: torch.Tensor, w: PackedQWeight, out_dtype: torch.dtype | None = None) -> bool:
+    """Whether `fp8_scaled_mm` takes this step: an FP8 weight, a bf16 result (out_dtype, default x's dtype: x may be
+    the FP8 codes already) on CUDA with compute capability >= 9.0 (cuBLASLt FP8 with rowwise scales), K and N
+    multiples of 16 (_scaled_mm's shape rule)."""
+    return (w.fp8 and x.is_cuda and (out_dtype or x.dtype) == torch.bfloat16 and w.k % 16 == 0 and w.n % 16 == 0
             and _capability(_device_index(x)) >= (9, 0))
 
 

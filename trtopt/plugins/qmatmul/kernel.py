@@ -273,12 +273,13 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
 
     - weight-only (act_mode none) on CUDA bf16/fp16 x, M >= DEQUANT_MM_MIN_ROWS: the weight dequantized to x's dtype
       in one launch, then cuBLAS (gemm.py `dequant_mm`; each weight value rounded once to x's dtype);
-    - FP8 W8A8 (act_mode static or dynamic), M >= SCALED_MM_MIN_ROWS and `scaled_mm_supported`: the activation's
-      FP8 codes through torch._scaled_mm (gemm.py `fp8_scaled_mm`);
-    - else M <= GEMV_MAX_ROWS: the activation's Q/DQ in torch (fp32), then the GEMV (`config` is its config);
+    - FP8 W8A8 (act_mode static or dynamic, an FP8 weight): the activation's FP8 codes and row scale in one launch
+      (gemm.py `quantize_fp8_rows`), then `qmatmul_codes` (the GEMV, the Triton GEMM on FP8 tensor cores, or
+      torch._scaled_mm from SCALED_MM_MIN_ROWS rows);
+    - else M <= GEMV_MAX_ROWS: the GEMV on x (an INT4 weight's FP8-quantized activation Q/DQ'd to fp32 first;
+      `config` is its config);
     - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
-      row scale (on CUDA both operands FP8 on the FP8 tensor cores); weights it does not take (INT4 groups below 16)
-      dequantize once and run one fp32 GEMM.
+      row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
 
     act_scale None with `dynamic` (act_mode dynamic): the per-token scale is the graph's formula, computed by the
     activation's quantize launch (gemm.py `DynamicScale`), the same values.
@@ -293,17 +294,17 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
     if (act_mode == ACT_NONE and rows >= DEQUANT_MM_MIN_ROWS and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)):
         return dequant_mm(xf, w).reshape(*x.shape[:-1], w.n)
-    scaled_mm = act_mode != ACT_NONE and rows >= SCALED_MM_MIN_ROWS and w.k and scaled_mm_supported(x, w)
-    if scaled_mm or (rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k):
+    if act_mode != ACT_NONE and w.fp8 and 0 < rows and (rows <= MAX_ROWS or gemm_supported(w)):
+        # W8A8: the activation's codes and row scale in one launch, then the codes' dispatch
+        codes, row_scale = quantize_fp8_rows(xf if xf.stride(-1) == 1 else xf.contiguous(), act_scale, dynamic)
+        return qmatmul_codes(codes, row_scale, w, out_dtype=x.dtype, config=config).reshape(*x.shape[:-1], w.n)
+    if rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k:
         xk = xf if xf.stride(-1) == 1 else xf.contiguous()
         if act_mode == ACT_NONE:
             y = qgemm(xk, w)
-        else:
+        else:  # an FP8-quantized activation before an INT4 weight: the Triton GEMM on its codes
             codes, row_scale = quantize_fp8_rows(xk, act_scale, dynamic)
-            if scaled_mm:
-                y = fp8_scaled_mm(codes, w, row_scale)
-            else:
-                y = qgemm(codes, w, row_scale=row_scale.reshape(rows), out_dtype=x.dtype)
+            y = qgemm(codes, w, row_scale=row_scale.reshape(rows), out_dtype=x.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
     if not 0 < rows <= MAX_ROWS:  # no kernel takes it: the reference's math
         if act_scale is None and act_mode != ACT_NONE:
@@ -313,12 +314,29 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
                                    act_scale.float())
         return (xf.float() @ dequantize_packed(w)).to(x.dtype).reshape(*x.shape[:-1], w.n)
     xk = xf if xf.stride(-1) == 1 else xf.contiguous()
-    if act_mode != ACT_NONE and w.fp8:  # the activation's codes and row scale (one launch, gemm.py), into the GEMV
-        codes, row_scale = quantize_fp8_rows(xk, act_scale, dynamic)
-        y = qgemv(codes, w, config, row_scale=row_scale, out_dtype=x.dtype)
-    else:  # a Q/DQ'd activation before an INT4 weight stays fp32 (the reference multiplies it in fp32)
-        y = qgemv(fake_quantize_fp8_rows(xk, act_scale, dynamic) if act_mode != ACT_NONE else xk, w, config)
+    # a Q/DQ'd activation before an INT4 weight stays fp32 in the GEMV (the reference multiplies it in fp32)
+    y = qgemv(fake_quantize_fp8_rows(xk, act_scale, dynamic) if act_mode != ACT_NONE else xk, w, config)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.n)
+
+
+def qmatmul_codes(codes: torch.Tensor, row_scale: torch.Tensor, w: PackedQWeight, *, out_dtype: torch.dtype,
+                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """FP8 W8A8 on an activation already quantized: codes [..., K] float8_e4m3fn (K contiguous) and its row scale
+    [M, 1] fp32 (M = the codes' rows) against a packed FP8 weight → [..., N] in out_dtype, dispatched on M: the GEMV
+    up to GEMV_MAX_ROWS rows (one byte of x a value, the row scale in the epilogue; `config` is its config), then
+    the Triton GEMM on the FP8 tensor cores below SCALED_MM_MIN_ROWS, then torch._scaled_mm where it runs (bf16 out)
+    and the Triton GEMM elsewhere. `qmatmul_packed` quantizes and calls this; the torch executor calls it directly
+    where the norm before the projection produced the codes (runtime/executors/qmatmul_packing.py)."""
+    rows = codes.numel() // w.k if w.k else 0
+    assert w.fp8 and codes.dtype == torch.float8_e4m3fn and rows > 0, (w.group, codes.dtype, tuple(codes.shape))
+    c = codes.reshape(rows, w.k)
+    if rows <= GEMV_MAX_ROWS:
+        y = qgemv(c, w, config, row_scale=row_scale, out_dtype=out_dtype)
+    elif rows >= SCALED_MM_MIN_ROWS and scaled_mm_supported(c, w, out_dtype):
+        y = fp8_scaled_mm(c, w, row_scale)
+    else:
+        y = qgemm(c, w, row_scale=row_scale.reshape(rows), out_dtype=out_dtype)
+    return y.to(out_dtype).reshape(*codes.shape[:-1], w.n)
 
 
 def qmatmul_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,

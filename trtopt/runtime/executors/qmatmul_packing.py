@@ -18,6 +18,13 @@ on every call: several reads of the weight and host syncs per projection.
    decode at 0.59x of bf16 on an H200, where FP8 weight-only ran 1.11x (docs/benchmarks/
    quant_e2e_workload_h200.json, measured before this rewrite).
 
+4. (`fuse_norm_quantize`, after 3) a W8A8 projection with that folded per-token scale whose input is an RMSNorm's
+   output read by nothing else (Llama's Q/K/V and gate/up after horizontal fusion: trtopt.RMSNorm, or output 0 of
+   trtopt.AddRMSNorm) takes its FP8 codes and row scale from the norm's launch (plugins/rms_norm/kernel.py
+   `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py `add_rms_norm_fp8_triton`: the norm kernel then the
+   quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the norm's bf16
+   row is neither written nor read back.
+
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
 one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
 """
@@ -25,6 +32,7 @@ one on the CPU (the reference), and graphs under torch.compile (the custom op, t
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 import torch.fx
@@ -61,6 +69,39 @@ def qmatmul_packed_call(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor
     w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
     dynamic = DynamicScale(x.dtype, dynamic_min_scale) if act_scale is None else None
     return _kernel().qmatmul_packed(x, w, act_scale, act_mode=act_mode, dynamic=dynamic)
+
+
+def qmatmul_codes_call(codes: torch.Tensor, row_scale: torch.Tensor, out_dtype: torch.dtype, data: torch.Tensor,
+                       scale: torch.Tensor, zero: torch.Tensor | None, *, k: int, group: int,
+                       zero_const: int) -> torch.Tensor:
+    """A W8A8 trtopt::QMatMul whose activation arrives quantized (codes, row scale and the activation's dtype, from
+    `rms_norm_fp8_call` / `add_rms_norm_fp8_call`) on a weight packed at load: kernel.py `qmatmul_codes`."""
+    w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
+    return _kernel().qmatmul_codes(codes, row_scale, w, out_dtype=out_dtype)
+
+
+def rms_norm_fp8_call(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float, min_scale: float):
+    """trtopt::RMSNorm's output as FP8 codes under its per-token scale: (codes, row scale, the output's dtype)."""
+    from trtopt.plugins.rms_norm.kernel import rms_norm_fp8_triton
+
+    return rms_norm_fp8_triton(x, scale, epsilon=epsilon, min_scale=min_scale)
+
+
+def add_rms_norm_fp8_call(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
+                          min_scale: float):
+    """trtopt::AddRMSNorm with y as FP8 codes under its per-token scale: (sum, codes, row scale, y's dtype). A
+    broadcasting add (which trtopt_ops.add_rms_norm gives to the reference) normalizes through the op, then
+    quantizes in the activation's quantize launch: the same values either way."""
+    if x.shape == residual.shape and x.dtype == residual.dtype:
+        from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_fp8_triton
+
+        return add_rms_norm_fp8_triton(x, residual, scale, epsilon=epsilon, min_scale=min_scale)
+    from trtopt.plugins.qmatmul.gemm import DynamicScale, quantize_fp8_rows
+
+    y, total = trtopt_ops.add_rms_norm(x, residual, scale, epsilon=epsilon)
+    codes, row_scale = quantize_fp8_rows(y.reshape(-1, y.shape[-1]).contiguous(), None,
+                                         DynamicScale(y.dtype, min_scale))
+    return total, codes.reshape(y.shape), row_scale, y.dtype
 
 
 def _const(gm: torch.fx.GraphModule, arg) -> torch.Tensor | float | None:
@@ -170,5 +211,56 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
                         _drop_if_unread(gm, const)
         for const in old_consts:  # the plan's weight, and the zero point and flags the packed call does not read
             _drop_if_unread(gm, const)
+        count += 1
+    return recompiled(gm, count)
+
+
+def _norm_source(x: torch.fx.Node) -> tuple[str, torch.fx.Node] | None:
+    """("rms", the RMSNorm call) when x is trtopt.RMSNorm's output, ("add", the AddRMSNorm call) when x is output 0
+    of trtopt.AddRMSNorm whose other readers take only its sum; else None."""
+    if _call_of(x, trtopt_ops.rms_norm):
+        return "rms", x
+    if not (_call_of(x, operator.getitem) and x.args[1] == 0 and _call_of(x.args[0], trtopt_ops.add_rms_norm)):
+        return None
+    norm = x.args[0]
+    others = [u for u in norm.users if u is not x]
+    if not all(_call_of(u, operator.getitem) and u.args[1] == 1 for u in others):
+        return None
+    return "add", norm
+
+
+def fuse_norm_quantize(gm: torch.fx.GraphModule) -> int:
+    """Rewrite 4 of the module docstring, after `pack_qmatmul_weights`; returns the projections that now read their
+    codes from a norm's launch."""
+    count = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is qmatmul_packed_call]:
+        x, act_scale = node.args[0], node.args[4]
+        if not (act_scale is None and node.kwargs.get("group") == 0 and node.kwargs.get("act_mode", 0) != 0
+                and isinstance(x, torch.fx.Node) and set(x.users) == {node}):
+            continue
+        source = _norm_source(x)
+        if source is None:
+            continue
+        kind, norm = source
+        min_scale = node.kwargs.get("dynamic_min_scale", 0.0)
+        with gm.graph.inserting_before(norm):
+            if kind == "rms":
+                fused = gm.graph.call_function(rms_norm_fp8_call, norm.args, dict(norm.kwargs, min_scale=min_scale))
+                first = 0
+            else:
+                fused = gm.graph.call_function(add_rms_norm_fp8_call, norm.args,
+                                               dict(norm.kwargs, min_scale=min_scale))
+                first = 1
+                for user in [u for u in norm.users if u is not x]:  # the sum: output 0 of the fused call
+                    with gm.graph.inserting_before(user):
+                        user.replace_all_uses_with(gm.graph.call_function(operator.getitem, (fused, 0)))
+                    gm.graph.erase_node(user)
+            codes, row_scale, out_dtype = (gm.graph.call_function(operator.getitem, (fused, first + i))
+                                           for i in range(3))
+        fields = {key: node.kwargs[key] for key in ("k", "group", "zero_const")}
+        replace_node(gm, node, qmatmul_codes_call, (codes, row_scale, out_dtype, *node.args[1:4]), fields)
+        if kind == "add":
+            gm.graph.erase_node(x)
+        gm.graph.erase_node(norm)
         count += 1
     return recompiled(gm, count)

@@ -18,7 +18,7 @@ from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
 from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
-from trtopt.runtime.executors.qmatmul_packing import pack_qmatmul_weights
+from trtopt.runtime.executors.qmatmul_packing import fuse_norm_quantize, pack_qmatmul_weights
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, TORCH_POOL_DTYPES, check_paged_plan, kv_dtype, kv_shape, pool_dtype, step_tensors,
 )
@@ -112,6 +112,8 @@ class TorchExecutor(Executor):
         # QMatMul weights packed once into the decode GEMV's layout on CUDA (runtime/executors/qmatmul_packing.py);
         # the CPU and compile_mode (its custom op) keep the op, which packs per call on CUDA.
         self.num_packed_qmatmuls = 0 if compile_mode else pack_qmatmul_weights(self.graph.module)
+        # ... and a W8A8 projection's activation quantized in the launch of the RMSNorm that produces it
+        self.num_norm_quantize_fusions = fuse_norm_quantize(self.graph.module) if self.num_packed_qmatmuls else 0
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
