@@ -6,6 +6,7 @@ here before the kernel module is imported); the `gpu` test repeats it on CUDA, b
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -194,12 +195,30 @@ def test_dynamic_scale_moves_into_the_quantize_launch(monkeypatch, dtype):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA for CPU tensors under the Triton interpreter")
-def test_w8a8_projections_after_a_norm_take_their_codes_from_the_norms_launch(export_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_w8a8_projections_after_a_norm_take_their_codes_from_the_norms_launch(exported, dtype, tmp_path,
+                                                                              monkeypatch):
     """On a tiny-llama quantized W8A8 with per-token scales, the Q/K/V and gate/up projections (the readers of an
     RMSNorm or AddRMSNorm output) read FP8 codes from the norm's launch, O and down keep the quantize launch, the
-    final norm (the LM head stays unquantized) stays a plain norm; and the fused executor's logits and greedy tokens
-    equal the unfused one's exactly, both running the same Triton norm kernels (the CPU's torch reference norm
-    would differ in the last bit and flip codes)."""
+    final norm (the LM head stays unquantized) stays a plain norm; and the fused executor's logits and greedy
+    tokens equal the unfused one's exactly, both running the same Triton norm kernels (the CPU's torch reference
+    norm would differ in the last bit and flip codes)."""
+    monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
+    impl = trtopt_ops._impl
+    monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if "norm" in op else device))
+    _norm_fusion_equals_the_unfused_executor(exported("tiny-llama", dtype=dtype).out_dir, tmp_path, monkeypatch,
+                                             "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+def test_w8a8_norm_quantize_fusion_on_cuda(exported, tmp_path, monkeypatch):
+    """The same on CUDA (bf16 plan: the dtype the W8A8 kernels serve), where the fused norm kernels are compiled."""
+    _norm_fusion_equals_the_unfused_executor(exported("tiny-llama", dtype="bf16").out_dir, tmp_path, monkeypatch,
+                                             "cuda")
+
+
+def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str):
     from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits, read_plan
     from trtopt.check.compare import Tolerance
@@ -208,18 +227,15 @@ def test_w8a8_projections_after_a_norm_take_their_codes_from_the_norms_launch(ex
     from trtopt.runtime.executors import torch_executor
     from trtopt.runtime.executors.torch_executor import TorchExecutor
 
-    quantize_model(export_dir("tiny-llama"), tmp_path / "q", QuantizeConfig(
-        weights="fp8", activations="fp8", activation_scales="dynamic"), force=True)
+    quantize_model(export, tmp_path / "q", QuantizeConfig(weights="fp8", activations="fp8",
+                                                          activation_scales="dynamic"), force=True)
     built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
                        limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
     plan = read_plan(built.plan_dir)
-    monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
-    impl = trtopt_ops._impl
-    monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if "norm" in op else device))
-    fused = TorchExecutor(built.plan_dir, plan)
+    fused = TorchExecutor(built.plan_dir, plan, device=device)
     with monkeypatch.context() as m:
         m.setattr(torch_executor, "fuse_norm_quantize", lambda gm: 0)
-        unfused = TorchExecutor(built.plan_dir, plan)
+        unfused = TorchExecutor(built.plan_dir, plan, device=device)
     layers = plan.model.num_layers
     assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
     assert fused.num_norm_quantize_fusions == 2 * layers and unfused.num_norm_quantize_fusions == 0
