@@ -78,6 +78,9 @@ def _model() -> tuple[ir.Model, int]:
     return ir.from_proto(proto), len(calls)
 
 
+FUSED_PRODUCERS = ("rms_norm", "add_rms_norm", "silu_mul")  # the ops whose launch may quantize a W8A8 input
+
+
 def _targets(gm: torch.fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -196,16 +199,16 @@ def test_dynamic_scale_moves_into_the_quantize_launch(monkeypatch, dtype):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA for CPU tensors under the Triton interpreter")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_w8a8_projections_after_a_norm_take_their_codes_from_the_norms_launch(exported, dtype, tmp_path,
-                                                                              monkeypatch):
+def test_w8a8_projections_take_their_codes_from_the_launch_of_their_inputs_producer(exported, dtype, tmp_path,
+                                                                                    monkeypatch):
     """On a tiny-llama quantized W8A8 with per-token scales, the Q/K/V and gate/up projections (the readers of an
-    RMSNorm or AddRMSNorm output) read FP8 codes from the norm's launch, O and down keep the quantize launch, the
-    final norm (the LM head stays unquantized) stays a plain norm; and the fused executor's logits and greedy
-    tokens equal the unfused one's exactly, both running the same Triton norm kernels (the CPU's torch reference
-    norm would differ in the last bit and flip codes)."""
+    RMSNorm or AddRMSNorm output) and down (SiluMul's) read FP8 codes from that op's launch, O keeps the quantize
+    launch, the final norm (the LM head stays unquantized) stays a plain norm; and the fused executor's logits and
+    greedy tokens equal the unfused one's exactly, both running the same Triton kernels for those ops (the CPU's
+    torch reference would differ in the last bit and flip codes)."""
     monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
     impl = trtopt_ops._impl
-    monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if "norm" in op else device))
+    monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if op in FUSED_PRODUCERS else device))
     _norm_fusion_equals_the_unfused_executor(exported("tiny-llama", dtype=dtype).out_dir, tmp_path, monkeypatch,
                                              "cpu")
 
@@ -238,11 +241,12 @@ def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch
         unfused = TorchExecutor(built.plan_dir, plan, device=device)
     layers = plan.model.num_layers
     assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
-    assert fused.num_norm_quantize_fusions == 2 * layers and unfused.num_norm_quantize_fusions == 0
+    assert fused.num_norm_quantize_fusions == 3 * layers and unfused.num_norm_quantize_fusions == 0
     targets = _targets(fused.graph.module)
-    assert targets.count(qmatmul_packing.qmatmul_codes_call) == 2 * layers
-    assert targets.count(qmatmul_packing.qmatmul_packed_call) == 2 * layers  # O and down
+    assert targets.count(qmatmul_packing.qmatmul_codes_call) == 3 * layers
+    assert targets.count(qmatmul_packing.qmatmul_packed_call) == layers  # O
     assert targets.count(trtopt_ops.rms_norm) + targets.count(trtopt_ops.add_rms_norm) == 1  # the final norm
+    assert targets.count(trtopt_ops.silu_mul) == 0
     for executor in (fused, unfused):
         executor.allocate_kv_cache(16)
     rng = np.random.default_rng(1)

@@ -339,7 +339,7 @@ def _quantize_fp8_rows(X, S, Q, RS, K, stride_xm, stride_s, stride_qm, MIN_SCALE
     DYNAMIC: S is not read; s is the per-token scale the quantizer's graph computes (quantize/qdq.py
     `write_dynamic_fp8`), max(max|x| / 448, MIN_SCALE) with the division rounded to SCALE_DTYPE (the graph's dtype).
     A row of at most BLOCK_K values is read once and kept in registers (one memory round trip: the launch is
-    latency-bound, `_quantize_launch_config`); longer rows are read in BLOCK_K slices, twice when DYNAMIC."""
+    latency-bound, `quantize_launch_config`); longer rows are read in BLOCK_K slices, twice when DYNAMIC."""
     row = tl.program_id(0)
     x_row = X + row * stride_xm
     if K <= BLOCK_K:
@@ -423,7 +423,7 @@ FP8_MAX_TL = tl.constexpr(FP8_MAX)
 QUANTIZE_BLOCK_K = 16384
 
 
-def _quantize_launch_config(k: int, max_block: int = QUANTIZE_BLOCK_K) -> tuple[int, int]:
+def quantize_launch_config(k: int, max_block: int = QUANTIZE_BLOCK_K) -> tuple[int, int]:
     """(BLOCK_K, num_warps) of `_quantize_fp8_rows` for rows of k values: the whole row in one block up to
     max_block (a power of two; longer rows are read in slices of it), 8 values a thread (16 at the longest rows, 32 warps). One program a row has the latency of
     its per-thread chain (a correctly rounded division and the E4M3 rounding a value), so the values a thread
@@ -472,7 +472,7 @@ def _launch_quantize(x: torch.Tensor, act_scale: torch.Tensor | None, dequant: b
     row_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     scale, stride_s = _row_scales(act_scale, m) if dynamic is None else (row_scale, 0)  # not read when DYNAMIC
     if m:
-        block_k, warps = _quantize_launch_config(k, max_block)
+        block_k, warps = quantize_launch_config(k, max_block)
         launcher.launch(_quantize_fp8_rows, (m,), x, scale, out, row_scale, k, x.stride(0), stride_s, out.stride(0),
                         dynamic.min_scale if dynamic else 0.0, BLOCK_K=block_k, DEQUANT=dequant,
                         DYNAMIC=dynamic is not None,
@@ -487,7 +487,7 @@ def quantize_fp8_rows(x: torch.Tensor, act_scale: torch.Tensor | None, dynamic: 
     QuantizeLinear's codes (reference.py `fake_quantize_fp8` before its DQ), in one Triton launch. In torch the same
     took five kernels plus the scale's expansion: 23 µs at two rows of K = 4096 on an H200 (docs/benchmarks/
     qmatmul_nvidia_h200.json, fp8_w8a8 against scaled_mm), more than the FP8 GEMM it feeds. max_block: rows longer
-    than this many values are read in slices (`_quantize_launch_config`)."""
+    than this many values are read in slices (`quantize_launch_config`)."""
     codes, row_scale = _launch_quantize(x, act_scale, dequant=False, dynamic=dynamic, max_block=max_block)
     return codes.view(torch.float8_e4m3fn), row_scale
 

@@ -18,12 +18,13 @@ on every call: several reads of the weight and host syncs per projection.
    decode at 0.59x of bf16 on an H200, where FP8 weight-only ran 1.11x (docs/benchmarks/
    quant_e2e_workload_h200.json, measured before this rewrite).
 
-4. (`fuse_norm_quantize`, after 3) a W8A8 projection with that folded per-token scale whose input is an RMSNorm's
-   output read by nothing else (Llama's Q/K/V and gate/up after horizontal fusion: trtopt.RMSNorm, or output 0 of
-   trtopt.AddRMSNorm) takes its FP8 codes and row scale from the norm's launch (plugins/rms_norm/kernel.py
-   `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py `add_rms_norm_fp8_triton`: the norm kernel then the
-   quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the norm's bf16
-   row is neither written nor read back.
+4. (`fuse_norm_quantize`, after 3) a W8A8 projection with that folded per-token scale whose input is read by
+   nothing else and made by an RMSNorm (Llama's Q/K/V and gate/up after horizontal fusion: trtopt.RMSNorm, or
+   output 0 of trtopt.AddRMSNorm) or a SiluMul (the down projection) takes its FP8 codes and row scale from that
+   op's launch (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py
+   `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py `silu_mul_fp8_triton`: the op's kernel then the
+   quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the op's bf16
+   row is neither written nor read back. Only O keeps the quantize launch (its input is the attention's).
 
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
 one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
@@ -102,6 +103,13 @@ def add_rms_norm_fp8_call(x: torch.Tensor, residual: torch.Tensor, scale: torch.
     codes, row_scale = quantize_fp8_rows(y.reshape(-1, y.shape[-1]).contiguous(), None,
                                          DynamicScale(y.dtype, min_scale))
     return total, codes.reshape(y.shape), row_scale, y.dtype
+
+
+def silu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, min_scale: float):
+    """trtopt::SiluMul's output as FP8 codes under its per-token scale: (codes, row scale, the output's dtype)."""
+    from trtopt.plugins.silu_mul.kernel import silu_mul_fp8_triton
+
+    return silu_mul_fp8_triton(gate, up, min_scale=min_scale)
 
 
 def _const(gm: torch.fx.GraphModule, arg) -> torch.Tensor | float | None:
@@ -215,11 +223,14 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
     return recompiled(gm, count)
 
 
-def _norm_source(x: torch.fx.Node) -> tuple[str, torch.fx.Node] | None:
-    """("rms", the RMSNorm call) when x is trtopt.RMSNorm's output, ("add", the AddRMSNorm call) when x is output 0
-    of trtopt.AddRMSNorm whose other readers take only its sum; else None."""
+def _producer(x: torch.fx.Node) -> tuple[str, torch.fx.Node] | None:
+    """("rms", the RMSNorm call) when x is trtopt.RMSNorm's output, ("silu", the SiluMul call) when x is SiluMul's,
+    ("add", the AddRMSNorm call) when x is output 0 of trtopt.AddRMSNorm whose other readers take only its sum;
+    else None."""
     if _call_of(x, trtopt_ops.rms_norm):
         return "rms", x
+    if _call_of(x, trtopt_ops.silu_mul):
+        return "silu", x
     if not (_call_of(x, operator.getitem) and x.args[1] == 0 and _call_of(x.args[0], trtopt_ops.add_rms_norm)):
         return None
     norm = x.args[0]
@@ -231,21 +242,22 @@ def _norm_source(x: torch.fx.Node) -> tuple[str, torch.fx.Node] | None:
 
 def fuse_norm_quantize(gm: torch.fx.GraphModule) -> int:
     """Rewrite 4 of the module docstring, after `pack_qmatmul_weights`; returns the projections that now read their
-    codes from a norm's launch."""
+    codes from the launch of the op that produces their input."""
     count = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is qmatmul_packed_call]:
         x, act_scale = node.args[0], node.args[4]
         if not (act_scale is None and node.kwargs.get("group") == 0 and node.kwargs.get("act_mode", 0) != 0
                 and isinstance(x, torch.fx.Node) and set(x.users) == {node}):
             continue
-        source = _norm_source(x)
+        source = _producer(x)
         if source is None:
             continue
         kind, norm = source
         min_scale = node.kwargs.get("dynamic_min_scale", 0.0)
         with gm.graph.inserting_before(norm):
-            if kind == "rms":
-                fused = gm.graph.call_function(rms_norm_fp8_call, norm.args, dict(norm.kwargs, min_scale=min_scale))
+            if kind in ("rms", "silu"):
+                fused = gm.graph.call_function(rms_norm_fp8_call if kind == "rms" else silu_mul_fp8_call, norm.args,
+                                               dict(norm.kwargs, min_scale=min_scale))
                 first = 0
             else:
                 fused = gm.graph.call_function(add_rms_norm_fp8_call, norm.args,

@@ -1,9 +1,9 @@
-"""The RMSNorm kernels' FP8 forms (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py
-`add_rms_norm_fp8_triton`): one launch that normalizes a row and quantizes it to FP8 under its dynamic per-token
-scale, bit for bit the norm kernel followed by the activation's quantize launch (plugins/qmatmul/gemm.py
-`quantize_fp8_rows` with a `DynamicScale`), which is what a W8A8 projection after the norm ran before the torch
-executor fused them (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`). On the GPU and under the
-interpreter alike."""
+"""The FP8 forms of the kernels that produce a W8A8 projection's input (plugins/rms_norm/kernel.py
+`rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py
+`silu_mul_fp8_triton`): one launch that computes a row and quantizes it to FP8 under its dynamic per-token scale,
+bit for bit the op's kernel followed by the activation's quantize launch (plugins/qmatmul/gemm.py
+`quantize_fp8_rows` with a `DynamicScale`), which is what the projection ran before the torch executor fused them
+(runtime/executors/qmatmul_packing.py `fuse_norm_quantize`). On the GPU and under the interpreter alike."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_fp8_triton, add_rms_norm_triton
 from trtopt.plugins.qmatmul.gemm import DynamicScale, quantize_fp8_rows
 from trtopt.plugins.rms_norm.kernel import rms_norm_fp8_triton, rms_norm_triton
+from trtopt.plugins.silu_mul.kernel import silu_mul_fp8_triton, silu_mul_triton
 
 MIN_SCALE = 2.0 ** -24
 # (x dtype, scale dtype): the plan's dtype, and Gemma's fp32 scale on half-precision rows
@@ -58,6 +59,30 @@ def test_add_rms_norm_fp8_is_the_fused_add_norm_then_the_quantize_launch(shape, 
     assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,split", [((1, 4, 96), False), ((5, 2 * 300), True)], ids=str)
+def test_silu_mul_fp8_is_the_kernel_then_the_quantize_launch(shape, split, dtype, kernel_device):
+    """gate and up as given, or as the two halves of one tensor (the horizontal gate/up fusion's Split)."""
+    x, up = _rows(shape, dtype, kernel_device, sum(shape) + 2)
+    gate = x
+    if split:
+        gate, up = x.chunk(2, dim=-1)
+    codes, row_scale, out_dtype = silu_mul_fp8_triton(gate, up, min_scale=MIN_SCALE)
+    y = silu_mul_triton(gate, up)
+    want_codes, want_scale = _quantized(y)
+    assert out_dtype == dtype and codes.shape == gate.shape
+    assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
+
+
+def test_silu_mul_fp8_rows_longer_than_a_block_run_the_two_launches(kernel_device):
+    from trtopt.plugins.qmatmul.gemm import QUANTIZE_BLOCK_K
+
+    gate, up = _rows((2, QUANTIZE_BLOCK_K + 8), torch.float32, kernel_device, 3)
+    codes, row_scale, _ = silu_mul_fp8_triton(gate, up, min_scale=MIN_SCALE)
+    want_codes, want_scale = _quantized(silu_mul_triton(gate, up))
+    assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
+
+
 def test_empty_rows_and_bad_scales(kernel_device):
     x = torch.zeros(0, 64, device=kernel_device)
     codes, row_scale, _ = rms_norm_fp8_triton(x, torch.ones(64, device=kernel_device), epsilon=1e-6,
@@ -66,6 +91,9 @@ def test_empty_rows_and_bad_scales(kernel_device):
     with pytest.raises(ValueError, match="scale must be"):
         rms_norm_fp8_triton(torch.ones(2, 64, device=kernel_device), torch.ones(32, device=kernel_device),
                             epsilon=1e-6, min_scale=MIN_SCALE)
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul_fp8_triton(torch.ones(2, 64, device=kernel_device), torch.ones(2, 32, device=kernel_device),
+                            min_scale=MIN_SCALE)
     with pytest.raises(ValueError, match="one shape"):
         add_rms_norm_fp8_triton(torch.ones(2, 64, device=kernel_device), torch.ones(1, 64, device=kernel_device),
                                 torch.ones(64, device=kernel_device), epsilon=1e-6, min_scale=MIN_SCALE)
