@@ -1,6 +1,6 @@
 """The FP8 forms of the kernels that produce a W8A8 projection's input (plugins/rms_norm/kernel.py
 `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py
-`silu_mul_fp8_triton`): one launch that computes a row and quantizes it to FP8 under its dynamic per-token scale,
+`silu_mul_fp8_triton`, plugins/gelu_mul/kernel.py `gelu_mul_fp8_triton`): one launch that computes a row and quantizes it to FP8 under its dynamic per-token scale,
 bit for bit the op's kernel followed by the activation's quantize launch (plugins/qmatmul/gemm.py
 `quantize_fp8_rows` with a `DynamicScale`), which is what the projection ran before the torch executor fused them
 (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`). On the GPU and under the interpreter alike."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_fp8_triton, add_rms_norm_triton
+from trtopt.plugins.gelu_mul.kernel import gelu_mul_fp8_triton, gelu_mul_triton
 from trtopt.plugins.qmatmul.gemm import DynamicScale, quantize_fp8_rows
 from trtopt.plugins.rms_norm.kernel import rms_norm_fp8_triton, rms_norm_triton
 from trtopt.plugins.silu_mul.kernel import silu_mul_fp8_triton, silu_mul_triton
@@ -71,6 +72,17 @@ def test_silu_mul_fp8_is_the_kernel_then_the_quantize_launch(shape, split, dtype
     y = silu_mul_triton(gate, up)
     want_codes, want_scale = _quantized(y)
     assert out_dtype == dtype and codes.shape == gate.shape
+    assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
+
+
+@pytest.mark.parametrize("tanh", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gelu_mul_fp8_is_the_kernel_then_the_quantize_launch(dtype, tanh, kernel_device):
+    x, _ = _rows((2, 3, 2 * 160), dtype, kernel_device, 7 + tanh)
+    gate, up = x.chunk(2, dim=-1)
+    codes, row_scale, out_dtype = gelu_mul_fp8_triton(gate, up, tanh=tanh, min_scale=MIN_SCALE)
+    want_codes, want_scale = _quantized(gelu_mul_triton(gate, up, tanh=tanh))
+    assert out_dtype == dtype
     assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(row_scale, want_scale)
 
 

@@ -69,6 +69,11 @@ SCRIPT = textwrap.dedent("""
         ptx(_silu_mul_fp8_kernel, {"G": "*" + dt, "U": "*" + dt, "Q": "*u8", "RS": "*fp32", "stride_g": "i32",
                                    "stride_u": "i32", "N": "i32", "MIN_SCALE": "fp32"}, dict(BLOCK=8192, DTYPE=TL[dt]),
             warps=32)
+    from trtopt.plugins.gelu_mul.kernel import _gelu_mul_fp8_kernel
+    for tanh in (0, 1):  # GeluMul's FP8 form (Gemma's W8A8 down projection)
+        ptx(_gelu_mul_fp8_kernel, {"G": "*bf16", "U": "*bf16", "Q": "*u8", "RS": "*fp32", "stride_g": "i32",
+                                   "stride_u": "i32", "N": "i32", "MIN_SCALE": "fp32"},
+            dict(BLOCK=8192, DTYPE=TL["bf16"], TANH=tanh), warps=32)
     for dt in ("fp32", "fp16", "bf16"):
         for tanh in (0, 1):
             ptx(_gelu_mul_kernel, {"G": "*" + dt, "U": "*" + dt, "Y": "*" + dt, "stride_g": "i32", "stride_u": "i32",
@@ -105,4 +110,4 @@ def test_kernels_compile_for_sm90_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 3 * 2 + 2 + 1 + 4 * 4 + 3 + 3 * 2 + 2 * 2 * 2 + 2 * 2 * 2
+    assert int(done.stdout.split()[-1]) == 3 * 2 + 2 + 1 + 4 * 4 + 3 + 2 + 3 * 2 + 2 * 2 * 2 + 2 * 2 * 2

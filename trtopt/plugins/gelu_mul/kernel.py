@@ -19,11 +19,26 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
-from trtopt.plugins.kernel_common import launch_gated
+from trtopt.plugins.kernel_common import launch_gated, launch_gated_fp8
+from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
 
 _KAPPA = tl.constexpr(KAPPA)
 _SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
 _INV_SQRT_2 = tl.constexpr(1.0 / SQRT_2)
+
+
+@triton.jit
+def gelu_mul_values(g, u, DTYPE: tl.constexpr, TANH: tl.constexpr):
+    """gelu(gate) · up from fp32 loads of gate and up, rounded as the module docstring says, in DTYPE: the math of
+    both GeluMul kernels."""
+    if TANH:
+        z = _SQRT_2_OVER_PI * (g + _KAPPA * (g * g * g))
+        e = tl.exp(-2.0 * tl.abs(z))  # σ(2z) from exp(−2|z|) ≤ 1: no overflow on either side
+        a = g * (tl.where(z >= 0, 1.0, e) / (1.0 + e))
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * _INV_SQRT_2))
+    a = a.to(DTYPE).to(tl.float32)
+    return (a * u).to(DTYPE)
 
 
 @triton.jit
@@ -33,17 +48,33 @@ def _gelu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE:
     m = offs < N
     g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
-    if TANH:
-        z = _SQRT_2_OVER_PI * (g + _KAPPA * (g * g * g))
-        e = tl.exp(-2.0 * tl.abs(z))  # σ(2z) from exp(−2|z|) ≤ 1: no overflow on either side
-        a = g * (tl.where(z >= 0, 1.0, e) / (1.0 + e))
-    else:
-        a = 0.5 * g * (1.0 + tl.erf(g * _INV_SQRT_2))
-    a = a.to(DTYPE).to(tl.float32)
-    tl.store(Y + row * N + offs, (a * u).to(DTYPE), mask=m)
+    tl.store(Y + row * N + offs, gelu_mul_values(g, u, DTYPE, TANH), mask=m)
+
+
+@triton.jit
+def _gelu_mul_fp8_kernel(G, U, Q, RS, stride_g, stride_u, N, MIN_SCALE, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                         TANH: tl.constexpr):
+    """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale (the codes' bytes to Q
+    [R, N], the scale to RS [R])."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    y = gelu_mul_values(g, u, DTYPE, TANH).to(tl.float32)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, m, MIN_SCALE, DTYPE)
 
 
 def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch.Tensor:
     """y = gelu(gate) · up (tanh=1: the tanh approximation) for gate, up [..., N] of one shape and float dtype → a new
     contiguous y."""
     return launch_gated(_gelu_mul_kernel, "GeluMul", gate, up, TANH=bool(tanh))
+
+
+def gelu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int,
+                        min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """y = gelu(gate) · up quantized to FP8 per row instead of written: (codes, row scale [R, 1] fp32, y's dtype),
+    bit for bit `gelu_mul_triton` then the activation's quantize launch, in one launch (plugins/kernel_common.py
+    `launch_gated_fp8`). For a W8A8 down projection (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`)."""
+    return launch_gated_fp8(_gelu_mul_fp8_kernel, lambda g, u: gelu_mul_triton(g, u, tanh=tanh), "GeluMul", gate, up,
+                            min_scale=min_scale, TANH=bool(tanh))

@@ -14,10 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins import launcher
-from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, launch_gated, no_fp_fusion
-from trtopt.plugins.qmatmul.gemm import (QUANTIZE_BLOCK_K, DynamicScale, quantize_fp8_rows, quantize_launch_config,
-                                         quantize_row_fp8)
+from trtopt.plugins.kernel_common import launch_gated, launch_gated_fp8
+from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
 
 
 @triton.jit
@@ -59,25 +57,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *,
                         min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """y = gate · sigmoid(gate) · up quantized to FP8 per row instead of written: (codes [..., N] float8_e4m3fn, row
-    scale [R, 1] fp32, y's dtype). Bit for bit `silu_mul_triton` followed by plugins/qmatmul/gemm.py
-    `quantize_fp8_rows(y, None, DynamicScale(y.dtype, min_scale))`, in one launch of a program a row (the quantize
-    launch's shape: plugins/qmatmul/gemm.py `quantize_launch_config`) for rows of up to QUANTIZE_BLOCK_K values;
-    longer rows run those two launches. For a W8A8 down projection (runtime/executors/qmatmul_packing.py
-    `fuse_norm_quantize`)."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
-        raise ValueError(f"SiluMul needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    n = gate.shape[-1]
-    if n > QUANTIZE_BLOCK_K:
-        y = silu_mul_triton(gate, up)
-        codes, row_scale = quantize_fp8_rows(y.reshape(-1, n), None, DynamicScale(y.dtype, min_scale))
-        return codes.reshape(y.shape), row_scale, y.dtype
-    g, u = as_rows(gate, n), as_rows(up, n)
-    codes = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
-    row_scale = torch.empty(g.shape[0], 1, dtype=torch.float32, device=gate.device)
-    if g.shape[0] and n:
-        block, warps = quantize_launch_config(n)
-        launcher.launch(_silu_mul_fp8_kernel, (g.shape[0],), g, u, codes, row_scale, g.stride(0), u.stride(0), n,
-                        float(min_scale), BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], num_warps=warps,
-                        **no_fp_fusion())
-    return codes.view(torch.float8_e4m3fn), row_scale, gate.dtype
+    scale [R, 1] fp32, y's dtype), bit for bit `silu_mul_triton` then the activation's quantize launch, in one
+    launch (plugins/kernel_common.py `launch_gated_fp8`). For a W8A8 down projection (runtime/executors/
+    qmatmul_packing.py `fuse_norm_quantize`)."""
+    return launch_gated_fp8(_silu_mul_fp8_kernel, silu_mul_triton, "SiluMul", gate, up, min_scale=min_scale)

@@ -22,8 +22,8 @@ on every call: several reads of the weight and host syncs per projection.
    nothing else and made by an RMSNorm (Llama's Q/K/V and gate/up after horizontal fusion: trtopt.RMSNorm, or
    output 0 of trtopt.AddRMSNorm) or a SiluMul (the down projection) takes its FP8 codes and row scale from that
    op's launch (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py
-   `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py `silu_mul_fp8_triton`: the op's kernel then the
-   quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the op's bf16
+   `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py `silu_mul_fp8_triton`, and GeluMul's for Gemma: the
+   op's kernel then the quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the op's bf16
    row is neither written nor read back. Only O keeps the quantize launch (its input is the attention's).
 
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
@@ -110,6 +110,19 @@ def silu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, min_scale: float)
     from trtopt.plugins.silu_mul.kernel import silu_mul_fp8_triton
 
     return silu_mul_fp8_triton(gate, up, min_scale=min_scale)
+
+
+def gelu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, min_scale: float):
+    """trtopt::GeluMul's output as FP8 codes under its per-token scale: (codes, row scale, the output's dtype)."""
+    from trtopt.plugins.gelu_mul.kernel import gelu_mul_fp8_triton
+
+    return gelu_mul_fp8_triton(gate, up, tanh=tanh, min_scale=min_scale)
+
+
+# the ops whose launch may quantize a W8A8 projection's input (`fuse_norm_quantize`): the op → its FP8 form, and the
+# output of the FP8 form's tuple where (codes, row scale, dtype) begin
+_FP8_FORMS = {trtopt_ops.rms_norm: (rms_norm_fp8_call, 0), trtopt_ops.silu_mul: (silu_mul_fp8_call, 0),
+              trtopt_ops.gelu_mul: (gelu_mul_fp8_call, 0), trtopt_ops.add_rms_norm: (add_rms_norm_fp8_call, 1)}
 
 
 def _const(gm: torch.fx.GraphModule, arg) -> torch.Tensor | float | None:
@@ -223,21 +236,18 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
     return recompiled(gm, count)
 
 
-def _producer(x: torch.fx.Node) -> tuple[str, torch.fx.Node] | None:
-    """("rms", the RMSNorm call) when x is trtopt.RMSNorm's output, ("silu", the SiluMul call) when x is SiluMul's,
-    ("add", the AddRMSNorm call) when x is output 0 of trtopt.AddRMSNorm whose other readers take only its sum;
-    else None."""
-    if _call_of(x, trtopt_ops.rms_norm):
-        return "rms", x
-    if _call_of(x, trtopt_ops.silu_mul):
-        return "silu", x
+def _producer(x: torch.fx.Node) -> torch.fx.Node | None:
+    """The call of an op of _FP8_FORMS that produces x: x itself (RMSNorm, SiluMul, GeluMul), or the AddRMSNorm
+    whose output 0 x is, when its other readers take only its sum; else None."""
+    if _call_of(x, trtopt_ops.rms_norm, trtopt_ops.silu_mul, trtopt_ops.gelu_mul):
+        return x
     if not (_call_of(x, operator.getitem) and x.args[1] == 0 and _call_of(x.args[0], trtopt_ops.add_rms_norm)):
         return None
     norm = x.args[0]
     others = [u for u in norm.users if u is not x]
     if not all(_call_of(u, operator.getitem) and u.args[1] == 1 for u in others):
         return None
-    return "add", norm
+    return norm
 
 
 def fuse_norm_quantize(gm: torch.fx.GraphModule) -> int:
@@ -249,30 +259,24 @@ def fuse_norm_quantize(gm: torch.fx.GraphModule) -> int:
         if not (act_scale is None and node.kwargs.get("group") == 0 and node.kwargs.get("act_mode", 0) != 0
                 and isinstance(x, torch.fx.Node) and set(x.users) == {node}):
             continue
-        source = _producer(x)
-        if source is None:
+        producer = _producer(x)
+        if producer is None:
             continue
-        kind, norm = source
-        min_scale = node.kwargs.get("dynamic_min_scale", 0.0)
-        with gm.graph.inserting_before(norm):
-            if kind in ("rms", "silu"):
-                fused = gm.graph.call_function(rms_norm_fp8_call if kind == "rms" else silu_mul_fp8_call, norm.args,
-                                               dict(norm.kwargs, min_scale=min_scale))
-                first = 0
-            else:
-                fused = gm.graph.call_function(add_rms_norm_fp8_call, norm.args,
-                                               dict(norm.kwargs, min_scale=min_scale))
-                first = 1
-                for user in [u for u in norm.users if u is not x]:  # the sum: output 0 of the fused call
-                    with gm.graph.inserting_before(user):
-                        user.replace_all_uses_with(gm.graph.call_function(operator.getitem, (fused, 0)))
-                    gm.graph.erase_node(user)
+        fp8_form, first = _FP8_FORMS[producer.target]
+        with gm.graph.inserting_before(producer):
+            fused = gm.graph.call_function(fp8_form, producer.args,
+                                           dict(producer.kwargs, min_scale=node.kwargs.get("dynamic_min_scale", 0.0)))
+            sums = [u for u in producer.users if u is not x] if producer is not x else []
+            for user in sums:  # AddRMSNorm's sum (the readers of its output 1): output 0 of the FP8 form
+                with gm.graph.inserting_before(user):
+                    user.replace_all_uses_with(gm.graph.call_function(operator.getitem, (fused, 0)))
+                gm.graph.erase_node(user)
             codes, row_scale, out_dtype = (gm.graph.call_function(operator.getitem, (fused, first + i))
                                            for i in range(3))
         fields = {key: node.kwargs[key] for key in ("k", "group", "zero_const")}
         replace_node(gm, node, qmatmul_codes_call, (codes, row_scale, out_dtype, *node.args[1:4]), fields)
-        if kind == "add":
+        if producer is not x:  # AddRMSNorm's getitem of output 0
             gm.graph.erase_node(x)
-        gm.graph.erase_node(norm)
+        gm.graph.erase_node(producer)
         count += 1
     return recompiled(gm, count)
