@@ -1,9 +1,10 @@
 """The FP8 forms of the kernels that produce a W8A8 projection's input (plugins/rms_norm/kernel.py
 `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py
-`silu_mul_fp8_triton`, plugins/gelu_mul/kernel.py `gelu_mul_fp8_triton`): one launch that computes a row and quantizes it to FP8 under its dynamic per-token scale,
-bit for bit the op's kernel followed by the activation's quantize launch (plugins/qmatmul/gemm.py
-`quantize_fp8_rows` with a `DynamicScale`), which is what the projection ran before the torch executor fused them
-(runtime/executors/qmatmul_packing.py `fuse_norm_quantize`). On the GPU and under the interpreter alike."""
+`silu_mul_fp8_triton`, plugins/gelu_mul/kernel.py `gelu_mul_fp8_triton`): one launch that computes a row and
+quantizes it to FP8 under its dynamic per-token scale, bit for bit the op's kernel followed by the activation's
+quantize launch (plugins/qmatmul/gemm.py `quantize_fp8_rows` with a `DynamicScale`), which is what the projection
+ran before the torch executor fused them (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`). On the GPU
+and under the interpreter alike."""
 
 from __future__ import annotations
 

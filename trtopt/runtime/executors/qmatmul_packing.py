@@ -23,8 +23,9 @@ on every call: several reads of the weight and host syncs per projection.
    output 0 of trtopt.AddRMSNorm) or a SiluMul (the down projection) takes its FP8 codes and row scale from that
    op's launch (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py
    `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py `silu_mul_fp8_triton`, and GeluMul's for Gemma: the
-   op's kernel then the quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the op's bf16
-   row is neither written nor read back. Only O keeps the quantize launch (its input is the attention's).
+   op's kernel then the quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection
+   less, and the op's bf16 row is neither written nor read back. Only O keeps the quantize launch (its input is
+   the attention's).
 
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
 one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
