@@ -105,8 +105,11 @@ KV_CACHE_SMOOTHINGS = ("none", "k", "kv")
 # "amax_head" also multiplies each KV head's k (v) by a power of two that brings its amax within 2x of the layer's,
 # exactly undone on q (the output) (fusion_passes/kv_head_scales.py): per-head scales without a kernel change;
 # "search" picks each layer's K and V scale among 16 in [2, 4) x amax / 448 by the attention output's error on the
-# calibration text (builder/kv_calibration.py).
-KV_CACHE_SCALES = ("one", "amax", "amax_head", "search")
+# calibration text (builder/kv_calibration.py); "quantizer" takes the per-layer scales `trtopt quantize --kv-cache fp8`
+# calibrated on the float model and recorded in the source's metadata (quantize/api.py `kv_cache_scales`), the
+# default where the source has them (and no smoothing or rotation changes what the pools hold).
+KV_CACHE_SCALES = ("one", "amax", "amax_head", "search", "quantizer")
+KV_CACHE_SCALES_AUTO = "auto"  # build_plan's default: "quantizer" where the source has the scales, else "one"
 
 
 def kv_pool_dtype(model_dtype: str, kv_cache_dtype: str) -> str:

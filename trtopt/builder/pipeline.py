@@ -62,7 +62,8 @@ from trtopt.fusion_passes.pipeline import OPTIONAL_PASSES, FusionReport, optimiz
 from trtopt.fusion_passes.trace import Trace
 from trtopt.plugins import attach_functions
 from trtopt.plugins.paged_attention.function import attach_fp8_kv_function
-from trtopt.signature import KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SCALES, KV_CACHE_SMOOTHINGS
+from trtopt.signature import (KV_CACHE_DTYPES, KV_CACHE_ROTATIONS, KV_CACHE_SCALES, KV_CACHE_SCALES_AUTO,
+                              KV_CACHE_SMOOTHINGS)
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # the kernels' tested sizes; powers of two keep slot math cheap
 
@@ -85,6 +86,9 @@ class BuildOptions:
     kv_cache_smoothing: str = "none"  # one of KV_CACHE_SMOOTHINGS: "k"/"kv" subtract calibrated means (fp8 only)
     kv_cache_scales: str = "one"  # one of KV_CACHE_SCALES: "amax" calibrates the FP8 K/V scales (fp8 only)
     kv_calibrator: KvCalibrator | None = None  # runs the graph for the two above (the runtime's kv_stats)
+    # with kv_cache_scales "quantizer": the (K, V) scales per layer the source's quantizer recorded
+    quantizer_kv_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    kv_scales_note: str = ""  # why the source's quantizer scales were not taken (the build summary's notes)
 
 
 @dataclasses.dataclass
@@ -274,7 +278,7 @@ def validate_options(
     kv_cache_dtype: str = "auto",
     kv_cache_rotation: str = "none",
     kv_cache_smoothing: str = "none",
-    kv_cache_scales: str = "one",
+    kv_cache_scales: str = KV_CACHE_SCALES_AUTO,
     kv_calibrator: KvCalibrator | None = None,
 ) -> BuildOptions:
     """Check every option and the source and plan paths before any work is done (build_plan's arguments)."""
@@ -311,21 +315,41 @@ def validate_options(
     if kv_cache_smoothing != "none" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-smoothing {kv_cache_smoothing} only changes what an FP8 KV cache loses to "
                           "rounding (it is exact otherwise); add --kv-cache-dtype fp8 or drop --kv-cache-smoothing.")
-    if kv_cache_scales not in KV_CACHE_SCALES:
+    if kv_cache_scales not in (*KV_CACHE_SCALES, KV_CACHE_SCALES_AUTO):
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales!r} is not supported; choose one of "
                           f"{', '.join(KV_CACHE_SCALES)} (one: 1.0 each; amax: calibrated per layer; amax_head: "
                           "per layer, each head brought within 2x of the layer's range; search: per layer, chosen "
-                          "by the attention error).")
+                          "by the attention error; quantizer: those `trtopt quantize --kv-cache fp8` recorded), or "
+                          "auto (quantizer where the source has them, else one).")
+    quantizer_scales = _source_kv_scales(onnx_path) if kv_cache_dtype == "fp8" else None
+    transformed = [flag for flag, value in (("--kv-cache-smoothing", kv_cache_smoothing),
+                                            ("--kv-cache-rotation", kv_cache_rotation)) if value != "none"]
+    kv_scales_note = ""
+    change = f"{' and '.join(transformed)} {'changes' if len(transformed) == 1 else 'change'} them"
+    if kv_cache_scales == KV_CACHE_SCALES_AUTO:
+        kv_cache_scales = "quantizer" if quantizer_scales is not None and not transformed else "one"
+        if quantizer_scales is not None and transformed:
+            kv_scales_note = (f"the source's FP8 KV scales (trtopt quantize --kv-cache fp8) are for the K/V the model "
+                              f"caches, and {change}: K/V scales 1.0; --kv-cache-scales amax calibrates them after "
+                              "those")
+    elif kv_cache_scales == "quantizer" and kv_cache_dtype == "fp8":
+        if quantizer_scales is None:
+            raise ConfigError(f"--kv-cache-scales quantizer: {onnx_path} has no FP8 KV scales; quantize it with "
+                              "`trtopt quantize --kv-cache fp8`, or use --kv-cache-scales amax to calibrate here.")
+        if transformed:
+            raise ConfigError(f"--kv-cache-scales quantizer: the quantizer's scales are for the K/V the model caches, "
+                              f"and {change}; use --kv-cache-scales amax (calibrated after them) or drop those "
+                              "options.")
     if kv_cache_scales != "one" and kv_cache_dtype != "fp8":
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales} sets the scales of an FP8 KV cache; add "
                           "--kv-cache-dtype fp8 or drop --kv-cache-scales.")
-    if kv_cache_scales != "one" and tensor_parallel is not None:
+    if kv_cache_scales not in ("one", "quantizer") and tensor_parallel is not None:
         raise ConfigError(f"--kv-cache-scales {kv_cache_scales} calibrates on the whole final graph, and "
                           "--tensor-parallel leaves only the rank graph to run; build with --kv-cache-scales one "
                           "(scales of 1.0) or without --tensor-parallel.")
     calibrated = [f"{name}={value!r}" for name, value, off in (("kv_cache_smoothing", kv_cache_smoothing, "none"),
                                                                 ("kv_cache_scales", kv_cache_scales, "one"))
-                  if value != off]
+                  if value != off and value != "quantizer"]
     if calibrated and kv_calibrator is None:
         raise ConfigError(f"{' and '.join(calibrated)} calibrate by running the graph: pass "
                           "kv_calibrator=trtopt.runtime.kv_calibration.kv_stats to build_plan (`trtopt build` does).")
@@ -335,7 +359,17 @@ def validate_options(
                         lm_head=lm_head, disable_passes=tuple(disable_passes), explain=explain,
                         kv_cache_dtype=kv_cache_dtype, kv_cache_rotation=kv_cache_rotation,
                         kv_cache_smoothing=kv_cache_smoothing, kv_cache_scales=kv_cache_scales,
-                        kv_calibrator=kv_calibrator)
+                        kv_calibrator=kv_calibrator, kv_scales_note=kv_scales_note,
+                        quantizer_kv_scales=quantizer_scales if kv_cache_scales == "quantizer" else None)
+
+
+def _source_kv_scales(onnx_path: Path) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The FP8 KV scales `trtopt quantize --kv-cache fp8` recorded in the source's metadata, or None."""
+    from trtopt.quantize.api import kv_cache_scales
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    scales = kv_cache_scales({p.key: p.value for p in proto.metadata_props})
+    return None if scales is None else (tuple(scales[0]), tuple(scales[1]))
 
 
 def fuse(options: BuildOptions, steps: _Steps) -> FusedGraph:
@@ -452,7 +486,16 @@ def store_fp8(options: BuildOptions, fused: FusedGraph, steps: _Steps) -> None:
         return
     assert fused.model is not None, "store_fp8 runs before write consumes the graph"
     k_scales = v_scales = None
-    if options.kv_cache_scales != "one":
+    if options.kv_scales_note:
+        fused.notes = (*fused.notes, options.kv_scales_note)
+    if options.kv_cache_scales == "quantizer":
+        assert options.quantizer_kv_scales is not None
+        k_scales, v_scales = (list(s) for s in options.quantizer_kv_scales)
+        if len(k_scales) != fused.facts.num_layers or len(v_scales) != fused.facts.num_layers:
+            raise ConfigError(f"the source's FP8 KV scales cover {len(k_scales)} layers, the graph has "
+                              f"{fused.facts.num_layers}; quantize this export again with --kv-cache fp8.")
+        fused.kv_scales = k_scales, v_scales
+    elif options.kv_cache_scales != "one":
         flag = f"--kv-cache-scales {options.kv_cache_scales}"
         fused.kv_amax = _calibrate(options, fused.model, steps, "the K/V scales", flag)
         k_scales, v_scales = fused.kv_amax.fp8_scales()  # the layer's amax: its largest head keeps the factor 1
@@ -508,14 +551,14 @@ def write(options: BuildOptions, fused: FusedGraph, sharded: ShardedGraph | None
             "notes": list(fused.notes),
             **({"kv_smoothing": _calibration_report(means)} if means is not None else {}),
             **({"kv_scales": _scales_report(fused, per_head=options.kv_cache_scales == "amax_head")}
-               if fused.kv_amax is not None else {}),
+               if fused.kv_scales is not None else {}),
         }
         (out_dir / REPORT_FILE).write_text(json.dumps(body, indent=2) + "\n")
     layout = sharded.result.layout if sharded is not None else None
     return BuildResult(plan_dir=out_dir, config=config, report=fused.report, seconds=seconds, parallel=layout,
                        notes=fused.notes, kv_calibration=means.describe() if means is not None else "",
                        kv_scales=_describe_scales(fused, per_head=options.kv_cache_scales == "amax_head")
-                       if fused.kv_amax is not None else "")
+                       if fused.kv_scales is not None else "")
 
 
 def _calibration_report(stats: KvStats) -> dict:
@@ -523,12 +566,17 @@ def _calibration_report(stats: KvStats) -> dict:
             "seconds": round(stats.seconds, 3)}
 
 
+QUANTIZER_SCALES = "trtopt quantize --kv-cache fp8"  # where --kv-cache-scales quantizer's scales come from
+
+
 def _scales_report(fused: FusedGraph, *, per_head: bool) -> dict:
     """fusion_report.json's kv_scales: the calibration, every layer's K and V scale, with amax_head every layer's
     head factors, with search every layer's candidates' attention errors relative to the best."""
     stats = fused.kv_amax
-    assert stats is not None and fused.kv_scales is not None
+    assert fused.kv_scales is not None
     k, v = fused.kv_scales
+    if stats is None:  # the source's quantizer calibrated them
+        return {"source": QUANTIZER_SCALES, "k": k, "v": v}
     heads = stats.head_factors() if per_head else None
     return {**_calibration_report(stats), "k": k, "v": v,
             **({"k_head_factors": [f.tolist() for f in heads[0]], "v_head_factors": [f.tolist() for f in heads[1]]}
@@ -540,9 +588,11 @@ def _scales_report(fused: FusedGraph, *, per_head: bool) -> dict:
 
 def _describe_scales(fused: FusedGraph, *, per_head: bool) -> str:
     stats = fused.kv_amax
-    assert stats is not None and fused.kv_scales is not None
+    assert fused.kv_scales is not None
     k, v = fused.kv_scales
     text = f"K {min(k):.3g}–{max(k):.3g}, V {min(v):.3g}–{max(v):.3g}"
+    if stats is None:
+        return f"{text}; from the source's quantizer ({QUANTIZER_SCALES})"
     if per_head:
         for name, factors in zip("KV", stats.head_factors()):
             flat = np.concatenate(factors)
@@ -568,7 +618,7 @@ def build_plan(
     kv_cache_dtype: str = "auto",
     kv_cache_rotation: str = "none",
     kv_cache_smoothing: str = "none",
-    kv_cache_scales: str = "one",
+    kv_cache_scales: str = KV_CACHE_SCALES_AUTO,
     kv_calibrator: KvCalibrator | None = None,
 ) -> BuildResult:
     """Fuse the model at ``model_path`` (a .onnx file or a directory holding model.onnx) into a plan dir.
@@ -610,9 +660,12 @@ def build_plan(
     head's k and v multiplied by a power of two that brings its amax within 2x of the layer's, divided back out of
     q and the output: exact in floating point; fusion_passes/kv_head_scales.py) or "search" (each layer's K and V
     scale the one of 16 candidates in [2, 4) x amax / 448 whose e4m3 rounding costs the attention output least on
-    the calibration text; builder/kv_calibration.py SEARCH_STEPS). ConfigError for another value,
-    without "fp8", with ``tensor_parallel`` (the rank graph cannot run the whole model), or without the tokenizer
-    files.
+    the calibration text; builder/kv_calibration.py SEARCH_STEPS) or "quantizer" (the per-layer scales that
+    `trtopt quantize --kv-cache fp8` calibrated on the float model and recorded in the source: the amax of the K/V
+    it caches / 448; not with smoothing or rotation, which change those K/V). ConfigError for another value,
+    without "fp8", with ``tensor_parallel`` (the rank graph cannot run the whole model; "quantizer" can), or
+    without the tokenizer files. The default "auto" is "quantizer" for an fp8 build of a source that has such
+    scales and no smoothing or rotation, else "one" (with a note in the report when the source's were not taken).
 
     Both calibrations run the graph, which the builder cannot do itself (it never imports the runtime): pass
     ``kv_calibrator``, the runtime's ``trtopt.runtime.kv_calibration.kv_stats`` (`trtopt build` does); ConfigError

@@ -105,14 +105,17 @@ def build(
         "--kv-cache-rotation and --tensor-parallel.",
     ),
     kv_cache_scales: str = typer.Option(
-        "one", "--kv-cache-scales",
-        help="With --kv-cache-dtype fp8: `one` (every layer's K and V scale 1.0, as vLLM without checkpoint scales), "
+        "auto", "--kv-cache-scales",
+        help="With --kv-cache-dtype fp8: `auto` (the default: `quantizer` when the source has scales from `trtopt "
+        "quantize --kv-cache fp8` and no smoothing or rotation is asked for, else `one`), `quantizer` (those scales: "
+        "each layer's amax of the K/V the float model caches / 448, calibrated by the quantizer), "
+        "`one` (every layer's K and V scale 1.0, as vLLM without checkpoint scales), "
         "`amax` (each layer's largest |k| and |v| / 448, calibrated at build time on the final graph, after "
         "smoothing and rotation, over the same text as --kv-cache-smoothing) or `amax_head` (per-head scales: amax, "
         "and each KV head multiplied by a power of two that brings it within 2x of the layer's range, exactly "
         "undone on q and the output) or `search` (each layer's K and V scale chosen among 16 in [2, 4) x amax / 448 "
         "by the attention output's error on the calibration text: E4M3's rounding of a few large shared keys, such "
-        "as the first token's, depends on the scale); not with --tensor-parallel.",
+        "as the first token's, depends on the scale); only `one` and `quantizer` with --tensor-parallel.",
     ),
     draft_layers: list[int] = typer.Option(None, "--draft-layers",
                                            help="Also write the self-draft plan of the first N layers to OUTPUT/draft_N "

@@ -32,6 +32,10 @@ def _print_result(result) -> None:
                   f"{result.opset} in {result.seconds:.1f} s"
                   + (f", calibrated on {result.calibration_tokens} tokens" if result.calibration_tokens else "")
                   + f": {result.model_path}", highlight=False)
+    if result.kv_cache:
+        k, v = result.kv_cache["k_scales"], result.kv_cache["v_scales"]
+        console.print(f"FP8 KV cache scales (amax / 448 per layer, for `trtopt build --kv-cache-dtype fp8`): K "
+                      f"{min(k):.3g}..{max(k):.3g}, V {min(v):.3g}..{max(v):.3g}", highlight=False)
     if result.sensitivity is not None:
         console.print(sensitivity_table(result.sensitivity, title="layer sensitivity on calibration text (each "
                                         "layer quantized alone)", excluded=config.auto_exclude))
@@ -84,6 +88,9 @@ def quantize(
                                               help="Calibration windows of Python's reference manual."),
     calibration_length: int = typer.Option(512, "--calibration-length", help="Tokens per calibration window."),
     threads: int = typer.Option(2, "--threads", help="onnxruntime intra-op threads for calibration."),
+    kv_cache: str = typer.Option(None, "--kv-cache", help="fp8: also calibrate the FP8 KV cache's per-layer K and V "
+                                 "scales on the calibration text and record them in the model, where `trtopt build "
+                                 "--kv-cache-dtype fp8` takes them."),
     force: bool = typer.Option(False, "--force", help="Overwrite a non-empty output directory."),
 ):
     """Quantize an exported model into standard QuantizeLinear/DequantizeLinear ONNX (TensorRT's explicit
@@ -102,6 +109,8 @@ def quantize(
         trtopt quantize model.onnx -o q --weights int4 --group-size 32 --exclude "*mlp*" --force
 
         trtopt quantize out/onnx -o out/onnx-fp8 --weights fp8 --activations fp8 --exclude auto:2
+
+        trtopt quantize out/onnx -o out/onnx-fp8kv --weights fp8 --activations fp8 --kv-cache fp8
     """
     from trtopt.quantize import QuantizeConfig, quantize_model
     from trtopt.quantize.api import default_method, parse_exclude
@@ -111,5 +120,5 @@ def quantize(
                             method=method or default_method(weights), group_size=group_size, asymmetric=asymmetric,
                             clip_search=clip_search,
                             exclude=patterns, auto_exclude=auto_exclude, calibration_sequences=calibration_sequences,
-                            calibration_length=calibration_length, threads=threads)
+                            calibration_length=calibration_length, threads=threads, kv_cache=kv_cache)
     _print_result(quantize_model(model, output, config, force=force, progress=True))

@@ -23,7 +23,7 @@ from trtopt.errors import QuantizeError
 from trtopt.quantize import data
 from trtopt.quantize.graph import MatMulTarget, find_targets, load_model, opset_of, resolve_model_path, \
     save_model_dir, upgrade_opset, weight_array
-from trtopt.quantize.methods import (GptqFactor, QuantizedWeight, awq_search, fp8_clip_search, gptq_factor,
+from trtopt.quantize.methods import (FP8_MAX, GptqFactor, QuantizedWeight, awq_search, fp8_clip_search, gptq_factor,
                                      gptq_fp8, gptq_int4, group_hessians, int4_clip_search, output_mse, quantize_fp8,
                                      quantize_int4)
 from trtopt.quantize.sensitivity import DEFAULT_WINDOWS, MatMulQuant, SensitivityReport, apply_quant, \
@@ -33,6 +33,7 @@ WEIGHT_FORMATS = ("fp8", "int4")
 ACTIVATION_FORMATS = ("fp8",)
 ACTIVATION_SCALES = ("static", "dynamic")
 METHODS = ("rtn", "awq", "gptq")
+KV_CACHE_FORMATS = ("fp8",)  # --kv-cache: calibrate the FP8 KV cache's per-layer K and V scales
 
 
 def default_method(weights: str) -> str:
@@ -58,6 +59,9 @@ class QuantizeConfig:
     calibration_sequences: int = data.DEFAULT_CALIBRATION_SEQUENCES
     calibration_length: int = data.DEFAULT_CALIBRATION_LENGTH
     threads: int = 2  # onnxruntime intra-op threads for calibration
+    # fp8: also calibrate each layer's FP8 KV-cache K and V scale (the amax of the K/V the model caches, / 448) and
+    # record them in the model's metadata, where `trtopt build --kv-cache-dtype fp8` reads them (`kv_cache_scales`)
+    kv_cache: str | None = None
 
     def check(self) -> None:
         def choose(what: str, value, allowed) -> None:
@@ -69,6 +73,8 @@ class QuantizeConfig:
             choose("--activations", self.activations, ACTIVATION_FORMATS)
         choose("--activation-scales", self.activation_scales, ACTIVATION_SCALES)
         choose("--method", self.method, METHODS)
+        if self.kv_cache is not None:
+            choose("--kv-cache", self.kv_cache, KV_CACHE_FORMATS)
         if self.activations == "fp8" and self.weights != "fp8":
             raise QuantizeError(f"--activations fp8 needs --weights fp8 (W8A8); {self.weights} weights are "
                                 "weight-only (drop --activations).")
@@ -95,7 +101,8 @@ class QuantizeConfig:
         else:
             kind = "FP8 weight-only" if self.activations is None else f"FP8 W8A8 ({self.activation_scales})"
             kind += " GPTQ" if self.method == "gptq" else ""
-        return kind + (" + clip search" if self.searches_clip else "")
+        return (kind + (" + clip search" if self.searches_clip else "")
+                + (" + FP8 KV scales" if self.kv_cache == "fp8" else ""))
 
 
 AUTO = "auto"
@@ -146,6 +153,7 @@ class QuantizeResult:
     calibration_tokens: int = 0
     seconds: float = 0.0
     sensitivity: SensitivityReport | None = None  # with --exclude auto:N: every layer's own error, worst first
+    kv_cache: dict | None = None  # with --kv-cache fp8: the recorded K/V amax and scales per layer
 
 
 def _check_group_size(targets: tuple[MatMulTarget, ...], group: int) -> None:
@@ -160,6 +168,49 @@ def _check_group_size(targets: tuple[MatMulTarget, ...], group: int) -> None:
 
 def _needs_calibration(config: QuantizeConfig) -> bool:
     return (config.activations == "fp8" and config.activation_scales == "static") or config.method in ("awq", "gptq")
+
+
+def _calibrate_kv_scales(model, sequences: np.ndarray, config: QuantizeConfig, progress: bool) -> dict:
+    """The FP8 KV cache's scales of the float ``model``: each layer's amax over the calibration sequences of the K
+    and V it caches (its present outputs: after RoPE, as a paged pool stores them), / 448 (E4M3's largest), as
+    `kv_cache_scales(metadata)` gives them back. Recorded under "kv_cache" in the model's metadata."""
+    import re
+
+    from trtopt.quantize.calibrate import calibrate
+    from trtopt.quantize.runner import OrtCausalLM
+
+    presents = OrtCausalLM(model, threads=config.threads).present_of.values()
+    by_layer: dict[int, dict[str, str]] = defaultdict(dict)
+    for name in presents:
+        match = re.search(r"(\d+)\D*?(key|value)\D*$", name)
+        if match is None:
+            raise QuantizeError(f"--kv-cache fp8: cannot tell the layer and K/V of the present output {name!r}; "
+                                "quantize an export from `trtopt export`.")
+        by_layer[int(match.group(1))][match.group(2)] = name
+    layers = sorted(by_layer)
+    if layers != list(range(len(layers))) or any(set(v) != {"key", "value"} for v in by_layer.values()):
+        raise QuantizeError(f"--kv-cache fp8: the present outputs {sorted(presents)} are not a key and a value for "
+                            "layers 0..N-1; quantize an export from `trtopt export`.")
+    stats = calibrate(model, list(presents), sequences, hessian=False, threads=config.threads, progress=progress)
+    amax = {kv: [stats[by_layer[i][kv]].absmax for i in layers] for kv in ("key", "value")}
+    return {"dtype": "fp8", "k_amax": amax["key"], "v_amax": amax["value"],
+            "k_scales": [a / FP8_MAX if a > 0 else 1.0 for a in amax["key"]],
+            "v_scales": [a / FP8_MAX if a > 0 else 1.0 for a in amax["value"]],
+            "calibration_tokens": int(sequences.size)}
+
+
+def kv_cache_scales(metadata: dict[str, str]) -> tuple[list[float], list[float]] | None:
+    """The FP8 KV cache's per-layer (K scales, V scales) a `trtopt quantize --kv-cache fp8` recorded in a model's
+    metadata_props (as a dict), or None when it has none. The one reader of that record (trtopt build's)."""
+    import json
+
+    try:
+        record = json.loads(metadata.get(METADATA_KEY, "{}")).get("kv_cache")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(record, dict) or record.get("dtype") != "fp8":
+        return None
+    return [float(v) for v in record["k_scales"]], [float(v) for v in record["v_scales"]]
 
 
 def _calibration_sequences(src: Path, config: QuantizeConfig) -> np.ndarray:
@@ -265,12 +316,15 @@ def _exclude_sensitive(report: SensitivityReport, n: int, specs: list[MatMulQuan
     return [s for s in specs if s.node not in drop], [g for g in awq if not drop & set(g.matmuls)]
 
 
-def _record(model, config: QuantizeConfig, skipped: dict[str, str], sensitivity: SensitivityReport | None) -> None:
-    """The recipe in the model's metadata_props (METADATA_KEY, JSON): config, what stayed float and why, ranking."""
+def _record(model, config: QuantizeConfig, skipped: dict[str, str], sensitivity: SensitivityReport | None,
+            kv_cache: dict | None = None) -> None:
+    """The recipe in the model's metadata_props (METADATA_KEY, JSON): config, what stayed float and why, ranking,
+    and with --kv-cache fp8 the KV cache's calibrated scales (`kv_cache_scales` reads them)."""
     import json
 
     value = json.dumps({"config": dataclasses.asdict(config), "describe": config.describe(), "kept_float": skipped,
-                        "sensitivity": sensitivity.to_dict() if sensitivity else None})
+                        "sensitivity": sensitivity.to_dict() if sensitivity else None,
+                        **({"kv_cache": kv_cache} if kv_cache else {})})
     kept = [p for p in model.metadata_props if p.key != METADATA_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -305,9 +359,12 @@ def quantize_model(src: str | Path, out_dir: str | Path, config: QuantizeConfig,
     for t in targets.quantize:
         groups[t.activation].append(t)
 
-    stats, tokens, sequences = {}, 0, None
-    if _needs_calibration(config) or config.auto_exclude:  # the sensitivity runs on the first calibration windows
+    stats, tokens, sequences, kv_cache = {}, 0, None, None
+    if _needs_calibration(config) or config.auto_exclude or config.kv_cache:  # (sensitivity: the first windows)
         sequences = _calibration_sequences(src, config)
+    if config.kv_cache:  # on the float model, before any weight is quantized: the K/V the float model caches
+        kv_cache = _calibrate_kv_scales(model, sequences, config, progress)
+        tokens = int(sequences.size)
     if _needs_calibration(config):
         stats = calibrate(model, list(groups), sequences, hessian=config.method != "rtn" or config.searches_clip,
                           threads=config.threads, progress=progress)
@@ -320,7 +377,8 @@ def quantize_model(src: str | Path, out_dir: str | Path, config: QuantizeConfig,
         specs, awq = _exclude_sensitive(sensitivity, config.auto_exclude, specs, awq, skipped)
     written = apply_quant(model, specs)
     awq = [dataclasses.replace(g, placement=written.placements[g.tensor]) for g in awq]
-    _record(model, config, skipped, sensitivity)
+    _record(model, config, skipped, sensitivity, kv_cache)
     path = save_model_dir(model, src, out_dir)
     return QuantizeResult(out_dir, path, config, opset_of(model), tuple(s.node for s in specs), skipped,
-                          written.act_scales, tuple(awq), tokens, time.perf_counter() - start, sensitivity)
+                          written.act_scales, tuple(awq), tokens, time.perf_counter() - start, sensitivity,
+                          kv_cache)
