@@ -30,9 +30,34 @@ def _rows(shape, dtype, device, seed):
     return x.to(device, dtype), (torch.randn(*shape, generator=gen) * 2).to(device, dtype)
 
 
-def _quantized(y: torch.Tensor):
-    codes, row_scale = quantize_fp8_rows(y.reshape(-1, y.shape[-1]), None, DynamicScale(y.dtype, MIN_SCALE))
+def _quantized(y: torch.Tensor, act_scale: torch.Tensor | None = None):
+    """The quantize launch's codes and row scales of y: under the static act_scale, else the dynamic scale."""
+    codes, row_scale = quantize_fp8_rows(y.reshape(-1, y.shape[-1]), act_scale,
+                                         None if act_scale is not None else DynamicScale(y.dtype, MIN_SCALE))
     return codes.view(torch.uint8).reshape(y.shape), row_scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_static_scales_are_the_quantize_launchs_codes_of_every_form(dtype, kernel_device):
+    """Under a static per-tensor scale (a calibrated W8A8 plan's), every FP8 form gives the quantize launch's codes
+    (saturating where the row exceeds the scale's range) and the scale as every row's; a scale of more than one
+    value is refused."""
+    x, r = _rows((2, 3, 2 * 96), dtype, kernel_device, 11)
+    scale = torch.rand(2 * 96, generator=torch.Generator().manual_seed(3)).to(kernel_device, dtype) + 0.5
+    s = torch.tensor(0.004, dtype=dtype, device=kernel_device)  # small: some codes saturate at 448
+    gate, up = x.chunk(2, dim=-1)
+    cases = {"rms": (rms_norm_fp8_triton(x, scale, epsilon=1e-6, act_scale=s), rms_norm_triton(x, scale, epsilon=1e-6)),
+             "add": (add_rms_norm_fp8_triton(x, r, scale, epsilon=1e-6, act_scale=s)[1:],
+                     add_rms_norm_triton(x, r, scale, epsilon=1e-6)[0]),
+             "silu": (silu_mul_fp8_triton(gate, up, act_scale=s), silu_mul_triton(gate, up)),
+             "gelu": (gelu_mul_fp8_triton(gate, up, tanh=1, act_scale=s), gelu_mul_triton(gate, up, tanh=1))}
+    for name, ((codes, row_scale, out_dtype), y) in cases.items():
+        want_codes, want_scale = _quantized(y, s)
+        assert torch.equal(codes.view(torch.uint8), want_codes), name
+        assert torch.equal(row_scale, want_scale) and (row_scale == float(s)).all(), name
+    assert int((cases["rms"][0][0].view(torch.uint8) & 0x7F).max()) == 0x7E  # saturated somewhere
+    with pytest.raises(ValueError, match="per tensor"):
+        rms_norm_fp8_triton(x, scale, epsilon=1e-6, act_scale=torch.ones(2, device=kernel_device))
 
 
 @pytest.mark.parametrize("dtype,scale_dtype", DTYPES, ids=str)

@@ -59,21 +59,22 @@ SCRIPT = textwrap.dedent("""
         ptx(_rms_norm_kernel, {"X": x, "Scale": sc, "Out": sc, "stride_x": "i32", "stride_o": "i32", "N": "i32",
                                "eps": "fp32"}, norm)
         # their FP8 forms (a W8A8 projection's input quantized in the norm's launch)
-        ptx(_add_rms_norm_fp8_kernel, {"X": x, "R": x, "Scale": sc, "Sum": x, "Q": "*u8", "RS": "*fp32",
+        dynamic = x_dt != "fp32"  # the dynamic per-token scale, and (fp32) the static one
+        ptx(_add_rms_norm_fp8_kernel, {"X": x, "R": x, "Scale": sc, "Sum": x, "Q": "*u8", "RS": "*fp32", "S": "*fp32",
                                        "stride_x": "i32", "stride_r": "i32", "N": "i32", "eps": "fp32",
-                                       "MIN_SCALE": "fp32"}, norm)
-        ptx(_rms_norm_fp8_kernel, {"X": x, "Scale": sc, "Q": "*u8", "RS": "*fp32", "stride_x": "i32", "N": "i32",
-                                   "eps": "fp32", "MIN_SCALE": "fp32"}, norm)
+                                       "MIN_SCALE": "fp32"}, dict(norm, DYNAMIC=dynamic))
+        ptx(_rms_norm_fp8_kernel, {"X": x, "Scale": sc, "Q": "*u8", "RS": "*fp32", "S": "*fp32", "stride_x": "i32",
+                                   "N": "i32", "eps": "fp32", "MIN_SCALE": "fp32"}, dict(norm, DYNAMIC=dynamic))
     from trtopt.plugins.silu_mul.kernel import _silu_mul_fp8_kernel
     for dt in ("fp32", "fp16", "bf16"):  # SiluMul's FP8 form (a W8A8 down projection's input)
-        ptx(_silu_mul_fp8_kernel, {"G": "*" + dt, "U": "*" + dt, "Q": "*u8", "RS": "*fp32", "stride_g": "i32",
-                                   "stride_u": "i32", "N": "i32", "MIN_SCALE": "fp32"}, dict(BLOCK=8192, DTYPE=TL[dt]),
-            warps=32)
+        ptx(_silu_mul_fp8_kernel, {"G": "*" + dt, "U": "*" + dt, "Q": "*u8", "RS": "*fp32", "S": "*fp32",
+                                   "stride_g": "i32", "stride_u": "i32", "N": "i32", "MIN_SCALE": "fp32"},
+            dict(BLOCK=8192, DTYPE=TL[dt], DYNAMIC=dt != "fp32"), warps=32)
     from trtopt.plugins.gelu_mul.kernel import _gelu_mul_fp8_kernel
     for tanh in (0, 1):  # GeluMul's FP8 form (Gemma's W8A8 down projection)
-        ptx(_gelu_mul_fp8_kernel, {"G": "*bf16", "U": "*bf16", "Q": "*u8", "RS": "*fp32", "stride_g": "i32",
-                                   "stride_u": "i32", "N": "i32", "MIN_SCALE": "fp32"},
-            dict(BLOCK=8192, DTYPE=TL["bf16"], TANH=tanh), warps=32)
+        ptx(_gelu_mul_fp8_kernel, {"G": "*bf16", "U": "*bf16", "Q": "*u8", "RS": "*fp32", "S": "*fp32",
+                                   "stride_g": "i32", "stride_u": "i32", "N": "i32", "MIN_SCALE": "fp32"},
+            dict(BLOCK=8192, DTYPE=TL["bf16"], DYNAMIC=bool(tanh), TANH=tanh), warps=32)
     for dt in ("fp32", "fp16", "bf16"):
         for tanh in (0, 1):
             ptx(_gelu_mul_kernel, {"G": "*" + dt, "U": "*" + dt, "Y": "*" + dt, "stride_g": "i32", "stride_u": "i32",

@@ -38,30 +38,31 @@ def no_fp_fusion() -> dict[str, Any]:
 
 
 def launch_gated_fp8(kernel: Any, plain: Any, op: str, gate: torch.Tensor, up: torch.Tensor, *, min_scale: float,
+                     act_scale: torch.Tensor | None,
                      **constexprs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """y = act(gate) · up quantized to FP8 per row instead of written, through the FP8 form of a gated row kernel
-    (SiluMul's, GeluMul's), whose parameters are (G, U, Q, RS, stride_g, stride_u, N, MIN_SCALE, BLOCK, DTYPE,
-    *constexprs): a program a row, shaped as the activation's quantize launch (plugins/qmatmul/gemm.py
-    `quantize_launch_config`) → (codes [..., N] float8_e4m3fn, row scale [R, 1] fp32, y's dtype), bit for bit
-    `plain` (the op's plain launcher) followed by gemm.py `quantize_fp8_rows(y, None, DynamicScale(y.dtype,
-    min_scale))`, which is what rows longer than QUANTIZE_BLOCK_K values run."""
-    from trtopt.plugins.qmatmul.gemm import QUANTIZE_BLOCK_K, DynamicScale, quantize_fp8_rows, quantize_launch_config
+    (SiluMul's, GeluMul's), whose parameters are (G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK, DTYPE,
+    DYNAMIC, *constexprs): a program a row, shaped as the activation's quantize launch (plugins/qmatmul/gemm.py
+    `quantize_launch_config`) → (codes [..., N] float8_e4m3fn, row scale [R, 1] fp32, y's dtype) under the static
+    per-tensor act_scale, or (None) the dynamic per-token scale: bit for bit `plain` (the op's plain launcher)
+    followed by the quantize launch (gemm.py `activation_fp8`), which is what rows longer than QUANTIZE_BLOCK_K
+    values run."""
+    from trtopt.plugins.qmatmul.gemm import QUANTIZE_BLOCK_K, activation_fp8, quantize_launch_config, static_scale_arg
 
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
         raise ValueError(f"{op} needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
                          f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
     n = gate.shape[-1]
     if n > QUANTIZE_BLOCK_K:
-        y = plain(gate, up)
-        codes, row_scale = quantize_fp8_rows(y.reshape(-1, n), None, DynamicScale(y.dtype, min_scale))
-        return codes.reshape(y.shape), row_scale, y.dtype
+        return activation_fp8(plain(gate, up), act_scale, min_scale)
     g, u = as_rows(gate, n), as_rows(up, n)
     codes = torch.empty(gate.shape, dtype=torch.uint8, device=gate.device)
     row_scale = torch.empty(g.shape[0], 1, dtype=torch.float32, device=gate.device)
     if g.shape[0] and n:
         block, warps = quantize_launch_config(n)
-        launcher.launch(kernel, (g.shape[0],), g, u, codes, row_scale, g.stride(0), u.stride(0), n, float(min_scale),
-                        BLOCK=block, DTYPE=TL_DTYPES[gate.dtype], **constexprs, num_warps=warps, **no_fp_fusion())
+        launcher.launch(kernel, (g.shape[0],), g, u, codes, row_scale, static_scale_arg(act_scale, row_scale),
+                        g.stride(0), u.stride(0), n, float(min_scale), BLOCK=block, DTYPE=TL_DTYPES[gate.dtype],
+                        DYNAMIC=act_scale is None, **constexprs, num_warps=warps, **no_fp_fusion())
     return codes.view(torch.float8_e4m3fn), row_scale, gate.dtype
 
 

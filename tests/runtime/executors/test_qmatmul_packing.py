@@ -198,19 +198,22 @@ def test_dynamic_scale_moves_into_the_quantize_launch(monkeypatch, dtype):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA for CPU tensors under the Triton interpreter")
-@pytest.mark.parametrize("model,dtype", [("tiny-llama", "bf16"), ("gemma3", "fp32")])  # both dtypes, both MLPs
+@pytest.mark.parametrize("model,dtype,scales", [("tiny-llama", "bf16", "dynamic"), ("gemma3", "fp32", "dynamic"),
+                                                ("tiny-llama", "fp32", "static")])  # both dtypes, MLPs and scales
 def test_w8a8_projections_take_their_codes_from_the_launch_of_their_inputs_producer(exported, tiny_hf_dir, model, dtype,
-                                                                                    tmp_path, monkeypatch):
+                                                                                    scales, tmp_path, monkeypatch):
     """On a tiny-llama quantized W8A8 with per-token scales, the Q/K/V and gate/up projections (the readers of an
     RMSNorm or AddRMSNorm output) and down (SiluMul's) read FP8 codes from that op's launch, O keeps the quantize
     launch, the final norm (the LM head stays unquantized) stays a plain norm; and the fused executor's logits and
     greedy tokens equal the unfused one's exactly, both running the same Triton kernels for those ops (the CPU's
-    torch reference would differ in the last bit and flip codes). Gemma-3's down projection reads GeluMul's."""
+    torch reference would differ in the last bit and flip codes). Gemma-3's down projection reads GeluMul's; with
+    static (calibrated, per-tensor) scales the producers quantize under those."""
     monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
     impl = trtopt_ops._impl
     monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if op in FUSED_PRODUCERS else device))
     source = model if model.startswith("tiny-") else str(tiny_hf_dir(model))
-    _norm_fusion_equals_the_unfused_executor(exported(source, dtype=dtype).out_dir, tmp_path, monkeypatch, "cpu")
+    _norm_fusion_equals_the_unfused_executor(exported(source, dtype=dtype).out_dir, tmp_path, monkeypatch, "cpu",
+                                             scales)
 
 
 @pytest.mark.gpu
@@ -221,7 +224,8 @@ def test_w8a8_norm_quantize_fusion_on_cuda(exported, tmp_path, monkeypatch):
                                              "cuda")
 
 
-def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str):
+def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str,
+                                             scales: str = "dynamic"):
     from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits, read_plan
     from trtopt.check.compare import Tolerance
@@ -230,8 +234,8 @@ def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch
     from trtopt.runtime.executors import torch_executor
     from trtopt.runtime.executors.torch_executor import TorchExecutor
 
-    quantize_model(export, tmp_path / "q", QuantizeConfig(weights="fp8", activations="fp8",
-                                                          activation_scales="dynamic"), force=True)
+    quantize_model(export, tmp_path / "q", QuantizeConfig(weights="fp8", activations="fp8", activation_scales=scales,
+                                                          calibration_sequences=2, calibration_length=64), force=True)
     built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
                        limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
     plan = read_plan(built.plan_dir)

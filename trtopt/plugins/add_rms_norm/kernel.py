@@ -20,7 +20,7 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
-from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
+from trtopt.plugins.qmatmul.gemm import quantize_row_fp8, static_scale_arg
 from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN, _warps, rms_row
 
 
@@ -40,10 +40,11 @@ def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
 
 
 @triton.jit
-def _add_rms_norm_fp8_kernel(X, R, Scale, Sum, Q, RS, stride_x, stride_r, N, eps, MIN_SCALE,
-                             BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """`_add_rms_norm_kernel` with its normed row quantized to FP8 under its dynamic per-token scale instead of
-    stored (the codes' bytes to Q [R, N], the scale to RS [R]); the sum is stored as there."""
+def _add_rms_norm_fp8_kernel(X, R, Scale, Sum, Q, RS, S, stride_x, stride_r, N, eps, MIN_SCALE,
+                             BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             DYNAMIC: tl.constexpr):
+    """`_add_rms_norm_kernel` with its normed row quantized to FP8 instead of stored, under its dynamic per-token
+    scale or the static one at S (the codes' bytes to Q [R, N], the scale to RS [R]); the sum is stored as there."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -53,7 +54,7 @@ def _add_rms_norm_fp8_kernel(X, R, Scale, Sum, Q, RS, stride_x, stride_r, N, eps
     tl.store(Sum + row * N + offs, s, mask=mask)
     w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
     y = rms_row(s.to(tl.float32), w, N, eps, OUT_DTYPE, OUT_DTYPE).to(tl.float32)
-    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, MIN_SCALE, OUT_DTYPE)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor) -> None:
@@ -91,11 +92,12 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Te
 
 
 def add_rms_norm_fp8_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
-                            min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
+                            min_scale: float = 0.0, act_scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
     """AddRMSNorm with y quantized to FP8 per row instead of written: (sum, codes [..., N] float8_e4m3fn, row
-    scale [R, 1] fp32, y's dtype), one launch. Bit for bit `add_rms_norm_triton` followed by plugins/qmatmul/
-    gemm.py `quantize_fp8_rows(y, None, DynamicScale(y.dtype, min_scale))` (plugins/rms_norm/kernel.py
-    `rms_norm_fp8_triton` says why)."""
+    scale [R, 1] fp32, y's dtype), one launch, under the static act_scale or the dynamic per-token scale. Bit for
+    bit `add_rms_norm_triton` followed by the quantize launch (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`
+    says which and why)."""
     _check(x, residual, scale)
     n = x.shape[-1]
     out_dtype = torch.promote_types(scale.dtype, x.dtype)
@@ -106,6 +108,7 @@ def add_rms_norm_fp8_triton(x: torch.Tensor, residual: torch.Tensor, scale: torc
     if xs.shape[0]:
         block = next_pow2(n)
         launcher.launch(_add_rms_norm_fp8_kernel, (xs.shape[0],), xs, rs, scale.contiguous(), total, codes,
-                        row_scale, xs.stride(0), rs.stride(0), n, float(epsilon), float(min_scale), BLOCK=block,
-                        X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=_warps(block))
+                        row_scale, static_scale_arg(act_scale, row_scale), xs.stride(0), rs.stride(0), n,
+                        float(epsilon), float(min_scale), BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype],
+                        OUT_DTYPE=TL_DTYPES[out_dtype], DYNAMIC=act_scale is None, num_warps=_warps(block))
     return total, codes.view(torch.float8_e4m3fn), row_scale, out_dtype

@@ -52,17 +52,17 @@ def _gelu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE:
 
 
 @triton.jit
-def _gelu_mul_fp8_kernel(G, U, Q, RS, stride_g, stride_u, N, MIN_SCALE, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-                         TANH: tl.constexpr):
-    """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale (the codes' bytes to Q
-    [R, N], the scale to RS [R])."""
+def _gelu_mul_fp8_kernel(G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK: tl.constexpr,
+                         DTYPE: tl.constexpr, DYNAMIC: tl.constexpr, TANH: tl.constexpr):
+    """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale or the static one at S
+    (the codes' bytes to Q [R, N], the scale to RS [R])."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
     y = gelu_mul_values(g, u, DTYPE, TANH).to(tl.float32)
-    quantize_row_fp8(Q + row * N + offs, RS + row, y, m, MIN_SCALE, DTYPE)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, m, S, MIN_SCALE, DYNAMIC, DTYPE)
 
 
 def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch.Tensor:
@@ -71,10 +71,11 @@ def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch
     return launch_gated(_gelu_mul_kernel, "GeluMul", gate, up, TANH=bool(tanh))
 
 
-def gelu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int,
-                        min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """y = gelu(gate) · up quantized to FP8 per row instead of written: (codes, row scale [R, 1] fp32, y's dtype),
-    bit for bit `gelu_mul_triton` then the activation's quantize launch, in one launch (plugins/kernel_common.py
-    `launch_gated_fp8`). For a W8A8 down projection (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`)."""
+def gelu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, min_scale: float = 0.0,
+                        act_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """y = gelu(gate) · up quantized to FP8 per row instead of written: (codes, row scale [R, 1] fp32, y's dtype)
+    under the static act_scale or the dynamic per-token scale, bit for bit `gelu_mul_triton` then the activation's
+    quantize launch, in one launch (plugins/kernel_common.py `launch_gated_fp8`). For a W8A8 down projection
+    (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`)."""
     return launch_gated_fp8(_gelu_mul_fp8_kernel, lambda g, u: gelu_mul_triton(g, u, tanh=tanh), "GeluMul", gate, up,
-                            min_scale=min_scale, TANH=bool(tanh))
+                            min_scale=min_scale, act_scale=act_scale, TANH=bool(tanh))

@@ -382,13 +382,35 @@ def dynamic_fp8_scale(abs_x, MIN_SCALE, SCALE_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def quantize_row_fp8(q_ptr, rs_ptr, x, ok, MIN_SCALE, SCALE_DTYPE: tl.constexpr):
-    """One whole row x (fp32, positions past ok zero) under its dynamic per-token scale: the codes' bytes at q_ptr,
-    the scale at rs_ptr. What `_quantize_fp8_rows` does to a row it holds in registers, for kernels that produce
-    the row (the RMSNorm kernels' FP8 form: plugins/rms_norm/kernel.py)."""
-    s = dynamic_fp8_scale(tl.abs(x), MIN_SCALE, SCALE_DTYPE)
+def quantize_row_fp8(q_ptr, rs_ptr, x, ok, S, MIN_SCALE, DYNAMIC: tl.constexpr, SCALE_DTYPE: tl.constexpr):
+    """One whole row x (fp32, positions past ok zero) under its dynamic per-token scale (DYNAMIC) or the static
+    per-tensor one at S: the codes' bytes at q_ptr, the scale at rs_ptr. What `_quantize_fp8_rows` does to a row it
+    holds in registers, for kernels that produce the row (the FP8 forms of the RMSNorm and gated-MLP kernels:
+    plugins/rms_norm/kernel.py and its neighbours)."""
+    s = _row_fp8_scale(S, 0, 0, tl.abs(x), MIN_SCALE, DYNAMIC, SCALE_DTYPE)
     tl.store(rs_ptr, s)
     _store_fp8_codes(q_ptr, x, s, ok, False)
+
+
+def static_scale_arg(act_scale: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The S argument of a kernel calling `quantize_row_fp8`: a static per-tensor activation scale as one fp32
+    value, or (dynamic: act_scale None) `placeholder`, which the kernel does not read."""
+    if act_scale is None:
+        return placeholder
+    if act_scale.numel() != 1:
+        raise ValueError(f"a static FP8 activation scale is per tensor (one value); got shape {tuple(act_scale.shape)}")
+    return act_scale.reshape(1).float()
+
+
+def activation_fp8(y: torch.Tensor, act_scale: torch.Tensor | None,
+                   min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(codes, row scale, y's dtype) of y [..., K] by the quantize launch: under the static scale act_scale, or the
+    dynamic per-token one (act_scale None; `DynamicScale(y.dtype, min_scale)`). What the FP8 forms of the producer
+    kernels give, for the inputs they do not take (rows too long, a broadcasting add)."""
+    rows = y.reshape(-1, y.shape[-1]).contiguous()
+    codes, row_scale = quantize_fp8_rows(rows, act_scale, None if act_scale is not None
+                                         else DynamicScale(y.dtype, min_scale))
+    return codes.reshape(y.shape), row_scale, y.dtype
 
 
 @triton.jit

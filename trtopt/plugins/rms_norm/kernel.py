@@ -16,7 +16,7 @@ import triton.language as tl
 
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
-from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
+from trtopt.plugins.qmatmul.gemm import quantize_row_fp8, static_scale_arg
 
 
 @triton.jit
@@ -42,17 +42,17 @@ def _rms_norm_kernel(X, Scale, Out, stride_x, stride_o, N, eps,
 
 
 @triton.jit
-def _rms_norm_fp8_kernel(X, Scale, Q, RS, stride_x, N, eps, MIN_SCALE,
-                         BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """`_rms_norm_kernel`'s row, not stored: quantized to FP8 under its dynamic per-token scale instead (the codes'
-    bytes to Q [R, N], the scale to RS [R])."""
+def _rms_norm_fp8_kernel(X, Scale, Q, RS, S, stride_x, N, eps, MIN_SCALE,
+                         BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, DYNAMIC: tl.constexpr):
+    """`_rms_norm_kernel`'s row, not stored: quantized to FP8 instead, under its dynamic per-token scale or the
+    static one at S (the codes' bytes to Q [R, N], the scale to RS [R])."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
     y = rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE).to(tl.float32)
-    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, MIN_SCALE, OUT_DTYPE)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
 
 
 _MAX_HIDDEN = 65536
@@ -93,11 +93,13 @@ def rms_norm_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float) -> 
     return out
 
 
-def rms_norm_fp8_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
-                        min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+def rms_norm_fp8_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float, min_scale: float = 0.0,
+                        act_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """RMSNorm's output quantized to FP8 per row, in one launch, without writing the output itself: (codes [..., N]
-    float8_e4m3fn, row scale [R, 1] fp32, the output's dtype). Bit for bit `rms_norm_triton` followed by
-    plugins/qmatmul/gemm.py `quantize_fp8_rows(y, None, DynamicScale(y.dtype, min_scale))`: the same row math
+    float8_e4m3fn, row scale [R, 1] fp32, the output's dtype), under the static per-tensor act_scale, or without it
+    the dynamic per-token scale. Bit for bit `rms_norm_triton` followed by plugins/qmatmul/gemm.py
+    `quantize_fp8_rows(y, act_scale)` (dynamic: `quantize_fp8_rows(y, None, DynamicScale(y.dtype, min_scale))`):
+    the same row math
     (`rms_row`, same block and warps) and the same quantization. For a W8A8 projection whose input is the norm's
     (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`): one launch instead of two, and the bf16 row is
     neither written nor read back."""
@@ -110,6 +112,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
     if rows.shape[0]:
         block = next_pow2(n)
         launcher.launch(_rms_norm_fp8_kernel, (rows.shape[0],), rows, scale.contiguous(), codes, row_scale,
-                        rows.stride(0), n, float(epsilon), float(min_scale), BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype],
-                        OUT_DTYPE=TL_DTYPES[out_dtype], num_warps=_warps(block))
+                        static_scale_arg(act_scale, row_scale), rows.stride(0), n, float(epsilon), float(min_scale),
+                        BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
+                        DYNAMIC=act_scale is None, num_warps=_warps(block))
     return codes.view(torch.float8_e4m3fn), row_scale, out_dtype

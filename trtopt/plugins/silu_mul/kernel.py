@@ -38,15 +38,17 @@ def _silu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE:
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(G, U, Q, RS, stride_g, stride_u, N, MIN_SCALE, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
-    """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale (the codes' bytes to Q
-    [R, N], the scale to RS [R])."""
+def _silu_mul_fp8_kernel(G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK: tl.constexpr,
+                         DTYPE: tl.constexpr, DYNAMIC: tl.constexpr):
+    """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale or the static one at S
+    (the codes' bytes to Q [R, N], the scale to RS [R])."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
-    quantize_row_fp8(Q + row * N + offs, RS + row, silu_mul_values(g, u, DTYPE).to(tl.float32), m, MIN_SCALE, DTYPE)
+    y = silu_mul_values(g, u, DTYPE).to(tl.float32)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y, m, S, MIN_SCALE, DYNAMIC, DTYPE)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -54,10 +56,11 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return launch_gated(_silu_mul_kernel, "SiluMul", gate, up)
 
 
-def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *,
-                        min_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *, min_scale: float = 0.0,
+                        act_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """y = gate · sigmoid(gate) · up quantized to FP8 per row instead of written: (codes [..., N] float8_e4m3fn, row
-    scale [R, 1] fp32, y's dtype), bit for bit `silu_mul_triton` then the activation's quantize launch, in one
-    launch (plugins/kernel_common.py `launch_gated_fp8`). For a W8A8 down projection (runtime/executors/
-    qmatmul_packing.py `fuse_norm_quantize`)."""
-    return launch_gated_fp8(_silu_mul_fp8_kernel, silu_mul_triton, "SiluMul", gate, up, min_scale=min_scale)
+    scale [R, 1] fp32, y's dtype) under the static act_scale or the dynamic per-token scale, bit for bit
+    `silu_mul_triton` then the activation's quantize launch, in one launch (plugins/kernel_common.py
+    `launch_gated_fp8`). For a W8A8 down projection (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`)."""
+    return launch_gated_fp8(_silu_mul_fp8_kernel, silu_mul_triton, "SiluMul", gate, up, min_scale=min_scale,
+                            act_scale=act_scale)

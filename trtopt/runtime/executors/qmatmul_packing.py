@@ -18,14 +18,14 @@ on every call: several reads of the weight and host syncs per projection.
    decode at 0.59x of bf16 on an H200, where FP8 weight-only ran 1.11x (docs/benchmarks/
    quant_e2e_workload_h200.json, measured before this rewrite).
 
-4. (`fuse_norm_quantize`, after 3) a W8A8 projection with that folded per-token scale whose input is read by
-   nothing else and made by an RMSNorm (Llama's Q/K/V and gate/up after horizontal fusion: trtopt.RMSNorm, or
-   output 0 of trtopt.AddRMSNorm) or a SiluMul (the down projection) takes its FP8 codes and row scale from that
-   op's launch (plugins/rms_norm/kernel.py `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py
-   `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py `silu_mul_fp8_triton`, and GeluMul's for Gemma: the
-   op's kernel then the quantize launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection
-   less, and the op's bf16 row is neither written nor read back. Only O keeps the quantize launch (its input is
-   the attention's).
+4. (`fuse_norm_quantize`, after 3) a W8A8 projection with that folded per-token scale, or with a static
+   per-tensor scale (a constant), whose input is read by nothing else and made by an RMSNorm (Llama's Q/K/V and
+   gate/up after horizontal fusion: trtopt.RMSNorm, or output 0 of trtopt.AddRMSNorm), a SiluMul or a GeluMul
+   (the down projection) takes its FP8 codes and row scale from that op's launch (plugins/rms_norm/kernel.py
+   `rms_norm_fp8_triton`, plugins/add_rms_norm/kernel.py `add_rms_norm_fp8_triton`, plugins/silu_mul/kernel.py
+   `silu_mul_fp8_triton`, plugins/gelu_mul/kernel.py `gelu_mul_fp8_triton`: the op's kernel then the quantize
+   launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the op's bf16 row is
+   neither written nor read back. Only O keeps the quantize launch (its input is the attention's).
 
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
 one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
@@ -40,7 +40,7 @@ import torch
 import torch.fx
 
 from trtopt.plugins.qmatmul.packing import PackedQWeight, pack_weight, packable
-from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC
+from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_STATIC
 from trtopt.runtime.executors import trtopt_ops
 from trtopt.runtime.executors.fx_fusions import recompiled, replace_node
 
@@ -82,42 +82,45 @@ def qmatmul_codes_call(codes: torch.Tensor, row_scale: torch.Tensor, out_dtype: 
     return _kernel().qmatmul_codes(codes, row_scale, w, out_dtype=out_dtype)
 
 
-def rms_norm_fp8_call(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float, min_scale: float):
-    """trtopt::RMSNorm's output as FP8 codes under its per-token scale: (codes, row scale, the output's dtype)."""
+# The FP8 forms of the ops below take the projection's activation scale as `act_scale` (static, per tensor) or, with
+# act_scale None, compute its dynamic per-token scale (`min_scale`: the formula's floor).
+def rms_norm_fp8_call(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float, min_scale: float = 0.0,
+                      act_scale: torch.Tensor | None = None):
+    """trtopt::RMSNorm's output as FP8 codes: (codes, row scale, the output's dtype)."""
     from trtopt.plugins.rms_norm.kernel import rms_norm_fp8_triton
 
-    return rms_norm_fp8_triton(x, scale, epsilon=epsilon, min_scale=min_scale)
+    return rms_norm_fp8_triton(x, scale, epsilon=epsilon, min_scale=min_scale, act_scale=act_scale)
 
 
 def add_rms_norm_fp8_call(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
-                          min_scale: float):
-    """trtopt::AddRMSNorm with y as FP8 codes under its per-token scale: (sum, codes, row scale, y's dtype). A
-    broadcasting add (which trtopt_ops.add_rms_norm gives to the reference) normalizes through the op, then
-    quantizes in the activation's quantize launch: the same values either way."""
+                          min_scale: float = 0.0, act_scale: torch.Tensor | None = None):
+    """trtopt::AddRMSNorm with y as FP8 codes: (sum, codes, row scale, y's dtype). A broadcasting add (which
+    trtopt_ops.add_rms_norm gives to the reference) normalizes through the op, then quantizes in the activation's
+    quantize launch: the same values either way."""
     if x.shape == residual.shape and x.dtype == residual.dtype:
         from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_fp8_triton
 
-        return add_rms_norm_fp8_triton(x, residual, scale, epsilon=epsilon, min_scale=min_scale)
-    from trtopt.plugins.qmatmul.gemm import DynamicScale, quantize_fp8_rows
+        return add_rms_norm_fp8_triton(x, residual, scale, epsilon=epsilon, min_scale=min_scale, act_scale=act_scale)
+    from trtopt.plugins.qmatmul.gemm import activation_fp8
 
     y, total = trtopt_ops.add_rms_norm(x, residual, scale, epsilon=epsilon)
-    codes, row_scale = quantize_fp8_rows(y.reshape(-1, y.shape[-1]).contiguous(), None,
-                                         DynamicScale(y.dtype, min_scale))
-    return total, codes.reshape(y.shape), row_scale, y.dtype
+    return (total, *activation_fp8(y, act_scale, min_scale))
 
 
-def silu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, min_scale: float):
-    """trtopt::SiluMul's output as FP8 codes under its per-token scale: (codes, row scale, the output's dtype)."""
+def silu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, min_scale: float = 0.0,
+                      act_scale: torch.Tensor | None = None):
+    """trtopt::SiluMul's output as FP8 codes: (codes, row scale, the output's dtype)."""
     from trtopt.plugins.silu_mul.kernel import silu_mul_fp8_triton
 
-    return silu_mul_fp8_triton(gate, up, min_scale=min_scale)
+    return silu_mul_fp8_triton(gate, up, min_scale=min_scale, act_scale=act_scale)
 
 
-def gelu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, min_scale: float):
-    """trtopt::GeluMul's output as FP8 codes under its per-token scale: (codes, row scale, the output's dtype)."""
+def gelu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, min_scale: float = 0.0,
+                      act_scale: torch.Tensor | None = None):
+    """trtopt::GeluMul's output as FP8 codes: (codes, row scale, the output's dtype)."""
     from trtopt.plugins.gelu_mul.kernel import gelu_mul_fp8_triton
 
-    return gelu_mul_fp8_triton(gate, up, tanh=tanh, min_scale=min_scale)
+    return gelu_mul_fp8_triton(gate, up, tanh=tanh, min_scale=min_scale, act_scale=act_scale)
 
 
 # the ops whose launch may quantize a W8A8 projection's input (`fuse_norm_quantize`): the op → its FP8 form, and the
@@ -256,17 +259,23 @@ def fuse_norm_quantize(gm: torch.fx.GraphModule) -> int:
     codes from the launch of the op that produces their input."""
     count = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is qmatmul_packed_call]:
-        x, act_scale = node.args[0], node.args[4]
-        if not (act_scale is None and node.kwargs.get("group") == 0 and node.kwargs.get("act_mode", 0) != 0
-                and isinstance(x, torch.fx.Node) and set(x.users) == {node}):
+        x, act_scale, act_mode = node.args[0], node.args[4], node.kwargs.get("act_mode", 0)
+        if act_mode == ACT_DYNAMIC and act_scale is None:  # the scale folded into the kernels (rewrite 3)
+            scale_kwargs = {"min_scale": node.kwargs.get("dynamic_min_scale", 0.0)}
+        elif act_mode == ACT_STATIC and isinstance(act_scale, torch.fx.Node) and act_scale.op == "get_attr":
+            scale_kwargs = {"act_scale": act_scale}  # one calibrated scale, a constant
+        else:
+            continue
+        if not (node.kwargs.get("group") == 0 and isinstance(x, torch.fx.Node) and set(x.users) == {node}):
             continue
         producer = _producer(x)
         if producer is None:
             continue
         fp8_form, first = _FP8_FORMS[producer.target]
+        if "act_scale" in scale_kwargs:
+            producer.prepend(act_scale)  # the constant's read moves before the producer, which now reads it
         with gm.graph.inserting_before(producer):
-            fused = gm.graph.call_function(fp8_form, producer.args,
-                                           dict(producer.kwargs, min_scale=node.kwargs.get("dynamic_min_scale", 0.0)))
+            fused = gm.graph.call_function(fp8_form, producer.args, dict(producer.kwargs, **scale_kwargs))
             sums = [u for u in producer.users if u is not x] if producer is not x else []
             for user in sums:  # AddRMSNorm's sum (the readers of its output 1): output 0 of the FP8 form
                 with gm.graph.inserting_before(user):
