@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+import triton
 import triton.language as tl
 
 from trtopt.plugins import launcher
@@ -35,6 +36,18 @@ def no_fp_fusion() -> dict[str, Any]:
     product before the sum, so a contracted multiply-add would round differently. The CPU interpreter
     (TRITON_INTERPRET=1) does not take the option."""
     return {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+
+
+@triton.jit
+def gated_row(G, U, stride_g, stride_u, N, BLOCK: tl.constexpr):
+    """A program's whole row of gate and up as fp32 (zeros past N), for the FP8 forms of the gated kernels:
+    (row, offsets, mask, gate, up)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    return row, offs, m, g, u
 
 
 def launch_gated_fp8(kernel: Any, plain: Any, op: str, gate: torch.Tensor, up: torch.Tensor, *, min_scale: float,

@@ -25,18 +25,26 @@ from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN, _warps, rms_row
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
-                         BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
+def _add_then_norm(X, R, Scale, Sum, row, offs, mask, stride_x, stride_r, N, eps, X_DTYPE: tl.constexpr,
+                   OUT_DTYPE: tl.constexpr):
+    """Row `row` of both AddRMSNorm kernels: the sum rounded to X_DTYPE, stored to Sum, then its normalized row
+    rounded to y's dtype (the sum's, or fp32 with an fp32 scale) times the scale, returned in OUT_DTYPE."""
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     s = (x + r).to(X_DTYPE)
     tl.store(Sum + row * N + offs, s, mask=mask)
     w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-    # the normalized row rounded to y's dtype (the sum's, or fp32 with an fp32 scale), then times the scale
-    tl.store(Out + row * N + offs, rms_row(s.to(tl.float32), w, N, eps, OUT_DTYPE, OUT_DTYPE), mask=mask)
+    return rms_row(s.to(tl.float32), w, N, eps, OUT_DTYPE, OUT_DTYPE)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, Scale, Sum, Out, stride_x, stride_r, N, eps,
+                         BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    y = _add_then_norm(X, R, Scale, Sum, row, offs, mask, stride_x, stride_r, N, eps, X_DTYPE, OUT_DTYPE)
+    tl.store(Out + row * N + offs, y, mask=mask)
 
 
 @triton.jit
@@ -48,13 +56,8 @@ def _add_rms_norm_fp8_kernel(X, R, Scale, Sum, Q, RS, S, stride_x, stride_r, N, 
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (x + r).to(X_DTYPE)
-    tl.store(Sum + row * N + offs, s, mask=mask)
-    w = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-    y = rms_row(s.to(tl.float32), w, N, eps, OUT_DTYPE, OUT_DTYPE).to(tl.float32)
-    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
+    y = _add_then_norm(X, R, Scale, Sum, row, offs, mask, stride_x, stride_r, N, eps, X_DTYPE, OUT_DTYPE)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y.to(tl.float32), mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
-from trtopt.plugins.kernel_common import launch_gated, launch_gated_fp8
+from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
 
 _KAPPA = tl.constexpr(KAPPA)
@@ -56,11 +56,7 @@ def _gelu_mul_fp8_kernel(G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK
                          DTYPE: tl.constexpr, DYNAMIC: tl.constexpr, TANH: tl.constexpr):
     """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale or the static one at S
     (the codes' bytes to Q [R, N], the scale to RS [R])."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    m = offs < N
-    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    row, offs, m, g, u = gated_row(G, U, stride_g, stride_u, N, BLOCK)
     y = gelu_mul_values(g, u, DTYPE, TANH).to(tl.float32)
     quantize_row_fp8(Q + row * N + offs, RS + row, y, m, S, MIN_SCALE, DYNAMIC, DTYPE)
 

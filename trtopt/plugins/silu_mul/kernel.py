@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins.kernel_common import launch_gated, launch_gated_fp8
+from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
 
 
@@ -42,11 +42,7 @@ def _silu_mul_fp8_kernel(G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK
                          DTYPE: tl.constexpr, DYNAMIC: tl.constexpr):
     """One whole row of y, not stored: quantized to FP8 under its dynamic per-token scale or the static one at S
     (the codes' bytes to Q [R, N], the scale to RS [R])."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    m = offs < N
-    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    row, offs, m, g, u = gated_row(G, U, stride_g, stride_u, N, BLOCK)
     y = silu_mul_values(g, u, DTYPE).to(tl.float32)
     quantize_row_fp8(Q + row * N + offs, RS + row, y, m, S, MIN_SCALE, DYNAMIC, DTYPE)
 
