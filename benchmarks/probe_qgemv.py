@@ -14,9 +14,14 @@ as bench_qmatmul.py does), each checked against x @ the dequantized weight first
   ``int4_splitk{S}``: S programs a column block, each 1/S of K, fp32 atomics into a zeroed buffer then a cast
   (the memset and the cast are timed too).
 
+``--xp-sweep M`` times kernel_half2.py's `_qgemv_int4_xp` (qgemv(variant="half2_xp"): x packed to half2 once by
+its own launch, a run-time K loop) at M rows over `xp_configs`, beside ``int4`` (the half2 GEMV), ``bf16`` and
+``pack_x`` (the x launch alone, which the variant's times include).
+
 ``--ncu`` instead runs each variant a few times eagerly so `ncu` can profile one launch of each.
 
     python benchmarks/probe_qgemv.py --out docs/benchmarks/probe_qgemv_h200.json
+    python benchmarks/probe_qgemv.py --xp-sweep 1 --out docs/benchmarks/probe_qgemv_xp_h200.json
     TRITON_INTERPRET=1 python benchmarks/probe_qgemv.py --smoke     # tiny shapes on the CPU (checks only)
 """
 
@@ -240,7 +245,38 @@ def gemm_configs(fmt: str, smoke: bool, rows: int = 16):
     return configs
 
 
-def variants(k, smoke, sweep=False, gemm_rows=0, formats=("fp8", "int4")):
+def xp_configs(smoke: bool, given: list[str] | None = None) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, K values a tile, warps, stages) for qgemv(variant="half2_xp"): 4 or 8 weight words a thread a tile,
+    with and without the K loop's software pipeline; or the `given` ones ("BLOCK_N,TILE,WARPS,STAGES")."""
+    if given:
+        return [tuple(int(v) for v in c.split(",")) for c in given]
+    if smoke:
+        return [(4, 64, 1, 1), (8, 64, 2, 2)]
+    shapes = [(4, 512, 2), (4, 512, 1), (4, 1024, 4), (4, 1024, 2), (8, 256, 2), (8, 512, 4), (8, 512, 2),
+              (8, 1024, 8), (8, 1024, 4), (16, 256, 4), (16, 256, 2), (16, 512, 8), (16, 512, 4)]
+    return [(bn, tile, w, st) for bn, tile, w in shapes for st in (1, 3)]
+
+
+def xp_variants(smoke: bool, given: list[str] | None = None) -> dict:
+    from trtopt.plugins.qmatmul import kernel as qk
+    from trtopt.runtime.executors.gemv import projection
+
+    def pack_only(x, w):  # the x launch alone: what the variant adds over its GEMV
+        return qk.pack_x_half2(x, w.group)[0]
+
+    v = {"bf16": ("bf16", lambda x, w: projection(x, w)),
+         "int4": ("int4", lambda x, w: qk.qgemv(x, w, variant="half2")),
+         "int4_xp": ("int4", lambda x, w: qk.qgemv(x, w, variant="half2_xp")),  # default_config_xp
+         "pack_x": ("int4", pack_only)}
+    for cfg in xp_configs(smoke, given):
+        v["int4_xp_" + "_".join(map(str, cfg))] = ("int4", lambda x, w, cfg=cfg: qk.qgemv(x, w, cfg,
+                                                                                          variant="half2_xp"))
+    return v
+
+
+def variants(k, smoke, sweep=False, gemm_rows=0, formats=("fp8", "int4"), xp=False, xp_given=None):
+    if xp:
+        return xp_variants(smoke, xp_given)
     if gemm_rows:
         from trtopt.plugins.qmatmul.gemm import gemm_config, qgemm
         from trtopt.runtime.executors.gemv import projection
@@ -295,6 +331,10 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time kernel.py's qgemv at the SWEEP configs instead")
     ap.add_argument("--gemm-sweep", type=int, default=0, metavar="M",
                     help="time gemm.py's qgemm (FP8 and INT4 weight-only) at M rows over GEMM_CONFIGS instead")
+    ap.add_argument("--xp-sweep", type=int, default=0, metavar="M",
+                    help="time qgemv(variant='half2_xp') at M rows over xp_configs, with half2, bf16 and the x launch")
+    ap.add_argument("--xp-configs", nargs="*", default=None, metavar="BN,TILE,WARPS,STAGES",
+                    help="--xp-sweep: these configs instead of xp_configs")
     ap.add_argument("--formats", nargs="*", default=["fp8", "int4"], choices=["fp8", "int4"],
                     help="--gemm-sweep: the formats swept")
     args = ap.parse_args()
@@ -309,13 +349,14 @@ def main():
         from trtopt.plugins.qmatmul.packing import dequantize_packed
 
         want = {"bf16": None, "fp8": dequantize_packed(ws["fp8"]), "int4": dequantize_packed(ws["int4"])}
-        rows_x = args.gemm_sweep or 1
+        rows_x = args.gemm_sweep or args.xp_sweep or 1
         x = torch.randn(rows_x, k, device=device, generator=gen).to(torch.bfloat16)
         copies = {f: [w] + [w.clone() if f == "bf16" else clone_packed(w) for _ in range(
             copies_for(w.numel() * 2 if f == "bf16" else w.nbytes, device) - 1)] for f, w in ws.items()}
         nbytes = {f: (w.numel() * 2 if f == "bf16" else w.nbytes) for f, w in ws.items()}
         row = {}
-        for vname, (fmt, fn) in variants(k, args.smoke, args.sweep, args.gemm_sweep, args.formats).items():
+        for vname, (fmt, fn) in variants(k, args.smoke, args.sweep, args.gemm_sweep, args.formats,
+                                               bool(args.xp_sweep), args.xp_configs).items():
             if args.only and vname not in args.only:
                 continue
             try:
@@ -323,7 +364,7 @@ def main():
             except (AssertionError, ValueError, triton.runtime.errors.OutOfResources):  # a tile that does not fit
                 continue
             ref = x.float() @ (ws["bf16"].float().t() if fmt == "bf16" else want[fmt])
-            err = float((got - ref).abs().max() / ref.abs().max())
+            err = 0.0 if vname == "pack_x" else float((got - ref).abs().max() / ref.abs().max())
             if err > 2e-2:
                 raise SystemExit(f"{vname} on {name} is wrong: max relative error {err:.2e}")
             if args.ncu:
@@ -341,7 +382,7 @@ def main():
             gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
             args.out.write_text(json.dumps({"benchmark": "probe_qgemv", "machine": {"gpu": gpu,
                                             "torch": torch.__version__, "triton": triton.__version__},
-                                            "M": args.gemm_sweep or 1, "int4_group": group, "shapes": rows,
+                                            "M": rows_x, "int4_group": group, "shapes": rows,
                                             "wall_s": round(time.time() - t_start, 1)}, indent=1))
 
 

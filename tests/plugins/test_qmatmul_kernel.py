@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trtopt.plugins.qmatmul.kernel import MAX_ROWS, default_config, qgemv, qmatmul_packed, qmatmul_triton
-from trtopt.plugins.qmatmul.kernel_half2 import default_config_half2
+from trtopt.plugins.qmatmul.kernel_half2 import default_config_half2, default_config_xp
 from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import dequantize_weight, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC
@@ -191,6 +191,14 @@ def test_default_config_half2():
     assert default_config_half2(2, 6144, 4096, 128) == (8, 4096, 4)
 
 
+def test_default_config_xp():
+    assert default_config_xp(1, 6144, 4096, 128) == (4, 1024, 2, 3)
+    assert default_config_xp(1, 28672, 4096, 128) == (4, 512, 1, 3)  # many columns: one warp a program
+    assert default_config_xp(2, 28672, 4096, 128) == (8, 512, 4, 1)
+    assert default_config_xp(2, 4096, 14336, 128) == (4, 512, 2, 3)
+    assert default_config_xp(1, 24, 96, 256) == (4, 256, 2, 3)  # at least one group
+
+
 # A decode step's real shapes (the 1.24B plan's O and down projections, the 8B's Q/K/V) at bf16, on CUDA.
 GPU_SHAPES = [(8192, 2048), (4096, 6144)]  # (kept few: every case compiles its own kernels)
 
@@ -246,6 +254,9 @@ def _half2_close(got: torch.Tensor, want: torch.Tensor, rel: float = 8e-3) -> No
     assert err <= rel * float(want.abs().max()) + 1e-30, (err, float(want.abs().max()))
 
 
+HALF2_VARIANTS = ("half2", "half2_xp")  # x converted in the GEMV, or packed once by its own launch
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind,m,k,n,group", HALF2_CASES)
 def test_half2_variant_matches_the_reference(kind, m, k, n, group, dtype, kernel_device):
@@ -256,17 +267,22 @@ def test_half2_variant_matches_the_reference(kind, m, k, n, group, dtype, kernel
     want = x.float() @ dequantize_packed(packed)
     _half2_close(qgemv(x, packed, variant="half2"), want)
     _half2_close(qgemv(x, packed, (4, 2 * group, 2), variant="half2"), want)  # a masked last tile when K allows
+    # x packed by its own launch: the same half2 words and sums, so the same values on the CPU's plain-Triton path
+    torch.testing.assert_close(qgemv(x, packed, variant="half2_xp"), qgemv(x, packed, variant="half2"), atol=0,
+                               rtol=0)
+    _half2_close(qgemv(x, packed, (4, 2 * group, 2, 2), variant="half2_xp"), want)
 
 
+@pytest.mark.parametrize("variant", HALF2_VARIANTS)
 @pytest.mark.parametrize("x_scale", [3e3, 1e-4])
-def test_half2_variant_scales_x_into_fp16s_range(x_scale, kernel_device):
+def test_half2_variant_scales_x_into_fp16s_range(x_scale, variant, kernel_device):
     """Activations of thousands (x · (q − z) overflows fp16 unscaled) and of 1e-4 (subnormal in fp16): the row's
     power-of-two scale keeps both exact."""
     gen = torch.Generator().manual_seed(11)
     w, scale, zp, block = _weight("uint4z", 256, 17, 64, gen, dtype=torch.bfloat16)
     packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
     x = (_x(2, 256, gen).reshape(2, 256) * x_scale).to(torch.bfloat16).to(kernel_device)
-    got = qgemv(x, packed, variant="half2")
+    got = qgemv(x, packed, variant=variant)
     assert torch.isfinite(got).all()
     _half2_close(got, x.float() @ dequantize_packed(packed))
 
@@ -294,6 +310,17 @@ for rows, zero in ((1, 8), (2, -1), (3, 0)):
     ptx = kernel.ptx
     assert ".target sm_90" in ptx and "lop3.b32" in ptx and "fma.rn.f16x2" in ptx and "cvt.rn.f16x2.f32" in ptx
     print(rows, ptx.count("fma.rn.f16x2"))
+from trtopt.plugins.qmatmul.kernel_half2 import _pack_x_half2, _qgemv_int4_xp
+sig_xp = {"XP": "*i32", "DOWN": "*fp32", **{k: v for k, v in sig.items() if k not in ("X", "stride_xm")}}
+for rows, zero, stages in ((1, 8, 2), (2, -1, 1), (3, 0, 3)):
+    ptx = compile_ptx(_qgemv_int4_xp, sig_xp, dict(ROWS=rows, ROWS_PAD=4 if rows == 3 else rows, CHUNKS=1,
+                      BLOCK_N=8, GROUP=128, GROUPS=32, TILE_GROUPS=4, K_TILES=8, ZERO=zero, OUT_DTYPE=tl.bfloat16,
+                      STAGES=stages, ASM=True), num_warps=4, num_stages=1, target=("cuda", 90, 32)).ptx
+    assert ".target sm_90" in ptx and "lop3.b32" in ptx and "fma.rn.f16x2" in ptx
+ptx = compile_ptx(_pack_x_half2, {"X": "*bf16", "XP": "*i32", "DOWN": "*fp32", "stride_xm": "i32"},
+                  dict(K=4096, GROUP=128, X_CHUNK=1024, CHUNK_WORDS=512, ASM=True), num_warps=4, num_stages=1,
+                  target=("cuda", 90, 32)).ptx
+assert "cvt.rn.f16x2.f32" in ptx
 """
 
 
@@ -313,7 +340,8 @@ def test_half2_gemv_compiles_for_sm90():
 @pytest.mark.parametrize("kind,group", [("int4", 128), ("uint4z", 32), ("int4z", 16)])
 @pytest.mark.parametrize("k,n", [(8192, 2048), (14336, 37), (640, 1000)])
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_half2_on_cuda_matches_the_reference(kind, group, k, n, m):
+@pytest.mark.parametrize("variant", HALF2_VARIANTS)
+def test_half2_on_cuda_matches_the_reference(kind, group, k, n, m, variant):
     """The PTX path against qmatmul_ref at the bf16 tolerance of test_kernel_on_cuda_at_decode_shapes, and
     against the fp32 product relative to the output's scale; odd N, K not a multiple of the tile (640)."""
     gen = torch.Generator().manual_seed(m + k + n + group)
@@ -322,11 +350,11 @@ def test_half2_on_cuda_matches_the_reference(kind, group, k, n, m):
     args = [x, *(t.cuda() for t in (w, scale, zp, torch.tensor(1.0)))]
     want = qmatmul_ref(*args, block_size=block).reshape(m, n)
     packed = pack_weight(*args[1:4], block_size=block)
-    got = qgemv(x.reshape(m, k), packed, variant="half2")
+    got = qgemv(x.reshape(m, k), packed, variant=variant)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
     _half2_close(got, x.reshape(m, k).float() @ dequantize_packed(packed))
     for x_scale in (3e3, 1e-4):  # the row's power-of-two scale: no fp16 overflow, no subnormal x
         xs = (x.reshape(m, k).float() * x_scale).to(torch.bfloat16)
-        got = qgemv(xs, packed, variant="half2")
+        got = qgemv(xs, packed, variant=variant)
         assert torch.isfinite(got).all()
         _half2_close(got, xs.float() @ dequantize_packed(packed))

@@ -46,7 +46,8 @@ from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2
 from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS, DynamicScale, dequant_mm,
                                          fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported, qgemm,
                                          quantize_fp8_rows, scaled_mm_supported)
-from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_half2, default_config_half2, load_int4_tile, x_chunk
+from trtopt.plugins.qmatmul.kernel_half2 import (_pack_x_half2, _qgemv_int4_half2, _qgemv_int4_xp, default_config_half2,
+                                                 default_config_xp, load_int4_tile, x_chunk)
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_NONE
@@ -62,13 +63,15 @@ GEMV_MAX_ROWS = 2
 ROWS_PER_PROGRAM = 8  # rows of x one program multiplies its dequantized tile with
 TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 registers a thread at 4 warps)
 MAX_TILE_K = 4096  # at most this many K values of one column per tile
-# The INT4/UINT4 GEMV `qgemv` runs when not told (variant=None): "fp32" (`_qgemv_int4` below) or "half2"
-# (kernel_half2.py: packed half2 math, bf16/fp16 x only; fp32 x always runs "fp32"). benchmarks/bench_qmatmul.py
-# --int4-gemv times both in one run: on an H200 (docs/benchmarks/qmatmul_int4_gemv_h200.json) "half2" takes Llama-8B's
-# four projections at one row 1.3-1.6x faster than bf16 where "fp32" is 0.9-1.2x, and batch-1 decode of the 8B shape
-# from 0.95x to 1.24x of bf16 (docs/benchmarks/quant_e2e_nvidia_h200.json).
-INT4_GEMV_VARIANT = "half2"
-INT4_GEMV_VARIANTS = ("fp32", "half2")
+# The INT4/UINT4 GEMV `qgemv` runs when not told (variant=None): "fp32" (`_qgemv_int4` below), "half2"
+# (kernel_half2.py: packed half2 math converting x in the GEMV) or "half2_xp" (the same math after a launch packs x
+# into half2 words once; bf16/fp16 x only, fp32 x always runs "fp32"). On an H200 "half2" took Llama-8B's four
+# projections at one row 1.3-1.6x faster than bf16 where "fp32" was 0.9-1.2x (docs/benchmarks/
+# qmatmul_int4_gemv_h200.json), and "half2_xp" took them from 74.0 to 54.2 us a layer (bf16 118.2;
+# benchmarks/probe_qgemv.py --xp-sweep, docs/benchmarks/probe_qgemv_xp2_m1_h200.json): 8B batch 1 1.32x -> 1.98x.
+INT4_GEMV_VARIANT = "half2_xp"
+INT4_GEMV_VARIANTS = ("fp32", "half2", "half2_xp")
+XP_CHUNK_WORDS = 256  # word positions of x one program of `_pack_x_half2` packs
 
 
 @triton.jit
@@ -231,16 +234,17 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
     variant = variant or INT4_GEMV_VARIANT
     if variant not in INT4_GEMV_VARIANTS:
         raise ValueError(f"qgemv's variant is one of {INT4_GEMV_VARIANTS}; got {variant!r}")
-    half2 = variant == "half2" and not w.fp8 and x.dtype in (torch.float16, torch.bfloat16)
+    half2 = variant in ("half2", "half2_xp") and not w.fp8 and x.dtype in (torch.float16, torch.bfloat16)
+    xp = half2 and variant == "half2_xp"
     m = x.shape[0]
     out_dtype = out_dtype or x.dtype
     y = torch.empty(m, w.n, dtype=out_dtype, device=x.device)
     if w.n == 0:
         return y
     if config is None:
-        config = (default_config_half2(m, w.n, w.k, w.group) if half2 else
-                  default_config(m, w.n, w.k, w.group, x.element_size()))
-    block_n, tile_k, warps = config
+        config = (default_config_xp(m, w.n, w.k, w.group) if xp else default_config_half2(m, w.n, w.k, w.group)
+                  if half2 else default_config(m, w.n, w.k, w.group, x.element_size()))
+    block_n, tile_k, warps = config[:3]
     chunks, rows = _chunks(m)
     grid = (-(-w.n // block_n) * chunks,)
     common = dict(ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n, OUT_DTYPE=TL_DTYPES[out_dtype],
@@ -258,6 +262,14 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
     groups = w.k // w.group
     tile_groups = tile_k // w.group
     zero = w.zero if w.zero is not None else w.scale  # not read when ZERO >= 0
+    if xp:  # x packed once into half2 (and its row scale) by its own launch, then the GEMV
+        xpack, down = pack_x_half2(x, w.group)
+        launcher.launch(_qgemv_int4_xp, grid, xpack, down, w.data, w.scale, zero, y, m, w.n, w.data.stride(0),
+                        w.scale.stride(0), y.stride(0), GROUP=w.group, GROUPS=groups, TILE_GROUPS=tile_groups,
+                        K_TILES=-(-groups // tile_groups), ZERO=-1 if w.zero is not None else w.zero_const,
+                        STAGES=config[3] if len(config) > 3 else 1, ASM=x.device.type == "cuda",
+                        **common)
+        return y
     if half2:  # the PTX needs a compiled kernel; the interpreter (CPU tensors) runs the same steps in plain Triton
         common.update(ASM=x.device.type == "cuda", X_CHUNK=x_chunk(w.k))
     launcher.launch(_qgemv_int4_half2 if half2 else _qgemv_int4, grid, x, w.data, w.scale, zero, y, m, w.n,
@@ -265,6 +277,19 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
                     TILE_GROUPS=tile_groups, K_TILES=-(-groups // tile_groups),
                     ZERO=-1 if w.zero is not None else w.zero_const, **common)
     return y
+
+
+def pack_x_half2(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16) → (xpack [M, 4, K/8] int32, down [M] fp32) by `_pack_x_half2` for weights of quantization
+    group `group` (qgemv's "half2_xp" variant): XP_CHUNK_WORDS word positions a program, so a long row packs in
+    parallel."""
+    m, k = x.shape
+    xpack = torch.empty(m, 4, k // 8, dtype=torch.int32, device=x.device)
+    down = torch.empty(m, dtype=torch.float32, device=x.device)
+    chunk = min(XP_CHUNK_WORDS, next_pow2(k // 8))
+    launcher.launch(_pack_x_half2, (m, -(-(k // 8) // chunk)), x, xpack, down, x.stride(0), K=k, GROUP=group,
+                    X_CHUNK=x_chunk(k), CHUNK_WORDS=chunk, ASM=x.device.type == "cuda", num_warps=4)
+    return xpack, down
 
 
 def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | None, *, act_mode: int = ACT_NONE,

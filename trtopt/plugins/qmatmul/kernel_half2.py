@@ -263,6 +263,92 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
     tl.store(out, acc.to(OUT_DTYPE), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _pack_x_half2(X, XP, DOWN, stride_xm, K: tl.constexpr, GROUP: tl.constexpr, X_CHUNK: tl.constexpr,
+                  CHUNK_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """`qgemv(..., variant="half2_xp")`'s first launch, program (m, c) for row m of x and word positions
+    c·CHUNK_WORDS..: the row's (2^e, 2^-e) (`_row_scale`, each program from the whole row: it is small and in L2),
+    then x · 2^e as the half2 the GEMV multiplies, XP [M, 4, K/8] int32: XP[m, p, w] holds (plane p, plane p + 4)
+    of word position w = g·W + j (group g, word j: K positions g·GROUP + p·W + j), so the GEMV loads each plane
+    pair contiguously; DOWN[m] = 2^-e (stored by program c = 0)."""
+    WORDS: tl.constexpr = GROUP // 8
+    KW: tl.constexpr = K // 8
+    m = tl.program_id(0)
+    c = tl.program_id(1)
+    x_row = X + m * stride_xm
+    up, down = _row_scale(x_row, K, K, X_CHUNK, ROW_SCALE_TOP)
+    w = c * CHUNK_WORDS + tl.arange(0, CHUNK_WORDS)
+    ok = w < KW
+    base = (w // WORDS) * GROUP + w % WORDS
+    out = XP + m * 4 * KW + w
+    for p in tl.static_range(4):
+        lo = tl.load(x_row + base + p * WORDS, mask=ok, other=0.0).to(tl.float32) * up
+        hi = tl.load(x_row + base + (p + 4) * WORDS, mask=ok, other=0.0).to(tl.float32) * up
+        tl.store(out + p * KW, _pack(lo, hi, ASM), mask=ok)
+    if c == 0:
+        tl.store(DOWN + m, down)
+
+
+@triton.jit
+def _qgemv_int4_xp(XP, DOWN, W, S, Z, Y, M, N, stride_wn, stride_sn, stride_ym,
+                   ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   GROUP: tl.constexpr, GROUPS: tl.constexpr, TILE_GROUPS: tl.constexpr, K_TILES: tl.constexpr,
+                   ZERO: tl.constexpr, OUT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    """`_qgemv_int4_half2`'s grid, weights and math, with x already packed by `_pack_x_half2` (XP, DOWN): no
+    row-scale prologue and no x conversion in the loop, which walks K at run time (tl.range, STAGES deep) instead of
+    unrolling every tile, so a thread holds one tile's registers and more warps fit a multiprocessor."""
+    WORDS: tl.constexpr = GROUP // 8
+    KW: tl.constexpr = GROUPS * WORDS
+    pid = tl.program_id(0)
+    row0 = (pid % CHUNKS) * ROWS
+    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_j = tl.arange(0, WORDS)
+    offs_r = tl.arange(0, ROWS_PAD)
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, TILE_GROUPS, WORDS), dtype=tl.float32)
+    for t in tl.range(K_TILES, num_stages=STAGES):
+        b, s, offs_g, g_ok, s_off = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS, GROUPS,
+                                                   WORDS)
+        if ZERO >= 0:
+            zlo = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_1024 + ZERO) * 65537, tl.int32)
+            zhi = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_MINUS_64 + 16 * ZERO) * 65537 - 2**32, tl.int32)
+        else:
+            z = tl.load(Z + s_off, mask=g_ok[None, :], other=0).to(tl.int32)
+            zlo = ((z + F16_1024) * 65537)[:, :, None]
+            zhi = ((z * 16 + F16_MINUS_64) * 65537)[:, :, None]
+        w0, w1, w2, w3 = _dequant(b, zlo, zhi, ASM)
+        s = s[:, :, None]
+        x_off = (offs_g[:, None] * WORDS + offs_j[None, :])[None, :, :]  # [1, TILE_GROUPS, WORDS]: word positions
+        for r in tl.static_range(ROWS):
+            x_ok = offs_g[None, :, None] < tl.where(row0 + r < M, GROUPS, 0)  # a row past M reads nothing
+            xp = XP + (row0 + r) * 4 * KW + x_off
+            x0 = tl.load(xp, mask=x_ok, other=0)
+            x1 = tl.load(xp + KW, mask=x_ok, other=0)
+            x2 = tl.load(xp + 2 * KW, mask=x_ok, other=0)
+            x3 = tl.load(xp + 3 * KW, mask=x_ok, other=0)
+            part = _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM)  # [BLOCK_N, TILE_GROUPS, WORDS]
+            if ROWS <= 2:
+                if r == 0:
+                    acc0 += part * s
+                else:
+                    acc1 += part * s
+            else:
+                part = tl.sum(tl.sum(part * s, axis=2), axis=1)
+                acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
+    if ROWS <= 2:
+        acc = tl.where(offs_r[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], acc)
+        if ROWS == 2:
+            acc = tl.where(offs_r[:, None] == 1, tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :], acc)
+    rows = row0 + offs_r
+    row_ok = (offs_r < ROWS) & (rows < M)
+    acc *= tl.load(DOWN + rows, mask=row_ok, other=0.0)[:, None]  # 2^-e once, on the row's sum
+    out = Y + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, acc.to(OUT_DTYPE), mask=row_ok[:, None] & n_ok[None, :])
+
+
 X_CHUNK_VALUES = 1024  # x values one slice of `_row_scale` reads (at most; a power of two)
 
 
@@ -289,3 +375,21 @@ def default_config_half2(rows: int, n: int, k: int, group: int) -> tuple[int, in
     if rows == 1:
         return 8, max(group, min(ONE_ROW_TILE_K, triton.next_power_of_2(k))), 2
     return 8, max(group, min(4096, triton.next_power_of_2(k))), 4
+
+
+XP_MANY_COLUMNS = 16384  # N from which `default_config_xp` gives a program fewer warps (one row) or more columns
+
+
+def default_config_xp(rows: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, K values per tile, num_warps, pipeline stages) for `_qgemv_int4_xp`, from benchmarks/probe_qgemv.py
+    --xp-sweep on an H200 (docs/benchmarks/probe_qgemv_xp_m{1,2}_h200.json: 26 configs on Llama-8B's four
+    projections, the x launch included). One row: 4 columns, three stages, 8 words a thread; 1 warp and tiles of 512
+    values where N is large (gate/up's 28672: 23.0 µs against 25.6), else 2 warps and tiles of 1024 (Q/K/V, O,
+    down: 8.7, 7.3, 16.5 µs against bf16's 15.5, 11.5, 31.2). Two rows: 8 columns, 4 warps, tiles of 512 unpipelined
+    where N is large (34.9 µs against 42.3), else 4 columns, 2 warps, three stages. The tile is whole groups."""
+    many = n >= XP_MANY_COLUMNS
+    if rows == 1:
+        block_n, tile, warps, stages = (4, 512, 1, 3) if many else (4, 1024, 2, 3)
+    else:
+        block_n, tile, warps, stages = (8, 512, 4, 1) if many else (4, 512, 2, 3)
+    return block_n, max(group, min(tile, triton.next_power_of_2(k))), warps, stages
