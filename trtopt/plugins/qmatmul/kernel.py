@@ -190,8 +190,8 @@ def default_config(rows: int, n: int, k: int, group: int = 0, x_bytes: int = 2) 
     """(BLOCK_N, K values per tile, num_warps) for x [rows, k] (x_bytes a value) against an [n, k] quantized weight
     (group 0: FP8).
 
-    FP8 at one row of 16-bit x or FP8 codes: one column a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K values (`_tile_k`'s
-    whole tiles where K allows). benchmarks/probe_qgemv.py --sweep timed 34 configs on Llama-8B's four projections
+    FP8 at one row of 16-bit x or FP8 codes: one column a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K
+    values (`_tile_k`'s whole tiles where K allows). benchmarks/probe_qgemv.py --sweep timed 34 configs on Llama-8B's four projections
     on an H200 (docs/benchmarks/probe_qgemv_sweep_h200.json): this one was best summed over the four (70.9 µs a
     layer against 82.1 for the tile rule below, which `ncu` showed at 180 registers a thread and 12.5% occupancy on
     the down projection's K = 14336), and within 8% of each projection's best.
