@@ -257,7 +257,7 @@ def xp_configs(smoke: bool, given: list[str] | None = None) -> list[tuple[int, i
     return [(bn, tile, w, st) for bn, tile, w in shapes for st in (1, 3)]
 
 
-def xp_variants(smoke: bool, given: list[str] | None = None) -> dict:
+def xp_variants(smoke: bool, given: list[str] | None = None, fp8_given: list[str] | None = None) -> dict:
     from trtopt.plugins.qmatmul import kernel as qk
     from trtopt.runtime.executors.gemv import projection
 
@@ -268,15 +268,20 @@ def xp_variants(smoke: bool, given: list[str] | None = None) -> dict:
          "int4": ("int4", lambda x, w: qk.qgemv(x, w, variant="half2")),
          "int4_xp": ("int4", lambda x, w: qk.qgemv(x, w, variant="half2_xp")),  # default_config_xp
          "pack_x": ("int4", pack_only)}
+    if fp8_given is not None:  # FP8's one-row GEMV at its default and at these (BLOCK_N, tile, warps, stages)
+        v["fp8"] = ("fp8", lambda x, w: qk.qgemv(x, w))
+        for cfg in [tuple(int(c) for c in g.split(",")) for g in fp8_given]:
+            v["fp8_" + "_".join(map(str, cfg))] = ("fp8", lambda x, w, cfg=cfg: qk.qgemv(x, w, cfg))
     for cfg in xp_configs(smoke, given):
         v["int4_xp_" + "_".join(map(str, cfg))] = ("int4", lambda x, w, cfg=cfg: qk.qgemv(x, w, cfg,
                                                                                           variant="half2_xp"))
     return v
 
 
-def variants(k, smoke, sweep=False, gemm_rows=0, formats=("fp8", "int4"), xp=False, xp_given=None):
+def variants(k, smoke, sweep=False, gemm_rows=0, formats=("fp8", "int4"), xp=False, xp_given=None,
+             fp8_given=None):
     if xp:
-        return xp_variants(smoke, xp_given)
+        return xp_variants(smoke, xp_given, fp8_given)
     if gemm_rows:
         from trtopt.plugins.qmatmul.gemm import gemm_config, qgemm
         from trtopt.runtime.executors.gemv import projection
@@ -335,6 +340,8 @@ def main():
                     help="time qgemv(variant='half2_xp') at M rows over xp_configs, with half2, bf16 and the x launch")
     ap.add_argument("--xp-configs", nargs="*", default=None, metavar="BN,TILE,WARPS,STAGES",
                     help="--xp-sweep: these configs instead of xp_configs")
+    ap.add_argument("--fp8-configs", nargs="*", default=None, metavar="BN,TILE,WARPS,STAGES",
+                    help="--xp-sweep: also FP8's GEMV at its default and these configs (STAGES 0: tiles unrolled)")
     ap.add_argument("--formats", nargs="*", default=["fp8", "int4"], choices=["fp8", "int4"],
                     help="--gemm-sweep: the formats swept")
     args = ap.parse_args()
@@ -356,7 +363,8 @@ def main():
         nbytes = {f: (w.numel() * 2 if f == "bf16" else w.nbytes) for f, w in ws.items()}
         row = {}
         for vname, (fmt, fn) in variants(k, args.smoke, args.sweep, args.gemm_sweep, args.formats,
-                                               bool(args.xp_sweep), args.xp_configs).items():
+                                               bool(args.xp_sweep), args.xp_configs,
+                                               args.fp8_configs).items():
             if args.only and vname not in args.only:
                 continue
             try:

@@ -75,15 +75,41 @@ XP_CHUNK_WORDS = 256  # word positions of x one program of `_pack_x_half2` packs
 
 
 @triton.jit
+def _fp8_tile(X, W, t, acc, acc_tile, row0, M, K, safe_n, offs_r, stride_xm, stride_wn, ROWS: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, X_FP8: tl.constexpr):
+    """K tile t of `_qgemv_fp8`: (acc, acc_tile) after its products."""
+    offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    w_ptr = W + safe_n[:, None] * stride_wn + offs_k[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptr)
+    else:
+        w = tl.load(w_ptr, mask=k_ok[None, :], other=0)
+    w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    for r in tl.static_range(ROWS):
+        k_end = tl.where(row0 + r < M, K, 0)  # a row past M reads nothing
+        x = tl.load(X + (row0 + r) * stride_xm + offs_k[None, :], mask=offs_k[None, :] < k_end, other=0)
+        if X_FP8:
+            x = x.to(tl.float8e4nv, bitcast=True)
+        x = x.to(tl.float32)
+        if ROWS == 1:
+            acc_tile += w * x
+        else:
+            acc += tl.where(offs_r[:, None] == r, tl.sum(w * x, axis=1)[None, :], 0.0)
+    return acc, acc_tile
+
+
+@triton.jit
 def _qgemv_fp8(X, W, S, XS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, X_FP8: tl.constexpr,
-               OUT_DTYPE: tl.constexpr):
+               OUT_DTYPE: tl.constexpr, STAGES: tl.constexpr):
     """Program p: columns (p // CHUNKS)·BLOCK_N.., rows (p % CHUNKS)·ROWS.. of x. Columns past N are clamped to
     N − 1 (read, never stored), so the weight loads need no column mask. One row: products accumulate in a
     tile-shaped fp32 accumulator, reduced once after the last tile (one FMA a value, no per-tile shuffles).
     X_FP8: x holds an FP8-quantized activation's codes (uint8) and XS [M] fp32 its row scales, applied with the
-    column scale (code · weight products are exact in fp32: 4 + 4 significant bits)."""
+    column scale (code · weight products are exact in fp32: 4 + 4 significant bits). STAGES 0: the K tiles
+    unrolled; else a run-time loop software-pipelined STAGES deep."""
     pid = tl.program_id(0)
     row0 = (pid % CHUNKS) * ROWS
     offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,25 +118,14 @@ def _qgemv_fp8(X, W, S, XS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     offs_r = tl.arange(0, ROWS_PAD)
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     acc_tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t in tl.static_range(K_TILES):
-        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        w_ptr = W + safe_n[:, None] * stride_wn + offs_k[None, :]
-        if EVEN_K:
-            w = tl.load(w_ptr)
-        else:
-            w = tl.load(w_ptr, mask=k_ok[None, :], other=0)
-        w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        for r in tl.static_range(ROWS):
-            k_end = tl.where(row0 + r < M, K, 0)  # a row past M reads nothing
-            x = tl.load(X + (row0 + r) * stride_xm + offs_k[None, :], mask=offs_k[None, :] < k_end, other=0)
-            if X_FP8:
-                x = x.to(tl.float8e4nv, bitcast=True)
-            x = x.to(tl.float32)
-            if ROWS == 1:
-                acc_tile += w * x
-            else:
-                acc += tl.where(offs_r[:, None] == r, tl.sum(w * x, axis=1)[None, :], 0.0)
+    if STAGES == 0:
+        for t in tl.static_range(K_TILES):
+            acc, acc_tile = _fp8_tile(X, W, t, acc, acc_tile, row0, M, K, safe_n, offs_r, stride_xm, stride_wn, ROWS,
+                                      BLOCK_K, EVEN_K, X_FP8)
+    else:
+        for t in tl.range(K_TILES, num_stages=STAGES):
+            acc, acc_tile = _fp8_tile(X, W, t, acc, acc_tile, row0, M, K, safe_n, offs_r, stride_xm, stride_wn, ROWS,
+                                      BLOCK_K, EVEN_K, X_FP8)
     if ROWS == 1:
         acc = tl.sum(acc_tile, axis=1)[None, :]
     scale = tl.load(S + safe_n).to(tl.float32)
@@ -255,7 +270,8 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None
         assert xs.dtype == torch.float32 and xs.is_contiguous(), (xs.dtype, xs.stride())
         launcher.launch(_qgemv_fp8, grid, x.view(torch.uint8) if codes else x, w.data, w.scale, xs, y, m, w.n, w.k,
                         x.stride(0), w.data.stride(0), y.stride(0), BLOCK_K=tile_k, K_TILES=tiles,
-                        EVEN_K=tiles * tile_k == w.k, X_FP8=codes, **common)
+                        EVEN_K=tiles * tile_k == w.k, X_FP8=codes, STAGES=config[3] if len(config) > 3 else 0,
+                        **common)
         return y
     if tile_k % w.group or tile_k & (tile_k - 1):
         raise ValueError(f"qgemv's K tile must be a power of two and a multiple of the group {w.group}; got {tile_k}")
