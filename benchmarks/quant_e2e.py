@@ -213,15 +213,16 @@ def run_model(model: ModelShape, fmt: str, batches: list[int], device, dtype, it
 def sweep(model: ModelShape, fmt: str, weights: dict, device, dtype, iters: int, gen, deadline: float) -> dict:
     """Batch-1 time per layer of each projection kind at default_config and at a few alternatives."""
     from trtopt.plugins.qmatmul.kernel import default_config
+    from trtopt.plugins.qmatmul.kernel_half2 import default_config_xp
 
     results = {}
     for name, k, n in model.projections():
         x = torch.randn(1, k, device=device, generator=gen).to(dtype)
         group = 0 if fmt == "fp8" else group_for(k)
-        base = default_config(1, n, k, group)
-        bn, tk, _ = base
-        configs = [base, (bn, tk, 8), (max(1, bn // 2), tk, 4), (bn * 2, max(tk // 2, max(group, 256)), 4),
-                   (bn * 2, tk, 8)]
+        base = default_config(1, n, k, group) if fmt == "fp8" else default_config_xp(1, n, k, group)
+        bn, tk, _, *stages = base
+        configs = [base, (bn, tk, 8, *stages), (max(1, bn // 2), tk, 4, *stages),
+                   (bn * 2, max(tk // 2, max(group, 256)), 4, *stages), (bn * 2, tk, 8, *stages)]
         row = {}
         for config in dict.fromkeys(configs):
             if time.monotonic() > deadline:

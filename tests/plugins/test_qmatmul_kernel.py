@@ -172,10 +172,10 @@ def test_launch_refusals():
 
 def test_default_config_reads_whole_tiles():
     # FP8 at one row: a column a program, tiles of at most 2048 that divide K where one can
-    assert default_config(1, 3072, 2048) == (1, 2048, 2)
-    assert default_config(1, 4096, 14336) == (1, 2048, 2)  # 14336 = 7 · 2048: no masked tile
-    assert default_config(1, 4096, 576) == (1, 1024, 2)  # SmolLM2's hidden: one masked tile
-    assert default_config(1, 4096, 576, 0, 1) == (1, 1024, 2)  # FP8 codes (W8A8)
+    assert default_config(1, 3072, 2048) == (4, 512, 2, 3)
+    assert default_config(1, 4096, 14336) == (4, 512, 2, 3)  # 14336 = 28 · 512: no masked tile
+    assert default_config(1, 4096, 576) == (4, 512, 2, 3)  # SmolLM2's hidden: a masked last tile
+    assert default_config(1, 4096, 576, 0, 1) == (4, 512, 2, 3)  # FP8 codes (W8A8)
     assert default_config(1, 3072, 2048, 0, 4) == (4, 2048, 4)  # fp32 x: TILE_VALUES a tile
     # two rows (and kernel.py's fp32 INT4 GEMV): TILE_VALUES a tile
     assert default_config(2, 3072, 2048) == (4, 2048, 4)
@@ -228,7 +228,7 @@ def test_kernel_on_cuda_at_decode_shapes(kind, group, k, n, m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU "
                     "machine)")
 @pytest.mark.parametrize("kind", ["fp8", "int4", "uint4z"])
-@pytest.mark.parametrize("config", [(1, 1024, 4), (8, 512, 4), (2, 4096, 8)])
+@pytest.mark.parametrize("config", [(1, 1024, 4), (8, 512, 4), (2, 4096, 8), (4, 512, 2, 3), (2, 1024, 1, 4)])
 def test_swept_configs_on_cuda(kind, config):
     gen = torch.Generator().manual_seed(3)
     w, scale, zp, block = _weight(kind, 4096, 1000, 128, gen, dtype=torch.bfloat16)

@@ -198,18 +198,20 @@ def _tile_k(k: int) -> int:
     return tile if k % tile == 0 else min(next_pow2(k), MAX_TILE_K)
 
 
-FP8_ONE_ROW_TILE_K = 2048  # K values a tile of the one-row FP8 GEMV, at most (`default_config`)
+FP8_ONE_ROW_TILE_K = 512  # K values a tile of the one-row FP8 GEMV, at most (`default_config`)
 
 
-def default_config(rows: int, n: int, k: int, group: int = 0, x_bytes: int = 2) -> tuple[int, int, int]:
-    """(BLOCK_N, K values per tile, num_warps) for x [rows, k] (x_bytes a value) against an [n, k] quantized weight
-    (group 0: FP8).
+def default_config(rows: int, n: int, k: int, group: int = 0, x_bytes: int = 2) -> tuple[int, ...]:
+    """(BLOCK_N, K values per tile, num_warps[, stages]) for x [rows, k] (x_bytes a value) against an [n, k]
+    quantized weight (group 0: FP8).
 
-    FP8 at one row of 16-bit x or FP8 codes: one column a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K
-    values (`_tile_k`'s whole tiles where K allows). benchmarks/probe_qgemv.py --sweep timed 34 configs on Llama-8B's four projections
-    on an H200 (docs/benchmarks/probe_qgemv_sweep_h200.json): this one was best summed over the four (70.9 µs a
-    layer against 82.1 for the tile rule below, which `ncu` showed at 180 registers a thread and 12.5% occupancy on
-    the down projection's K = 14336), and within 8% of each projection's best.
+    FP8 at one row of 16-bit x or FP8 codes: 4 columns a program, 2 warps, K tiles of at most FP8_ONE_ROW_TILE_K
+    values (`_tile_k`'s whole tiles where K allows) in a run-time loop pipelined 3 deep. benchmarks/probe_qgemv.py
+    --xp-sweep --fp8-configs timed 13 configs on Llama-8B's four projections on an H200
+    (docs/benchmarks/probe_qgemv_fp8_m1_h200.json): this one was best on each, 65.3 µs a layer against 71.1 for the
+    unrolled one-column 2048-value tiles before it (which had beaten the tile rule below, 82.1, in
+    docs/benchmarks/probe_qgemv_sweep_h200.json, where `ncu` showed that rule at 180 registers a thread and 12.5%
+    occupancy on the down projection's K = 14336); pipelined one-column programs were twice as slow.
     Otherwise a tile of TILE_VALUES values (K tiles as `_tile_k`, then as many columns as fit, at most 8), 4 warps:
     the bf16 GEMV's product tile (gemv_triton.default_config), so the registers held are the same while the bytes
     read per tile are a half (FP8) or a quarter (INT4) of its (untuned for two rows and for kernel.py's fp32 INT4
@@ -217,7 +219,7 @@ def default_config(rows: int, n: int, k: int, group: int = 0, x_bytes: int = 2) 
     reads all of x per column, four bytes a value against the weight's one (W8A8's Q/DQ'd fp32 x took gate/up from
     50 to 79 µs that way on an H200, docs/benchmarks/qmatmul_nvidia_h200.json's notes)."""
     if rows == 1 and group == 0 and x_bytes <= 2:
-        return 1, min(_tile_k(k), FP8_ONE_ROW_TILE_K), 2
+        return 4, min(_tile_k(k), FP8_ONE_ROW_TILE_K), 2, 3
     tile_k = max(_tile_k(k), group)
     block_n = max(1, min(8, TILE_VALUES // tile_k))
     return block_n, tile_k, 4
@@ -229,13 +231,14 @@ def _chunks(rows: int) -> tuple[int, int]:
     return chunks, -(-rows // chunks)
 
 
-def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, int, int] | None = None, *,
+def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, ...] | None = None, *,
           variant: str | None = None, row_scale: torch.Tensor | None = None,
           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS, K contiguous, a float dtype) times the packed weight → a new [M, N] in x's
-    dtype. config: (BLOCK_N, K values per tile, num_warps), the variant's default config by default. variant (INT4/
-    UINT4 only): "fp32" or "half2" (INT4_GEMV_VARIANTS), INT4_GEMV_VARIANT when None; "half2" takes bf16/fp16 x,
-    fp32 x runs "fp32" (half2 would round it to fp16). FP8 weights also take x as an FP8 activation's codes
+    dtype. config: (BLOCK_N, K values per tile, num_warps[, stages]), the variant's default config by default
+    (stages: FP8's and "half2_xp"'s K loop pipelined that deep; FP8 0, the default without it: tiles unrolled).
+    variant (INT4/UINT4 only): one of INT4_GEMV_VARIANTS, INT4_GEMV_VARIANT when None; "half2" and "half2_xp" take
+    bf16/fp16 x, fp32 x runs "fp32" (half2 would round it to fp16). FP8 weights also take x as an FP8 activation's codes
     (float8_e4m3fn) with row_scale [M] or [M, 1] fp32 and a float out_dtype: one byte of x a value, where the
     Q/DQ'd activation in fp32 is four (the one-row config reads all of x once per output column)."""
     if x.dim() != 2 or x.shape[1] != w.k or not 0 < x.shape[0] <= MAX_ROWS:
