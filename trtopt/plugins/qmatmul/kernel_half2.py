@@ -24,6 +24,14 @@ Rounding: products of x (8 significant bits from bf16) and q − z (4) have up t
 lane's four-term sum rounds in fp16; about 2^-12 relative a word, far below the bf16 output's 2^-9 (the result
 equals `qmatmul_ref` within the bf16 tolerances of tests/plugins/test_qmatmul_kernel.py).
 
+Two kernels share that math. `_qgemv_int4_half2` (variant "half2") converts x in the GEMV: each program reads the
+row's largest |x| first, then packs x per unrolled K tile for its 8 columns; `ncu` on an H200 read 153-255
+registers a thread, 12.5-18.75% occupancy and DRAM 19-35% busy. `_qgemv_int4_xp` (variant "half2_xp", the
+default) takes x from `_pack_x_half2`, one small launch before it that writes x · 2^e as the half2 words in
+nibble-plane order (and 2^-e), so the GEMV only loads them, and its K loop runs at run time, software-pipelined
+(`tl.range(num_stages=...)`) with a few weight words a thread: Llama-8B's four projections 74.0 -> 54.2 µs a layer
+at one row, the x launch's 7.3 included (docs/benchmarks/probe_qgemv_xp2_m1_h200.json).
+
 The half2 instructions are PTX (`tl.inline_asm_elementwise`), which the Triton interpreter cannot run: with
 ASM=False the same kernel computes each step with plain Triton ops on the same packed half2 words (dequantized
 weights, packed x) and multiplies in fp32, so the CPU tests cover every index, the packing and the scaling; the
