@@ -30,7 +30,7 @@ registers a thread, 12.5-18.75% occupancy and DRAM 19-35% busy. `_qgemv_int4_xp`
 default) takes x from `_pack_x_half2`, one small launch before it that writes x · 2^e as the half2 words in
 nibble-plane order (and 2^-e), so the GEMV only loads them, and its K loop runs at run time, software-pipelined
 (`tl.range(num_stages=...)`) with a few weight words a thread: Llama-8B's four projections 74.0 -> 54.2 µs a layer
-at one row, the x launch's 7.3 included (docs/benchmarks/probe_qgemv_xp2_m1_h200.json).
+at one row, the x launch's 7.5 included (docs/benchmarks/probe_qgemv_xp2_m1_h200.json).
 
 The half2 instructions are PTX (`tl.inline_asm_elementwise`), which the Triton interpreter cannot run: with
 ASM=False the same kernel computes each step with plain Triton ops on the same packed half2 words (dequantized
