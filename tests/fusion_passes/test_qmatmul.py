@@ -106,6 +106,57 @@ def test_form_fuses_once_and_equals_the_qdq_graph_on_ort(form, opset):
     np.testing.assert_array_equal(got, want)  # the body is the Q/DQ graph: bit for bit
 
 
+def modelopt_fp8_graph(w: np.ndarray, scale: np.ndarray) -> onnx.ModelProto:
+    """ModelOpt's FP8 form (`python -m modelopt.onnx.quantization --quantize_mode fp8 --high_precision_dtype fp32`,
+    read off its output for a tiny-llama export): the fp32 weight stays a constant and is quantized in the graph,
+    QuantizeLinear(w, scale [N], E4M3FN zero point, axis=1) → DequantizeLinear → MatMul, with a static
+    per-tensor activation Q/DQ."""
+    zp = np.zeros(scale.shape, FP8)
+    nodes = [helper.make_node("QuantizeLinear", ["w", "w_s", "w_zp"], ["wq"], name="w_q", axis=1),
+             helper.make_node("DequantizeLinear", ["wq", "w_s", "w_zp"], ["wdq"], name="w_dq", axis=1),
+             helper.make_node("QuantizeLinear", ["x", "a_s", "a_zp"], ["xq"], name="act_q"),
+             helper.make_node("DequantizeLinear", ["xq", "a_s", "a_zp"], ["xdq"], name="act_dq"),
+             helper.make_node("MatMul", ["xdq", "wdq"], ["y"], name="proj")]
+    inits = [("w", w), ("w_s", scale), ("w_zp", zp), ("a_s", np.asarray(0.01, np.float32)),
+             ("a_zp", np.zeros((), FP8))]
+    return model(nodes, [helper.make_tensor_value_info("x", FLOAT, ["B", "T", K])],
+                 [helper.make_tensor_value_info("y", FLOAT, ["B", "T", N])], inits, opset=21)
+
+
+def test_modelopt_fp8_weight_quantized_in_the_graph_folds_bit_for_bit():
+    """The rule folds QuantizeLinear(constant weight) into its codes first: the same codes as ORT's QuantizeLinear
+    (values at the rounding ties and past ±448 included), so the fused plan equals ModelOpt's graph on ORT exactly."""
+    w = (RNG.standard_normal((K, N)) * 3).astype(np.float32)
+    scale = (np.abs(w).max(0) / 448).astype(np.float32)
+    # values on E4M3 rounding ties (between 1 and 1.125, 1.125 and 1.25) and past the largest code
+    w[:4, 0] = np.array([1.0625, 1.1875, 500.0, -1e4], np.float32) * scale[0]
+    proto = modelopt_fp8_graph(w, scale)
+    count, fused = fuse(proto)
+    assert count == 1 and "QuantizeLinear" not in op_types(fused) and "MatMul" not in op_types(fused)
+    qm = next(n for n in fused.graph.node if n.op_type == "QMatMul")
+    assert {a.name: helper.get_attribute_value(a) for a in qm.attribute}["act_mode"] == ACT_STATIC
+    codes = onnx.numpy_helper.to_array(next(t for t in fused.graph.initializer if t.name == qm.input[1]))
+    q_only = model([helper.make_node("QuantizeLinear", ["w", "w_s", "w_zp"], ["wq"], axis=1)], [],
+                   [helper.make_tensor_value_info("wq", TensorProto.FLOAT8E4M3FN, [K, N])],
+                   [("w", w), ("w_s", scale), ("w_zp", np.zeros(scale.shape, FP8))], opset=21)
+    ort_codes = session(q_only).run(None, {})[0]
+    np.testing.assert_array_equal(codes.view(np.uint8), np.asarray(ort_codes).view(np.uint8))
+    assert float(codes[2, 0]) == 448.0 and float(codes[3, 0]) == -448.0  # saturated, not NaN
+    x = RNG.standard_normal((2, 3, K)).astype(np.float32)
+    np.testing.assert_array_equal(session(fused).run(None, {"x": x})[0], session(proto).run(None, {"x": x})[0])
+
+
+def test_a_quantize_of_a_weight_read_by_something_else_is_not_folded():
+    w = RNG.standard_normal((K, N)).astype(np.float32)
+    proto = modelopt_fp8_graph(w, (np.abs(w).max(0) / 448).astype(np.float32))
+    proto.graph.node.append(helper.make_node("Cast", ["wq"], ["wq_f"], to=TensorProto.FLOAT))
+    proto.graph.output.append(helper.make_tensor_value_info("wq_f", FLOAT, [K, N]))
+    trace = Trace()
+    count, fused = fuse(proto, trace)
+    assert count == 0 and "QuantizeLinear" in op_types(fused)
+    assert any("not a constant" in f.reason for f in trace.failures)
+
+
 def test_shared_static_activation_qdq_feeds_three_projections():
     """Q/K/V share one activation Q/DQ: three QMatMuls, and the shared Q/DQ goes once nothing reads it."""
     codes, scale, _, attrs = fp8_weight()

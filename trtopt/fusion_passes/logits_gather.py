@@ -54,6 +54,25 @@ def _lm_head(logits: ir.Value) -> tuple[ir.Node, list[ir.Node]]:
     return node, between
 
 
+def _per_tensor_qdq(hidden: ir.Value) -> tuple[ir.Node, ir.Node] | None:
+    """(QuantizeLinear, DequantizeLinear) when the LM head's input is a static per-tensor activation Q/DQ read by
+    nothing else (ModelOpt quantizes the LM head that way when its name filter misses it): elementwise, so the rows
+    can be gathered before it, where the qmatmul rule still finds the Q/DQ in front of the MatMul."""
+    dq = hidden.producer()
+    if dq is None or dq.op_type != "DequantizeLinear" or len(hidden.uses()) != 1 or dq.inputs[0] is None:
+        return None
+    q = dq.inputs[0].producer()
+    if q is None or q.op_type != "QuantizeLinear" or len(dq.inputs[0].uses()) != 1 or len(q.inputs) != 3:
+        return None
+    for node in (q, dq):
+        scales = node.inputs[1:3]
+        if len(scales) != 2 or any(v is None or v.const_value is None or v.const_value.shape != () for v in scales):
+            return None
+        if (attr := node.attributes.get("block_size")) is not None and attr.value != 0:
+            return None
+    return q, dq
+
+
 def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
     """Insert the Gather before the LM head and make ``logits`` [N, vocab] float32; returns 1."""
     graph = model.graph
@@ -69,10 +88,16 @@ def gather_logits(model: ir.Model, *, vocab_size: int | None) -> int:
     spec = signature.LOGITS_INDICES
     indices = ir.Value(name=spec.name, shape=ir.Shape(list(spec.dims)), type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.append(indices)
-    gather = ir.Node("", "Gather", [head.inputs[0], indices], [ir.AttrInt64("axis", 1)], name="logits_gather")
+    first = head  # the node whose input 0 is gathered: the head, or the per-tensor Q/DQ in front of it
+    qdq = _per_tensor_qdq(head.inputs[0])
+    if qdq is not None:
+        first = qdq[0]
+        for node in qdq:
+            node.outputs[0].shape = None
+    gather = ir.Node("", "Gather", [first.inputs[0], indices], [ir.AttrInt64("axis", 1)], name="logits_gather")
     # hidden: [1, T, H] → [1, N, H]
-    head.replace_input_with(0, gather.outputs[0])
-    graph.insert_before(head, gather)
+    first.replace_input_with(0, gather.outputs[0])
+    graph.insert_before(first, gather)
 
     axes = ir.Value(name="logits_squeeze_axes", const_value=ir.tensor(np.array([0], dtype=np.int64)))
     axes.shape, axes.type = ir.Shape([1]), ir.TensorType(ir.DataType.INT64)

@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from trtopt.errors import FusionError
 from trtopt.fusion_passes.ir_helpers import is_op
-from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_output
+from trtopt.fusion_passes.ops import DOMAIN, declare_domain, replace_output, replace_value
 from trtopt.fusion_passes.trace import NoMatch, Trace
 from trtopt.plugins.qmatmul.function import BLOCKED_OPSET, MIN_OPSET
 from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC, ACT_NONE, ACT_STATIC, INPUTS, OP_TYPE
@@ -259,9 +259,40 @@ def _repack_matmul_nbits(graph: ir.Graph, node: ir.Node, consts: _Constants) -> 
     _fuse(graph, node, w, _Activation(node.inputs[0], ACT_NONE), consts)
 
 
+FP8_MAX = 448.0  # E4M3FN's largest finite value: a saturating QuantizeLinear clamps to it
+
+
+def _fold_constant_fp8_quantize(graph: ir.Graph, consts: _Constants) -> int:
+    """ModelOpt's FP8 form of a weight: QuantizeLinear(constant fp32 weight [K, N], scale [N] or scalar, E4M3FN zero
+    point) → DequantizeLinear (TensorRT folds the Q itself). Each such QuantizeLinear, read only by
+    DequantizeLinears, becomes its codes as an initializer, so `_weight` reads a constant: x / scale in fp32, clamped
+    to ±448 (ONNX's saturate=1) and rounded to nearest even (ml_dtypes), which is ONNX Runtime's QuantizeLinear bit
+    for bit (tests/fusion_passes/test_qmatmul.py compares them). Other QuantizeLinears are left as they are."""
+    count = 0
+    for q in [n for n in graph if is_op(n, "QuantizeLinear") and len(n.inputs) == 3]:
+        x, scale, zero_point = q.inputs
+        out = q.outputs[0]
+        if any(v is None or v.const_value is None for v in (x, scale, zero_point)):
+            continue
+        xs, ss, zs = (v.const_value.numpy() for v in (x, scale, zero_point))
+        axis = _attr(q, "axis", 1)
+        if (xs.dtype != np.float32 or ss.dtype != np.float32 or zs.dtype != ml_dtypes.float8_e4m3fn
+                or xs.ndim != 2 or ss.shape not in ((), (xs.shape[axis % 2],)) or zs.shape != ss.shape
+                or _attr(q, "saturate", 1) != 1 or _attr(q, "block_size", 0) != 0
+                or zs.astype(np.float32).any() or not all(is_op(u, "DequantizeLinear") for u, _ in out.uses())):
+            continue
+        s = ss if ss.ndim == 0 else (ss[None, :] if axis % 2 == 1 else ss[:, None])
+        codes = np.clip(xs / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        replace_value(out, consts.get(f"{out.name or x.name}.folded", codes))
+        graph.remove(q, safe=True)  # read by nothing now; cleanup drops the fp32 weight it read
+        count += 1
+    return count
+
+
 def fuse_qmatmul(model: ir.Model, trace: Trace | None = None) -> int:
     """Fuse every DequantizeLinear(weight) → MatMul (and its activation Q/DQ); returns the count."""
     graph = model.graph
+    _fold_constant_fp8_quantize(graph, _Constants(graph))
     candidates = [n for n in graph if is_op(n, "MatMul") and n.inputs[1] is not None
                   and is_op(n.inputs[1].producer(), "DequantizeLinear")]
     nbits = [n for n in graph if n.domain == "com.microsoft" and n.op_type == "MatMulNBits"]
