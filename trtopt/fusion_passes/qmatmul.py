@@ -4,6 +4,7 @@ activation, → trtopt.QMatMul (one per projection; body: the same Q/DQ ops, see
 Forms read (any producer: trtopt quantize, ModelOpt, ORT's MatMulNBitsQuantizer in QDQ mode):
 
     weight      FP8 E4M3 [K, N], DequantizeLinear(axis=1), scale [N]                  (per output channel)
+                (ModelOpt: a constant fp32 [K, N] through QuantizeLinear(axis=1) first, folded into the codes)
                 INT4/UINT4 [K, N], DequantizeLinear(axis=0, block_size=G), scale [K/G, N], optional zero point
     activation  none | Q/DQ FP8 with a constant per-tensor scale (static)
                      | blocked Q/DQ FP8, axis=-1, block_size=K, with a computed [..., 1] scale (dynamic per token)
