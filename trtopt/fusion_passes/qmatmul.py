@@ -280,7 +280,8 @@ def _fold_constant_fp8_quantize(graph: ir.Graph, consts: _Constants) -> int:
         if (xs.dtype != np.float32 or ss.dtype != np.float32 or zs.dtype != ml_dtypes.float8_e4m3fn
                 or xs.ndim != 2 or ss.shape not in ((), (xs.shape[axis % 2],)) or zs.shape != ss.shape
                 or _attr(q, "saturate", 1) != 1 or _attr(q, "block_size", 0) != 0
-                or zs.astype(np.float32).any() or not all(is_op(u, "DequantizeLinear") for u, _ in out.uses())):
+                or zs.astype(np.float32).any() or out.is_graph_output()
+                or not all(is_op(u, "DequantizeLinear") for u, _ in out.uses())):
             continue
         s = ss if ss.ndim == 0 else (ss[None, :] if axis % 2 == 1 else ss[:, None])
         codes = np.clip(xs / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
