@@ -47,7 +47,8 @@ from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, SCALED_MM_MIN_ROWS
                                          fake_quantize_fp8_rows, fp8_scaled_mm, gemm_supported, qgemm,
                                          quantize_fp8_rows, scaled_mm_supported)
 from trtopt.plugins.qmatmul.kernel_half2 import (_pack_x_half2, _qgemv_int4_half2, _qgemv_int4_xp, default_config_half2,
-                                                 default_config_xp, load_int4_tile, x_chunk)
+                                                 default_config_xp, load_int4_tile, program_columns,
+                                                 x_chunk)
 from trtopt.plugins.qmatmul.packing import PackedQWeight, dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import fake_quantize_fp8, qmatmul_ref
 from trtopt.plugins.qmatmul.schema import ACT_NONE
@@ -110,11 +111,7 @@ def _qgemv_fp8(X, W, S, XS, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     X_FP8: x holds an FP8-quantized activation's codes (uint8) and XS [M] fp32 its row scales, applied with the
     column scale (code · weight products are exact in fp32: 4 + 4 significant bits). STAGES 0: the K tiles
     unrolled; else a run-time loop software-pipelined STAGES deep."""
-    pid = tl.program_id(0)
-    row0 = (pid % CHUNKS) * ROWS
-    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    row0, offs_n, n_ok, safe_n = program_columns(N, CHUNKS, ROWS, BLOCK_N)
     offs_r = tl.arange(0, ROWS_PAD)
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     acc_tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -149,11 +146,7 @@ def _qgemv_int4(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
     zero-point loads); ZERO < 0: z' from Z [N, GROUPS] (stride_sn, like S). One row: a tile-shaped accumulator of
     scale · Σ_planes, reduced once at the end; more rows: each row's tile reduced per tile."""
     WORDS: tl.constexpr = GROUP // 8
-    pid = tl.program_id(0)
-    row0 = (pid % CHUNKS) * ROWS
-    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    row0, offs_n, n_ok, safe_n = program_columns(N, CHUNKS, ROWS, BLOCK_N)
     offs_j = tl.arange(0, WORDS)
     offs_r = tl.arange(0, ROWS_PAD)
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)

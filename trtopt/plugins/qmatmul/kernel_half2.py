@@ -52,6 +52,30 @@ F16_MINUS_64 = tl.constexpr(0xD400)  # -64.0; -(64 + z') = F16_MINUS_64 + 16·z'
 
 
 @triton.jit
+def program_columns(N, CHUNKS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The decode GEMVs' program p (kernel.py and this module): its first row of x, (p % CHUNKS)·ROWS, and its
+    columns (p // CHUNKS)·BLOCK_N.. with their mask and their indices clamped to N − 1 (read, never stored)."""
+    pid = tl.program_id(0)
+    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (pid % CHUNKS) * ROWS, offs_n, offs_n < N, tl.minimum(offs_n, N - 1).to(tl.int64)
+
+
+@triton.jit
+def zero_half2(Z, s_off, g_ok, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, ZERO: tl.constexpr):
+    """`_dequant`'s zlo, zhi for a tile: the half2 (1024 + z', 1024 + z') and (−(64 + z'), −(64 + z')) as int32 bits,
+    from the constant z' ZERO >= 0, or loaded from Z [N, GROUPS] at the scales' offsets."""
+    if ZERO >= 0:
+        zlo = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_1024 + ZERO) * 65537, tl.int32)
+        # the half2 −(64 + z') twice is above 2³¹: its int32 bits are the value − 2³²
+        zhi = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_MINUS_64 + 16 * ZERO) * 65537 - 2**32, tl.int32)
+    else:
+        z = tl.load(Z + s_off, mask=g_ok[None, :], other=0).to(tl.int32)
+        zlo = ((z + F16_1024) * 65537)[:, :, None]
+        zhi = ((z * 16 + F16_MINUS_64) * 65537)[:, :, None]  # wraps to the same int32 bits
+    return zlo, zhi
+
+
+@triton.jit
 def load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS: tl.constexpr, GROUPS: tl.constexpr,
                    WORDS: tl.constexpr):
     """K tile t of an INT4 GEMV (this module's and kernel.py's `_qgemv_int4`): the words [BLOCK_N, TILE_GROUPS,
@@ -214,11 +238,7 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
     rows: a tile-shaped fp32 accumulator a row, reduced once at the end; more: each row's tile reduced per tile.
     X_CHUNK: x values a slice when finding a row's largest |x| (a power of two; `X_CHUNK_VALUES`)."""
     WORDS: tl.constexpr = GROUP // 8
-    pid = tl.program_id(0)
-    row0 = (pid % CHUNKS) * ROWS
-    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    row0, offs_n, n_ok, safe_n = program_columns(N, CHUNKS, ROWS, BLOCK_N)
     offs_j = tl.arange(0, WORDS)
     offs_r = tl.arange(0, ROWS_PAD)
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
@@ -233,14 +253,7 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
     for t in tl.static_range(K_TILES):
         b, s, offs_g, g_ok, s_off = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS, GROUPS,
                                                    WORDS)
-        if ZERO >= 0:
-            zlo = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_1024 + ZERO) * 65537, tl.int32)
-            # the half2 −(64 + z') twice is above 2³¹: its int32 bits are the value − 2³²
-            zhi = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_MINUS_64 + 16 * ZERO) * 65537 - 2**32, tl.int32)
-        else:
-            z = tl.load(Z + s_off, mask=g_ok[None, :], other=0).to(tl.int32)
-            zlo = ((z + F16_1024) * 65537)[:, :, None]
-            zhi = ((z * 16 + F16_MINUS_64) * 65537)[:, :, None]  # wraps to the same int32 bits
+        zlo, zhi = zero_half2(Z, s_off, g_ok, BLOCK_N, TILE_GROUPS, ZERO)
         w0, w1, w2, w3 = _dequant(b, zlo, zhi, ASM)
         s = s[:, :, None]
         x_off = (offs_g[:, None] * GROUP + offs_j[None, :])[None, :, :]  # [1, TILE_GROUPS, WORDS]: plane 0's K
@@ -287,12 +300,12 @@ def _pack_x_half2(X, XP, DOWN, stride_xm, K: tl.constexpr, GROUP: tl.constexpr, 
     up, down = _row_scale(x_row, K, K, X_CHUNK, ROW_SCALE_TOP)
     w = c * CHUNK_WORDS + tl.arange(0, CHUNK_WORDS)
     ok = w < KW
-    base = (w // WORDS) * GROUP + w % WORDS
+    x0, x1, x2, x3 = _x_half2(x_row, (w // WORDS) * GROUP + w % WORDS, ok, up, WORDS, ASM)  # plane 0's K
     out = XP + m * 4 * KW + w
-    for p in tl.static_range(4):
-        lo = tl.load(x_row + base + p * WORDS, mask=ok, other=0.0).to(tl.float32) * up
-        hi = tl.load(x_row + base + (p + 4) * WORDS, mask=ok, other=0.0).to(tl.float32) * up
-        tl.store(out + p * KW, _pack(lo, hi, ASM), mask=ok)
+    tl.store(out, x0, mask=ok)
+    tl.store(out + KW, x1, mask=ok)
+    tl.store(out + 2 * KW, x2, mask=ok)
+    tl.store(out + 3 * KW, x3, mask=ok)
     if c == 0:
         tl.store(DOWN + m, down)
 
@@ -307,11 +320,7 @@ def _qgemv_int4_xp(XP, DOWN, W, S, Z, Y, M, N, stride_wn, stride_sn, stride_ym,
     unrolling every tile, so a thread holds one tile's registers and more warps fit a multiprocessor."""
     WORDS: tl.constexpr = GROUP // 8
     KW: tl.constexpr = GROUPS * WORDS
-    pid = tl.program_id(0)
-    row0 = (pid % CHUNKS) * ROWS
-    offs_n = (pid // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    safe_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    row0, offs_n, n_ok, safe_n = program_columns(N, CHUNKS, ROWS, BLOCK_N)
     offs_j = tl.arange(0, WORDS)
     offs_r = tl.arange(0, ROWS_PAD)
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
@@ -320,13 +329,7 @@ def _qgemv_int4_xp(XP, DOWN, W, S, Z, Y, M, N, stride_wn, stride_sn, stride_ym,
     for t in tl.range(K_TILES, num_stages=STAGES):
         b, s, offs_g, g_ok, s_off = load_int4_tile(W, S, safe_n, offs_j, stride_wn, stride_sn, t, TILE_GROUPS, GROUPS,
                                                    WORDS)
-        if ZERO >= 0:
-            zlo = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_1024 + ZERO) * 65537, tl.int32)
-            zhi = tl.full((BLOCK_N, TILE_GROUPS, 1), (F16_MINUS_64 + 16 * ZERO) * 65537 - 2**32, tl.int32)
-        else:
-            z = tl.load(Z + s_off, mask=g_ok[None, :], other=0).to(tl.int32)
-            zlo = ((z + F16_1024) * 65537)[:, :, None]
-            zhi = ((z * 16 + F16_MINUS_64) * 65537)[:, :, None]
+        zlo, zhi = zero_half2(Z, s_off, g_ok, BLOCK_N, TILE_GROUPS, ZERO)
         w0, w1, w2, w3 = _dequant(b, zlo, zhi, ASM)
         s = s[:, :, None]
         x_off = (offs_g[:, None] * WORDS + offs_j[None, :])[None, :, :]  # [1, TILE_GROUPS, WORDS]: word positions
