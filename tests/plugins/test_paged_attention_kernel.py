@@ -233,6 +233,22 @@ def test_split_kv_merges_in_the_attention_launch_or_a_second_one(in_kernel: bool
             assert counters is not None and int(counters.count_nonzero()) == 0, "a merge counter was left set"
 
 
+@pytest.mark.parametrize("segments", [16, 32])
+def test_many_segments_merge_in_a_second_launch(segments: int, kernel_device: torch.device) -> None:
+    """Up to FUSED_MERGE_MAX_SEGMENTS segments merge in the attention launch; more merge in a second one (the
+    planner's segment counts are powers of two, as the second launch needs). Both give the reference's answer,
+    empty segments past the keys included."""
+    from trtopt.plugins.paged_attention.attention import FUSED_MERGE_MAX_SEGMENTS
+
+    recorder = _RecordingLauncher()
+    state = PagedLaunchState(merge_in_kernel=True, launcher=recorder)
+    launch = PagedLaunch(block_q=1, tile_n=16, num_segments=segments, num_warps=4, num_stages=1)
+    run_both(Case(context=(700, 45), new=(1, 1), num_heads=8, num_kv_heads=2, seed=23), kernel_device,
+             launch=launch, state=state)
+    fused = segments <= FUSED_MERGE_MAX_SEGMENTS
+    assert recorder.names.count("_merge_segments_kernel") == (0 if fused else 1), recorder.names
+
+
 def test_merge_counters_are_never_made_inside_a_graph_capture(monkeypatch) -> None:
     """The counters must be zero when a launch starts: made inside a capture, their zeroing would be recorded and
     replayed, so there the launch merges in a second kernel instead (None); likewise past the buffer or switched off."""

@@ -14,7 +14,7 @@ device), so it is sized from shapes alone:
 - axis 2 splits the key range into NUM_SEGMENTS (flash-decoding) when tiles × heads would leave the GPU idle: long
   contexts at small batch. The last segment of a tile to finish merges the segments' partial softmaxes (a counter
   per tile, planning.py `PagedLaunchState.merge_counters`); a second small kernel does it where no counters can be
-  had.
+  had, and past FUSED_MERGE_MAX_SEGMENTS segments, where it is faster.
 
 The KV write (write_kv.py) is launched first. Rows are expected to belong to sequences (query_start_loc[S] == T);
 rows past it are not written.
@@ -50,6 +50,12 @@ from trtopt.plugins.paged_attention.write_kv import (
 )
 
 _LOG2E = 1.4426950408889634
+# Split-KV launches of more segments merge in a second launch (`_merge_segments_kernel`, a program per row and
+# head), not in the attention launch: there one program merges a tile's segments at the end, which at 32 and 64
+# segments lengthened the launch's tail past a second launch's cost. H200, bf16 B1·L32K decode, graph replays:
+# 64 segments 69.3 µs fused against 54.1 µs in two launches, 32 segments 56.3 against 53.8, 16 segments 57.0
+# against 57.3 (FP8 pools, 32 segments: 50.7 against 43.0). Session 29; docs/benchmarks/NOTES.md.
+FUSED_MERGE_MAX_SEGMENTS = 16
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -490,7 +496,8 @@ def paged_attention_triton(
     block_d = max(16, next_pow2(head_dim))
     scratch = _Scratch(T * num_heads * launch.num_segments, block_d) if launch.num_segments > 1 else None
     part_acc, part_max, part_sum = scratch.views(q.device) if scratch else (out, out, out)
-    counters = state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads) if scratch else None
+    counters = (state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads)
+                if scratch and launch.num_segments <= FUSED_MERGE_MAX_SEGMENTS else None)
     attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
                                   part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch, block_d,
                                   group=group, head_dim=head_dim, causal=causal,
