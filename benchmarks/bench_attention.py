@@ -280,12 +280,15 @@ def bench_decode(copy_tbs: float) -> list[dict]:
 
 
 def fp8_pool(pool: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
-    """The pool as a float8_e4m3fn pool stores it: K / k_scale and V / v_scale, saturated (reference.to_pool)."""
-    from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE, to_pool
+    """The pool as a float8_e4m3fn pool stores it: K / k_scale and V / v_scale, saturated (reference.to_pool), each
+    block's values transposed (reference.pool_values)."""
+    from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE, pool_values, to_pool
 
     out = torch.empty(pool.shape, dtype=FP8_POOL_DTYPE, device=pool.device)
-    for i, scale in ((0, k_scale), (1, v_scale)):  # one half at a time: the fp32 temporaries are the peak memory
-        out.view(torch.uint8)[:, i] = to_pool(pool[:, i], FP8_POOL_DTYPE, scale).view(torch.uint8)
+    # one half at a time: the fp32 temporaries are the peak memory
+    out.view(torch.uint8)[:, 0] = to_pool(pool[:, 0], FP8_POOL_DTYPE, k_scale).view(torch.uint8)
+    pool_values(out.view(torch.uint8).view(FP8_POOL_DTYPE)).view(torch.uint8).copy_(
+        to_pool(pool[:, 1], FP8_POOL_DTYPE, v_scale).view(torch.uint8))
     return out
 
 
@@ -300,12 +303,12 @@ def reference_rel_err(out: torch.Tensor, step: dict, attrs: dict, *, k_scale: fl
                       v_scale: float = 1.0) -> float:
     """max |out − reference| / max |reference|: the torch reference in fp32 over the pool as the kernel left it
     (its own write included), dequantized. The reference writes nothing (slots −1), so both read the same keys."""
-    from trtopt.plugins.paged_attention.reference import from_pool, paged_attention_ref
+    from trtopt.plugins.paged_attention.reference import from_pool, paged_attention_ref, pool_values
 
     pool = step["kv_cache"]
     plain = torch.empty(pool.shape, dtype=torch.float32, device=pool.device)
     plain[:, 0] = from_pool(pool[:, 0], k_scale, torch.float32)
-    plain[:, 1] = from_pool(pool[:, 1], v_scale, torch.float32)
+    plain[:, 1] = from_pool(pool_values(pool), v_scale, torch.float32)  # an FP8 pool's values in key order
     want, _ = paged_attention_ref(
         step["q"].float(), step["k"].float(), step["v"].float(), plain, step["block_tables"], step["seq_lens"],
         step["query_start_loc"], torch.full_like(step["slot_mapping"], -1), **attrs)

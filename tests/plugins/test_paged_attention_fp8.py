@@ -18,7 +18,7 @@ from trtopt.plugins import attach_functions, make_node
 from trtopt.plugins.paged_attention.cpu import paged_attention_cpu
 from trtopt.plugins.paged_attention.function import attach_fp8_kv_function, make_function
 from trtopt.plugins.paged_attention.reference import (
-    FP8_POOL_DTYPE, copy_blocks_ref, from_pool, paged_attention_ref, to_pool, write_kv,
+    FP8_POOL_DTYPE, copy_blocks_ref, from_pool, paged_attention_ref, pool_values, to_pool, write_kv,
 )
 
 F8 = FP8_POOL_DTYPE
@@ -33,6 +33,15 @@ STEPS = [  # (context_lens, new_tokens, skipped slots): mixed, decode-only, one 
 SCALES = [(1.0, 1.0), (0.5, 3.0)]  # vLLM's uncalibrated default, and scales that are not 1
 
 
+def fp8_pool_of(pool: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """The FP8 pool holding what the float pool ``pool`` holds, quantized: keys as they are, each block's values
+    transposed (reference.pool_values)."""
+    out = torch.empty(pool.shape, dtype=F8, device=pool.device)
+    out[:, 0] = to_pool(pool[:, 0], F8, k_scale)
+    pool_values(out).copy_(to_pool(pool[:, 1], F8, v_scale))
+    return out
+
+
 def fp8_step(seed: int, context_lens, new_tokens, skip, *, k_scale: float, v_scale: float, magnitude: float = 1.0):
     """make_step with its pool quantized to float8 (old tokens as an earlier step's write stored them)."""
     step = make_step(random.Random(seed), context_lens=context_lens, new_tokens=new_tokens, num_heads=NUM_HEADS,
@@ -40,7 +49,7 @@ def fp8_step(seed: int, context_lens, new_tokens, skip, *, k_scale: float, v_sca
     for name in ("q", "k", "v"):
         step[name] = step[name] * magnitude
     pool = step["kv_cache"] * magnitude
-    step["kv_cache"] = torch.stack([to_pool(pool[:, 0], F8, k_scale), to_pool(pool[:, 1], F8, v_scale)], dim=1)
+    step["kv_cache"] = fp8_pool_of(pool, k_scale, v_scale)
     return step
 
 
@@ -84,7 +93,7 @@ def test_write_kv_round_trip(k_scale, v_scale):
         if slot < 0:
             continue
         block, offset = divmod(slot, BLOCK_SIZE)
-        stored_k, stored_v = pool[block, 0, :, offset], pool[block, 1, :, offset]
+        stored_k, stored_v = pool[block, 0, :, offset], pool_values(pool)[block, :, offset]
         assert torch.equal(stored_k.view(torch.uint8), to_pool(k[0, :, t], F8, k_scale).view(torch.uint8))
         assert torch.equal(stored_v.view(torch.uint8), to_pool(v[0, :, t], F8, v_scale).view(torch.uint8))
         inside = k[0, :, t].abs() < 448 * k_scale
@@ -104,14 +113,15 @@ def test_reference_attends_over_the_dequantized_pool(case, k_scale, v_scale):
     out, pool = run_ref(step, k_scale=k_scale, v_scale=v_scale)
     plain = dict(step)
     plain["kv_cache"] = torch.stack([from_pool(step["kv_cache"][:, 0], k_scale, torch.float32),
-                                     from_pool(step["kv_cache"][:, 1], v_scale, torch.float32)], dim=1)
+                                     from_pool(pool_values(step["kv_cache"]), v_scale, torch.float32)], dim=1)
     plain["k"] = from_pool(to_pool(step["k"], F8, k_scale), k_scale, torch.float32)
     plain["v"] = from_pool(to_pool(step["v"], F8, v_scale), v_scale, torch.float32)
     expected_out, expected_pool = run_ref(plain, k_scale=1.0, v_scale=1.0)
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
     assert pool.dtype == F8
     torch.testing.assert_close(from_pool(pool[:, 0], k_scale, torch.float32), expected_pool[:, 0], rtol=0, atol=0)
-    torch.testing.assert_close(from_pool(pool[:, 1], v_scale, torch.float32), expected_pool[:, 1], rtol=0, atol=0)
+    torch.testing.assert_close(from_pool(pool_values(pool), v_scale, torch.float32), expected_pool[:, 1], rtol=0,
+                               atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -257,6 +267,34 @@ def test_triton_attention_reads_fp8_like_the_reference(kernel_device, case, k_sc
     torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_size,tile_n", [(32, 16), (8, 32), (16, 16)])
+def test_triton_attention_reads_fp8_values_across_block_and_tile_sizes(kernel_device, block_size, tile_n):
+    """The value tile is read as runs of keys, one run per block in the tile (`_fp8_value_tile`): a tile inside
+    one block (32/16), a tile of four blocks (8/32), one of each; contexts end mid-block and mid-tile, with NaN in
+    the slots past them, which no read may reach (a GPU run checks that: Triton's interpreter, 3.9, decodes 0x7F
+    as 480, which a zero probability cancels)."""
+    from trtopt.plugins.paged_attention.kernel import PagedLaunch, paged_attention_triton
+
+    step = make_step(random.Random(7), context_lens=[75, 40, 9], new_tokens=[1, 3, 9], num_heads=NUM_HEADS,
+                     num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=block_size, skip_slots=0)
+    step["kv_cache"] = fp8_pool_of(step["kv_cache"], 0.5, 3.0)
+    # Every slot past a sequence's keys in its last block holds NaN (0x7F): a read there would poison the output.
+    bytes_ = step["kv_cache"].view(torch.uint8)
+    for row, length in zip(step["block_tables"].tolist(), step["seq_lens"].tolist()):
+        last = row[(length - 1) // block_size]
+        bytes_[last, 0, :, length % block_size or block_size:] = 0x7F
+        pool_values(bytes_.view(F8))[last, :, length % block_size or block_size:] = float("nan")
+    step["k"], step["v"] = on_fp8_grid(step["k"], 0.5, kernel_device), on_fp8_grid(step["v"], 3.0, kernel_device)
+    expected_out, expected_pool = run_ref(step, k_scale=0.5, v_scale=3.0)
+    assert expected_out.isfinite().all()
+    args = [step[name].clone().to(kernel_device) for name in INPUT_NAMES]
+    launch = PagedLaunch(block_q=2, tile_n=tile_n, num_segments=2, num_warps=4, num_stages=1)
+    out, pool = paged_attention_triton(*args, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                                       scale=SCALE, k_scale=0.5, v_scale=3.0, launch=launch)
+    assert torch.equal(pool.cpu().view(torch.uint8), expected_pool.view(torch.uint8))
+    torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-4, atol=1e-4)
+
+
 def test_triton_copy_blocks_on_fp8_pools(kernel_device):
     from trtopt.plugins.paged_attention.kernel import copy_blocks_triton
 
@@ -291,3 +329,14 @@ def test_triton_rope_write_quantizes_like_rope_then_the_plain_write(kernel_devic
     q_out = rope_write_kv_triton(q, k, v, cos, sin, got, slots, k_scale=k_scale, v_scale=v_scale)
     assert torch.equal(got.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
     assert torch.equal(q_out.cpu(), rope_triton(q, cos, sin).cpu())
+
+
+def test_fp8_pool_whose_value_plane_is_not_contiguous_is_refused():
+    """The kernels address an FP8 pool's values as d·block_size + offset of a contiguous (block_size, D) plane; a
+    pool laid out otherwise is refused with a ValueError before any launch, not read wrongly."""
+    from trtopt.plugins.paged_attention.write_kv import fp8_constexprs
+
+    pool = torch.zeros(3, 2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=F8).transpose(-1, -2)  # D-major plane
+    with pytest.raises(ValueError, match="must be contiguous"):
+        fp8_constexprs(pool, 1.0, 1.0)
+    assert fp8_constexprs(pool.contiguous(), 0.5, 2.0) == dict(FP8_KV=True, K_SCALE=0.5, V_SCALE=2.0)

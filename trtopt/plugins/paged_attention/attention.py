@@ -25,7 +25,8 @@ size is independent of the pool's block size. Pool layout: [num_blocks, 2, Hkv, 
 
 An FP8 pool (float8_e4m3fn, kv_cache_dtype="fp8") is read with FP8_KV: each key and value tile is converted to fp16
 in registers (fp32 for fp32 models; exact: every e4m3 value is one), q and the probabilities are held in fp16 for
-the dots, and the dots accumulate in fp32 as for every pool.
+the dots, and the dots accumulate in fp32 as for every pool. Its values are stored [D, block_size] per block, and
+read so (`_fp8_value_tile`).
 The scales (constexprs, write_kv.py says why) multiply the [BLOCK_M, TILE_N] scores and probabilities, not the
 [TILE_N, D] tiles: a per-element multiply of every key and value cost FP8 pools a quarter of their decode speed-up
 (docs/benchmarks/attention_h100.json, before and after). Its writes quantize (write_kv.py), the RoPE-fused one
@@ -129,6 +130,40 @@ def _key_range(context, q_first, n_new, seq_len, sliding_window,
 
 
 @triton.jit
+def _fp8_value_tile(v_head, table, n0, key_end, stride_cb, offs_d, d_ok,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """Values of keys [n0, n0 + TILE_N) of an FP8 pool as a [TILE_N, BLOCK_D] tile (zero past key_end).
+
+    An FP8 pool stores each block's values as [D, block_size] (reference.pool_values), so the tile is RUNS runs
+    of RUN keys, each run a [BLOCK_D, RUN] slab of one block with its keys contiguous: loaded as such and permuted
+    to key-major in registers. Stored [block_size, D], the P·V dot needed each tile transposed on the way in, which
+    Triton gathers from shared memory one byte per load for 8-bit data; read this way the B64·L4096 decode timed
+    1.69× bf16 against 1.29× (H200, docs/benchmarks/probe_fp8_value_layout_h200.json)."""
+    RUN: tl.constexpr = TILE_N if TILE_N < BLOCK_SIZE else BLOCK_SIZE
+    RUNS: tl.constexpr = TILE_N // RUN
+    first = n0 + tl.arange(0, RUNS) * RUN  # each run's first key
+    offs_o = tl.arange(0, RUN)
+    if MASKED:
+        blocks = tl.load(table + first // BLOCK_SIZE, mask=first < key_end, other=0).to(tl.int64)
+    else:
+        blocks = tl.load(table + first // BLOCK_SIZE).to(tl.int64)
+    if TILE_N >= BLOCK_SIZE:
+        runs = blocks * stride_cb  # whole blocks: every run starts a block (and the compiler sees the alignment)
+    else:
+        runs = blocks * stride_cb + tl.multiple_of(n0 % BLOCK_SIZE, RUN)  # the tile is one run inside a block
+    ptr = v_head + runs[:, None, None] + (offs_d * BLOCK_SIZE)[None, :, None] + offs_o[None, None, :]
+    if MASKED:  # 0 past key_end: a slot not yet written may hold any byte, NaN included, and 0 · NaN is NaN
+        visible = (first[:, None] + offs_o[None, :]) < key_end  # [RUNS, RUN]
+        v = tl.load(ptr, mask=visible[:, None, :] & d_ok[None, :, None], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        v = tl.load(ptr, mask=d_ok[None, :, None], other=0.0)
+    else:
+        v = tl.load(ptr)
+    return tl.reshape(tl.permute(v, (0, 2, 1)), (TILE_N, BLOCK_D))
+
+
+@triton.jit
 def _attend_key_tiles(
     acc, l_i, m_i, q,  # acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i: [BLOCK_M]; q: [BLOCK_M, BLOCK_D]
     k_head, table, start, end, key_end, pos, row_ok, slope, qk_scale, sliding_window,
@@ -186,7 +221,10 @@ def _attend_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED or BLOCK_D != HEAD_DIM:
+        if FP8_KV:
+            v = _fp8_value_tile(k_head + stride_ckv, table, n0, key_end, stride_cb, offs_d, d_ok,
+                                HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, MASKED)
+        elif MASKED or BLOCK_D != HEAD_DIM:
             v = tl.load(kv_ptr + stride_ckv, mask=kv_mask, other=0.0)  # v: [TILE_N, BLOCK_D]
         else:
             v = tl.load(kv_ptr + stride_ckv)

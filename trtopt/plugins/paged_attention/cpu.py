@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trtopt.plugins.paged_attention.reference import from_pool, paged_attention_ref, write_kv
+from trtopt.plugins.paged_attention.reference import from_pool, paged_attention_ref, pool_values, write_kv
 
 
 def _gather_blocks(kv_cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +26,7 @@ def _gather_blocks(kv_cache: torch.Tensor, tables: torch.Tensor, num_blocks: int
     blocks = kv_cache[tables[:, :num_blocks].long()]  # [S, nb, 2, Hkv, bs, D]
     S, nb, _, hkv, bs, d = blocks.shape
     keys = blocks[:, :, 0].transpose(1, 2).reshape(S, hkv, nb * bs, d)
-    values = blocks[:, :, 1].transpose(1, 2).reshape(S, hkv, nb * bs, d)
+    values = pool_values(blocks).transpose(1, 2).reshape(S, hkv, nb * bs, d)
     return keys, values
 
 

@@ -18,7 +18,8 @@ attach_fp8_kv_function): k / k_scale and v / v_scale are cast to float8_e4m3fn (
 and the keys and values read are × scale in fp32. ONNX Runtime's CPU ScatterND and Gather take no float8 tensors, so
 this body widens the pool to float16 (exact: every float8_e4m3fn value is a float16) to write and read it, and
 narrows the written pool back (exact again): two casts of the pool per layer and step, a price only the portable
-ORT path pays.
+ORT path pays. It also moves the values between their stored [D, block_size] per block and key order on the way
+(`value_layout`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,30 @@ from trtopt.plugins.paged_attention.schema import INPUTS, OP_TYPE, OUTPUTS, SCHE
 FP8_MIN_OPSET = 19  # Cast to and from float8 types came with opset 19
 
 
+def value_layout(b: BodyBuilder, pool: str, *, to_key_order: bool) -> str:
+    """An FP8 pool's values between how they are stored, [D, block_size] per block (reference.pool_values), and
+    key order, [block_size, D]; ``pool`` is the pool's float16 widening [NB, 2, Hkv, bs, D], keys unchanged."""
+    shape = b.op("Shape", pool)  # [5]
+    keys = b.op("Slice", pool, b.ints(0), b.ints(1), b.ints(1))  # [NB, 1, Hkv, bs, D]
+    values = b.op("Slice", pool, b.ints(1), b.ints(2), b.ints(1))
+    lead = b.op("Concat", b.op("Slice", shape, b.ints(0), b.ints(1)), b.ints(1),
+                b.op("Slice", shape, b.ints(2), b.ints(3)), axis=0)  # [NB, 1, Hkv]
+    block_size, head_dim = b.op("Slice", shape, b.ints(3), b.ints(4)), b.op("Slice", shape, b.ints(4), b.ints(5))
+    if to_key_order:  # the stored [bs, D] plane read as [D, bs], then transposed
+        values = b.op("Transpose", b.op("Reshape", values, b.op("Concat", lead, head_dim, block_size, axis=0)),
+                      perm=[0, 1, 2, 4, 3])
+    else:
+        values = b.op("Reshape", b.op("Transpose", values, perm=[0, 1, 2, 4, 3]),
+                      b.op("Concat", lead, block_size, head_dim, axis=0))
+    return b.op("Concat", keys, values, axis=1)
+
+
 def write_kv(b: BodyBuilder, *, fp8: bool = False) -> tuple[str, str]:
     """Step 1: scatter k and v into the pool at slot_mapping. Returns (kv_cache_out, the written pool as step 2
-    reads it): the same tensor, or for an FP8 pool its float16 widening."""
-    # An FP8 pool is read through its float16 widening (ORT's CPU Shape takes no float8 either).
-    pool = b.op("Cast", "kv_cache", to=TensorProto.FLOAT16) if fp8 else "kv_cache"
+    reads it): the same tensor, or for an FP8 pool its float16 widening with the values in key order."""
+    # An FP8 pool is read through its float16 widening (ORT's CPU Shape takes no float8 either), values in key order.
+    pool = (value_layout(b, b.op("Cast", "kv_cache", to=TensorProto.FLOAT16), to_key_order=True) if fp8
+            else "kv_cache")
     num_kv_heads = b.dim("k", 1)  # [1]
     block_size = b.dim(pool, 3)  # [1]
     head_dim = b.dim(pool, 4)  # [1]
@@ -68,7 +88,8 @@ def write_kv(b: BodyBuilder, *, fp8: bool = False) -> tuple[str, str]:
     rows = b.op("ScatterND", rows, indices, updates)
     if fp8:
         written = b.op("Reshape", rows, b.op("Shape", pool))
-        return b.op("Cast", written, to=TensorProto.FLOAT8E4M3FN, saturate=1, name="kv_cache_out"), written
+        stored = value_layout(b, written, to_key_order=False)
+        return b.op("Cast", stored, to=TensorProto.FLOAT8E4M3FN, saturate=1, name="kv_cache_out"), written
     out = b.op("Reshape", rows, b.op("Shape", "kv_cache"), name="kv_cache_out")
     return out, out
 

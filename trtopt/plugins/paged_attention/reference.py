@@ -7,7 +7,10 @@ It reads ``query_start_loc`` and ``seq_lens`` on the host to slice per sequence 
 so it is correct on CUDA too, just not capturable in a CUDA graph; the kernel is the path for that.
 
 FP8 pools (float8_e4m3fn, schema.py's kv_cache_dtype="fp8"): ``to_pool`` is the write's quantization and
-``from_pool`` the read's dequantization; every other face matches them.
+``from_pool`` the read's dequantization; every other face matches them. An FP8 pool also stores each block's values
+transposed, [D, block_size] in the place of [block_size, D] (vLLM's value-cache layout): the attention's P·V dot
+reduces over keys, and 8-bit tiles whose keys are contiguous load without a byte-by-byte transpose (attention.py).
+``pool_values`` is the values in key order, as a view that writes go through.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ def from_pool(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor
     return (x if scale == 1.0 else x * scale).to(dtype)
 
 
+def pool_values(kv: torch.Tensor) -> torch.Tensor:
+    """The values of a pool, or of blocks gathered from one ([..., 2, Hkv, block_size, D]), as [..., Hkv,
+    block_size, D] in key order: kv[..., 1, :, :, :], or for an FP8 pool that half read as [D, block_size] per
+    block and transposed. A view (writes through it land in the pool); the (block_size, D) plane must be
+    contiguous."""
+    values = kv.select(-4, 1)
+    if kv.dtype != FP8_POOL_DTYPE:
+        return values
+    *lead, block_size, head_dim = values.shape
+    return values.view(*lead, head_dim, block_size).transpose(-1, -2)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
     k_scale: float = 1.0, v_scale: float = 1.0,
@@ -52,7 +67,7 @@ def write_kv(
     blocks, offsets = slots // block_size, slots % block_size
     # The advanced indices (blocks, 0, offsets) are split by a slice, so the selection is [n, Hkv, D].
     kv_cache[blocks, 0, :, offsets, :] = to_pool(k[0].transpose(0, 1)[keep], kv_cache.dtype, k_scale)
-    kv_cache[blocks, 1, :, offsets, :] = to_pool(v[0].transpose(0, 1)[keep], kv_cache.dtype, v_scale)
+    pool_values(kv_cache)[blocks, :, offsets, :] = to_pool(v[0].transpose(0, 1)[keep], kv_cache.dtype, v_scale)
 
 
 def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +77,7 @@ def gather_context(kv_cache: torch.Tensor, block_row: torch.Tensor, context_len:
     # index_select, not kv_cache[rows]: the advanced-indexing path is ~20x slower on CPU for this gather.
     blocks = kv_cache.index_select(0, block_row[:num_blocks].long())  # [nb, 2, Hkv, bs, D]
     keys = blocks[:, 0].transpose(0, 1).flatten(1, 2)[:, :context_len]  # [Hkv, L, D]
-    values = blocks[:, 1].transpose(0, 1).flatten(1, 2)[:, :context_len]
+    values = pool_values(blocks).transpose(0, 1).flatten(1, 2)[:, :context_len]
     return keys, values
 
 

@@ -23,6 +23,9 @@ sliding_window (int, default 0 = none); plus plugin_namespace="trtopt" on every 
 FP8 KV cache (`trtopt build --kv-cache-dtype fp8`, docs/architecture.md §3): kv_cache_dtype="fp8" and the layer's
 float32 k_scale and v_scale, written only on such nodes (omittable: other plans' nodes do not carry them). The
 write stores saturate(x / scale) rounded to the nearest float8_e4m3fn, the read computes in fp32 with value × scale.
+An FP8 pool keeps the declared shape but stores each block's values transposed: kv_cache[b, 1, h] holds value d of
+the key at offset o at d·block_size + o of its (block_size, D) plane, which must be contiguous (vLLM's value-cache
+layout; reference.pool_values reads it in key order, and attention.py `_fp8_value_tile` says why).
 Scales are attributes, not inputs: they are per-layer build-time constants, as ``scale`` is (TensorRT AOT bakes them
 into the kernel like it; an input would be a device load per program and an extra entry in the plugin's fixed input
 list), and an optional input would get attach_functions' zero initializer in every plan, where zero is no scale.

@@ -10,7 +10,9 @@ nodes into this op, fx_fusions.py).
 
 An FP8 pool (float8_e4m3fn) is written by either kernel with FP8_KV: x / scale in fp32, saturated to ±448, and
 the store's conversion rounds to the nearest even (reference.to_pool). The scales are constexprs, as the score scale
-is in TensorRT's AOT kernel: per-layer build-time constants (1.0 without calibration, one compilation for all).
+is in TensorRT's AOT kernel: per-layer build-time constants (1.0 without calibration, one compilation for all). Its
+values go in transposed, value d of a token at d·block_size + offset of its block's value half (reference.
+pool_values; `value_offsets`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ from trtopt.plugins.rope.kernel import rotate_half_rows
 from trtopt.signature import FP8_E4M3_MAX
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Where value d of the token at ``offset`` in its block goes, from the block's value half: offset·stride_co +
+    d·stride_cd, or in an FP8 pool, whose values are stored [D, block_size] (a contiguous plane: the launches check),
+    d·BLOCK_SIZE + offset."""
+    if FP8_KV:
+        return offs_d * BLOCK_SIZE + offset
+    return offset * stride_co + offs_d * stride_cd
 
 
 @triton.jit
@@ -49,12 +61,13 @@ def _write_kv_kernel(
     # k, v: [BLOCK_H, BLOCK_D] for this token
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    dst = Cache + block * stride_cb + offset * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    head = Cache + block * stride_cb + offs_h[:, None] * stride_ch
     if FP8_KV:  # quantize: x / scale in fp32, saturated (−0 stays −0); the cast below rounds to nearest even
         k = tl.minimum(tl.maximum(k.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
-    tl.store(dst, k.to(Cache.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_ckv, v.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(head + offset * stride_co + offs_d[None, :] * stride_cd, k.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(head + stride_ckv + value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV, BLOCK_SIZE)[None, :],
+             v.to(Cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,19 +122,29 @@ def _rope_write_kv_kernel(
             k2 = tl.minimum(tl.maximum(k2.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
             v1 = tl.minimum(tl.maximum(v1.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
             v2 = tl.minimum(tl.maximum(v2.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
-        kv_dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + hk[:, None] * stride_ch
-        tl.store(kv_dst + offs[None, :] * stride_cd, k1.to(Cache.dtype.element_ty), mask=mk)
-        tl.store(kv_dst + (offs + HALF)[None, :] * stride_cd, k2.to(Cache.dtype.element_ty), mask=mk)
-        tl.store(kv_dst + stride_ckv + offs[None, :] * stride_cd, v1.to(Cache.dtype.element_ty), mask=mk)
-        tl.store(kv_dst + stride_ckv + (offs + HALF)[None, :] * stride_cd, v2.to(Cache.dtype.element_ty), mask=mk)
+        offset = slot % BLOCK_SIZE
+        head = Cache + (slot // BLOCK_SIZE) * stride_cb + hk[:, None] * stride_ch
+        k_dst = head + offset * stride_co
+        tl.store(k_dst + offs[None, :] * stride_cd, k1.to(Cache.dtype.element_ty), mask=mk)
+        tl.store(k_dst + (offs + HALF)[None, :] * stride_cd, k2.to(Cache.dtype.element_ty), mask=mk)
+        v_dst = head + stride_ckv
+        tl.store(v_dst + value_offsets(offset, offs, stride_co, stride_cd, FP8_KV, BLOCK_SIZE)[None, :],
+                 v1.to(Cache.dtype.element_ty), mask=mk)
+        tl.store(v_dst + value_offsets(offset, offs + HALF, stride_co, stride_cd, FP8_KV, BLOCK_SIZE)[None, :],
+                 v2.to(Cache.dtype.element_ty), mask=mk)
+
 
 def fp8_constexprs(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> dict:
-    """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch: an FP8 pool's, or the kernels' defaults for any other
-    pool. Always all three: the launcher keeps a compiled kernel (and prepares cuLaunchKernel launches) only for
-    calls that pass every parameter, so leaving a defaulted constexpr out sends each launch through Triton's
-    dispatcher (plugins/launcher.py `_launch_kept`)."""
+    """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch: an FP8 pool's (after checking that its values' plane
+    is contiguous, `value_offsets`), or the kernels' defaults for any other pool. Always all three: the launcher
+    keeps a compiled kernel (and prepares cuLaunchKernel launches) only for calls that pass every parameter, so
+    leaving a defaulted constexpr out sends each launch through Triton's dispatcher (plugins/launcher.py
+    `_launch_kept`)."""
     if kv_cache.dtype != FP8_POOL_DTYPE:
         return dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)
+    if kv_cache.stride(-1) != 1 or kv_cache.stride(-2) != kv_cache.shape[-1]:
+        raise ValueError("an FP8 pool stores each block's values as [head_dim, block_size] in its (block_size, "
+                         f"head_dim) plane, which must be contiguous; got strides {kv_cache.stride()}")
     return dict(FP8_KV=True, K_SCALE=float(k_scale), V_SCALE=float(v_scale))
 
 

@@ -144,8 +144,14 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
     if slot >= 0:
         kv = is_v.to(tl.int64)
         hk = (head_p - NUM_HEADS - kv * NUM_KV_HEADS).to(tl.int64)
-        dst = (Cache + (slot // POOL_BLOCK) * stride_cb + (slot % POOL_BLOCK) * stride_co + kv * stride_ckv
-               + hk * stride_ch + j_p * stride_cd)
+        offset = slot % POOL_BLOCK
+        if FP8_KV:  # an FP8 pool's values are stored [D, block_size] per block (write_kv.py `value_offsets`)
+            in_block = tl.where(is_v, j_p * POOL_BLOCK + offset, offset * stride_co + j_p * stride_cd)
+            half_step = tl.where(is_v, HALF * POOL_BLOCK, HALF * stride_cd)
+        else:
+            in_block = offset * stride_co + j_p * stride_cd
+            half_step = HALF * stride_cd
+        dst = Cache + (slot // POOL_BLOCK) * stride_cb + kv * stride_ckv + hk * stride_ch + in_block
         kv_ok = ok & (head_p >= NUM_HEADS)
         # (new names: a runtime branch may not give y1/y2 another type, which the interpreter does not notice)
         if FP8_KV:
@@ -155,7 +161,7 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
         else:
             pool1, pool2 = y1, y2
         tl.store(dst, pool1.to(Cache.dtype.element_ty), mask=kv_ok)
-        tl.store(dst + HALF * stride_cd, pool2.to(Cache.dtype.element_ty), mask=kv_ok)
+        tl.store(dst + half_step, pool2.to(Cache.dtype.element_ty), mask=kv_ok)
 
 
 def default_config(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
