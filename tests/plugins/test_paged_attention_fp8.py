@@ -267,16 +267,16 @@ def test_triton_attention_reads_fp8_like_the_reference(kernel_device, case, k_sc
     torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("block_size,tile_n", [(32, 16), (8, 32), (16, 16)])
-def test_triton_attention_reads_fp8_values_across_block_and_tile_sizes(kernel_device, block_size, tile_n):
+@pytest.mark.parametrize("block_size,tile_n,head_dim", [(32, 16, 16), (8, 32, 16), (16, 16, 16), (16, 32, 24)])
+def test_triton_attention_reads_fp8_values_across_block_and_tile_sizes(kernel_device, block_size, tile_n, head_dim):
     """The value tile is read as runs of keys, one run per block in the tile (`_fp8_value_tile`): a tile inside
-    one block (32/16), a tile of four blocks (8/32), one of each; contexts end mid-block and mid-tile, with NaN in
-    the slots past them, which no read may reach (a GPU run checks that: Triton's interpreter, 3.9, decodes 0x7F
-    as 480, which a zero probability cancels)."""
+    one block (32/16), a tile of four blocks (8/32), one of each, and a head size padded in the kernel (24 → 32).
+    Contexts end mid-block and mid-tile, with NaN in the slots past them, which no read may reach (a GPU run
+    checks that: Triton's interpreter, 3.9, decodes 0x7F as 480, which a zero probability cancels)."""
     from trtopt.plugins.paged_attention.kernel import PagedLaunch, paged_attention_triton
 
     step = make_step(random.Random(7), context_lens=[75, 40, 9], new_tokens=[1, 3, 9], num_heads=NUM_HEADS,
-                     num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=block_size, skip_slots=0)
+                     num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, block_size=block_size, skip_slots=0)
     step["kv_cache"] = fp8_pool_of(step["kv_cache"], 0.5, 3.0)
     # Every slot past a sequence's keys in its last block holds NaN (0x7F): a read there would poison the output.
     bytes_ = step["kv_cache"].view(torch.uint8)
@@ -285,11 +285,13 @@ def test_triton_attention_reads_fp8_values_across_block_and_tile_sizes(kernel_de
         bytes_[last, 0, :, length % block_size or block_size:] = 0x7F
         pool_values(bytes_.view(F8))[last, :, length % block_size or block_size:] = float("nan")
     step["k"], step["v"] = on_fp8_grid(step["k"], 0.5, kernel_device), on_fp8_grid(step["v"], 3.0, kernel_device)
-    expected_out, expected_pool = run_ref(step, k_scale=0.5, v_scale=3.0)
+    args = [step[name].clone() for name in INPUT_NAMES]
+    expected_out, expected_pool = paged_attention_ref(*args, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                                                      head_dim=head_dim, scale=SCALE, k_scale=0.5, v_scale=3.0)
     assert expected_out.isfinite().all()
     args = [step[name].clone().to(kernel_device) for name in INPUT_NAMES]
     launch = PagedLaunch(block_q=2, tile_n=tile_n, num_segments=2, num_warps=4, num_stages=1)
-    out, pool = paged_attention_triton(*args, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+    out, pool = paged_attention_triton(*args, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
                                        scale=SCALE, k_scale=0.5, v_scale=3.0, launch=launch)
     assert torch.equal(pool.cpu().view(torch.uint8), expected_pool.view(torch.uint8))
     torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-4, atol=1e-4)
