@@ -37,7 +37,7 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
-from trtopt.plugins.paged_attention.write_kv import FP8_MAX, fp8_constexprs
+from trtopt.plugins.paged_attention.write_kv import FP8_MAX, fp8_constexprs, value_offsets
 from trtopt.plugins.rope.kernel import rotate_half_rows
 
 MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in registers beside the weight tile
@@ -145,13 +145,12 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
         kv = is_v.to(tl.int64)
         hk = (head_p - NUM_HEADS - kv * NUM_KV_HEADS).to(tl.int64)
         offset = slot % POOL_BLOCK
-        if FP8_KV:  # an FP8 pool's values are stored [D, block_size] per block (write_kv.py `value_offsets`)
-            in_block = tl.where(is_v, j_p * POOL_BLOCK + offset, offset * stride_co + j_p * stride_cd)
-            half_step = tl.where(is_v, HALF * POOL_BLOCK, HALF * stride_cd)
-        else:
-            in_block = offset * stride_co + j_p * stride_cd
-            half_step = HALF * stride_cd
-        dst = Cache + (slot // POOL_BLOCK) * stride_cb + kv * stride_ckv + hk * stride_ch + in_block
+        head = Cache + (slot // POOL_BLOCK) * stride_cb + kv * stride_ckv + hk * stride_ch
+        # a key row's place in its block, or a value row's (write_kv.py `value_offsets`: an FP8 pool's are transposed)
+        dst1 = head + tl.where(is_v, value_offsets(offset, j_p, stride_co, stride_cd, FP8_KV, POOL_BLOCK),
+                               offset * stride_co + j_p * stride_cd)
+        dst2 = head + tl.where(is_v, value_offsets(offset, j_p + HALF, stride_co, stride_cd, FP8_KV, POOL_BLOCK),
+                               offset * stride_co + (j_p + HALF) * stride_cd)
         kv_ok = ok & (head_p >= NUM_HEADS)
         # (new names: a runtime branch may not give y1/y2 another type, which the interpreter does not notice)
         if FP8_KV:
@@ -160,8 +159,8 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
             pool2 = tl.minimum(tl.maximum(y2.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
         else:
             pool1, pool2 = y1, y2
-        tl.store(dst, pool1.to(Cache.dtype.element_ty), mask=kv_ok)
-        tl.store(dst + half_step, pool2.to(Cache.dtype.element_ty), mask=kv_ok)
+        tl.store(dst1, pool1.to(Cache.dtype.element_ty), mask=kv_ok)
+        tl.store(dst2, pool2.to(Cache.dtype.element_ty), mask=kv_ok)
 
 
 def default_config(m: int, n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
