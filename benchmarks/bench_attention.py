@@ -279,19 +279,6 @@ def bench_decode(copy_tbs: float) -> list[dict]:
     return rows
 
 
-def fp8_pool(pool: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
-    """The pool as a float8_e4m3fn pool stores it: K / k_scale and V / v_scale, saturated (reference.to_pool), each
-    block's values transposed (reference.pool_values)."""
-    from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE, pool_values, to_pool
-
-    out = torch.empty(pool.shape, dtype=FP8_POOL_DTYPE, device=pool.device)
-    # one half at a time: the fp32 temporaries are the peak memory
-    out.view(torch.uint8)[:, 0] = to_pool(pool[:, 0], FP8_POOL_DTYPE, k_scale).view(torch.uint8)
-    pool_values(out.view(torch.uint8).view(FP8_POOL_DTYPE)).view(torch.uint8).copy_(
-        to_pool(pool[:, 1], FP8_POOL_DTYPE, v_scale).view(torch.uint8))
-    return out
-
-
 def amax_scales(pool: torch.Tensor) -> tuple[float, float]:
     """Per-tensor k_scale, v_scale = amax / 448: what a calibration of this pool would set (benchmarks/fp8_kv.py)."""
     from trtopt.signature import FP8_E4M3_MAX
@@ -376,6 +363,7 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=DECODE_SHAPES, device: torch.dev
     FP8 pool under other tilings too (fp8_tiling_sweep), graph replays against the planned call's graph replay."""
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton, plan_paged_launch
     from trtopt.plugins.paged_attention.planning import _device_sm_count
+    from trtopt.plugins.paged_attention.reference import quantized_pool
 
     paged = functools.partial(paged_attention_triton, state=PagedLaunchState())
     base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
@@ -394,7 +382,7 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=DECODE_SHAPES, device: torch.dev
                "split_kv": plan.num_segments > 1, "k_scale": k_scale, "v_scale": v_scale, "copy_tbs": copy_tbs,
                "baseline": base}
         cells = {base: (step, {}),
-                 "fp8": ({**step, "kv_cache": fp8_pool(step["kv_cache"], k_scale, v_scale)},
+                 "fp8": ({**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)},
                          dict(k_scale=k_scale, v_scale=v_scale))}
         outs = {}
         for name, (s, scales) in cells.items():

@@ -18,7 +18,7 @@ from trtopt.plugins import attach_functions, make_node
 from trtopt.plugins.paged_attention.cpu import paged_attention_cpu
 from trtopt.plugins.paged_attention.function import attach_fp8_kv_function, make_function
 from trtopt.plugins.paged_attention.reference import (
-    FP8_POOL_DTYPE, copy_blocks_ref, from_pool, paged_attention_ref, pool_values, to_pool, write_kv,
+    FP8_POOL_DTYPE, copy_blocks_ref, from_pool, paged_attention_ref, pool_values, quantized_pool, to_pool, write_kv,
 )
 
 F8 = FP8_POOL_DTYPE
@@ -33,15 +33,6 @@ STEPS = [  # (context_lens, new_tokens, skipped slots): mixed, decode-only, one 
 SCALES = [(1.0, 1.0), (0.5, 3.0)]  # vLLM's uncalibrated default, and scales that are not 1
 
 
-def fp8_pool_of(pool: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
-    """The FP8 pool holding what the float pool ``pool`` holds, quantized: keys as they are, each block's values
-    transposed (reference.pool_values)."""
-    out = torch.empty(pool.shape, dtype=F8, device=pool.device)
-    out[:, 0] = to_pool(pool[:, 0], F8, k_scale)
-    pool_values(out).copy_(to_pool(pool[:, 1], F8, v_scale))
-    return out
-
-
 def fp8_step(seed: int, context_lens, new_tokens, skip, *, k_scale: float, v_scale: float, magnitude: float = 1.0):
     """make_step with its pool quantized to float8 (old tokens as an earlier step's write stored them)."""
     step = make_step(random.Random(seed), context_lens=context_lens, new_tokens=new_tokens, num_heads=NUM_HEADS,
@@ -49,7 +40,7 @@ def fp8_step(seed: int, context_lens, new_tokens, skip, *, k_scale: float, v_sca
     for name in ("q", "k", "v"):
         step[name] = step[name] * magnitude
     pool = step["kv_cache"] * magnitude
-    step["kv_cache"] = fp8_pool_of(pool, k_scale, v_scale)
+    step["kv_cache"] = quantized_pool(pool, k_scale, v_scale)
     return step
 
 
@@ -277,7 +268,7 @@ def test_triton_attention_reads_fp8_values_across_block_and_tile_sizes(kernel_de
 
     step = make_step(random.Random(7), context_lens=[75, 40, 9], new_tokens=[1, 3, 9], num_heads=NUM_HEADS,
                      num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, block_size=block_size, skip_slots=0)
-    step["kv_cache"] = fp8_pool_of(step["kv_cache"], 0.5, 3.0)
+    step["kv_cache"] = quantized_pool(step["kv_cache"], 0.5, 3.0)
     # Every slot past a sequence's keys in its last block holds NaN (0x7F): a read there would poison the output.
     bytes_ = step["kv_cache"].view(torch.uint8)
     for row, length in zip(step["block_tables"].tolist(), step["seq_lens"].tolist()):

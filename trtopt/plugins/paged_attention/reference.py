@@ -52,6 +52,16 @@ def pool_values(kv: torch.Tensor) -> torch.Tensor:
     return values.view(*lead, head_dim, block_size).transpose(-1, -2)
 
 
+def quantized_pool(pool: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """The FP8 pool that holds what the float pool ``pool`` [num_blocks, 2, Hkv, block_size, D] holds: keys
+    k / k_scale and values v / v_scale as to_pool stores them, the values transposed as ``pool_values`` reads
+    them. One half at a time (the fp32 temporaries are the peak memory), through byte views."""
+    out = torch.empty(pool.shape, dtype=FP8_POOL_DTYPE, device=pool.device)
+    out.view(torch.uint8)[:, 0] = to_pool(pool[:, 0], FP8_POOL_DTYPE, k_scale).view(torch.uint8)
+    pool_values(out).view(torch.uint8).copy_(to_pool(pool[:, 1], FP8_POOL_DTYPE, v_scale).view(torch.uint8))
+    return out
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
     k_scale: float = 1.0, v_scale: float = 1.0,
