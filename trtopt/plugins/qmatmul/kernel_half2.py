@@ -229,6 +229,33 @@ def _x_half2(x_row, x_off, x_ok, up, WORDS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _fold_row(part, s, down, acc, acc0, acc1, offs_r, r: tl.constexpr, ROWS: tl.constexpr):
+    """Row r's products of one K tile (part [BLOCK_N, TILE_GROUPS, WORDS]) × their group scales s, into the
+    accumulators: one or two rows keep a tile-shaped partial each (acc0, acc1), reduced once by `_row_sums`; more
+    rows reduce each tile into acc's row r, × down (2^-e of that row). Returns (acc, acc0, acc1)."""
+    if ROWS <= 2:
+        if r == 0:
+            acc0 += part * s
+        else:
+            acc1 += part * s
+    else:
+        part = tl.sum(tl.sum(part * s, axis=2), axis=1) * down
+        acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
+    return acc, acc0, acc1
+
+
+@triton.jit
+def _row_sums(acc, acc0, acc1, down0, down1, offs_r, ROWS: tl.constexpr):
+    """acc with rows 0 and 1 set to their partials' sums × down0, down1, where `_fold_row` kept partials (ROWS
+    <= 2); as it is for more rows."""
+    if ROWS <= 2:
+        acc = tl.where(offs_r[:, None] == 0, (tl.sum(tl.sum(acc0, axis=2), axis=1) * down0)[None, :], acc)
+        if ROWS == 2:
+            acc = tl.where(offs_r[:, None] == 1, (tl.sum(tl.sum(acc1, axis=2), axis=1) * down1)[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stride_ym,
                       ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
                       GROUP: tl.constexpr, GROUPS: tl.constexpr, TILE_GROUPS: tl.constexpr, K_TILES: tl.constexpr,
@@ -261,23 +288,14 @@ def _qgemv_int4_half2(X, W, S, Z, Y, M, N, stride_xm, stride_wn, stride_sn, stri
             x_ok = offs_g[None, :, None] < tl.where(row0 + r < M, GROUPS, 0)  # a row past M reads nothing
             if ROWS <= 2:
                 up = up0 if r == 0 else up1
+                down = down0 if r == 0 else down1
             else:
                 up, down = _row_scale(X + (row0 + r) * stride_xm, tl.where(row0 + r < M, K, 0), K, X_CHUNK,
                                       ROW_SCALE_TOP)
             x0, x1, x2, x3 = _x_half2(X + (row0 + r) * stride_xm, x_off, x_ok, up, WORDS, ASM)
             part = _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM)  # [BLOCK_N, TILE_GROUPS, WORDS]
-            if ROWS <= 2:
-                if r == 0:
-                    acc0 += part * s
-                else:
-                    acc1 += part * s
-            else:
-                part = tl.sum(tl.sum(part * s, axis=2), axis=1) * down
-                acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
-    if ROWS <= 2:  # 2^-e once, on the row's sum
-        acc = tl.where(offs_r[:, None] == 0, (tl.sum(tl.sum(acc0, axis=2), axis=1) * down0)[None, :], acc)
-        if ROWS == 2:
-            acc = tl.where(offs_r[:, None] == 1, (tl.sum(tl.sum(acc1, axis=2), axis=1) * down1)[None, :], acc)
+            acc, acc0, acc1 = _fold_row(part, s, down, acc, acc0, acc1, offs_r, r, ROWS)
+    acc = _row_sums(acc, acc0, acc1, down0, down1, offs_r, ROWS)  # 2^-e once, on the row's sum
     rows = row0 + offs_r
     row_ok = (offs_r < ROWS) & (rows < M)  # this program's rows only, as in kernel.py
     out = Y + rows[:, None] * stride_ym + offs_n[None, :]
@@ -341,18 +359,8 @@ def _qgemv_int4_xp(XP, DOWN, W, S, Z, Y, M, N, stride_wn, stride_sn, stride_ym,
             x2 = tl.load(xp + 2 * KW, mask=x_ok, other=0)
             x3 = tl.load(xp + 3 * KW, mask=x_ok, other=0)
             part = _dot8(w0, w1, w2, w3, x0, x1, x2, x3, ASM)  # [BLOCK_N, TILE_GROUPS, WORDS]
-            if ROWS <= 2:
-                if r == 0:
-                    acc0 += part * s
-                else:
-                    acc1 += part * s
-            else:
-                part = tl.sum(tl.sum(part * s, axis=2), axis=1)
-                acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
-    if ROWS <= 2:
-        acc = tl.where(offs_r[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], acc)
-        if ROWS == 2:
-            acc = tl.where(offs_r[:, None] == 1, tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :], acc)
+            acc, acc0, acc1 = _fold_row(part, s, 1.0, acc, acc0, acc1, offs_r, r, ROWS)  # 2^-e after the loop
+    acc = _row_sums(acc, acc0, acc1, 1.0, 1.0, offs_r, ROWS)
     rows = row0 + offs_r
     row_ok = (offs_r < ROWS) & (rows < M)
     acc *= tl.load(DOWN + rows, mask=row_ok, other=0.0)[:, None]  # 2^-e once, on the row's sum
