@@ -48,6 +48,12 @@ DECODE_SHAPES = [  # (batch, q heads, kv heads, context, head_dim), bf16, one ne
     (1, 32, 8, 32768, 128),
     (16, 32, 8, 8192, 128),
 ]
+# decode_fp8 also times the end-to-end benchmark model's attention (gpu_e2e.py: Llama-3.2-1B's shape, head_dim 64)
+# at batch 1 after a short and a long prompt, whose engine rows timed FP8 pools 0.95x bf16 (fp8_kv_e2e_h200.json).
+FP8_DECODE_SHAPES = DECODE_SHAPES + [
+    (1, 32, 8, 128, 64),
+    (1, 32, 8, 8192, 64),
+]
 BLOCK_SIZE = 16
 # decode_fp8 under --smoke (CPU, Triton interpreter): DECODE_SHAPES scaled down, in float32 (the interpreter's bf16
 # dots are wrong: the kernel tests run bf16 on GPUs only). The interpreter plans at most 4 key segments for 4 "SMs"
@@ -328,17 +334,18 @@ def fp8_speedups(row: dict, base: str) -> dict:
 
 
 def fp8_tiling_sweep(call, planned_out: torch.Tensor, plan, kv_bytes: int, device: torch.device) -> list[dict]:
-    """The FP8 pool's step under tilings around its plan (key tile × segments × warps, and × stages without
-    split-KV), replayed from CUDA graphs on a GPU (a launch given is not planned: each call goes through Triton's
-    dispatcher). Whether FP8 pools want other plans: plan_paged_launch's thresholds come from bf16 sweeps."""
+    """The FP8 pool's step under tilings around its plan (key tile × segments × stages), replayed from CUDA graphs
+    on a GPU (a launch given is not planned: each call goes through Triton's dispatcher). Whether FP8 pools want
+    other plans: plan_paged_launch's thresholds come from these. Four warps only: eight were slower in every cell of
+    the sweep in docs/benchmarks/fp8_decode_sweeps_h200.json (run acb92dc), 256-key tiles and four stages never
+    best by more than 1%."""
     sweep = []
     cuda = device.type == "cuda"
     segment_choices = {plan.num_segments, max(1, plan.num_segments // 2), min(64, 2 * plan.num_segments)}
     if cuda and plan.num_segments >= 4:
         segment_choices.add(plan.num_segments // 4)
     for tile_n, segments, num_warps, num_stages in itertools.product(
-            (32, 64, 128, 256) if cuda else (16, 32), sorted(segment_choices), (4, 8) if cuda else (4,),
-            (3, 4) if cuda and plan.num_segments == 1 else (plan.num_stages,)):
+            (32, 64, 128) if cuda else (16, 32), sorted(segment_choices), (4,), (2, 3) if cuda else (1,)):
         launch = dataclasses.replace(plan, tile_n=tile_n, num_segments=segments, num_warps=num_warps,
                                      num_stages=num_stages)
         fn = functools.partial(call, launch=launch)
@@ -352,7 +359,8 @@ def fp8_tiling_sweep(call, planned_out: torch.Tensor, plan, kv_bytes: int, devic
     return sweep
 
 
-def bench_decode_fp8(copy_tbs: float, *, shapes=DECODE_SHAPES, device: torch.device = torch.device("cuda"),
+def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
+                     device: torch.device = torch.device("cuda"),
                      dtype: torch.dtype = torch.bfloat16, max_model_len: int = 0, sweep: bool = False) -> list[dict]:
     """Decode through PagedAttention with a pool of the model's dtype (bf16) and the same pool in FP8, per shape.
     Each row holds a cell per pool ("bf16", "fp8"; the smoke run's base is "fp32") and fp8_speedup_vs_bf16.
@@ -533,29 +541,34 @@ def plot_decode(ax, data: dict) -> None:
 
 
 def plot_decode_fp8(ax, data: dict) -> None:
-    """Effective tokens/s of bf16 and FP8 pools per shape (graph replays where measured), each bar labelled with its
-    TB/s of KV read, and the FP8 speedup above each pair."""
+    """The FP8 pool's speedup over the baseline pool per shape (graph replays where measured), each bar labelled
+    with both times and the FP8 read's TB/s; the shapes' times differ by 20x, so speedups share one axis."""
     rows = data["decode_fp8"]
     base = rows[0]["baseline"]
-    for i, name in enumerate((base, "fp8")):
-        for x, r in enumerate(rows):
-            cell = r.get(name, {})
-            graph = "graph_tokens_per_s" in cell
-            tok = cell.get("graph_tokens_per_s" if graph else "tokens_per_s", 0.0) / 1e9
-            bar = ax.bar(x + (i - 0.5) * 0.4, tok, 0.4, color=f"C{i}", label=name if x == 0 else None)
-            if tok:
-                ax.bar_label(bar, [f"{cell['graph_tbs' if graph else 'tbs']:.2f} TB/s"], fontsize=7)
+
+    def ms(cell: dict) -> float:
+        return cell.get("graph_ms", cell.get("ms", float("nan")))
+
     for x, r in enumerate(rows):
-        if f"fp8_speedup_vs_{base}" in r:
-            top = max(r[n].get("graph_tokens_per_s", r[n].get("tokens_per_s", 0.0)) for n in (base, "fp8")) / 1e9
-            ax.annotate(f"{r[f'fp8_speedup_vs_{base}']:.2f}x", (x, top * 1.08), ha="center", fontsize=9,
-                        color="k" if r["meets_target"] else "C3", weight="bold")
-    ax.set_xticks(range(len(rows)), [f"{r['shape']}\n{'split-KV' if r['split_kv'] else 'one segment'}"
-                                     for r in rows], fontsize=7)
-    ax.set_ylabel("G context tokens/s (batch × context / s, one layer)")
-    ax.set_title(f"Decode: PagedAttention, FP8 vs {base} KV pool (target {FP8_SPEEDUP_TARGET}x)")
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.2)
-    ax.legend(fontsize=8, loc="upper left")
+        speedup = r.get(f"fp8_speedup_vs_{base}")
+        if speedup is None:
+            continue
+        bar = ax.bar(x, speedup, 0.6, color="C1" if r["meets_target"] else "C0")
+        fp8 = r["fp8"]
+        ax.bar_label(bar, [f"{speedup:.2f}x\n{base} {ms(r[base]) * 1e3:.1f} µs\nfp8 {ms(fp8) * 1e3:.1f} µs\n"
+                           f"{fp8.get('graph_tbs', fp8.get('tbs', 0.0)):.2f} TB/s"], fontsize=7)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.axhline(FP8_SPEEDUP_TARGET, color="C3", linestyle="--", label=f"target {FP8_SPEEDUP_TARGET}x")
+    labels = []
+    for r in rows:
+        launch = r["launch"]
+        labels.append(f"B{r['batch']}·L{r['context']}·D{r['head_dim']}\n"
+                      f"{launch['num_segments']} seg × {launch['tile_n']} keys")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel(f"FP8 pool speedup over {base} (time ratio)")
+    ax.set_title(f"Decode: PagedAttention, FP8 vs {base} KV pool (Hq32·Hkv8)")
+    ax.set_ylim(0, max([FP8_SPEEDUP_TARGET] + [r.get(f"fp8_speedup_vs_{base}", 0.0) for r in rows]) * 1.45)
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def plot(path: Path) -> Path:

@@ -44,9 +44,13 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
 
     The thresholds come from the H200 sweep in docs/benchmarks/NOTES.md: decode reads fastest with 128-key tiles
     and 4 warps once a program walks >= 2K keys; short per-program ranges (heavy split-KV) prefer 32-key tiles.
-    An FP8 pool (kv_bytes=1) moves half the bytes a key: its decode wants programs of >= 1024 keys in 128-key
-    tiles (the H200 sweep in docs/benchmarks/attention_h200.json: B1·L32K 50.7 µs at 32 segments × 128 keys
-    against 59.3 µs at the bf16 plan's 64 × 32; B16·L8K and B64·L4K already at their best).
+    An FP8 pool (kv_bytes=1) moves half the bytes a key: its decode splits into programs of >= 512 keys, at most
+    32 segments, in 128-key tiles from 1024 keys a program, else 64. H200 sweeps, graph replays
+    (docs/benchmarks/fp8_decode_sweeps_h200.json): B1·L32K D128 41.4 µs at 32 segments × 128 keys against 44.1
+    at 64 × 128 and 59.3 at the bf16 plan's 64 × 32; batch 1 after 8K keys at head_dim 64 (the e2e model) 21.5 µs
+    at 16 × 64 (bf16 23.0), and that model's engine decode after a 7936-token prompt went from 0.944x to 0.983x
+    bf16 with it (fp8_kv_e2e_h200.json against 8 × 128 the same session). B16·L8K and B64·L4K keep bf16's plan
+    (within 4% of their best cell).
     """
     group_pad = next_pow2(group)
     tokens_per_seq = num_tokens / max(num_seqs, 1)
@@ -55,10 +59,12 @@ def plan_paged_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: 
     block_q = max(1, rows // group_pad)
     num_tiles = (num_tokens // block_q + num_seqs) * num_kv_heads
     num_segments = 1
-    # Split the key range until the launch has about two programs per SM, each keeping >= 256 keys.
-    # Doubling from s segments needs max_context >= s · split_keys: programs keep >= 256 keys (FP8: >= 1024).
-    split_keys = 512 if kv_bytes > 1 else 2048
-    while num_segments < 64 and num_tiles * num_segments < 2 * sm_count and max_context >= num_segments * split_keys:
+    # Split the key range until the launch has about two programs per SM, each keeping >= 256 keys (FP8: >= 512
+    # keys and at most 32 segments). Doubling from s segments needs max_context >= s · split_keys.
+    split_keys = 512 if kv_bytes > 1 else 1024
+    max_segments = 64 if kv_bytes > 1 else 32
+    while (num_segments < max_segments and num_tiles * num_segments < 2 * sm_count
+           and max_context >= num_segments * split_keys):
         num_segments *= 2
     keys_per_program = max_context // num_segments
     if interpret:
