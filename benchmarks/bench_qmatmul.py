@@ -139,7 +139,7 @@ def make_weights(k: int, n: int, group: int, device: torch.device, dtype: torch.
 def run_shape(name: str, k: int, n: int, ms: list[int], device, dtype, gen, deadline: float) -> dict:
     from trtopt.plugins.qmatmul.gemm import (DEQUANT_MM_MIN_ROWS, dequant_mm, fp8_scaled_mm, qgemm, quantize_fp8_rows,
                                              scaled_mm_supported)
-    from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, MAX_ROWS, qgemv, qmatmul_packed
+    from trtopt.plugins.qmatmul.kernel import MAX_ROWS, gemv_max_rows, qgemv, qmatmul_packed
     from trtopt.plugins.qmatmul.packing import dequantize_packed
     from trtopt.plugins.qmatmul.reference import fake_quantize_fp8
     from trtopt.plugins.qmatmul.schema import ACT_DYNAMIC
@@ -189,8 +189,10 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device, dtype, gen, dead
                           "GBps": round(moved / seconds / 1e9, 1), "max_rel_err": float(f"{err:.2e}")}
         for vname, r in row.items():
             r["speedup_vs_bf16"] = round(row["bf16"]["us"] / r["us"], 3)
-        gemv_or_gemm = "gemv" if m <= GEMV_MAX_ROWS else "dqmm" if m >= DEQUANT_MM_MIN_ROWS else "gemm"
-        row["dispatch"] = {"fp8_weight_only": f"fp8_{gemv_or_gemm}", "int4": f"int4_{gemv_or_gemm}",
+        def path(fmt: str) -> str:  # what qmatmul_packed runs at these rows (x in the benchmark's dtype)
+            gemv_rows = gemv_max_rows(ws[fmt][0], x.dtype)
+            return "gemv" if m <= gemv_rows else "dqmm" if m >= DEQUANT_MM_MIN_ROWS else "gemm"
+        row["dispatch"] = {"fp8_weight_only": f"fp8_{path('fp8')}", "int4": f"int4_{path('int4')}",
                            "fp8_w8a8": "fp8_w8a8"}
         rows[str(m)] = row
         print(f"{name:8s} M={m:<5d} " + " ".join(f"{v}={r['us']:.1f}us({r['speedup_vs_bf16']:.2f}x)"
@@ -319,12 +321,13 @@ def main() -> None:
     ms = args.ms or (SMOKE_M if args.smoke else sorted(TABLE_M + CROSSOVER_M))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     from trtopt.plugins.qmatmul.gemm import SCALED_MM_MIN_ROWS
-    from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS
+    from trtopt.plugins.qmatmul.kernel import GEMV_MAX_ROWS, XP_GEMV_MAX_ROWS
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     data = {"benchmark": "bench_qmatmul", "date": now,
             "machine": {"gpu": gpu, "torch": torch.__version__, "triton": __import__("triton").__version__},
-            "dtype": str(dtype), "GEMV_MAX_ROWS": GEMV_MAX_ROWS, "SCALED_MM_MIN_ROWS": SCALED_MM_MIN_ROWS,
+            "dtype": str(dtype), "GEMV_MAX_ROWS": GEMV_MAX_ROWS, "XP_GEMV_MAX_ROWS": XP_GEMV_MAX_ROWS,
+            "SCALED_MM_MIN_ROWS": SCALED_MM_MIN_ROWS,
             "shapes": {}, "notes": []}
     gen = torch.Generator(device=device).manual_seed(0)
     if args.int4_gemv:

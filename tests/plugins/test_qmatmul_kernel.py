@@ -12,7 +12,10 @@ import sys
 import pytest
 import torch
 
-from trtopt.plugins.qmatmul.kernel import MAX_ROWS, default_config, qgemv, qmatmul_packed, qmatmul_triton
+from trtopt.plugins.qmatmul.gemm import qgemm
+from trtopt.plugins.qmatmul.kernel import (
+    GEMV_MAX_ROWS, MAX_ROWS, XP_GEMV_MAX_ROWS, default_config, gemv_max_rows, qgemv, qmatmul_packed, qmatmul_triton,
+)
 from trtopt.plugins.qmatmul.kernel_half2 import default_config_half2, default_config_xp
 from trtopt.plugins.qmatmul.packing import dequantize_packed, pack_weight, packable
 from trtopt.plugins.qmatmul.reference import dequantize_weight, qmatmul_ref
@@ -197,6 +200,46 @@ def test_default_config_xp():
     assert default_config_xp(2, 28672, 4096, 128) == (8, 512, 4, 1)
     assert default_config_xp(2, 4096, 14336, 128) == (4, 512, 2, 3)
     assert default_config_xp(1, 24, 96, 256) == (4, 256, 2, 3)  # at least one group
+    assert default_config_xp(3, 6144, 4096, 128) == default_config_xp(4, 28672, 4096, 128) == (4, 512, 1, 3)
+
+
+def test_gemv_max_rows_follows_the_xp_gemv():
+    """INT4 weight-only steps on bf16/fp16 x take the GEMV up to 4 rows (the "half2_xp" path it was timed on);
+    fp32 x, an FP8-quantized activation and FP8 weights keep 2."""
+    gen = torch.Generator().manual_seed(0)
+    int4 = pack_weight(*_weight("int4", 256, 8, 128, gen)[:3], block_size=128)
+    fp8 = pack_weight(*_weight("fp8", 256, 8, 0, gen)[:3], block_size=0)
+    assert gemv_max_rows(int4, torch.bfloat16) == gemv_max_rows(int4, torch.float16) == XP_GEMV_MAX_ROWS == 4
+    assert gemv_max_rows(int4, torch.float32) == gemv_max_rows(int4, torch.bfloat16, ACT_STATIC) == GEMV_MAX_ROWS
+    assert gemv_max_rows(fp8, torch.bfloat16) == GEMV_MAX_ROWS == 2
+
+
+@pytest.mark.parametrize("m,path", [(3, "gemv"), (4, "gemv"), (5, "gemm")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_dispatch_takes_the_gemv_up_to_four_rows(m, path, dtype, kernel_device, monkeypatch):
+    """qmatmul_packed on an INT4 weight launches the "half2_xp" GEMV for 3 and 4 rows of bf16 x and the Triton GEMM
+    for 5; fp32 x (the "fp32" GEMV) keeps the GEMM from 3 rows. The launches are recorded by a pass-through
+    wrapper of the real launcher; the result is checked against the reference too."""
+    from trtopt.plugins import launcher
+    from trtopt.plugins.qmatmul.gemm import _qgemm
+    from trtopt.plugins.qmatmul.kernel_half2 import _qgemv_int4_xp
+
+    launched = []
+    real_launch = launcher.launch
+
+    def recording_launch(kernel, *args, **kwargs):
+        launched.append(kernel)
+        real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(launcher, "launch", recording_launch)
+    gen = torch.Generator().manual_seed(m)
+    w, scale, zp, block = _weight("int4", 256, 24, 64, gen, dtype=dtype)
+    packed = pack_weight(*(t.to(kernel_device) for t in (w, scale, zp)), block_size=block)
+    x = _x(m, 256, gen).reshape(m, 256).to(dtype).to(kernel_device)
+    got = qmatmul_packed(x, packed, None)
+    want, other = (_qgemv_int4_xp, _qgemm) if path == "gemv" and dtype == torch.bfloat16 else (_qgemm, _qgemv_int4_xp)
+    assert want in launched and other not in launched
+    torch.testing.assert_close(got.float(), x.float() @ dequantize_packed(packed), atol=3e-2, rtol=2e-2)
 
 
 # A decode step's real shapes (the 1.24B plan's O and down projections, the 8B's Q/K/V) at bf16, on CUDA.
@@ -339,7 +382,7 @@ def test_half2_gemv_compiles_for_sm90():
                     "machine)")
 @pytest.mark.parametrize("kind,group", [("int4", 128), ("uint4z", 32), ("int4z", 16)])
 @pytest.mark.parametrize("k,n", [(8192, 2048), (14336, 37), (640, 1000)])
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("variant", HALF2_VARIANTS)
 def test_half2_on_cuda_matches_the_reference(kind, group, k, n, m, variant):
     """The PTX path against qmatmul_ref at the bf16 tolerance of test_kernel_on_cuda_at_decode_shapes, and

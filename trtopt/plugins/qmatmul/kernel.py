@@ -61,6 +61,12 @@ MAX_ROWS = 16  # rows of x `qgemv` takes at most (its chunking: ROWS_PER_PROGRAM
 # (docs/benchmarks/qmatmul_nvidia_h200.json) the GEMM beat the GEMV from 4 rows on every 8B projection, for FP8 and
 # INT4 alike, and lost at 2 (down: FP8 GEMV 34.0 us against the GEMM's 48.4).
 GEMV_MAX_ROWS = 2
+# INT4/UINT4 weight-only steps on bf16/fp16 x run the "half2_xp" GEMV up to this many rows (`gemv_max_rows`): on an
+# H200 at 4 rows its best config took Llama-8B's four projections in 138.7 µs (bf16 cuBLAS 119.6), where the Triton
+# GEMM's default took 211.4 (bf16 118.2): docs/benchmarks/probe_qgemv_xp_m4_h200.json against
+# probe_gemm_sweep_m4_h200.json, two runs on one GPU kind. At 8 rows the GEMV's best is 260 µs (bf16 120.6;
+# probe_qgemv_xp_m8_h200.json) and the GEMM there is untimed, so the limit stays at the 4 rows measured.
+XP_GEMV_MAX_ROWS = 4
 ROWS_PER_PROGRAM = 8  # rows of x one program multiplies its dequantized tile with
 TILE_VALUES = 8192  # weight values one program dequantizes per K tile (64 fp32 registers a thread at 4 warps)
 MAX_TILE_K = 4096  # at most this many K values of one column per tile
@@ -304,6 +310,15 @@ def pack_x_half2(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     return xpack, down
 
 
+def gemv_max_rows(w: PackedQWeight, x_dtype: torch.dtype, act_mode: int = ACT_NONE) -> int:
+    """Rows of x up to which `qmatmul_packed` runs the GEMV rather than a GEMM: XP_GEMV_MAX_ROWS where the
+    "half2_xp" GEMV runs (an INT4/UINT4 weight, weight-only, bf16/fp16 x), else GEMV_MAX_ROWS."""
+    if (not w.fp8 and act_mode == ACT_NONE and INT4_GEMV_VARIANT == "half2_xp"
+            and x_dtype in (torch.float16, torch.bfloat16)):
+        return XP_GEMV_MAX_ROWS
+    return GEMV_MAX_ROWS
+
+
 def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | None, *, act_mode: int = ACT_NONE,
                    config: tuple[int, int, int] | None = None, dynamic: DynamicScale | None = None) -> torch.Tensor:
     """QMatMul on a packed weight: x [..., K] → [..., N] in x's dtype, dispatched on the step's rows M:
@@ -313,8 +328,8 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
     - FP8 W8A8 (act_mode static or dynamic, an FP8 weight): the activation's FP8 codes and row scale in one launch
       (gemm.py `quantize_fp8_rows`), then `qmatmul_codes` (the GEMV, the Triton GEMM on FP8 tensor cores, or
       torch._scaled_mm from SCALED_MM_MIN_ROWS rows);
-    - else M <= GEMV_MAX_ROWS: the GEMV on x (an INT4 weight's FP8-quantized activation Q/DQ'd to fp32 first;
-      `config` is its config);
+    - else M <= `gemv_max_rows` (2, or 4 for INT4 weight-only on bf16/fp16 x): the GEMV on x (an INT4 weight's
+      FP8-quantized activation Q/DQ'd to fp32 first; `config` is its config);
     - otherwise the Triton GEMM (gemm.py `qgemm`): on x as is, or on the activation's FP8 codes with its scale as a
       row scale; weights it does not take (INT4 groups below 16) dequantize once and run one fp32 GEMM.
 
@@ -335,7 +350,7 @@ def qmatmul_packed(x: torch.Tensor, w: PackedQWeight, act_scale: torch.Tensor | 
         # W8A8: the activation's codes and row scale in one launch, then the codes' dispatch
         codes, row_scale = quantize_fp8_rows(xf if xf.stride(-1) == 1 else xf.contiguous(), act_scale, dynamic)
         return qmatmul_codes(codes, row_scale, w, out_dtype=x.dtype, config=config).reshape(*x.shape[:-1], w.n)
-    if rows > GEMV_MAX_ROWS and gemm_supported(w) and w.k:
+    if rows > gemv_max_rows(w, x.dtype, act_mode) and gemm_supported(w) and w.k:
         xk = xf if xf.stride(-1) == 1 else xf.contiguous()
         if act_mode == ACT_NONE:
             y = qgemm(xk, w)

@@ -405,10 +405,15 @@ def default_config_xp(rows: int, n: int, k: int, group: int) -> tuple[int, int, 
     projections, the x launch included). One row: 4 columns, three stages, 8 words a thread; 1 warp and tiles of 512
     values where N is large (gate/up's 28672: 23.0 µs against 25.6), else 2 warps and tiles of 1024 (Q/K/V, O,
     down: 8.7, 7.3, 16.5 µs against bf16's 15.5, 11.5, 31.2). Two rows: 8 columns, 4 warps, tiles of 512 unpipelined
-    where N is large (34.9 µs against 42.3), else 4 columns, 2 warps, three stages. The tile is whole groups."""
+    where N is large (34.9 µs against 42.3), else 4 columns, 2 warps, three stages. Three and four rows (the GEMV
+    runs them for INT4: kernel.py XP_GEMV_MAX_ROWS): 4 columns, 1 warp, tiles of 512, three stages, best on all four
+    projections at 4 rows (probe_qgemv_xp_m4_h200.json: 18.0, 14.3, 65.9, 40.5 µs; 3 rows not timed). The tile is
+    whole groups."""
     many = n >= XP_MANY_COLUMNS
     if rows == 1:
         block_n, tile, warps, stages = (4, 512, 1, 3) if many else (4, 1024, 2, 3)
-    else:
+    elif rows == 2:
         block_n, tile, warps, stages = (8, 512, 4, 1) if many else (4, 512, 2, 3)
+    else:
+        block_n, tile, warps, stages = 4, 512, 1, 3
     return block_n, max(group, min(tile, triton.next_power_of_2(k))), warps, stages

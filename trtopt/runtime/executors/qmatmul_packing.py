@@ -62,7 +62,7 @@ def qmatmul_packed_call(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor
                         act_scale: torch.Tensor | None, *, k: int, group: int, zero_const: int, act_mode: int,
                         dynamic_min_scale: float = 0.0) -> torch.Tensor:
     """trtopt::QMatMul on a weight packed at load: PackedQWeight's tensors (data [N, ·], scale, zero or None) and
-    fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to GEMV_MAX_ROWS rows, else a tensor-core
+    fields, then kernel.py `qmatmul_packed` (the GEMV for steps of up to `gemv_max_rows` rows, else a tensor-core
     GEMM: plugins/qmatmul/gemm.py). act_scale None: the per-token scale computed in the kernels (gemm.py
     `DynamicScale(x.dtype, dynamic_min_scale)`: the graph's Div runs in x's dtype whatever the dtype of its tiny
     constant, and the Max after it only widens)."""
