@@ -65,3 +65,33 @@ def test_registers_only_ops_that_have_a_plugin(tmp_path) -> None:
     from trtopt.plugins.matmul_add import trt_plugin
 
     assert trt_plugin.HAS_TENSORRT_PLUGIN is False
+
+
+def test_tensorrt_parses_a_copy_whose_paged_attention_nodes_carry_every_attribute(plan_dir) -> None:
+    """A bf16-pool plan's PagedAttention nodes leave the FP8 attributes off; the plugin declares them and TensorRT
+    has no defaults, so the model TensorRT parses is a copy with them written at the schema's defaults, sharing the
+    plan's external data, and otherwise the same graph. A model whose nodes carry them all is parsed as it is."""
+    from trtopt.builder.plan import MODEL_FILE
+    from trtopt.builder.trt_engine import TRT_MODEL_FILE, trt_model_path
+    from trtopt.plugins import paged_attention
+
+    model_path = plan_dir("tiny-llama") / MODEL_FILE
+    original = onnx.load(str(model_path), load_external_data=False)
+    paged = [n for n in original.graph.node if n.op_type == "PagedAttention"]
+    assert paged and all("k_scale" not in {a.name for a in n.attribute} for n in paged)
+
+    copy_path = trt_model_path(model_path)
+    assert copy_path == model_path.with_name(TRT_MODEL_FILE)
+    copy = onnx.load(str(copy_path))  # its external data resolves beside it
+    onnx.checker.check_model(copy)
+    declared = [a.name for a in paged_attention.schema.SCHEMA.attributes]
+    for node in (n for n in copy.graph.node if n.op_type == "PagedAttention"):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert set(declared) <= set(attrs)
+        assert (attrs["kv_cache_dtype"], attrs["k_scale"], attrs["v_scale"]) == (b"auto", 1.0, 1.0)
+    for node in copy.graph.node:  # nothing else changed
+        node.ClearField("attribute")
+    for node in original.graph.node:
+        node.ClearField("attribute")
+    assert [n.SerializeToString() for n in copy.graph.node] == [n.SerializeToString() for n in original.graph.node]
+    assert trt_model_path(copy_path) == copy_path  # complete already: parsed as it is

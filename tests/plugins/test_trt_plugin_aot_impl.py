@@ -40,17 +40,17 @@ PAGED = PRELUDE + textwrap.dedent("""
     check_aot_signature(plugin.paged_attention_aot, schema.SCHEMA)
 
     T, S, width, Hq, Hkv, D, bs = 37, 3, 9, 8, 2, 128, 16  # T, S, width dynamic; the rest fixed in the ONNX
-    def inputs(cache_block_dim=(bs, True), slot_dtype="INT64"):
+    def inputs(cache_block_dim=(bs, True), slot_dtype="INT64", pool="HALF"):
         return [TensorDesc("HALF", [(1, True), (Hq, True), (T, False), (D, True)]),
                 TensorDesc("HALF", [(1, True), (Hkv, True), (T, False), (D, True)]),
                 TensorDesc("HALF", [(1, True), (Hkv, True), (T, False), (D, True)]),
-                TensorDesc("HALF", [(50, False), (2, True), (Hkv, True), cache_block_dim, (D, True)]),
+                TensorDesc(pool, [(50, False), (2, True), (Hkv, True), cache_block_dim, (D, True)]),
                 TensorDesc("INT32", [(S, False), (width, False)]),
                 TensorDesc("INT32", [(S, False)]),
                 TensorDesc("INT32", [(S + 1, False)]),
                 TensorDesc(slot_dtype, [(T, False)]),
                 TensorDesc("FLOAT", [(Hq, True)])]
-    attrs = [Hq, Hkv, D, D ** -0.5, 1, 0]
+    attrs = [Hq, Hkv, D, D ** -0.5, 1, 0, "auto\\0", 1.0, 1.0]  # a STRING attribute may keep its NUL
     descs = inputs()
     out, cache_out = plugin.paged_attention_desc(*descs, *attrs)
     assert cache_out.aliased_to is descs[3] and out.aliased_to is None
@@ -66,6 +66,23 @@ PAGED = PRELUDE + textwrap.dedent("""
                        match="block size")
     expect_build_error(plugin.paged_attention_aot, *inputs(slot_dtype="INT32"), *attrs, (out, cache_out), 0,
                        match="slot_mapping")
+
+    # FP8 pools: the kv_cache desc is TensorRT's FP8 and the node says kv_cache_dtype="fp8", with its scales
+    fp8_attrs = [Hq, Hkv, D, D ** -0.5, 1, 0, "fp8", 0.05, 0.02]
+    fp8_descs = inputs(pool="FP8")
+    out, cache_out = plugin.paged_attention_desc(*fp8_descs, *fp8_attrs)
+    assert cache_out.dtype.name == "FP8" and out.dtype.name == "HALF"
+    name, fp8_ptx, params, extra = plugin.paged_attention_aot(*fp8_descs, *fp8_attrs, (out, cache_out), 0)
+    assert ptx_param_count(fp8_ptx, name) == 9 + 3 + 2 and fp8_ptx != ptx and "e4m3" in fp8_ptx
+    assert [e.value for e in extra] == [T, S, width] and params.grid_x.value == T // block_q + S
+    expect_build_error(plugin.paged_attention_aot, *inputs(), *fp8_attrs, (out, cache_out), 0,
+                       match="kv_cache_dtype is 'fp8'")  # an fp16 pool on an FP8 node
+    expect_build_error(plugin.paged_attention_aot, *fp8_descs, *attrs, (out, cache_out), 0,
+                       match="kv_cache is DataType.FP8")  # an FP8 pool on a node without FP8 attributes
+    expect_build_error(plugin.paged_attention_aot, *fp8_descs, *fp8_attrs[:7], 0.0, 0.02, (out, cache_out), 0,
+                       match="scales are finite and positive")
+    expect_build_error(plugin.paged_attention_aot, *descs, *attrs[:6], "int8", 1.0, 1.0, (out, cache_out), 0,
+                       match="kv_cache_dtype='int8'")
     print("ok")
 """)
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 import triton
 
-from test_paged_attention_kernel import CASES, Case, make_step, tolerance  # noqa: I001 - sibling test module
+from test_paged_attention_fp8 import on_fp8_grid  # noqa: I001 - sibling test modules
+from test_paged_attention_kernel import CASES, Case, make_step, tolerance
 from trtopt.plugins.paged_attention import schema
-from trtopt.plugins.paged_attention.reference import paged_attention_ref
+from trtopt.plugins.paged_attention.reference import paged_attention_ref, quantized_pool
 from trtopt.plugins.paged_attention.trt_aot import (
     aot_constexprs,
     aot_extra_args,
@@ -44,25 +45,40 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 FLOAT_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def run_aot_vs_reference(case: Case, device: torch.device) -> None:
+def run_aot_vs_reference(case: Case, device: torch.device, fp8_scales: tuple[float, float] | None = None) -> None:
+    """The entry kernel launched as TensorRT launches it against paged_attention_ref, output and pool. fp8_scales
+    (k_scale, v_scale): the step's pool quantized to FP8 first (reference.quantized_pool; its NaN poison stays NaN
+    codes) and the node's FP8 attributes set; the pools must then agree byte for byte."""
     step = make_step(case, device)
     Hq = step.attrs["num_heads"]
+    attrs = dict(step.attrs)
+    if fp8_scales is not None:
+        attrs.update(kv_cache_dtype="fp8", k_scale=fp8_scales[0], v_scale=fp8_scales[1])
+        step.kv_cache = quantized_pool(step.kv_cache, *fp8_scales)
+        # Under the interpreter the new k/v sit on the FP8 grid: its fp32 → e4m3 cast rounds some values wrongly
+        # (Triton 3.9: 1.97 → 1.0, and 1.0625 → 1.125, not to even), where torch and GPUs round to nearest even. On
+        # a GPU they stay as drawn, so the kernel's own rounding and saturation are checked there.
+        step.k, step.v = (on_fp8_grid(x, scale, device) for x, scale in zip((step.k, step.v), fp8_scales))
+    ref_attrs = {name: value for name, value in attrs.items() if name != "kv_cache_dtype"}
     # The plan always carries alibi_slopes: zeros when the model has none (docs/architecture.md §3).
     slopes = step.alibi_slopes if step.alibi_slopes is not None else torch.zeros(Hq, device=device)
     meta = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
     ref_cache = step.kv_cache.cpu().clone()
     ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), ref_cache, *(m.cpu() for m in meta),
-                                     alibi_slopes=None if step.alibi_slopes is None else slopes.cpu(), **step.attrs)
+                                     alibi_slopes=None if step.alibi_slopes is None else slopes.cpu(), **ref_attrs)
     q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
     cache = step.kv_cache  # contiguous already; kv_cache_out aliases it, as in the engine
     out = torch.full_like(q, float("nan"))
     float_type = FLOAT_TYPES[case.dtype]
-    launch_like_tensorrt([q, k, v, cache, *meta, slopes], [out, cache], attrs=step.attrs,
+    launch_like_tensorrt([q, k, v, cache, *meta, slopes], [out, cache], attrs=attrs,
                          block_size=case.block_size, float_type=float_type,
                          tiling=aot_tiling(Hq, case.num_kv_heads, interpret=device.type != "cuda"))
     assert not torch.isnan(out).any(), "NaN in the output: a row was skipped or poisoned memory was read"
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(case.dtype))
-    torch.testing.assert_close(cache.cpu(), ref_cache, equal_nan=True, atol=0, rtol=0)
+    if fp8_scales is None:
+        torch.testing.assert_close(cache.cpu(), ref_cache, equal_nan=True, atol=0, rtol=0)
+    else:
+        assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
 
 
 # Every feature at least once: decode, prefill, mixed, GQA/MQA, head_dim 80/128, dropped slots, window, ALiBi.
@@ -81,6 +97,18 @@ def test_prefill_chunk_spanning_many_tiles_reads_new_keys_from_the_inputs(kernel
                          kernel_device)
 
 
+# FP8 pools: decode and prefill, new keys read from the inputs and (dropped slots) from the pool, GQA/MQA, a padded
+# head size, ALiBi and a window; scales that saturate some values (0.01) and that leave them in range.
+FP8_AOT_CASES = ["decode_gqa4_bs32", "mixed_step", "mqa_gqa8_bs64", "head_dim_80", "dropped_slots",
+                 "alibi_window_gqa4", "prefill_gqa2"]
+
+
+@pytest.mark.parametrize("scales", [(0.5, 2.0), (0.01, 0.02)], ids=["in_range", "saturating"])
+@pytest.mark.parametrize("name", FP8_AOT_CASES)
+def test_aot_kernel_on_fp8_pools_matches_reference(name: str, scales, kernel_device: torch.device) -> None:
+    run_aot_vs_reference(CASES[name], kernel_device, fp8_scales=scales)
+
+
 def test_signature_is_inputs_then_extra_args_then_outputs() -> None:
     params = list(inspect.signature(paged_attention_aot_kernel.fn).parameters)
     signature = aot_signature("fp16")
@@ -95,6 +123,24 @@ def test_signature_is_inputs_then_extra_args_then_outputs() -> None:
                                 block_size=16, float_type="fp16", tiling=aot_tiling(8, 2))
     assert list(signature) + list(constexprs) == params
     assert len(aot_extra_args(7, 2, 5)) == 3
+    fp8 = aot_signature("bf16", fp8_pool=True)
+    assert fp8["Cache"] == fp8["CacheOut"] == "*fp8e4nv" and fp8["Q"] == fp8["Out"] == "*bf16"
+    assert {n: t for n, t in fp8.items() if n not in ("Cache", "CacheOut")} == {
+        n: t for n, t in aot_signature("bf16").items() if n not in ("Cache", "CacheOut")}
+
+
+def test_constexprs_bake_an_fp8_pools_scales_in() -> None:
+    common = dict(num_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, causal=1, sliding_window=0, block_size=16,
+                  float_type="bf16", tiling=aot_tiling(8, 2))
+    plain = aot_constexprs(**common)
+    assert (plain["FP8_KV"], plain["K_SCALE"], plain["V_SCALE"]) == (False, 1.0, 1.0)
+    assert aot_constexprs(**common, kv_cache_dtype="auto", k_scale=0.3, v_scale=0.2) == plain  # scales unused
+    fp8 = aot_constexprs(**common, kv_cache_dtype="fp8", k_scale=0.03125, v_scale=0.5)
+    assert (fp8["FP8_KV"], fp8["K_SCALE"], fp8["V_SCALE"]) == (True, 0.03125, 0.5)
+    for bad in (dict(kv_cache_dtype="fp16"), dict(kv_cache_dtype="fp8", k_scale=0.0),
+                dict(kv_cache_dtype="fp8", v_scale=float("inf"))):
+        with pytest.raises(AssertionError):
+            aot_constexprs(**common, **bad)
 
 
 def test_constexprs_bake_the_scale_in_log2_units() -> None:
@@ -140,8 +186,7 @@ def check_plugin_source(schema_module) -> None:
     (outputs, tactic)."""
     path, spec = trt_plugin_path(schema_module), schema_module.SCHEMA
     plugin_id = repr(f"trtopt::{spec.op_type}")  # ast.unparse writes single quotes
-    expected = [(n, "trtp.TensorDesc") for n in spec.inputs] + [(a.name, a.kind.__name__) for a in spec.attributes
-                                                                 if not a.omittable]
+    expected = [(n, "trtp.TensorDesc") for n in spec.inputs] + [(a.name, a.kind.__name__) for a in spec.attributes]
     assert [n for n, _ in expected] == register_parameter_names(spec)
     assert decorated_parameters(path, f"trtp.register({plugin_id})") == expected
     aot = decorated_parameters(path, f"trtp.aot_impl({plugin_id})")
@@ -154,7 +199,8 @@ def check_plugin_source(schema_module) -> None:
 def test_plugin_source_parameters_match_the_schema() -> None:
     assert register_parameter_names(schema.SCHEMA) == [
         "q", "k", "v", "kv_cache", "block_tables", "seq_lens", "query_start_loc", "slot_mapping", "alibi_slopes",
-        "num_heads", "num_kv_heads", "head_dim", "scale", "causal", "sliding_window"]
+        "num_heads", "num_kv_heads", "head_dim", "scale", "causal", "sliding_window", "kv_cache_dtype", "k_scale",
+        "v_scale"]
     check_plugin_source(schema)
 
 
@@ -172,6 +218,15 @@ PTX_SCRIPT = textwrap.dedent("""
     assert kernel.name == "paged_attention_aot_kernel", kernel.name
     assert f".entry {kernel.name}" in kernel.ptx and ".target sm_90" in kernel.ptx
     assert ptx_param_count(kernel.ptx, kernel.name) == len(signature), 'hidden params must be stripped'
+    # An FP8 pool (bf16 model): e4m3 loads widened to fp16 for the dots, the write's conversion to e4m3
+    fp8_signature = aot_signature("bf16", fp8_pool=True)
+    fp8 = compile_ptx(paged_attention_aot_kernel, fp8_signature,
+                      aot_constexprs(num_heads=8, num_kv_heads=2, head_dim=128, scale=128 ** -0.5, causal=1,
+                                     sliding_window=0, block_size=16, float_type="bf16", tiling=tiling,
+                                     kv_cache_dtype="fp8", k_scale=0.05, v_scale=0.02),
+                      num_warps=tiling.num_warps, num_stages=tiling.num_stages, target=("cuda", 90, 32))
+    assert ptx_param_count(fp8.ptx, fp8.name) == len(fp8_signature)
+    assert "e4m3" in fp8.ptx, "no e4m3 conversion in the FP8 kernel"
     print(kernel.block_x, kernel.shared_mem, len(kernel.ptx))
 """)
 
@@ -238,3 +293,39 @@ def test_ptx_launched_by_the_driver_matches_reference(name: str, dtype: torch.dt
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(dtype))
     torch.testing.assert_close(cache.cpu(), ref_cache, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["decode_gqa4_bs32", "dropped_slots", "long_prefill_mixed"])
+def test_ptx_on_fp8_pools_launched_by_the_driver_matches_reference(name: str, dtype: torch.dtype) -> None:
+    """The FP8 pool's AOT artifact the same way: new k/v as drawn (the GPU's own e4m3 rounding and saturation at
+    k_scale 0.01), pools byte for byte against the reference's write."""
+    case = replace(GPU_CASES[name], dtype=dtype)
+    device = torch.device("cuda")
+    step = make_step(case, device)
+    Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
+    k_scale, v_scale = 0.01, 0.5
+    cache = quantized_pool(step.kv_cache, k_scale, v_scale)
+    slopes = torch.zeros(Hq, device=device)
+    meta = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
+    ref_cache = cache.cpu().clone()
+    ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), ref_cache, *(m.cpu() for m in meta),
+                                     alibi_slopes=None, **step.attrs, k_scale=k_scale, v_scale=v_scale)
+    q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
+    out = torch.full_like(q, float("nan"))
+    tiling = aot_tiling(Hq, Hkv)
+    signature = aot_signature(FLOAT_TYPES[dtype], fp8_pool=True)
+    kernel = compile_ptx(paged_attention_aot_kernel, signature,
+                         aot_constexprs(**step.attrs, block_size=case.block_size, float_type=FLOAT_TYPES[dtype],
+                                        tiling=tiling, kv_cache_dtype="fp8", k_scale=k_scale, v_scale=v_scale),
+                         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    T, S, width = q.shape[2], step.seq_lens.shape[0], step.block_tables.shape[1]
+    pointers = [x.data_ptr() for x in (q, k, v, cache, *meta, slopes)]
+    launch_ptx(kernel, signature, [*pointers, *aot_extra_args(T, S, width), out.data_ptr(), cache.data_ptr()],
+               aot_grid(T, S, num_kv_heads=Hkv, tiling=tiling), stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(dtype))
+    assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))

@@ -7,6 +7,9 @@
   persistent timing cache (timing.cache next to engine.trt).
 - trtopt ops with a TensorRT plugin carry plugin_namespace="trtopt"; their registration (face 5 of §4) is imported
   before parsing (``register_plugins``), because Polygraphy's ``--plugins`` only loads .so files.
+- A plugin declares every attribute of its op and TensorRT fills none in, so where a node leaves an omittable one
+  off (PagedAttention's FP8 attributes on a plan without FP8 pools), TensorRT parses model.trt.onnx, a copy beside
+  the model with them written at their defaults (``trt_model_path``), sharing the model's external data.
 
 Parsing, the config and the build are Polygraphy's loaders (``NetworkFromOnnxPath``, ``CreateConfig``,
 ``EngineBytesFromNetwork``): the ``tensorrt`` extra brings Polygraphy with TensorRT. Neither can be installed on the
@@ -25,6 +28,7 @@ from trtopt.builder.plan import MODEL_FILE, PlanConfig
 from trtopt.errors import BuildError, ConfigError
 
 ENGINE_FILE = "engine.trt"
+TRT_MODEL_FILE = "model.trt.onnx"  # the model as TensorRT parses it, where it differs (``trt_model_path``)
 TIMING_CACHE_FILE = "timing.cache"
 DEFAULT_WORKSPACE_BYTES = 4 << 30
 
@@ -102,6 +106,22 @@ def register_plugins(model_path: Path) -> list[str]:
     return modules
 
 
+def trt_model_path(model_path: Path) -> Path:
+    """The model TensorRT parses: ``model_path`` itself when every trtopt node carries every attribute its plugin
+    declares, else a copy beside it (TRT_MODEL_FILE) with the missing ones at their schema defaults
+    (trt_common.fill_plugin_attributes). The copy names the same external data files, so it adds no weights."""
+    import onnx
+
+    from trtopt.plugins.trt_common import fill_plugin_attributes
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    if not fill_plugin_attributes(model):
+        return model_path
+    out = model_path.with_name(TRT_MODEL_FILE)
+    onnx.save(model, str(out))
+    return out
+
+
 def network_loader(model_path: Path):
     """Polygraphy's loader of (builder, network, parser) for a plan's model.onnx, plugins registered first."""
     trt = import_tensorrt()
@@ -110,7 +130,7 @@ def network_loader(model_path: Path):
     register_plugins(model_path)
     # 10.x needs STRONGLY_TYPED; 11.x has no such flag (always strongly typed) and Polygraphy refuses to set it.
     strongly_typed = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
-    return NetworkFromOnnxPath(str(model_path), strongly_typed=strongly_typed)
+    return NetworkFromOnnxPath(str(trt_model_path(model_path)), strongly_typed=strongly_typed)
 
 
 def config_loader(plan: PlanConfig, *, max_num_blocks: int | None = None,

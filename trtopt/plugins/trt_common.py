@@ -23,9 +23,11 @@ from typing import Any, Callable, Mapping
 from trtopt.plugins.common import OpSchema
 
 # trt.DataType member name → Triton's type string (TensorDesc.dtype is a trt.DataType; `.name` is e.g. "HALF").
-TRITON_TYPES: dict[str, str] = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "i32", "INT64": "i64"}
+TRITON_TYPES: dict[str, str] = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "i32", "INT64": "i64",
+                                "FP8": "fp8e4nv"}
 # The dtypes the attention kernels take for q/k/v/kv_cache.
 FLOAT_TYPES = ("fp32", "fp16", "bf16")
+FP8_TYPE = "fp8e4nv"  # an FP8 KV pool (TensorRT's FP8, ONNX's float8e4m3fn, torch's float8_e4m3fn)
 # Triton ≥3.3 appends hidden pointer parameters (global scratch, profile scratch) to every kernel; compile_ptx
 # removes them (strip_hidden_params). NVIDIA's quickly_deployable_plugins sample pins triton 3.5, which has them too.
 HIDDEN_TRITON_PARAMS = 2
@@ -168,10 +170,31 @@ def ptx_param_count(ptx: str, kernel_name: str) -> int:
 
 def register_parameter_names(schema: OpSchema) -> list[str]:
     """What ``@trtp.register`` must take, in order: every input (optional ones are always present), then every
-    attribute. The parser passes the node's attributes by name, so the names must match the node's exactly. An
-    omittable attribute (AttrSpec.omittable) is left off: the plugin allows no defaults, so it cannot take one that
-    a node may lack (the plugin refuses what such an attribute enables, e.g. PagedAttention's FP8 pools)."""
-    return [*schema.inputs, *(a.name for a in schema.attributes if not a.omittable)]
+    attribute. The parser passes the node's attributes by name, so the names must match the node's exactly. The
+    plugin allows no defaults, so an omittable attribute (AttrSpec.omittable) must be on the node all the same:
+    TensorRT parses a copy whose trtopt nodes carry them (`fill_plugin_attributes`)."""
+    return [*schema.inputs, *(a.name for a in schema.attributes)]
+
+
+def fill_plugin_attributes(model: Any) -> int:
+    """Give every trtopt node of an op with a TensorRT plugin the omittable attributes it lacks, at their schema
+    defaults (PagedAttention's kv_cache_dtype="auto", k_scale=v_scale=1.0 on a plan without FP8 pools), in place;
+    returns how many were added. A plugin declares every attribute and TensorRT has no defaults to fill them."""
+    import onnx
+
+    from trtopt.plugins import DOMAIN, OP_SCHEMAS
+
+    added = 0
+    for node in model.graph.node:
+        spec = OP_SCHEMAS.get(node.op_type) if node.domain == DOMAIN else None
+        if spec is None or not spec.tensorrt_plugin:
+            continue
+        present = {a.name for a in node.attribute}
+        for attr in spec.attributes:
+            if attr.omittable and attr.name not in present:
+                node.attribute.append(onnx.helper.make_attribute(attr.name, attr.kind(attr.default)))
+                added += 1
+    return added
 
 
 def check_register_signature(func: Callable[..., Any], schema: OpSchema) -> None:

@@ -130,6 +130,17 @@ def _key_range(context, q_first, n_new, seq_len, sliding_window,
 
 
 @triton.jit
+def fp8_dot_query(q):
+    """q as the dots over an FP8 pool's tiles take it. FP8 tiles widen to fp16 in one instruction per pair (bf16
+    takes a longer sequence, which made the read compute-bound), so a 16-bit q is held in fp16 for the dots, clamped
+    to fp16's range (more mantissa than bf16 inside it); an fp32 q stays fp32. TensorRT's AOT kernel shares it."""
+    qd = q
+    if q.dtype != tl.float32:
+        qd = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return qd
+
+
+@triton.jit
 def _fp8_value_tile(v_head, table, n0, key_end, stride_cb, offs_d, d_ok,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                     MASKED: tl.constexpr):
@@ -176,10 +187,8 @@ def _attend_key_tiles(
     offs_t = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    if FP8_KV and q.dtype != tl.float32:
-        # FP8 tiles widen to fp16 in one instruction per pair (bf16 takes a longer sequence, which made the read
-        # compute-bound); q is held in fp16 for the dots (clamped to fp16's range: more mantissa than bf16 inside it)
-        qd = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    if FP8_KV:
+        qd = fp8_dot_query(q)
     else:
         qd = q
     # Tiles start at multiples of TILE_N and both sizes are powers of two, so a key's offset inside its block is

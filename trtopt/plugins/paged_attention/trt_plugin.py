@@ -19,8 +19,16 @@ _plugin_class}.py and samples/python/quickly_deployable_plugins/qdp_defs.py):
 - aot_impl is called as ``f(*input_descs, *attribute_values, output_descs, tactic)``: every attribute, positionally,
   in register order, then outputs and tactic; it returns (kernel name, PTX, KernelLaunchParams, SymIntExprs).
 - No autotune function: TensorRT then offers the one combination of the inputs' own dtypes, LINEAR format.
+- kv_cache_dtype, k_scale and v_scale are declared like every attribute, though a node may omit them (schema.py):
+  trtopt.builder.trt_engine parses a copy of the model whose trtopt nodes carry every attribute
+  (trt_common.`fill_plugin_attributes`). A STRING attribute arrives as text, possibly with a trailing NUL.
+- FP8 pools (kv_cache_dtype="fp8"): kv_cache is TensorRT's FP8 (the ONNX float8e4m3fn input); the kernel quantizes
+  on write and reads e4m3 with the scales baked in as constexprs (trt_aot.py). PluginTensorDesc's documentation
+  excludes only BOOL and UINT8 from plugin I/O types; whether TensorRT binds an FP8 network input to this plugin
+  has not been run.
 """
 
+import math
 from typing import Tuple, Union
 
 import tensorrt.plugin as trtp
@@ -34,7 +42,7 @@ from trtopt.plugins.paged_attention.trt_aot import (
     aot_tiling,
     paged_attention_aot_kernel,
 )
-from trtopt.plugins.trt_common import FLOAT_TYPES, compile_ptx, require_aot, triton_type
+from trtopt.plugins.trt_common import FLOAT_TYPES, FP8_TYPE, TRITON_TYPES, compile_ptx, require_aot
 
 require_aot(trtp)
 
@@ -47,6 +55,7 @@ def paged_attention_desc(
     block_tables: trtp.TensorDesc, seq_lens: trtp.TensorDesc, query_start_loc: trtp.TensorDesc,
     slot_mapping: trtp.TensorDesc, alibi_slopes: trtp.TensorDesc,
     num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int, sliding_window: int,
+    kv_cache_dtype: str, k_scale: float, v_scale: float,
 ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
     """out: q's shape and dtype ([1, Hq, T, D]); kv_cache_out: kv_cache itself (written in place)."""
     return q.like(), kv_cache.aliased()
@@ -60,15 +69,31 @@ def _constant_dim(desc: trtp.TensorDesc, axis: int, what: str) -> int:
     return dim.constant_value()
 
 
-def _check_dtypes(q: trtp.TensorDesc, others: dict) -> str:
-    float_type = triton_type(q.dtype.name)
+def _pool_dtype(kv_cache_dtype: str) -> str:
+    """The node's kv_cache_dtype as text ("auto" or "fp8"), a STRING attribute's trailing NUL dropped."""
+    value = kv_cache_dtype.decode() if isinstance(kv_cache_dtype, bytes) else str(kv_cache_dtype)
+    value = value.rstrip("\x00")
+    if value not in ("auto", "fp8"):
+        raise BuildError(f"PagedAttention: kv_cache_dtype={value!r}; the op takes 'auto' or 'fp8' (schema.py).")
+    return value
+
+
+def _type(desc: trtp.TensorDesc) -> str:
+    """Triton's name of the desc's dtype, or TensorRT's for one no kernel takes (reported, not raised on)."""
+    return TRITON_TYPES.get(desc.dtype.name, desc.dtype.name)
+
+
+def _check_dtypes(q: trtp.TensorDesc, others: dict, *, fp8_pool: bool) -> str:
+    float_type = _type(q)
     if float_type not in FLOAT_TYPES:
         raise BuildError(f"PagedAttention: q is {q.dtype}; the kernel runs in fp32/fp16/bf16.")
-    want = {"k": float_type, "v": float_type, "kv_cache": float_type, "block_tables": "i32", "seq_lens": "i32",
-            "query_start_loc": "i32", "slot_mapping": "i64", "alibi_slopes": "fp32"}
+    want = {"k": float_type, "v": float_type, "kv_cache": FP8_TYPE if fp8_pool else float_type,
+            "block_tables": "i32", "seq_lens": "i32", "query_start_loc": "i32", "slot_mapping": "i64",
+            "alibi_slopes": "fp32"}
     for name, desc in others.items():
-        if triton_type(desc.dtype.name) != want[name]:
-            raise BuildError(f"PagedAttention: {name} is {desc.dtype}, the op takes {want[name]} "
+        if _type(desc) != want[name]:
+            pool = " (the node's kv_cache_dtype is 'fp8')" if fp8_pool and name == "kv_cache" else ""
+            raise BuildError(f"PagedAttention: {name} is {desc.dtype}, the op takes {want[name]}{pool} "
                              "(docs/architecture.md §3); fix the graph that feeds it.")
     return float_type
 
@@ -79,18 +104,25 @@ def paged_attention_aot(
     block_tables: trtp.TensorDesc, seq_lens: trtp.TensorDesc, query_start_loc: trtp.TensorDesc,
     slot_mapping: trtp.TensorDesc, alibi_slopes: trtp.TensorDesc,
     num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int, sliding_window: int,
+    kv_cache_dtype: str, k_scale: float, v_scale: float,
     outputs: Tuple[trtp.TensorDesc], tactic: int,
 ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
     """Compile trt_aot.paged_attention_aot_kernel for this engine's dtype and attributes, on the build GPU."""
+    pool_dtype = _pool_dtype(kv_cache_dtype)
+    fp8_pool = pool_dtype == "fp8"
     float_type = _check_dtypes(q, dict(k=k, v=v, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
                                        query_start_loc=query_start_loc, slot_mapping=slot_mapping,
-                                       alibi_slopes=alibi_slopes))
+                                       alibi_slopes=alibi_slopes), fp8_pool=fp8_pool)
+    if fp8_pool and not all(float(s) > 0 and math.isfinite(float(s)) for s in (k_scale, v_scale)):
+        raise BuildError(f"PagedAttention: k_scale={k_scale}, v_scale={v_scale}; an FP8 pool's scales are finite "
+                         "and positive (rebuild the plan: `trtopt build --kv-cache-dtype fp8`).")
     tiling = aot_tiling(num_heads, num_kv_heads)
     constexprs = aot_constexprs(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 scale=float(scale), causal=causal, sliding_window=sliding_window,
                                 block_size=_constant_dim(kv_cache, 3, "block size"), float_type=float_type,
-                                tiling=tiling)
-    kernel = compile_ptx(paged_attention_aot_kernel, aot_signature(float_type), constexprs,
+                                tiling=tiling, kv_cache_dtype=pool_dtype, k_scale=float(k_scale),
+                                v_scale=float(v_scale))
+    kernel = compile_ptx(paged_attention_aot_kernel, aot_signature(float_type, fp8_pool=fp8_pool), constexprs,
                          num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
     # T, S and the table width are dynamic: symbolic expressions that TensorRT resolves at each enqueue.

@@ -31,6 +31,14 @@ FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
+def fp8_saturate(x, scale):
+    """What an FP8 pool stores for x, before the store's cast rounds it to the nearest even e4m3: x / scale in fp32,
+    saturated to ±448 (−0 stays −0; reference.to_pool). Every FP8 write calls it: the two here, the Q/K/V GEMV's
+    epilogue and TensorRT's AOT kernel."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Where value d of the token at ``offset`` in its block goes, from the block's value half: offset·stride_co +
     d·stride_cd, or in an FP8 pool, whose values are stored [D, block_size] (a contiguous plane: the launches check),
@@ -62,9 +70,9 @@ def _write_kv_kernel(
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     head = Cache + block * stride_cb + offs_h[:, None] * stride_ch
-    if FP8_KV:  # quantize: x / scale in fp32, saturated (−0 stays −0); the cast below rounds to nearest even
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
+    if FP8_KV:  # quantize; the cast below rounds to nearest even
+        k = fp8_saturate(k, K_SCALE)
+        v = fp8_saturate(v, V_SCALE)
     tl.store(head + offset * stride_co + offs_d[None, :] * stride_cd, k.to(Cache.dtype.element_ty), mask=mask)
     tl.store(head + stride_ckv + value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV, BLOCK_SIZE)[None, :],
              v.to(Cache.dtype.element_ty), mask=mask)
@@ -117,11 +125,11 @@ def _rope_write_kv_kernel(
         v_src = V + t * stride_vt + hk[:, None] * stride_vh
         v1 = tl.load(v_src + offs[None, :] * stride_vd, mask=mk).to(DTYPE)
         v2 = tl.load(v_src + (offs + HALF)[None, :] * stride_vd, mask=mk).to(DTYPE)
-        if FP8_KV:  # as _write_kv_kernel: x / scale in fp32, saturated; the stores' cast rounds to nearest even
-            k1 = tl.minimum(tl.maximum(k1.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
-            k2 = tl.minimum(tl.maximum(k2.to(tl.float32) / K_SCALE, -FP8_MAX), FP8_MAX)
-            v1 = tl.minimum(tl.maximum(v1.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
-            v2 = tl.minimum(tl.maximum(v2.to(tl.float32) / V_SCALE, -FP8_MAX), FP8_MAX)
+        if FP8_KV:  # as _write_kv_kernel; the stores' cast rounds to nearest even
+            k1 = fp8_saturate(k1, K_SCALE)
+            k2 = fp8_saturate(k2, K_SCALE)
+            v1 = fp8_saturate(v1, V_SCALE)
+            v2 = fp8_saturate(v2, V_SCALE)
         offset = slot % BLOCK_SIZE
         head = Cache + (slot // BLOCK_SIZE) * stride_cb + hk[:, None] * stride_ch
         k_dst = head + offset * stride_co

@@ -37,7 +37,7 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
-from trtopt.plugins.paged_attention.write_kv import FP8_MAX, fp8_constexprs, value_offsets
+from trtopt.plugins.paged_attention.write_kv import fp8_constexprs, fp8_saturate, value_offsets
 from trtopt.plugins.rope.kernel import rotate_half_rows
 
 MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in registers beside the weight tile
@@ -155,8 +155,8 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
         # (new names: a runtime branch may not give y1/y2 another type, which the interpreter does not notice)
         if FP8_KV:
             scale = tl.where(is_v, V_SCALE, K_SCALE)
-            pool1 = tl.minimum(tl.maximum(y1.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
-            pool2 = tl.minimum(tl.maximum(y2.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+            pool1 = fp8_saturate(y1, scale)
+            pool2 = fp8_saturate(y2, scale)
         else:
             pool1, pool2 = y1, y2
         tl.store(dst1, pool1.to(Cache.dtype.element_ty), mask=kv_ok)
