@@ -304,6 +304,64 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.fixture(scope="module")
+def fp8_plan(export_dir, tmp_path_factory):
+    """The tiny Llama built with FP8 KV pools and calibrated-looking scales (not 1.0), the limits of `plan_dir`'s."""
+    from trtopt.builder.pipeline import build_plan
+    from trtopt.builder.plan import Limits
+
+    limits = Limits(block_size=16, max_num_tokens=256, max_num_seqs=8, max_model_len=256)
+    out = tmp_path_factory.mktemp("plan-tiny-llama-fp8-gemv")
+    return build_plan(export_dir("tiny-llama"), out, limits=limits, force=True, progress=False,
+                      kv_cache_dtype="fp8").plan_dir
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run; on a GPU "
+                    "test_executor_gemv_path_on_fp8_pools_on_gpu runs it")
+def test_an_fp8_plan_keeps_the_fused_qkv_rope_kv_write(fp8_plan, monkeypatch) -> None:
+    """FP8 pools take the one-row decode path bf16 pools take: the Q/K/V GEMV rotates q and k and writes the pool
+    in its epilogue (which quantizes with the attention node's scales). Sessions before 30 left it off for FP8 pools,
+    one launch more per layer than bf16 at batch 1. The forced-on path (interpreter, fp32) leaves the pools byte for
+    byte as the plain path does, and its logits within fp32 rounding. (The interpreter's fp32 → e4m3 cast rounds a
+    few values wrongly, test_trt_plugin_paged_attention says which; none of this plan's do.)"""
+    plan = read_plan(fp8_plan)
+    layers = plan.model.num_layers
+    base = TorchExecutor(fp8_plan, plan, decode_gemv=False)
+    want = _steps(base, plan)
+    ex = TorchExecutor(fp8_plan, plan, decode_gemv=True)
+    assert ex.pool_dtype == FP8_POOL_DTYPE
+    assert ex.num_gemv_rope_kv == layers
+    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
+    calls = []
+    real = gemv._kernels()
+    monkeypatch.setattr(gemv, "_kernels", lambda: _Counting(real, calls))
+    got = _steps(ex, plan)
+    assert calls.count("gemv_rope_kv") == layers  # the one-row step, once per layer
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for pool, base_pool in zip(ex.kv_caches, base.kv_caches):
+        assert torch.equal(pool.view(torch.uint8), base_pool.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+def test_executor_gemv_path_on_fp8_pools_on_gpu(fp8_plan, monkeypatch) -> None:
+    """On CUDA an FP8 plan's one-row step writes its pool in the Q/K/V GEMV's epilogue: pools byte for byte those
+    of the unfused path (its RoPE-fused write kernel), logits within fp32 rounding."""
+    plan = read_plan(fp8_plan)
+    base = TorchExecutor(fp8_plan, plan, device="cuda", decode_gemv=False)
+    want = _steps(base, plan)
+    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
+    ex = TorchExecutor(fp8_plan, plan, device="cuda", decode_gemv=True)
+    assert ex.num_gemv_rope_kv == plan.model.num_layers
+    got = _steps(ex, plan)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for pool, base_pool in zip(ex.kv_caches, base.kv_caches):
+        assert torch.equal(pool.view(torch.uint8), base_pool.view(torch.uint8))
+
+
 class _Counting:
     """gemv_triton with its three entry points counted."""
 

@@ -106,8 +106,7 @@ class TorchExecutor(Executor):
             raise ConfigError("decode_gemv=True and compile_mode cannot be combined: the GEMVs are launched outside "
                               "Inductor's graph; leave decode_gemv unset with compile_mode.")
         self.num_gemv_weights, self.num_gemv_silu_mul, self.num_gemv_rope_kv = (
-            # (the GEMV's own KV write stores without FP8 scales: FP8 pools keep PagedAttention's write)
-            use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv and self.pool_dtype == self.kv_dtype)
+            use_decode_gemv(self.graph.module, rope_kv=gemv_rope_kv)
             if decode_gemv else (0, 0, 0))
         # QMatMul weights packed once into the decode GEMV's layout on CUDA (runtime/executors/qmatmul_packing.py);
         # the CPU and compile_mode (its custom op) keep the op, which packs per call on CUDA.
