@@ -224,12 +224,33 @@ def test_a_self_draft_plan_of_an_fp8_plan_keeps_fp8_pools(fp8_plan, tmp_path):
     assert pool.type.tensor_type.elem_type == onnx.TensorProto.FLOAT8E4M3FN
 
 
-def test_compile_mode_refuses_an_fp8_plan_with_a_config_error(fp8_plan):
-    """torch.compile's PagedAttention custom op takes no FP8 scales yet: a clear error, never a failure mid-step."""
-    from trtopt.runtime.executors import create_executor
+@pytest.mark.slow
+def test_compile_mode_runs_an_fp8_plan_like_the_eager_executor(fp8_plan):
+    """torch.compile (Inductor, CPU fp32) of an FP8 plan: the PagedAttention custom op carries the node's
+    kv_cache_dtype and scales, so greedy tokens, logits and the FP8 pools (byte for byte) are the eager executor's."""
+    import sys
+    from pathlib import Path
 
-    with pytest.raises(ConfigError, match="does not run a plan built with --kv-cache-dtype fp8"):
-        create_executor("torch", fp8_plan, read_plan(fp8_plan), compile_mode="default")
+    sys.path.insert(0, str(Path(__file__).parent / "executors"))
+    from test_torch_library import greedy_steps
+
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    plan = read_plan(fp8_plan)
+    eager = TorchExecutor(fp8_plan, plan)
+    compiled = TorchExecutor(fp8_plan, plan, compile_mode="default")
+    for ex in (eager, compiled):
+        ex.allocate_kv_cache(8)
+        assert ex.kv_caches[0].dtype == torch.float8_e4m3fn
+    want, want_tokens = greedy_steps(eager, plan.limits.block_size)
+    got, got_tokens = greedy_steps(compiled, plan.limits.block_size)
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(compiled.kv_caches, eager.kv_caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    paged = [n for n in compiled.graph.module.graph.nodes if "paged_attention" in str(n.target)]
+    assert len(paged) == plan.model.num_layers and all(n.kwargs["kv_cache_dtype"] == "fp8" for n in paged)
 
 
 def test_reference_ops_runs_the_fp8_pool_through_the_torch_reference(engine, plans):
@@ -255,3 +276,28 @@ def test_reference_ops_runs_the_fp8_pool_through_the_torch_reference(engine, pla
     assert outputs[0] == outputs[1]
     with pytest.raises(ValueError, match="reference path"):
         TorchExecutor(plans["fp8"], read_plan(plans["fp8"]), reference_ops=("RMSNorm",))
+
+
+@pytest.mark.gpu
+def test_compile_mode_runs_an_fp8_plan_on_cuda(fp8_plan):
+    """The same on CUDA: Inductor around the Triton kernels over FP8 pools, the eager executor's tokens and pools."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "executors"))
+    from test_torch_library import greedy_steps
+
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    plan = read_plan(fp8_plan)
+    runs = {}
+    for mode in (None, "default"):
+        ex = TorchExecutor(fp8_plan, plan, device="cuda", compile_mode=mode)
+        ex.allocate_kv_cache(8)
+        logits, tokens = greedy_steps(ex, plan.limits.block_size)
+        runs[mode] = (torch.cat(logits).cpu(), tokens, [p.view(torch.uint8).cpu() for p in ex.kv_caches])
+    assert runs["default"][1] == runs[None][1]
+    torch.testing.assert_close(runs["default"][0], runs[None][0], atol=1e-4, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(runs["default"][2], runs[None][2]))

@@ -74,10 +74,6 @@ class TorchExecutor(Executor):
         self.kv_dtype: torch.dtype = kv_dtype(plan, TORCH_DTYPES)
         # The pools': the model's, or float8_e4m3fn for a plan built with --kv-cache-dtype fp8.
         self.pool_dtype: torch.dtype = pool_dtype(plan, TORCH_POOL_DTYPES, device=self.device)
-        if compile_mode is not None and plan.kv_cache_dtype != "auto":
-            raise ConfigError(f"compile_mode={compile_mode!r} does not run a plan built with --kv-cache-dtype "
-                              f"{plan.kv_cache_dtype} yet (its PagedAttention custom op takes no FP8 scales); leave "
-                              "compile_mode unset, or rebuild with --kv-cache-dtype auto.")
         self._check_dtype(dtype)
         started = time.perf_counter()
         self.argmax_in_graph = argmax_in_graph

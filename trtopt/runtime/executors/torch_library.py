@@ -57,20 +57,23 @@ class GraphCompileError(ConfigError):
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                     query_start_loc: Tensor, slot_mapping: Tensor, alibi_slopes: Optional[Tensor] = None, *,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: int = 1,
-                    sliding_window: int = 0) -> Tensor:
+                    sliding_window: int = 0, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> Tensor:
     """trtopt::PagedAttention: writes kv_cache in place, returns out [1, Hq, T, D] (q's dtype, contiguous). Its
     launch state is the running executor's (trtopt_ops.CURRENT_PAGED_STATE, read when the op runs: eagerly, in
-    Inductor's code, or while a CUDA graph captures it); a custom op's arguments cannot carry it."""
+    Inductor's code, or while a CUDA graph captures it); a custom op's arguments cannot carry it. An FP8 pool's
+    kv_cache_dtype and scales are the node's attributes, as in the eager graph."""
     out, _ = trtopt_ops.paged_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                                         alibi_slopes, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                         head_dim=head_dim, scale=scale, causal=causal, sliding_window=sliding_window,
-                                        state=trtopt_ops.CURRENT_PAGED_STATE.get())
+                                        state=trtopt_ops.CURRENT_PAGED_STATE.get(), kv_cache_dtype=kv_cache_dtype,
+                                        k_scale=k_scale, v_scale=v_scale)
     return out.contiguous()
 
 
 @paged_attention.register_fake
 def _(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes=None, *, num_heads,
-      num_kv_heads, head_dim, scale, causal=1, sliding_window=0):
+      num_kv_heads, head_dim, scale, causal=1, sliding_window=0, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
     return q.new_empty(q.shape)
 
 
