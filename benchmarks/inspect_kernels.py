@@ -1,10 +1,18 @@
-"""What the compiler made of the attention kernels, and where a decode step's time goes (CUDA only).
+"""What the compiler made of the attention kernels, and where a decode step's time goes.
 
-    python benchmarks/inspect_kernels.py
+    python benchmarks/inspect_kernels.py                 # CUDA: compiled specialisations, then a profile
+    python benchmarks/inspect_kernels.py --offline-fp8   # no GPU: the FP8 paged decode kernel's resources on sm_90
 
 For each compiled specialisation: registers, spills, shared memory, and whether the matmuls became Hopper
 wgmma (PTX `wgmma.mma_async`) or the older mma.sync, and how wide the global loads are. Then a profiler
 breakdown of one paged decode step (KV write, attention, segment merge) per kernel.
+
+--offline-fp8 compiles the paged attention kernel over an FP8 pool (bf16 q, Llama-8B's heads 32/8 x 128, block size
+16) at the decode tilings the planner picks, for sm_90 with this machine's Triton, and runs the ptxas Triton
+bundles on each PTX: registers and spill bytes a thread, shared memory a program, and the PTX's byte-wide global
+loads and cp.async copies. Registers bound how many programs of 128 threads share a multiprocessor
+(65,536 / (128 x regs)). Run it under the GPU image's Triton (3.6 on the project's H200s) to see what the GPU runs:
+`pip install --target DIR triton==3.6.0` and PYTHONPATH=DIR.
 """
 
 from __future__ import annotations
@@ -68,5 +76,69 @@ def main() -> None:
         describe(kern)
 
 
+# (tile_n, num_segments, num_stages) of the FP8 decode plans (planning.py plan_paged_launch(kv_bytes=1)) and the
+# 64-key tiles the sweeps compare them with
+FP8_DECODE_TILINGS = ((128, 1, 3), (128, 2, 3), (128, 32, 3), (64, 16, 3), (64, 64, 3))
+
+
+def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
+    """Compile `_paged_attn_kernel` over an FP8 pool for sm_90 (no GPU: PTX, then the bundled ptxas) at each tiling;
+    one dict of resources per tiling. Unit strides are constexpr 1 and the other strides and pointers divisible by
+    16, as a launch specialises them (otherwise every load is scalar and the PTX misleads)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trtopt.plugins.paged_attention import attention
+
+    fn = attention._paged_attn_kernel
+    params = list(fn.arg_names)
+    runtime = dict(Q="*bf16", Cache="*fp8e4nv", BlockTables="*i32", SeqLens="*i32", QueryStartLoc="*i32",
+                   Alibi="*bf16", Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", Counters="*i32",
+                   qk_scale="fp32", num_seqs="i32", sliding_window="i32", stride_qh="i32", stride_qt="i32",
+                   stride_cb="i32", stride_ckv="i32", stride_ch="i32", stride_co="i32", stride_bt="i32",
+                   stride_oh="i32", stride_ot="i32")
+    aligned = {n for n, t in runtime.items() if t.startswith("*") or n.startswith("stride_")}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    rows = []
+    for tile_n, segments, stages in tilings:
+        constexprs = dict(stride_qd=1, stride_cd=1, stride_od=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, HEAD_DIM=128,
+                          BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n, NUM_SEGMENTS=segments, IS_CAUSAL=True,
+                          HAS_ALIBI=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
+                          MERGE=1 < segments <= attention.FUSED_MERGE_MAX_SEGMENTS, FP8_KV=True, K_SCALE=0.0129,
+                          V_SCALE=0.0131)
+        signature = {p: runtime.get(p, "constexpr") for p in params}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4, num_stages=stages))
+        ptx = compiled.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            Path(path).write_text(ptx)
+            done = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True)
+        if done.returncode != 0:  # e.g. a Triton whose PTX ISA is newer than the ptxas it bundles (3.9 here)
+            raise SystemExit(f"{ptxas} refused Triton {triton.__version__}'s PTX: {done.stderr.strip()[-300:]}")
+        log = done.stderr
+        regs = int(re.search(r"Used (\d+) registers", log).group(1))
+        spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+        rows.append(dict(tile_n=tile_n, num_segments=segments, num_stages=stages, registers=regs, spill_bytes=spill,
+                         shared_bytes=compiled.metadata.shared, programs_per_sm_by_registers=65536 // (128 * regs),
+                         byte_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.[bu]8\b", ptx)),
+                         cp_async=ptx.count("cp.async")))
+    return rows
+
+
 if __name__ == "__main__":
-    main()
+    if "--offline-fp8" in sys.argv[1:]:
+        import triton
+
+        print(f"FP8 paged decode kernel on sm_90, Triton {triton.__version__} (bf16 q, heads 32/8 x 128, block 16)")
+        for row in offline_fp8_resources():
+            print("  " + " ".join(f"{k}={v}" for k, v in row.items()))
+    else:
+        main()
