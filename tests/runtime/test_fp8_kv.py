@@ -154,6 +154,22 @@ def test_prefix_cache_hits_give_the_tokens_of_a_cold_run(engine, kv):
     assert_idle(warm)
 
 
+FUSIONS = ("num_fused_rope", "num_fused_rope_kv", "num_nonnegative_gathers", "num_gemv_weights", "num_gemv_silu_mul",
+           "num_gemv_rope_kv", "num_packed_qmatmuls", "num_norm_quantize_fusions")
+
+
+def test_an_fp8_plan_gets_every_rewrite_its_auto_twin_gets(plans):
+    """The torch executor's graph rewrites do not depend on the pool's dtype: with the decode GEMVs on, the FP8 plan
+    and its auto twin count the same rewrites of every kind. (Until session 30 the fused Q/K/V + KV write was off
+    for FP8 pools, although its kernel quantizes into them: this is the check that would have said so.)"""
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    counts = {kv: {name: getattr(TorchExecutor(plans[kv], read_plan(plans[kv]), decode_gemv=True), name)
+                   for name in FUSIONS} for kv in ("auto", "fp8")}
+    assert counts["fp8"] == counts["auto"]
+    assert counts["fp8"]["num_gemv_rope_kv"] > 0 and counts["fp8"]["num_fused_rope_kv"] > 0
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_speculative_rollback_keeps_greedy_tokens(engine, kv):
     """n-gram speculation over the pools: verified drafts write their K/V before the target accepts or rejects
