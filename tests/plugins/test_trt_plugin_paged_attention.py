@@ -261,6 +261,27 @@ GPU_CASES = {
 }
 
 
+def _driver_launch(step, case: Case, dtype: torch.dtype, cache: torch.Tensor, slopes, meta, **fp8) -> torch.Tensor:
+    """Compile the entry kernel's PTX for this GPU (hidden params stripped) and launch it with cuLaunchKernel with
+    exactly TensorRT's arguments (inputs, T/S/table width, outputs) on the aliased pool `cache`; returns the output.
+    fp8: the node's kv_cache_dtype/k_scale/v_scale for an FP8 pool."""
+    q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
+    out = torch.full_like(q, float("nan"))
+    Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
+    tiling = aot_tiling(Hq, Hkv)
+    signature = aot_signature(FLOAT_TYPES[dtype], fp8_pool=fp8.get("kv_cache_dtype") == "fp8")
+    kernel = compile_ptx(paged_attention_aot_kernel, signature,
+                         aot_constexprs(**step.attrs, block_size=case.block_size, float_type=FLOAT_TYPES[dtype],
+                                        tiling=tiling, **fp8),
+                         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+    T, S, width = q.shape[2], step.seq_lens.shape[0], step.block_tables.shape[1]
+    pointers = [x.data_ptr() for x in (q, k, v, cache, *meta, slopes)]
+    launch_ptx(kernel, signature, [*pointers, *aot_extra_args(T, S, width), out.data_ptr(), cache.data_ptr()],
+               aot_grid(T, S, num_kv_heads=Hkv, tiling=tiling), stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -271,25 +292,14 @@ def test_ptx_launched_by_the_driver_matches_reference(name: str, dtype: torch.dt
     case = replace(GPU_CASES[name], dtype=dtype)
     device = torch.device("cuda")
     step = make_step(case, device)
-    Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
+    Hq = step.attrs["num_heads"]
     slopes = step.alibi_slopes if step.alibi_slopes is not None else torch.zeros(Hq, device=device)
     meta = (step.block_tables, step.seq_lens, step.query_start_loc, step.slot_mapping)
     ref_cache = step.kv_cache.cpu().clone()
     ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), ref_cache, *(m.cpu() for m in meta),
                                      alibi_slopes=None if step.alibi_slopes is None else slopes.cpu(), **step.attrs)
-    q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
-    cache, out = step.kv_cache, torch.full_like(q, float("nan"))
-    tiling = aot_tiling(Hq, Hkv)
-    signature = aot_signature(FLOAT_TYPES[dtype])
-    kernel = compile_ptx(paged_attention_aot_kernel, signature,
-                         aot_constexprs(**step.attrs, block_size=case.block_size, float_type=FLOAT_TYPES[dtype],
-                                        tiling=tiling),
-                         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
-    T, S, width = q.shape[2], step.seq_lens.shape[0], step.block_tables.shape[1]
-    pointers = [x.data_ptr() for x in (q, k, v, cache, *meta, slopes)]
-    launch_ptx(kernel, signature, [*pointers, *aot_extra_args(T, S, width), out.data_ptr(), cache.data_ptr()],
-               aot_grid(T, S, num_kv_heads=Hkv, tiling=tiling), stream=torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
+    out = _driver_launch(step, case, dtype, step.kv_cache, slopes, meta)
+    cache = step.kv_cache
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(dtype))
     torch.testing.assert_close(cache.cpu(), ref_cache, equal_nan=True, atol=0, rtol=0)
@@ -305,7 +315,7 @@ def test_ptx_on_fp8_pools_launched_by_the_driver_matches_reference(name: str, dt
     case = replace(GPU_CASES[name], dtype=dtype)
     device = torch.device("cuda")
     step = make_step(case, device)
-    Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
+    Hq = step.attrs["num_heads"]
     k_scale, v_scale = 0.01, 0.5
     cache = quantized_pool(step.kv_cache, k_scale, v_scale)
     slopes = torch.zeros(Hq, device=device)
@@ -313,19 +323,8 @@ def test_ptx_on_fp8_pools_launched_by_the_driver_matches_reference(name: str, dt
     ref_cache = cache.cpu().clone()
     ref_out, _ = paged_attention_ref(step.q.cpu(), step.k.cpu(), step.v.cpu(), ref_cache, *(m.cpu() for m in meta),
                                      alibi_slopes=None, **step.attrs, k_scale=k_scale, v_scale=v_scale)
-    q, k, v = (x.contiguous() for x in (step.q, step.k, step.v))
-    out = torch.full_like(q, float("nan"))
-    tiling = aot_tiling(Hq, Hkv)
-    signature = aot_signature(FLOAT_TYPES[dtype], fp8_pool=True)
-    kernel = compile_ptx(paged_attention_aot_kernel, signature,
-                         aot_constexprs(**step.attrs, block_size=case.block_size, float_type=FLOAT_TYPES[dtype],
-                                        tiling=tiling, kv_cache_dtype="fp8", k_scale=k_scale, v_scale=v_scale),
-                         num_warps=tiling.num_warps, num_stages=tiling.num_stages)
-    T, S, width = q.shape[2], step.seq_lens.shape[0], step.block_tables.shape[1]
-    pointers = [x.data_ptr() for x in (q, k, v, cache, *meta, slopes)]
-    launch_ptx(kernel, signature, [*pointers, *aot_extra_args(T, S, width), out.data_ptr(), cache.data_ptr()],
-               aot_grid(T, S, num_kv_heads=Hkv, tiling=tiling), stream=torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
+    out = _driver_launch(step, case, dtype, cache, slopes, meta, kv_cache_dtype="fp8", k_scale=k_scale,
+                         v_scale=v_scale)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), **tolerance(dtype))
     assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))

@@ -286,11 +286,7 @@ def test_executor_rewrites_every_projection_and_keeps_the_logits(model: str, pla
     assert targets.count(gemv.projection) == 3 * layers + 1 - biased - rope_kv
     assert ex.num_gemv_silu_mul == layers
     assert torch.matmul not in targets and gemv.projection_silu_mul in targets
-    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
-    calls = []
-    real = gemv._kernels()
-    monkeypatch.setattr(gemv, "_kernels", lambda: _Counting(real, calls))
+    calls = _force_gemv_path(monkeypatch)
     got = _steps(ex, plan)
     # The one-row step's projections (an LM head only if not wide and short: use_gemv) and gate/ups.
     gm = ex.graph.module
@@ -331,11 +327,7 @@ def test_an_fp8_plan_keeps_the_fused_qkv_rope_kv_write(fp8_plan, monkeypatch) ->
     ex = TorchExecutor(fp8_plan, plan, decode_gemv=True)
     assert ex.pool_dtype == FP8_POOL_DTYPE
     assert ex.num_gemv_rope_kv == layers
-    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
-    calls = []
-    real = gemv._kernels()
-    monkeypatch.setattr(gemv, "_kernels", lambda: _Counting(real, calls))
+    calls = _force_gemv_path(monkeypatch)
     got = _steps(ex, plan)
     assert calls.count("gemv_rope_kv") == layers  # the one-row step, once per layer
     for a, b in zip(got, want):
@@ -360,6 +352,17 @@ def test_executor_gemv_path_on_fp8_pools_on_gpu(fp8_plan, monkeypatch) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     for pool, base_pool in zip(ex.kv_caches, base.kv_caches):
         assert torch.equal(pool.view(torch.uint8), base_pool.view(torch.uint8))
+
+
+def _force_gemv_path(monkeypatch) -> list[str]:
+    """The executor's GEMV path taken on the CPU (the interpreter runs the kernels, fp32 allowed); returns the list
+    its kernel entry points are recorded in, as they are called."""
+    monkeypatch.setattr(gemv, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(gemv, "GEMV_DTYPES", (torch.float32,))
+    calls: list[str] = []
+    real = gemv._kernels()
+    monkeypatch.setattr(gemv, "_kernels", lambda: _Counting(real, calls))
+    return calls
 
 
 class _Counting:

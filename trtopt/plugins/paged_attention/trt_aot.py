@@ -36,6 +36,7 @@ import triton.language as tl
 from trtopt.plugins.paged_attention.attention import _attend_key_tiles, _key_range, _tile_prologue, fp8_dot_query
 from trtopt.plugins.paged_attention.write_kv import fp8_saturate, value_offsets
 from trtopt.plugins.trt_common import FLOAT_TYPES, FP8_TYPE, dot_precision
+from trtopt.signature import KV_CACHE_DTYPES
 
 _LOG2E = 1.4426950408889634
 
@@ -250,7 +251,7 @@ def aot_constexprs(*, num_heads: int, num_kv_heads: int, head_dim: int, scale: f
     assert num_kv_heads > 0 and num_heads % num_kv_heads == 0, f"{num_heads} heads, {num_kv_heads} kv heads"
     assert block_size > 0 and block_size & (block_size - 1) == 0, f"block_size {block_size} must be a power of two"
     assert math.isfinite(scale), f"scale {scale}"
-    assert kv_cache_dtype in ("auto", "fp8"), f"kv_cache_dtype {kv_cache_dtype!r}"
+    assert kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype {kv_cache_dtype!r}"
     fp8 = kv_cache_dtype == "fp8"
     assert not fp8 or all(math.isfinite(s) and s > 0 for s in (k_scale, v_scale)), f"scales {k_scale}, {v_scale}"
     group = num_heads // num_kv_heads

@@ -43,6 +43,7 @@ from trtopt.plugins.paged_attention.trt_aot import (
     paged_attention_aot_kernel,
 )
 from trtopt.plugins.trt_common import FLOAT_TYPES, FP8_TYPE, TRITON_TYPES, compile_ptx, require_aot
+from trtopt.signature import KV_CACHE_DTYPES
 
 require_aot(trtp)
 
@@ -73,8 +74,9 @@ def _pool_dtype(kv_cache_dtype: str) -> str:
     """The node's kv_cache_dtype as text ("auto" or "fp8"), a STRING attribute's trailing NUL dropped."""
     value = kv_cache_dtype.decode() if isinstance(kv_cache_dtype, bytes) else str(kv_cache_dtype)
     value = value.rstrip("\x00")
-    if value not in ("auto", "fp8"):
-        raise BuildError(f"PagedAttention: kv_cache_dtype={value!r}; the op takes 'auto' or 'fp8' (schema.py).")
+    if value not in KV_CACHE_DTYPES:
+        raise BuildError(f"PagedAttention: kv_cache_dtype={value!r}; the op takes one of {KV_CACHE_DTYPES} "
+                         "(schema.py).")
     return value
 
 
