@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping
 
 from trtopt.plugins.common import OpSchema
 
-# trt.DataType member name → Triton's type string (TensorDesc.dtype is a trt.DataType; `.name` is e.g. "HALF").
 FP8_TYPE = "fp8e4nv"  # an FP8 KV pool (TensorRT's FP8, ONNX's float8e4m3fn, torch's float8_e4m3fn)
+# trt.DataType member name → Triton's type string (TensorDesc.dtype is a trt.DataType; `.name` is e.g. "HALF").
 TRITON_TYPES: dict[str, str] = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT32": "i32", "INT64": "i64",
                                 "FP8": FP8_TYPE}
 # The dtypes the attention kernels take for q/k/v/kv_cache.
