@@ -113,6 +113,9 @@ QUANT_ROWS = {"fp8_w8a8": dict(weights="fp8", activations="fp8", activation_scal
               "fp8": dict(weights="fp8"),
               "int4_g128": dict(weights="int4", group_size=128)}
 TINY_INT4_GROUP = 32  # the tiny shape's K of 256 takes it
+# Ablation rows of the quant section: row -> the QUANT_ROWS plan it runs with the torch executor's fold of the INT4
+# GEMV's x packing into the op before it switched off (runtime/executors/qmatmul_packing.py, rewrite 5).
+QUANT_ABLATIONS = {"int4_g128_x_unfolded": "int4_g128"}
 
 # Sections every run has unless skipped; with all of them skipped (--only fp8_kv) the 2048-token plan is not built
 # and the run's JSON is fp8_kv_e2e_<gpu>.json alone.
@@ -634,12 +637,27 @@ def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: i
     section: dict = {"kv_cache_memory_gb": kv_gb, "max_num_seqs": max_num_seqs, "requests": len(requests),
                      "warmup_requests": len(warmup), "configs": QUANT_ROWS,
                      "method": "rtn (random weights), the LM head and embeddings in bf16"}
-    for name, plan_dir in [("bf16", work / "plan"), *((row, work / f"plan-q-{row}") for row in QUANT_ROWS)]:
+    from trtopt.runtime.executors import torch_executor
+
+    ablations = {row: base for row, base in QUANT_ABLATIONS.items() if base in QUANT_ROWS}
+    section["ablations"] = {row: f"{base}'s plan, the x packing of its INT4 GEMVs not folded into the op before"
+                            for row, base in ablations.items()}
+    rows = [("bf16", work / "plan"), *((row, work / f"plan-q-{row}") for row in QUANT_ROWS),
+            *((row, work / f"plan-q-{base}") for row, base in ablations.items())]
+    for name, plan_dir in rows:
         plan = read_plan(plan_dir)
         t = time.perf_counter()
-        executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
+        fold = torch_executor.fuse_norm_pack_x
+        if name in ablations:
+            torch_executor.fuse_norm_pack_x = lambda gm: 0
+        try:
+            executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
+        finally:
+            torch_executor.fuse_norm_pack_x = fold
         engine = make_engine(executor, plan, max_num_seqs=max_num_seqs, kv_gb=kv_gb, async_scheduling=async_scheduling)
-        row = section[name] = {"engine_start_s": time.perf_counter() - t}
+        assert isinstance(executor, torch_executor.TorchExecutor), type(executor)
+        row = section[name] = {"engine_start_s": time.perf_counter() - t,
+                               "x_pack_fusions": executor.num_x_pack_fusions}
         b = row["batch1"] = batch1_decode(engine, vocab, device)
         log(f"quant {name}: batch 1 {b['decode_tok_s']:.0f} tok/s")
         row["workload"] = warm_then_timed(engine, warmup, requests, device, f"quant {name}")
@@ -656,7 +674,7 @@ def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: i
     section["ratios_vs_bf16"] = {name: {
         "batch1_decode_tok_s": section[name]["batch1"]["decode_tok_s"] / bf16["batch1"]["decode_tok_s"],
         "workload_output_tok_s": section[name]["workload"]["output_tok_s"] / bf16["workload"]["output_tok_s"]}
-        for name in QUANT_ROWS}
+        for name, _ in rows[1:]}
     return section
 
 
@@ -838,6 +856,8 @@ def main() -> None:
                     "placeholder fill + greedy argmax inside the step graphs (argmax_in_graph) (turned off), to "
                     "measure at batch 1 against the default, same run")
     sections = ["batch1", "eager", "hf", "static", "continuous", "ablation", "fp8_kv", "quant"]
+    ap.add_argument("--quant-rows", nargs="+", default=None, choices=list(QUANT_ROWS),
+                    help="the quant section's quantized plans (default: all)")
     ap.add_argument("--skip", nargs="*", default=[], choices=sections)
     ap.add_argument("--only", nargs="+", default=None, choices=sections,
                     help="run these sections alone (--only fp8_kv: the FP8 KV rows, written to their own JSON)")
@@ -859,6 +879,8 @@ def main() -> None:
         args.max_batch, args.max_num_seqs, args.hf_batches, args.kv_gb = 4, 16, [4, 8], 0.05
     if args.only:
         args.skip = [name for name in sections if name not in args.only]
+    for row in set(QUANT_ROWS) - set(args.quant_rows or QUANT_ROWS):
+        del QUANT_ROWS[row]
     main_run = not set(MAIN_SECTIONS) <= set(args.skip)  # False: the fp8_kv and/or quant sections alone
     kv_section = TINY_KV if args.tiny else KVSection()
     requests = spec.make(shape.vocab)
@@ -932,7 +954,7 @@ def main() -> None:
         q_out = out.parent / f"quant_e2e_workload_{gpu_tag}.json"
         q_out.write_text(json.dumps({**q_data, "benchmark": "gpu_e2e quant"}, indent=2) + "\n")
         print("\n== quant ==")
-        for name in ("bf16", *QUANT_ROWS):
+        for name in ("bf16", *QUANT_ROWS, *section["ablations"]):
             row = section[name]
             ratio = section["ratios_vs_bf16"].get(name, {})
             print(f"{name:10s} batch 1 {row['batch1']['decode_tok_s']:7.0f} tok/s "

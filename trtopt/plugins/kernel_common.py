@@ -79,6 +79,31 @@ def launch_gated_fp8(kernel: Any, plain: Any, op: str, gate: torch.Tensor, up: t
     return codes.view(torch.float8_e4m3fn), row_scale, gate.dtype
 
 
+def launch_gated_xp(kernel: Any, plain: Any, op: str, gate: torch.Tensor, up: torch.Tensor, *, group: int,
+                    **constexprs: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """y = act(gate) · up and, in the same launch, y packed for the INT4 GEMV of a weight of quantization group
+    `group`, through the xp form of a gated row kernel (SiluMul's, GeluMul's), whose parameters are (G, U, Y, XP,
+    DOWN, stride_g, stride_u, N, BLOCK, DTYPE, *constexprs, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM): a program a row,
+    walking it in the plain launch's BLOCK-value slices with its math (the same y), then plugins/qmatmul/
+    kernel_half2.py `pack_x_row` → (y, xpack, down). A step that does not run that GEMV (plugins/qmatmul/kernel.py
+    `x_pack_outputs`) gets `plain` (the op's plain launcher) and (y, None, None)."""
+    from trtopt.plugins.qmatmul.kernel import x_pack_outputs
+
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in TL_DTYPES:
+        raise ValueError(f"{op} needs gate and up of one shape and float dtype; got {tuple(gate.shape)} "
+                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    n = gate.shape[-1]
+    g, u = as_rows(gate, n), as_rows(up, n)
+    xpack, down, pack = x_pack_outputs(g.shape[0], n, group, gate.dtype, gate.device)
+    if xpack is None:
+        return plain(gate, up), None, None
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    launcher.launch(kernel, (g.shape[0],), g, u, out, xpack, down, g.stride(0), u.stride(0), n,
+                    BLOCK=min(next_pow2(n), 4096), DTYPE=TL_DTYPES[gate.dtype], **constexprs, **pack, num_warps=4,
+                    **no_fp_fusion())
+    return out, xpack, down
+
+
 def launch_gated(kernel: Any, op: str, gate: torch.Tensor, up: torch.Tensor, **constexprs: Any) -> torch.Tensor:
     """y = act(gate) · up through a gated row kernel (SiluMul's, GeluMul's), whose parameters are
     (G, U, Y, stride_g, stride_u, N, BLOCK, DTYPE, *constexprs): gate, up [..., N] of one shape and float dtype,

@@ -216,6 +216,75 @@ def test_w8a8_projections_take_their_codes_from_the_launch_of_their_inputs_produ
                                              scales)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA for CPU tensors under the Triton interpreter")
+def test_int4_projections_take_their_x_packed_by_the_launch_of_their_inputs_producer(exported, tmp_path,
+                                                                                    monkeypatch):
+    """On a tiny-llama (bf16) quantized INT4 weight-only, the Q/K/V and gate/up projections (the readers of an RMSNorm
+    or AddRMSNorm output) and down (SiluMul's) take their x packed for the GEMV by that op's launch, O keeps the x
+    launch; and the fused executor's logits and greedy tokens equal the unfused one's exactly, over a prefill chunk
+    (the GEMM: the op writes its row alone) and a decode step of 2 rows (the GEMV on the packed words)."""
+    monkeypatch.setattr(qmatmul_packing, "_on_gpu", lambda t: True)
+    impl = trtopt_ops._impl
+    monkeypatch.setattr(trtopt_ops, "_impl", lambda op, device: impl(op, "cuda" if op in FUSED_PRODUCERS else device))
+    _x_pack_fusion_equals_the_unfused_executor(exported("tiny-llama", dtype="bf16").out_dir, tmp_path, monkeypatch,
+                                               "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+def test_int4_x_pack_fusion_on_cuda(exported, tmp_path, monkeypatch):
+    """The same on CUDA, where the fused kernels are compiled (the half2 PTX of the packing included)."""
+    _x_pack_fusion_equals_the_unfused_executor(exported("tiny-llama", dtype="bf16").out_dir, tmp_path, monkeypatch,
+                                               "cuda")
+
+
+def _x_pack_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str):
+    from trtopt.builder.pipeline import build_plan
+    from trtopt.builder.plan import Limits, read_plan
+    from trtopt.check.compare import Tolerance
+    from trtopt.check.runner import Workload, compare_executors
+    from trtopt.quantize import QuantizeConfig, quantize_model
+    from trtopt.runtime.executors import torch_executor
+    from trtopt.runtime.executors.torch_executor import TorchExecutor
+
+    if device == "cpu":  # 32 columns a GEMV program (both executors alike): 8x fewer programs for the interpreter
+        from trtopt.plugins.qmatmul import kernel
+
+        monkeypatch.setattr(kernel, "default_config_xp", lambda rows, n, k, group: (32, max(group, 64), 1, 1))
+    quantize_model(export, tmp_path / "q", QuantizeConfig(weights="int4", group_size=32, calibration_sequences=2,
+                                                          calibration_length=64), force=True)
+    built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
+                       limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
+    plan = read_plan(built.plan_dir)
+    fused = TorchExecutor(built.plan_dir, plan, device=device)
+    with monkeypatch.context() as m:
+        m.setattr(torch_executor, "fuse_norm_pack_x", lambda gm: 0)
+        unfused = TorchExecutor(built.plan_dir, plan, device=device)
+    layers = plan.model.num_layers
+    assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
+    assert fused.num_x_pack_fusions == 3 * layers and unfused.num_x_pack_fusions == 0
+    assert fused.num_norm_quantize_fusions == 0  # weight-only: nothing to quantize
+    targets = _targets(fused.graph.module)
+    assert targets.count(qmatmul_packing.qmatmul_xp_call) == 3 * layers
+    assert targets.count(qmatmul_packing.qmatmul_packed_call) == layers  # O
+    assert sum(targets.count(form) for form, _ in qmatmul_packing._XP_FORMS.values()) == 3 * layers
+    for executor in (fused, unfused):
+        executor.allocate_kv_cache(16)
+    from trtopt.plugins.qmatmul import kernel
+
+    packed = []  # what each xp form's launch did: packed x for the GEMV (True) or wrote its row alone
+    outputs = kernel.x_pack_outputs
+    monkeypatch.setattr(kernel, "x_pack_outputs", lambda *a: packed.append(outputs(*a)[0] is not None) or outputs(*a))
+    rng = np.random.default_rng(2)
+    prompts = tuple(tuple(rng.integers(0, plan.model.vocab_size, n).tolist()) for n in (9, 2))
+    results = compare_executors(plan, {"fused": fused, "unfused": unfused}, Workload(prompts, chunk=8, decode_steps=1),
+                                Tolerance(atol=0.0, rtol=0.0), reference="unfused")
+    assert results["fused"].greedy_tokens == results["unfused"].greedy_tokens and all(results["fused"].greedy_tokens)
+    assert results["fused"].logits.max_abs == 0.0, results["fused"].logits.max_abs
+    # steps of up to 4 rows packed (every layer's three producers), the 8-row chunk did not
+    assert packed.count(True) >= 3 * layers and packed.count(True) % (3 * layers) == 0 and packed.count(False) > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
 def test_w8a8_norm_quantize_fusion_on_cuda(exported, tmp_path, monkeypatch):

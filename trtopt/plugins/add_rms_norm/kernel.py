@@ -21,6 +21,7 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8, static_scale_arg
+from trtopt.plugins.qmatmul.kernel_half2 import pack_x_row
 from trtopt.plugins.rms_norm.kernel import _MAX_HIDDEN, _warps, rms_row
 
 
@@ -58,6 +59,20 @@ def _add_rms_norm_fp8_kernel(X, R, Scale, Sum, Q, RS, S, stride_x, stride_r, N, 
     mask = offs < N
     y = _add_then_norm(X, R, Scale, Sum, row, offs, mask, stride_x, stride_r, N, eps, X_DTYPE, OUT_DTYPE)
     quantize_row_fp8(Q + row * N + offs, RS + row, y.to(tl.float32), mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
+
+
+@triton.jit
+def _add_rms_norm_xp_kernel(X, R, Scale, Sum, Out, XP, DOWN, stride_x, stride_r, N, eps, BLOCK: tl.constexpr,
+                            X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+                            X_CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """`_add_rms_norm_kernel`'s sum and row, stored as there, then the row packed for the INT4 GEMV
+    (qmatmul/kernel_half2.py `pack_x_row`: XP [R, 4, N/8], DOWN [R])."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    y = _add_then_norm(X, R, Scale, Sum, row, offs, mask, stride_x, stride_r, N, eps, X_DTYPE, OUT_DTYPE)
+    tl.store(Out + row * N + offs, y, mask=mask)
+    pack_x_row(Out + row * N, XP + row * 4 * (K // 8), DOWN + row, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM)
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor) -> None:
@@ -115,3 +130,26 @@ def add_rms_norm_fp8_triton(x: torch.Tensor, residual: torch.Tensor, scale: torc
                         float(epsilon), float(min_scale), BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype],
                         OUT_DTYPE=TL_DTYPES[out_dtype], DYNAMIC=act_scale is None, num_warps=_warps(block))
     return total, codes.view(torch.float8_e4m3fn), row_scale, out_dtype
+
+
+def add_rms_norm_xp_triton(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
+                           group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`add_rms_norm_triton`'s (y, sum) and, in the same launch, y packed for the INT4 GEMV: (y, sum, xpack, down),
+    or (y, sum, None, None) from the plain launch where the step does not run that GEMV (plugins/rms_norm/kernel.py
+    `rms_norm_xp_triton` says which and why)."""
+    _check(x, residual, scale)
+    from trtopt.plugins.qmatmul.kernel import x_pack_outputs
+
+    n = x.shape[-1]
+    out_dtype = torch.promote_types(scale.dtype, x.dtype)
+    xs, rs = as_rows(x, n), as_rows(residual, n)
+    xpack, down, pack = x_pack_outputs(xs.shape[0], n, group, out_dtype, x.device)
+    if xpack is None:
+        return (*add_rms_norm_triton(x, residual, scale, epsilon=epsilon), None, None)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    block = next_pow2(n)
+    launcher.launch(_add_rms_norm_xp_kernel, (xs.shape[0],), xs, rs, scale.contiguous(), total, out, xpack, down,
+                    xs.stride(0), rs.stride(0), n, float(epsilon), BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype],
+                    OUT_DTYPE=TL_DTYPES[out_dtype], **pack, num_warps=_warps(block))
+    return out, total, xpack, down

@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
-from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8
+from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8, launch_gated_xp
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
+from trtopt.plugins.qmatmul.kernel_half2 import pack_x_row
 
 _KAPPA = tl.constexpr(KAPPA)
 _SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
@@ -61,6 +62,22 @@ def _gelu_mul_fp8_kernel(G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK
     quantize_row_fp8(Q + row * N + offs, RS + row, y, m, S, MIN_SCALE, DYNAMIC, DTYPE)
 
 
+@triton.jit
+def _gelu_mul_xp_kernel(G, U, Y, XP, DOWN, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                         TANH: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, X_CHUNK: tl.constexpr,
+                         CHUNK_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """One whole row of y in BLOCK-value slices (the plain kernel's), stored, then packed for the INT4 GEMV
+    (qmatmul/kernel_half2.py `pack_x_row`: XP [R, 4, N/8], DOWN [R])."""
+    row = tl.program_id(0).to(tl.int64)
+    for c in tl.range(0, N, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        m = offs < N
+        g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + offs, gelu_mul_values(g, u, DTYPE, TANH), mask=m)
+    pack_x_row(Y + row * N, XP + row * 4 * (K // 8), DOWN + row, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM)
+
+
 def gelu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int) -> torch.Tensor:
     """y = gelu(gate) · up (tanh=1: the tanh approximation) for gate, up [..., N] of one shape and float dtype → a new
     contiguous y."""
@@ -75,3 +92,11 @@ def gelu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, min_
     (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`)."""
     return launch_gated_fp8(_gelu_mul_fp8_kernel, lambda g, u: gelu_mul_triton(g, u, tanh=tanh), "GeluMul", gate, up,
                             min_scale=min_scale, act_scale=act_scale, TANH=bool(tanh))
+
+
+def gelu_mul_xp_triton(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, group: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`gelu_mul_triton`'s y and, in the same launch, y packed for the INT4 GEMV (plugins/kernel_common.py
+    `launch_gated_xp`): (y, xpack, down), or (y, None, None). For an INT4 down projection."""
+    return launch_gated_xp(_gelu_mul_xp_kernel, lambda g, u: gelu_mul_triton(g, u, tanh=tanh), "GeluMul", gate, up,
+                           group=group, TANH=bool(tanh))

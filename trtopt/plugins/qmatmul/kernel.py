@@ -252,15 +252,16 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, ...] | None = No
     if variant not in INT4_GEMV_VARIANTS:
         raise ValueError(f"qgemv's variant is one of {INT4_GEMV_VARIANTS}; got {variant!r}")
     half2 = variant in ("half2", "half2_xp") and not w.fp8 and x.dtype in (torch.float16, torch.bfloat16)
-    xp = half2 and variant == "half2_xp"
     m = x.shape[0]
     out_dtype = out_dtype or x.dtype
+    if half2 and variant == "half2_xp":  # x packed once into half2 (and its row scale) by its own launch, then the GEMV
+        return qgemv_xp(*pack_x_half2(x, w.group), w, out_dtype, config)
     y = torch.empty(m, w.n, dtype=out_dtype, device=x.device)
     if w.n == 0:
         return y
     if config is None:
-        config = (default_config_xp(m, w.n, w.k, w.group) if xp else default_config_half2(m, w.n, w.k, w.group)
-                  if half2 else default_config(m, w.n, w.k, w.group, x.element_size()))
+        config = (default_config_half2(m, w.n, w.k, w.group) if half2
+                  else default_config(m, w.n, w.k, w.group, x.element_size()))
     block_n, tile_k, warps = config[:3]
     chunks, rows = _chunks(m)
     grid = (-(-w.n // block_n) * chunks,)
@@ -280,14 +281,6 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, ...] | None = No
     groups = w.k // w.group
     tile_groups = tile_k // w.group
     zero = w.zero if w.zero is not None else w.scale  # not read when ZERO >= 0
-    if xp:  # x packed once into half2 (and its row scale) by its own launch, then the GEMV
-        xpack, down = pack_x_half2(x, w.group)
-        launcher.launch(_qgemv_int4_xp, grid, xpack, down, w.data, w.scale, zero, y, m, w.n, w.data.stride(0),
-                        w.scale.stride(0), y.stride(0), GROUP=w.group, GROUPS=groups, TILE_GROUPS=tile_groups,
-                        K_TILES=-(-groups // tile_groups), ZERO=-1 if w.zero is not None else w.zero_const,
-                        STAGES=config[3] if len(config) > 3 else 1, ASM=x.device.type == "cuda",
-                        **common)
-        return y
     if half2:  # the PTX needs a compiled kernel; the interpreter (CPU tensors) runs the same steps in plain Triton
         common.update(ASM=x.device.type == "cuda", X_CHUNK=x_chunk(w.k))
     launcher.launch(_qgemv_int4_half2 if half2 else _qgemv_int4, grid, x, w.data, w.scale, zero, y, m, w.n,
@@ -295,6 +288,48 @@ def qgemv(x: torch.Tensor, w: PackedQWeight, config: tuple[int, ...] | None = No
                     TILE_GROUPS=tile_groups, K_TILES=-(-groups // tile_groups),
                     ZERO=-1 if w.zero is not None else w.zero_const, **common)
     return y
+
+
+def qgemv_xp(xpack: torch.Tensor, down: torch.Tensor, w: PackedQWeight, out_dtype: torch.dtype,
+             config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The "half2_xp" GEMV on x already packed (xpack [M, 4, K/8] int32 and down [M] fp32, as `pack_x_half2` or an
+    op's xp form writes them) against an INT4/UINT4 weight → a new [M, N] in out_dtype."""
+    m = xpack.shape[0]
+    assert not w.fp8 and xpack.shape == (m, 4, w.k // 8) and 0 < m <= MAX_ROWS, (w.fp8, tuple(xpack.shape), w.k)
+    y = torch.empty(m, w.n, dtype=out_dtype, device=xpack.device)
+    if w.n == 0:
+        return y
+    block_n, tile_k, warps, *stages = config or default_config_xp(m, w.n, w.k, w.group)
+    if tile_k % w.group or tile_k & (tile_k - 1):
+        raise ValueError(f"qgemv's K tile must be a power of two and a multiple of the group {w.group}; got {tile_k}")
+    chunks, rows = _chunks(m)
+    groups, tile_groups = w.k // w.group, tile_k // w.group
+    launcher.launch(_qgemv_int4_xp, (-(-w.n // block_n) * chunks,), xpack, down, w.data, w.scale,
+                    w.zero if w.zero is not None else w.scale, y, m, w.n, w.data.stride(0), w.scale.stride(0),
+                    y.stride(0), ROWS=rows, ROWS_PAD=next_pow2(rows), CHUNKS=chunks, BLOCK_N=block_n,
+                    OUT_DTYPE=TL_DTYPES[out_dtype], GROUP=w.group, GROUPS=groups, TILE_GROUPS=tile_groups,
+                    K_TILES=-(-groups // tile_groups), ZERO=-1 if w.zero is not None else w.zero_const,
+                    STAGES=stages[0] if stages else 1, ASM=xpack.device.type == "cuda", num_warps=warps)
+    return y
+
+
+def packs_x(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a weight-only INT4/UINT4 step of `rows` rows of x in `dtype` runs the "half2_xp" GEMV, whose x is
+    packed before it (`gemv_max_rows`' rule)."""
+    return INT4_GEMV_VARIANT == "half2_xp" and dtype in (torch.float16, torch.bfloat16) and 0 < rows <= XP_GEMV_MAX_ROWS
+
+
+def x_pack_outputs(rows: int, k: int, group: int, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+    """For the xp forms of the ops that produce an INT4 projection's x (kernel_half2.py `pack_x_row`): where a step
+    of `rows` rows runs the "half2_xp" GEMV (`packs_x`) on a weight of quantization group `group`, the new xpack
+    [rows, 4, k/8] and down [rows] for the GEMV's x and the epilogue's constexprs; else (None, None, {})."""
+    if not (packs_x(rows, dtype) and k % group == 0 and group % 8 == 0):
+        return None, None, {}
+    xpack = torch.empty(rows, 4, k // 8, dtype=torch.int32, device=device)
+    down = torch.empty(rows, dtype=torch.float32, device=device)
+    chunk = min(XP_CHUNK_WORDS, next_pow2(k // 8))
+    return xpack, down, dict(K=k, GROUP=group, X_CHUNK=x_chunk(k), CHUNK_WORDS=chunk, ASM=device.type == "cuda")
 
 
 def pack_x_half2(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,8 +348,7 @@ def pack_x_half2(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 def gemv_max_rows(w: PackedQWeight, x_dtype: torch.dtype, act_mode: int = ACT_NONE) -> int:
     """Rows of x up to which `qmatmul_packed` runs the GEMV rather than a GEMM: XP_GEMV_MAX_ROWS where the
     "half2_xp" GEMV runs (an INT4/UINT4 weight, weight-only, bf16/fp16 x), else GEMV_MAX_ROWS."""
-    if (not w.fp8 and act_mode == ACT_NONE and INT4_GEMV_VARIANT == "half2_xp"
-            and x_dtype in (torch.float16, torch.bfloat16)):
+    if not w.fp8 and act_mode == ACT_NONE and packs_x(1, x_dtype):
         return XP_GEMV_MAX_ROWS
     return GEMV_MAX_ROWS
 

@@ -310,22 +310,44 @@ def _pack_x_half2(X, XP, DOWN, stride_xm, K: tl.constexpr, GROUP: tl.constexpr, 
     then x · 2^e as the half2 the GEMV multiplies, XP [M, 4, K/8] int32: XP[m, p, w] holds (plane p, plane p + 4)
     of word position w = g·W + j (group g, word j: K positions g·GROUP + p·W + j), so the GEMV loads each plane
     pair contiguously; DOWN[m] = 2^-e (stored by program c = 0)."""
-    WORDS: tl.constexpr = GROUP // 8
-    KW: tl.constexpr = K // 8
     m = tl.program_id(0)
     c = tl.program_id(1)
     x_row = X + m * stride_xm
     up, down = _row_scale(x_row, K, K, X_CHUNK, ROW_SCALE_TOP)
-    w = c * CHUNK_WORDS + tl.arange(0, CHUNK_WORDS)
+    _store_x_words(x_row, XP + m * 4 * (K // 8), c * CHUNK_WORDS, up, K, GROUP, CHUNK_WORDS, ASM)
+    if c == 0:
+        tl.store(DOWN + m, down)
+
+
+@triton.jit
+def _store_x_words(x_row, xp_row, w0, up, K: tl.constexpr, GROUP: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+                   ASM: tl.constexpr):
+    """Word positions w0.. w0 + CHUNK_WORDS of one row of x · up, laid out in xp_row [4, K/8] as `_pack_x_half2`
+    says."""
+    WORDS: tl.constexpr = GROUP // 8
+    KW: tl.constexpr = K // 8
+    w = w0 + tl.arange(0, CHUNK_WORDS)
     ok = w < KW
     x0, x1, x2, x3 = _x_half2(x_row, (w // WORDS) * GROUP + w % WORDS, ok, up, WORDS, ASM)  # plane 0's K
-    out = XP + m * 4 * KW + w
+    out = xp_row + w
     tl.store(out, x0, mask=ok)
     tl.store(out + KW, x1, mask=ok)
     tl.store(out + 2 * KW, x2, mask=ok)
     tl.store(out + 3 * KW, x3, mask=ok)
-    if c == 0:
-        tl.store(DOWN + m, down)
+
+
+@triton.jit
+def pack_x_row(x_row, xp_row, down_ptr, K: tl.constexpr, GROUP: tl.constexpr, X_CHUNK: tl.constexpr,
+               CHUNK_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """The epilogue of the ops' "xp" forms that produce an INT4 projection's x (RMSNorm, AddRMSNorm, SiluMul,
+    GeluMul: runtime/executors/qmatmul_packing.py `fuse_norm_pack_x`): the row of x this program has just stored at
+    x_row, packed by the same steps as `_pack_x_half2` (the same words, bit for bit) into xp_row [4, K/8], and its
+    2^-e to down_ptr. One program does the whole row, where the separate launch spreads it over up to 7."""
+    tl.debug_barrier()  # every thread's stores of the row are visible to every thread's loads below
+    up, down = _row_scale(x_row, K, K, X_CHUNK, ROW_SCALE_TOP)
+    for c in tl.range(0, K // 8, CHUNK_WORDS):
+        _store_x_words(x_row, xp_row, c, up, K, GROUP, CHUNK_WORDS, ASM)
+    tl.store(down_ptr, down)
 
 
 @triton.jit

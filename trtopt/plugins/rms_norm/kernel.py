@@ -17,6 +17,7 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, as_rows, next_pow2
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8, static_scale_arg
+from trtopt.plugins.qmatmul.kernel_half2 import pack_x_row
 
 
 @triton.jit
@@ -53,6 +54,21 @@ def _rms_norm_fp8_kernel(X, Scale, Q, RS, S, stride_x, N, eps, MIN_SCALE,
     s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
     y = rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE).to(tl.float32)
     quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
+
+
+@triton.jit
+def _rms_norm_xp_kernel(X, Scale, Out, XP, DOWN, stride_x, N, eps, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr,
+                        OUT_DTYPE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, X_CHUNK: tl.constexpr,
+                        CHUNK_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """`_rms_norm_kernel`'s row, stored as there, then packed for the INT4 GEMV (qmatmul/kernel_half2.py
+    `pack_x_row`: XP [R, 4, N/8], DOWN [R])."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * N + offs, rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE), mask=mask)
+    pack_x_row(Out + row * N, XP + row * 4 * (K // 8), DOWN + row, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM)
 
 
 _MAX_HIDDEN = 65536
@@ -116,3 +132,27 @@ def rms_norm_fp8_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
                         BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype], OUT_DTYPE=TL_DTYPES[out_dtype],
                         DYNAMIC=act_scale is None, num_warps=_warps(block))
     return codes.view(torch.float8_e4m3fn), row_scale, out_dtype
+
+
+def rms_norm_xp_triton(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float, group: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`rms_norm_triton`'s y and, in the same launch, y packed for the INT4 GEMV of a weight of quantization group
+    `group` (plugins/qmatmul/kernel.py `qgemv_xp`): (y, xpack, down), the words `pack_x_half2(y)` would write, bit
+    for bit. A step that does not run that GEMV (more rows, an fp32 y: kernel.py `x_pack_outputs`) gets the plain
+    launch and (y, None, None). For an INT4 projection whose input is the norm's (runtime/executors/
+    qmatmul_packing.py `fuse_norm_pack_x`): one launch a projection less."""
+    _check(x, scale)
+    from trtopt.plugins.qmatmul.kernel import x_pack_outputs
+
+    n = x.shape[-1]
+    out_dtype = torch.promote_types(scale.dtype, x.dtype)
+    rows = as_rows(x, n)
+    xpack, down, pack = x_pack_outputs(rows.shape[0], n, group, out_dtype, x.device)
+    if xpack is None:
+        return rms_norm_triton(x, scale, epsilon=epsilon), None, None
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    block = next_pow2(n)
+    launcher.launch(_rms_norm_xp_kernel, (rows.shape[0],), rows, scale.contiguous(), out, xpack, down,
+                    rows.stride(0), n, float(epsilon), BLOCK=block, X_DTYPE=TL_DTYPES[x.dtype],
+                    OUT_DTYPE=TL_DTYPES[out_dtype], **pack, num_warps=_warps(block))
+    return out, xpack, down

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8
+from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8, launch_gated_xp
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
+from trtopt.plugins.qmatmul.kernel_half2 import pack_x_row
 
 
 @triton.jit
@@ -47,6 +48,22 @@ def _silu_mul_fp8_kernel(G, U, Q, RS, S, stride_g, stride_u, N, MIN_SCALE, BLOCK
     quantize_row_fp8(Q + row * N + offs, RS + row, y, m, S, MIN_SCALE, DYNAMIC, DTYPE)
 
 
+@triton.jit
+def _silu_mul_xp_kernel(G, U, Y, XP, DOWN, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+                         K: tl.constexpr, GROUP: tl.constexpr, X_CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+                         ASM: tl.constexpr):
+    """One whole row of y in BLOCK-value slices (the plain kernel's), stored, then packed for the INT4 GEMV
+    (qmatmul/kernel_half2.py `pack_x_row`: XP [R, 4, N/8], DOWN [R])."""
+    row = tl.program_id(0).to(tl.int64)
+    for c in tl.range(0, N, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        m = offs < N
+        g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + offs, silu_mul_values(g, u, DTYPE), mask=m)
+    pack_x_row(Y + row * N, XP + row * 4 * (K // 8), DOWN + row, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM)
+
+
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """y = gate · sigmoid(gate) · up for gate, up [..., N] of one shape and float dtype → a new contiguous y."""
     return launch_gated(_silu_mul_kernel, "SiluMul", gate, up)
@@ -60,3 +77,11 @@ def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor, *, min_scale: floa
     `launch_gated_fp8`). For a W8A8 down projection (runtime/executors/qmatmul_packing.py `fuse_norm_quantize`)."""
     return launch_gated_fp8(_silu_mul_fp8_kernel, silu_mul_triton, "SiluMul", gate, up, min_scale=min_scale,
                             act_scale=act_scale)
+
+
+def silu_mul_xp_triton(gate: torch.Tensor, up: torch.Tensor, *, group: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`silu_mul_triton`'s y and, in the same launch, y packed for the INT4 GEMV of a weight of quantization group
+    `group`: (y, xpack, down), or (y, None, None) where the step does not run that GEMV (plugins/kernel_common.py
+    `launch_gated_xp`). For an INT4 down projection (runtime/executors/qmatmul_packing.py `fuse_norm_pack_x`)."""
+    return launch_gated_xp(_silu_mul_xp_kernel, silu_mul_triton, "SiluMul", gate, up, group=group)

@@ -27,6 +27,13 @@ on every call: several reads of the weight and host syncs per projection.
    launch, bit for bit) and runs `qmatmul_codes_call`: one launch a projection less, and the op's bf16 row is
    neither written nor read back. Only O keeps the quantize launch (its input is the attention's).
 
+5. (`fuse_norm_pack_x`) an INT4/UINT4 weight-only projection whose input is read by nothing else and made by one of
+   those ops takes that op's xp form (plugins/rms_norm/kernel.py `rms_norm_xp_triton` and the three like it): on a
+   step the "half2_xp" GEMV runs (up to kernel.py XP_GEMV_MAX_ROWS rows of bf16/fp16), the op's launch also packs
+   its row into the GEMV's half2 words (the separate x launch's words, bit for bit) and `qmatmul_xp_call` runs the
+   GEMV on them; on other steps the op writes its row alone and the projection runs `qmatmul_packed`. One launch a
+   projection less at decode; O keeps the x launch.
+
 The values are the unrewritten op's: `qmatmul_triton` is `pack_weight` then `qmatmul_packed`. Other QMatMuls, every
 one on the CPU (the reference), and graphs under torch.compile (the custom op, torch_library.py) keep the op.
 """
@@ -121,6 +128,57 @@ def gelu_mul_fp8_call(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, min_sc
     from trtopt.plugins.gelu_mul.kernel import gelu_mul_fp8_triton
 
     return gelu_mul_fp8_triton(gate, up, tanh=tanh, min_scale=min_scale, act_scale=act_scale)
+
+
+def qmatmul_xp_call(x: torch.Tensor, xpack: torch.Tensor | None, down: torch.Tensor | None, data: torch.Tensor,
+                    scale: torch.Tensor, zero: torch.Tensor | None, *, k: int, group: int,
+                    zero_const: int) -> torch.Tensor:
+    """An INT4/UINT4 weight-only trtopt::QMatMul whose input's producer also packed it for the "half2_xp" GEMV
+    (rewrite 5; xpack and down None where that step does not run the GEMV): kernel.py `qgemv_xp` on the packed words,
+    else `qmatmul_packed` on x. The same values either way."""
+    w = PackedQWeight(data, scale, zero, zero_const, k, data.shape[0], group)
+    if xpack is None:
+        return _kernel().qmatmul_packed(x, w, None)
+    return _kernel().qgemv_xp(xpack, down, w, x.dtype).reshape(*x.shape[:-1], w.n)
+
+
+# The xp forms of the ops below return their outputs and then (xpack, down) for the GEMV, or (None, None).
+def rms_norm_xp_call(x: torch.Tensor, scale: torch.Tensor, *, epsilon: float, group: int):
+    """trtopt::RMSNorm with its row packed for the INT4 GEMV: (y, xpack, down)."""
+    from trtopt.plugins.rms_norm.kernel import rms_norm_xp_triton
+
+    return rms_norm_xp_triton(x, scale, epsilon=epsilon, group=group)
+
+
+def add_rms_norm_xp_call(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, *, epsilon: float,
+                         group: int):
+    """trtopt::AddRMSNorm with y packed for the INT4 GEMV: (y, sum, xpack, down). A broadcasting add (which
+    trtopt_ops.add_rms_norm gives to the reference) runs the op and leaves the packing to the projection."""
+    if x.shape == residual.shape and x.dtype == residual.dtype:
+        from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_xp_triton
+
+        return add_rms_norm_xp_triton(x, residual, scale, epsilon=epsilon, group=group)
+    return (*trtopt_ops.add_rms_norm(x, residual, scale, epsilon=epsilon), None, None)
+
+
+def silu_mul_xp_call(gate: torch.Tensor, up: torch.Tensor, *, group: int):
+    """trtopt::SiluMul with its row packed for the INT4 GEMV: (y, xpack, down)."""
+    from trtopt.plugins.silu_mul.kernel import silu_mul_xp_triton
+
+    return silu_mul_xp_triton(gate, up, group=group)
+
+
+def gelu_mul_xp_call(gate: torch.Tensor, up: torch.Tensor, *, tanh: int, group: int):
+    """trtopt::GeluMul with its row packed for the INT4 GEMV: (y, xpack, down)."""
+    from trtopt.plugins.gelu_mul.kernel import gelu_mul_xp_triton
+
+    return gelu_mul_xp_triton(gate, up, tanh=tanh, group=group)
+
+
+# the ops whose launch may pack an INT4 projection's input (`fuse_norm_pack_x`): the op → its xp form, and the
+# output of the xp form's tuple where (xpack, down) begin (the outputs before it are the op's own)
+_XP_FORMS = {trtopt_ops.rms_norm: (rms_norm_xp_call, 1), trtopt_ops.silu_mul: (silu_mul_xp_call, 1),
+             trtopt_ops.gelu_mul: (gelu_mul_xp_call, 1), trtopt_ops.add_rms_norm: (add_rms_norm_xp_call, 2)}
 
 
 # the ops whose launch may quantize a W8A8 projection's input (`fuse_norm_quantize`): the op → its FP8 form, and the
@@ -241,7 +299,7 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
 
 
 def _producer(x: torch.fx.Node) -> torch.fx.Node | None:
-    """The call of an op of _FP8_FORMS that produces x: x itself (RMSNorm, SiluMul, GeluMul), or the AddRMSNorm
+    """The call of an op of _FP8_FORMS (and _XP_FORMS: the same ops) that produces x: x itself (RMSNorm, SiluMul, GeluMul), or the AddRMSNorm
     whose output 0 x is, when its other readers take only its sum; else None."""
     if _call_of(x, trtopt_ops.rms_norm, trtopt_ops.silu_mul, trtopt_ops.gelu_mul):
         return x
@@ -287,6 +345,36 @@ def fuse_norm_quantize(gm: torch.fx.GraphModule) -> int:
         replace_node(gm, node, qmatmul_codes_call, (codes, row_scale, out_dtype, *node.args[1:4]), fields)
         if producer is not x:  # AddRMSNorm's getitem of output 0
             gm.graph.erase_node(x)
+        gm.graph.erase_node(producer)
+        count += 1
+    return recompiled(gm, count)
+
+
+def fuse_norm_pack_x(gm: torch.fx.GraphModule) -> int:
+    """Rewrite 5 of the module docstring, after `pack_qmatmul_weights`; returns the projections whose input's
+    producer now packs it for the GEMV."""
+    count = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is qmatmul_packed_call]:
+        x, group = node.args[0], node.kwargs.get("group", 0)
+        if not (node.kwargs.get("act_mode", 0) == 0 and group > 0 and isinstance(x, torch.fx.Node)
+                and set(x.users) == {node}):  # weight-only INT4/UINT4 (FP8 weights are per channel: group 0)
+            continue
+        producer = _producer(x)
+        if producer is None:
+            continue
+        xp_form, first = _XP_FORMS[producer.target]
+        with gm.graph.inserting_before(producer):
+            fused = gm.graph.call_function(xp_form, producer.args, dict(producer.kwargs, group=group))
+            xpack, down = (gm.graph.call_function(operator.getitem, (fused, first + i)) for i in range(2))
+            if producer is x:  # RMSNorm, SiluMul, GeluMul: y is output 0 of the xp form
+                y = gm.graph.call_function(operator.getitem, (fused, 0))
+        if producer is x:
+            producer.replace_all_uses_with(y)
+        else:  # AddRMSNorm: its getitems of y and the sum read the xp form's outputs 0 and 1 as they read the op's
+            producer.replace_all_uses_with(fused)
+            y = x
+        fields = {key: node.kwargs[key] for key in ("k", "group", "zero_const")}
+        replace_node(gm, node, qmatmul_xp_call, (y, xpack, down, *node.args[1:4]), fields)
         gm.graph.erase_node(producer)
         count += 1
     return recompiled(gm, count)

@@ -18,7 +18,7 @@ from trtopt.runtime.executors.cuda_graphs import CaptureReport, StepGraphs
 from trtopt.runtime.executors.fx_fusions import fuse_rope, fuse_rope_into_paged_attention, gather_nonnegative
 from trtopt.runtime.executors.gemv import GEMV_DTYPES, use_decode_gemv
 from trtopt.runtime.executors.onnx_to_torch import ConvertedGraph, onnx_to_torch
-from trtopt.runtime.executors.qmatmul_packing import fuse_norm_quantize, pack_qmatmul_weights
+from trtopt.runtime.executors.qmatmul_packing import fuse_norm_pack_x, fuse_norm_quantize, pack_qmatmul_weights
 from trtopt.runtime.executors.signature import (
     TORCH_DTYPES, TORCH_POOL_DTYPES, check_paged_plan, kv_dtype, kv_shape, pool_dtype, step_tensors,
 )
@@ -109,6 +109,8 @@ class TorchExecutor(Executor):
         self.num_packed_qmatmuls = 0 if compile_mode else pack_qmatmul_weights(self.graph.module)
         # ... and a W8A8 projection's activation quantized in the launch of the RMSNorm that produces it
         self.num_norm_quantize_fusions = fuse_norm_quantize(self.graph.module) if self.num_packed_qmatmuls else 0
+        # ... and an INT4 projection's x packed for its GEMV in the launch of the op that produces it
+        self.num_x_pack_fusions = fuse_norm_pack_x(self.graph.module) if self.num_packed_qmatmuls else 0
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
