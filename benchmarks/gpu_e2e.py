@@ -631,13 +631,12 @@ def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: i
     """Batch-1 decode and the workload for the main bf16 plan and each quantized plan (QUANT_ROWS), one engine at
     a time (freed before the next), the same KV budget, requests and warm-up."""
     from trtopt.builder.plan import read_plan
-    from trtopt.runtime.executors import create_executor
+    from trtopt.runtime.executors import torch_executor
 
     warmup = requests[:max(1, int(len(requests) * warmup_fraction))]
     section: dict = {"kv_cache_memory_gb": kv_gb, "max_num_seqs": max_num_seqs, "requests": len(requests),
                      "warmup_requests": len(warmup), "configs": QUANT_ROWS,
                      "method": "rtn (random weights), the LM head and embeddings in bf16"}
-    from trtopt.runtime.executors import torch_executor
 
     ablations = {row: base for row, base in QUANT_ABLATIONS.items() if base in QUANT_ROWS}
     section["ablations"] = {row: f"{base}'s plan, the x packing of its INT4 GEMVs not folded into the op before"
@@ -647,15 +646,9 @@ def quant_section(work: Path, requests: list[tuple[list[int], int]], *, vocab: i
     for name, plan_dir in rows:
         plan = read_plan(plan_dir)
         t = time.perf_counter()
-        fold = torch_executor.fuse_norm_pack_x
-        if name in ablations:
-            torch_executor.fuse_norm_pack_x = lambda gm: 0
-        try:
-            executor = create_executor("torch", plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda")
-        finally:
-            torch_executor.fuse_norm_pack_x = fold
+        executor = torch_executor.TorchExecutor(plan_dir, plan, device=str(device), cuda_graphs=device.type == "cuda",
+                                                fold_x_pack=name not in ablations)
         engine = make_engine(executor, plan, max_num_seqs=max_num_seqs, kv_gb=kv_gb, async_scheduling=async_scheduling)
-        assert isinstance(executor, torch_executor.TorchExecutor), type(executor)
         row = section[name] = {"engine_start_s": time.perf_counter() - t,
                                "x_pack_fusions": executor.num_x_pack_fusions}
         b = row["batch1"] = batch1_decode(engine, vocab, device)

@@ -244,7 +244,6 @@ def _x_pack_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypat
     from trtopt.check.compare import Tolerance
     from trtopt.check.runner import Workload, compare_executors
     from trtopt.quantize import QuantizeConfig, quantize_model
-    from trtopt.runtime.executors import torch_executor
     from trtopt.runtime.executors.torch_executor import TorchExecutor
 
     if device == "cpu":  # 32 columns a GEMV program (both executors alike): 8x fewer programs for the interpreter
@@ -257,9 +256,7 @@ def _x_pack_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypat
                        limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
     plan = read_plan(built.plan_dir)
     fused = TorchExecutor(built.plan_dir, plan, device=device)
-    with monkeypatch.context() as m:
-        m.setattr(torch_executor, "fuse_norm_pack_x", lambda gm: 0)
-        unfused = TorchExecutor(built.plan_dir, plan, device=device)
+    unfused = TorchExecutor(built.plan_dir, plan, device=device, fold_x_pack=False)
     layers = plan.model.num_layers
     assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
     assert fused.num_x_pack_fusions == 3 * layers and unfused.num_x_pack_fusions == 0

@@ -299,8 +299,8 @@ def pack_qmatmul_weights(gm: torch.fx.GraphModule) -> int:
 
 
 def _producer(x: torch.fx.Node) -> torch.fx.Node | None:
-    """The call of an op of _FP8_FORMS (and _XP_FORMS: the same ops) that produces x: x itself (RMSNorm, SiluMul, GeluMul), or the AddRMSNorm
-    whose output 0 x is, when its other readers take only its sum; else None."""
+    """The call of an op of _FP8_FORMS (and _XP_FORMS: the same ops) that produces x: x itself (RMSNorm, SiluMul,
+    GeluMul), or the AddRMSNorm whose output 0 x is, when its other readers take only its sum; else None."""
     if _call_of(x, trtopt_ops.rms_norm, trtopt_ops.silu_mul, trtopt_ops.gelu_mul):
         return x
     if not (_call_of(x, operator.getitem) and x.args[1] == 0 and _call_of(x.args[0], trtopt_ops.add_rms_norm)):

@@ -49,6 +49,10 @@ class TorchExecutor(Executor):
     Triton kernel (kernels/argmax.py), off through torch.argmax (an ablation). Both are read whenever graphs are
     captured (capture_graphs), so a benchmark may change the attributes between engines on one executor.
 
+    fold_x_pack (default on; CUDA): an INT4 weight-only projection takes its x packed for the decode GEMV by the
+    launch of the op that produces x (qmatmul_packing.py rewrite 5); off, the GEMV packs x in a launch of its own
+    (an ablation: the same values).
+
     reference_ops (default none): trtopt op types (trtopt_ops.REFERENCE_OPS: PagedAttention) run through their torch
     reference on every device instead of the kernel (fp32 math on the stored pool values; an ablation, slow).
 
@@ -66,7 +70,7 @@ class TorchExecutor(Executor):
                  dtype: torch.dtype | str | None = None, body_ops: Sequence[str] = (), cuda_graphs: bool = False,
                  compile_mode: str | None = None, fuse_rope_kv: bool = True, decode_gemv: bool | None = None,
                  gemv_rope_kv: bool = True, argmax_in_graph: bool = True, argmax_kernel: bool = True,
-                 reference_ops: Sequence[str] = ()):
+                 fold_x_pack: bool = True, reference_ops: Sequence[str] = ()):
         self.plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -110,7 +114,7 @@ class TorchExecutor(Executor):
         # ... and a W8A8 projection's activation quantized in the launch of the RMSNorm that produces it
         self.num_norm_quantize_fusions = fuse_norm_quantize(self.graph.module) if self.num_packed_qmatmuls else 0
         # ... and an INT4 projection's x packed for its GEMV in the launch of the op that produces it
-        self.num_x_pack_fusions = fuse_norm_pack_x(self.graph.module) if self.num_packed_qmatmuls else 0
+        self.num_x_pack_fusions = fuse_norm_pack_x(self.graph.module) if self.num_packed_qmatmuls and fold_x_pack else 0
         self.convert_seconds = time.perf_counter() - started
         # What a step calls: the GraphModule itself, or (opt-in) torch.compile'd copies of it, one per step shape.
         self.compiled = None
