@@ -144,6 +144,7 @@ CELLS = {c.name: c for c in (
     Cell("fp8_hadamard_kv_smooth_amax_head", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="amax_head"),
     Cell("fp8_search", "fp8", build_scales="search"),
     Cell("fp8_hadamard_kv_smooth_search", "fp8", rotation="hadamard_kv", smoothing="kv", build_scales="search"),
+    Cell("fp8_hadamard_smooth_search", "fp8", rotation="hadamard", smoothing="kv", build_scales="search"),
     # headroom over the build's amax scales (the held-out text exceeds the calibration's amax): x2, x4, and vLLM's
     # calculate_kv_scales constants (K amax -> 200, V amax -> 100 instead of 448)
     *(Cell(f"fp8_hadamard_kv_smooth_amax_built_{tag}", "fp8", mult, rotation="hadamard_kv", smoothing="kv",

@@ -330,10 +330,10 @@ def test_half2_variant_scales_x_into_fp16s_range(x_scale, variant, kernel_device
     _half2_close(got, x.float() @ dequantize_packed(packed))
 
 
-def test_half2_variant_takes_fp32_x_to_the_fp32_kernel():
+def test_half2_variant_takes_fp32_x_to_the_fp32_kernel(kernel_device):
     gen = torch.Generator().manual_seed(4)
-    packed = pack_weight(*_weight("int4", 64, 8, 32, gen)[:3], block_size=32)
-    x = torch.randn(1, 64, generator=gen)
+    packed = pack_weight(*(t.to(kernel_device) for t in _weight("int4", 64, 8, 32, gen)[:3]), block_size=32)
+    x = torch.randn(1, 64, generator=gen).to(kernel_device)
     assert torch.equal(qgemv(x, packed, variant="half2"), qgemv(x, packed, variant="fp32"))
     with pytest.raises(ValueError, match="variant"):
         qgemv(x, packed, variant="fp16")
