@@ -17,6 +17,7 @@ Every variant's first projection is checked against the reference (qmatmul_ref) 
 
     python benchmarks/quant_e2e.py                    # → docs/benchmarks/quant_e2e_<gpu-name-slug>.json + .png
     python benchmarks/quant_e2e.py --smoke            # tiny shapes on the CPU under TRITON_INTERPRET=1 (seconds)
+    python benchmarks/quant_e2e.py --no-sweep --with-producers  # also the steps with their norms and SiLU·mul
 """
 
 from __future__ import annotations
@@ -210,6 +211,55 @@ def run_model(model: ModelShape, fmt: str, batches: list[int], device, dtype, it
     return out
 
 
+def with_producers(model: ModelShape, fmt: str, weights: dict, lm_head: torch.Tensor, batches: list[int], device,
+                   dtype, iters: int, gen, fold: bool = False) -> dict:
+    """{M: step time} of the step's linear layers with the ops that produce their inputs, as the torch executor runs
+    them: RMSNorm → Q/K/V, AddRMSNorm → gate/up, SiluMul → down (O's input is the attention's: a fixed tensor
+    here). fold (INT4): the producers' xp forms pack x for the GEMV in their own launch and the GEMV runs on the
+    packed words (runtime/executors/qmatmul_packing.py rewrite 5); otherwise the plain producers and the
+    projections' own x launch. Rows beyond the GEMV's reach fall back inside the xp forms."""
+    from trtopt.plugins.add_rms_norm.kernel import add_rms_norm_triton, add_rms_norm_xp_triton
+    from trtopt.plugins.qmatmul.kernel import qgemv_xp
+    from trtopt.plugins.rms_norm.kernel import rms_norm_triton, rms_norm_xp_triton
+    from trtopt.plugins.silu_mul.kernel import silu_mul_triton, silu_mul_xp_triton
+
+    hidden, inter = model.hidden, model.intermediate
+    norm_scale = (torch.rand(hidden, device=device, generator=gen) + 0.5).to(dtype)
+    out = {}
+    for m in batches:
+        h = torch.randn(m, hidden, device=device, generator=gen).to(dtype)
+        attn = torch.randn(m, model.q_heads * model.head_dim, device=device, generator=gen).to(dtype)
+
+        def proj(name, layer, y, xpack=None, down=None):
+            if xpack is not None:
+                return qgemv_xp(xpack, down, weights[name][layer], y.dtype)
+            return project(fmt, y, weights[name][layer])
+
+        def step():
+            for layer in range(model.layers):
+                if fold:
+                    proj("qkv", layer, *rms_norm_xp_triton(h, norm_scale, epsilon=1e-6, group=group_for(hidden)))
+                else:
+                    proj("qkv", layer, rms_norm_triton(h, norm_scale, epsilon=1e-6))
+                o = proj("o", layer, attn)
+                if fold:
+                    y, _, xpack, down = add_rms_norm_xp_triton(o, h, norm_scale, epsilon=1e-6,
+                                                               group=group_for(hidden))
+                    gate_up = proj("gate_up", layer, y, xpack, down)
+                    proj("down", layer, *silu_mul_xp_triton(gate_up[:, :inter], gate_up[:, inter:],
+                                                            group=group_for(inter)))
+                else:
+                    gate_up = proj("gate_up", layer, add_rms_norm_triton(o, h, norm_scale, epsilon=1e-6)[0])
+                    proj("down", layer, silu_mul_triton(gate_up[:, :inter], gate_up[:, inter:]))
+            project("bf16", h, lm_head)
+
+        seconds = time_step(step, device, iters)
+        out[str(m)] = {"step_us": seconds * 1e6, "tok_per_s": m / seconds}
+        print(f"{model.name:12s} {fmt + (' folded' if fold else ''):12s} M={m:<3d} with producers "
+              f"{seconds * 1e6:9.1f} µs/step", flush=True)
+    return out
+
+
 def sweep(model: ModelShape, fmt: str, weights: dict, device, dtype, iters: int, gen, deadline: float) -> dict:
     """Batch-1 time per layer of each projection kind at default_config and at a few alternatives."""
     from trtopt.plugins.qmatmul.kernel import default_config
@@ -273,6 +323,9 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--time-budget", type=float, default=170.0,
                     help="seconds; the batch-1 projection timings and the sweep are skipped once it is spent")
+    ap.add_argument("--with-producers", action="store_true",
+                    help="also time each step with the norms and SiLU·mul that produce the projections' inputs, INT4 "
+                         "with and without its x packing folded into them (batches up to 4)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.smoke:
@@ -305,6 +358,13 @@ def main() -> None:
             per_projection = time.monotonic() < deadline
             rows[fmt] = run_model(model, fmt, args.batches, device, dtype, args.iters, lm_head, gen, per_projection)
             weights = rows[fmt].pop("_weights")
+            if args.with_producers:
+                few = [m for m in args.batches if m <= 4]
+                rows[fmt]["with_producers"] = with_producers(model, fmt, weights, lm_head, few, device, dtype,
+                                                             args.iters, gen)
+                if fmt == "int4":
+                    rows[fmt]["with_producers_folded"] = with_producers(model, fmt, weights, lm_head, few, device,
+                                                                        dtype, args.iters, gen, fold=True)
             if fmt != "bf16" and not args.no_sweep and not args.smoke and time.monotonic() < deadline:
                 rows[fmt]["sweep_batch1"] = sweep(model, fmt, weights, device, dtype, args.iters, gen, deadline)
             del weights
@@ -320,6 +380,10 @@ def main() -> None:
                 print(f"{model.name:12s} {fmt:5s} M={m:<3d} speedup {row['speedup_vs_bf16']:.2f}x "
                       f"(bytes ratio {rows[fmt]['ideal_speedup']:.2f}x"
                       + (f", target {TARGETS[fmt]}x" if m == 1 else "") + ")", flush=True)
+        for fmt, key in (("fp8", "with_producers"), ("int4", "with_producers"), ("int4", "with_producers_folded")):
+            for m, row in rows[fmt].get(key, {}).items():
+                row["speedup_vs_bf16"] = rows["bf16"]["with_producers"][m]["step_us"] / row["step_us"]
+                print(f"{model.name:12s} {fmt:5s} M={m:<3s} {key}: speedup {row['speedup_vs_bf16']:.2f}x", flush=True)
         if copy_bps:
             for fmt in rows:
                 for row in rows[fmt]["batches"].values():
