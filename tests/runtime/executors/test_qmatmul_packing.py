@@ -238,25 +238,45 @@ def test_int4_x_pack_fusion_on_cuda(exported, tmp_path, monkeypatch):
                                                "cuda")
 
 
-def _x_pack_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str):
+def _quantized_plan(export: Path, tmp_path, config):
+    """The export quantized with `config` (a QuantizeConfig) and built at small limits: (plan dir, plan)."""
     from trtopt.builder.pipeline import build_plan
     from trtopt.builder.plan import Limits, read_plan
+    from trtopt.quantize import quantize_model
+
+    quantize_model(export, tmp_path / "q", config, force=True)
+    built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
+                       limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
+    return built.plan_dir, read_plan(built.plan_dir)
+
+
+def _assert_fused_equals_unfused(plan, fused, unfused, seed: int) -> None:
+    """Both executors over one workload: a chunk of 8 rows (the GEMMs), then a decode step of two sequences (2 rows:
+    the GEMVs); the fused one's greedy tokens and logits equal the unfused one's exactly."""
     from trtopt.check.compare import Tolerance
     from trtopt.check.runner import Workload, compare_executors
-    from trtopt.quantize import QuantizeConfig, quantize_model
+
+    for executor in (fused, unfused):
+        executor.allocate_kv_cache(16)
+    rng = np.random.default_rng(seed)
+    prompts = tuple(tuple(rng.integers(0, plan.model.vocab_size, n).tolist()) for n in (9, 2))
+    results = compare_executors(plan, {"fused": fused, "unfused": unfused}, Workload(prompts, chunk=8, decode_steps=1),
+                                Tolerance(atol=0.0, rtol=0.0), reference="unfused")
+    assert results["fused"].greedy_tokens == results["unfused"].greedy_tokens and all(results["fused"].greedy_tokens)
+    assert results["fused"].logits.max_abs == 0.0, results["fused"].logits.max_abs
+
+
+def _x_pack_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str):
+    from trtopt.plugins.qmatmul import kernel
+    from trtopt.quantize import QuantizeConfig
     from trtopt.runtime.executors.torch_executor import TorchExecutor
 
     if device == "cpu":  # 32 columns a GEMV program (both executors alike): 8x fewer programs for the interpreter
-        from trtopt.plugins.qmatmul import kernel
-
         monkeypatch.setattr(kernel, "default_config_xp", lambda rows, n, k, group: (32, max(group, 64), 1, 1))
-    quantize_model(export, tmp_path / "q", QuantizeConfig(weights="int4", group_size=32, calibration_sequences=2,
-                                                          calibration_length=64), force=True)
-    built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
-                       limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
-    plan = read_plan(built.plan_dir)
-    fused = TorchExecutor(built.plan_dir, plan, device=device)
-    unfused = TorchExecutor(built.plan_dir, plan, device=device, fold_x_pack=False)
+    plan_dir, plan = _quantized_plan(export, tmp_path, QuantizeConfig(weights="int4", group_size=32,
+                                                                      calibration_sequences=2, calibration_length=64))
+    fused = TorchExecutor(plan_dir, plan, device=device)
+    unfused = TorchExecutor(plan_dir, plan, device=device, fold_x_pack=False)
     layers = plan.model.num_layers
     assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
     assert fused.num_x_pack_fusions == 3 * layers and unfused.num_x_pack_fusions == 0
@@ -265,19 +285,10 @@ def _x_pack_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypat
     assert targets.count(qmatmul_packing.qmatmul_xp_call) == 3 * layers
     assert targets.count(qmatmul_packing.qmatmul_packed_call) == layers  # O
     assert sum(targets.count(form) for form, _ in qmatmul_packing._XP_FORMS.values()) == 3 * layers
-    for executor in (fused, unfused):
-        executor.allocate_kv_cache(16)
-    from trtopt.plugins.qmatmul import kernel
-
     packed = []  # what each xp form's launch did: packed x for the GEMV (True) or wrote its row alone
     outputs = kernel.x_pack_outputs
     monkeypatch.setattr(kernel, "x_pack_outputs", lambda *a: packed.append(outputs(*a)[0] is not None) or outputs(*a))
-    rng = np.random.default_rng(2)
-    prompts = tuple(tuple(rng.integers(0, plan.model.vocab_size, n).tolist()) for n in (9, 2))
-    results = compare_executors(plan, {"fused": fused, "unfused": unfused}, Workload(prompts, chunk=8, decode_steps=1),
-                                Tolerance(atol=0.0, rtol=0.0), reference="unfused")
-    assert results["fused"].greedy_tokens == results["unfused"].greedy_tokens and all(results["fused"].greedy_tokens)
-    assert results["fused"].logits.max_abs == 0.0, results["fused"].logits.max_abs
+    _assert_fused_equals_unfused(plan, fused, unfused, seed=2)
     # steps of up to 4 rows packed (every layer's three producers), the 8-row chunk did not
     assert packed.count(True) >= 3 * layers and packed.count(True) % (3 * layers) == 0 and packed.count(False) > 0
 
@@ -292,23 +303,16 @@ def test_w8a8_norm_quantize_fusion_on_cuda(exported, tmp_path, monkeypatch):
 
 def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch, device: str,
                                              scales: str = "dynamic"):
-    from trtopt.builder.pipeline import build_plan
-    from trtopt.builder.plan import Limits, read_plan
-    from trtopt.check.compare import Tolerance
-    from trtopt.check.runner import Workload, compare_executors
-    from trtopt.quantize import QuantizeConfig, quantize_model
+    from trtopt.quantize import QuantizeConfig
     from trtopt.runtime.executors import torch_executor
     from trtopt.runtime.executors.torch_executor import TorchExecutor
 
-    quantize_model(export, tmp_path / "q", QuantizeConfig(weights="fp8", activations="fp8", activation_scales=scales,
-                                                          calibration_sequences=2, calibration_length=64), force=True)
-    built = build_plan(tmp_path / "q", tmp_path / "plan", force=True, progress=False,
-                       limits=Limits(block_size=16, max_num_tokens=64, max_num_seqs=4, max_model_len=64))
-    plan = read_plan(built.plan_dir)
-    fused = TorchExecutor(built.plan_dir, plan, device=device)
+    plan_dir, plan = _quantized_plan(export, tmp_path, QuantizeConfig(
+        weights="fp8", activations="fp8", activation_scales=scales, calibration_sequences=2, calibration_length=64))
+    fused = TorchExecutor(plan_dir, plan, device=device)
     with monkeypatch.context() as m:
         m.setattr(torch_executor, "fuse_norm_quantize", lambda gm: 0)
-        unfused = TorchExecutor(built.plan_dir, plan, device=device)
+        unfused = TorchExecutor(plan_dir, plan, device=device)
     layers = plan.model.num_layers
     assert fused.num_packed_qmatmuls == unfused.num_packed_qmatmuls == 4 * layers
     assert fused.num_norm_quantize_fusions == 3 * layers and unfused.num_norm_quantize_fusions == 0
@@ -318,12 +322,4 @@ def _norm_fusion_equals_the_unfused_executor(export: Path, tmp_path, monkeypatch
     for node in fused.graph.module.graph.nodes:  # O's input is the attention's, not a producer with an FP8 form
         if node.target is qmatmul_packing.qmatmul_packed_call:
             assert qmatmul_packing._producer(node.args[0]) is None, node.args[0]
-    for executor in (fused, unfused):
-        executor.allocate_kv_cache(16)
-    rng = np.random.default_rng(1)
-    # a chunk of 8 rows (the Triton GEMM), then 1-row steps (the GEMV); two sequences so decode steps batch 2 rows
-    prompts = tuple(tuple(rng.integers(0, plan.model.vocab_size, n).tolist()) for n in (9, 2))
-    results = compare_executors(plan, {"fused": fused, "unfused": unfused}, Workload(prompts, chunk=8, decode_steps=1),
-                                Tolerance(atol=0.0, rtol=0.0), reference="unfused")
-    assert results["fused"].greedy_tokens == results["unfused"].greedy_tokens and all(results["fused"].greedy_tokens)
-    assert results["fused"].logits.max_abs == 0.0, results["fused"].logits.max_abs
+    _assert_fused_equals_unfused(plan, fused, unfused, seed=1)
