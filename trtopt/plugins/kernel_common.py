@@ -39,14 +39,22 @@ def no_fp_fusion() -> dict[str, Any]:
 
 
 @triton.jit
+def gated_slice(G, U, row, start, stride_g, stride_u, N, BLOCK: tl.constexpr):
+    """Values start.. start + BLOCK of one row of gate and up as fp32 (zeros past N), for the gated kernels:
+    (offsets, mask, gate, up)."""
+    offs = start + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    return offs, m, g, u
+
+
+@triton.jit
 def gated_row(G, U, stride_g, stride_u, N, BLOCK: tl.constexpr):
     """A program's whole row of gate and up as fp32 (zeros past N), for the FP8 forms of the gated kernels:
     (row, offsets, mask, gate, up)."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    m = offs < N
-    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    offs, m, g, u = gated_slice(G, U, row, 0, stride_g, stride_u, N, BLOCK)
     return row, offs, m, g, u
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from trtopt.plugins.gelu_mul.schema import KAPPA, SQRT_2, SQRT_2_OVER_PI
-from trtopt.plugins.kernel_common import gated_row, launch_gated, launch_gated_fp8, launch_gated_xp
+from trtopt.plugins.kernel_common import gated_row, gated_slice, launch_gated, launch_gated_fp8, launch_gated_xp
 from trtopt.plugins.qmatmul.gemm import quantize_row_fp8
 from trtopt.plugins.qmatmul.kernel_half2 import pack_x_row
 
@@ -45,10 +45,7 @@ def gelu_mul_values(g, u, DTYPE: tl.constexpr, TANH: tl.constexpr):
 @triton.jit
 def _gelu_mul_kernel(G, U, Y, stride_g, stride_u, N, BLOCK: tl.constexpr, DTYPE: tl.constexpr, TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+    offs, m, g, u = gated_slice(G, U, row, tl.program_id(1) * BLOCK, stride_g, stride_u, N, BLOCK)
     tl.store(Y + row * N + offs, gelu_mul_values(g, u, DTYPE, TANH), mask=m)
 
 
@@ -70,10 +67,7 @@ def _gelu_mul_xp_kernel(G, U, Y, XP, DOWN, stride_g, stride_u, N, BLOCK: tl.cons
     (qmatmul/kernel_half2.py `pack_x_row`: XP [R, 4, N/8], DOWN [R])."""
     row = tl.program_id(0).to(tl.int64)
     for c in tl.range(0, N, BLOCK):
-        offs = c + tl.arange(0, BLOCK)
-        m = offs < N
-        g = tl.load(G + row * stride_g + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(U + row * stride_u + offs, mask=m, other=0.0).to(tl.float32)
+        offs, m, g, u = gated_slice(G, U, row, c, stride_g, stride_u, N, BLOCK)
         tl.store(Y + row * N + offs, gelu_mul_values(g, u, DTYPE, TANH), mask=m)
     pack_x_row(Y + row * N, XP + row * 4 * (K // 8), DOWN + row, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM)
 

@@ -31,15 +31,23 @@ def rms_row(x, s, N, eps, ROUND_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(X, Scale, Out, stride_x, stride_o, N, eps,
-                     BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _normed_row(X, Scale, stride_x, N, eps, BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """This program's row of x (and the scale) loaded as fp32, zeros past N, through `rms_row`: (row, offsets,
+    mask, y). The row of every RMSNorm kernel below."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, offs, mask, rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(X, Scale, Out, stride_x, stride_o, N, eps,
+                     BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     # y rounded to x's dtype, as the reference's .to(x.dtype), then the scale's product in the promoted dtype
-    tl.store(Out + row * stride_o + offs, rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE), mask=mask)
+    row, offs, mask, y = _normed_row(X, Scale, stride_x, N, eps, BLOCK, X_DTYPE, OUT_DTYPE)
+    tl.store(Out + row * stride_o + offs, y, mask=mask)
 
 
 @triton.jit
@@ -47,13 +55,8 @@ def _rms_norm_fp8_kernel(X, Scale, Q, RS, S, stride_x, N, eps, MIN_SCALE,
                          BLOCK: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, DYNAMIC: tl.constexpr):
     """`_rms_norm_kernel`'s row, not stored: quantized to FP8 instead, under its dynamic per-token scale or the
     static one at S (the codes' bytes to Q [R, N], the scale to RS [R])."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-    y = rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE).to(tl.float32)
-    quantize_row_fp8(Q + row * N + offs, RS + row, y, mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
+    row, offs, mask, y = _normed_row(X, Scale, stride_x, N, eps, BLOCK, X_DTYPE, OUT_DTYPE)
+    quantize_row_fp8(Q + row * N + offs, RS + row, y.to(tl.float32), mask, S, MIN_SCALE, DYNAMIC, OUT_DTYPE)
 
 
 @triton.jit
@@ -62,12 +65,8 @@ def _rms_norm_xp_kernel(X, Scale, Out, XP, DOWN, stride_x, N, eps, BLOCK: tl.con
                         CHUNK_WORDS: tl.constexpr, ASM: tl.constexpr):
     """`_rms_norm_kernel`'s row, stored as there, then packed for the INT4 GEMV (qmatmul/kernel_half2.py
     `pack_x_row`: XP [R, 4, N/8], DOWN [R])."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(Scale + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * N + offs, rms_row(x, s, N, eps, X_DTYPE, OUT_DTYPE), mask=mask)
+    row, offs, mask, y = _normed_row(X, Scale, stride_x, N, eps, BLOCK, X_DTYPE, OUT_DTYPE)
+    tl.store(Out + row * N + offs, y, mask=mask)
     pack_x_row(Out + row * N, XP + row * 4 * (K // 8), DOWN + row, K, GROUP, X_CHUNK, CHUNK_WORDS, ASM)
 
 
