@@ -99,7 +99,8 @@ def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
     params = list(fn.arg_names)
     runtime = dict(Q="*bf16", Cache="*fp8e4nv", BlockTables="*i32", SeqLens="*i32", QueryStartLoc="*i32",
                    Alibi="*bf16", Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", Counters="*i32",
-                   qk_scale="fp32", num_seqs="i32", sliding_window="i32", stride_qh="i32", stride_qt="i32",
+                   qk_scale="fp32", k_scale="fp32", v_scale="fp32", num_seqs="i32", sliding_window="i32",
+                   stride_qh="i32", stride_qt="i32",
                    stride_cb="i32", stride_ckv="i32", stride_ch="i32", stride_co="i32", stride_bt="i32",
                    stride_oh="i32", stride_ot="i32")
     aligned = {n for n, t in runtime.items() if t.startswith("*") or n.startswith("stride_")}
@@ -109,8 +110,7 @@ def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
         constexprs = dict(stride_qd=1, stride_cd=1, stride_od=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, HEAD_DIM=128,
                           BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n, NUM_SEGMENTS=segments, IS_CAUSAL=True,
                           HAS_ALIBI=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
-                          MERGE=1 < segments <= attention.FUSED_MERGE_MAX_SEGMENTS, FP8_KV=True, K_SCALE=0.0129,
-                          V_SCALE=0.0131)
+                          MERGE=1 < segments <= attention.FUSED_MERGE_MAX_SEGMENTS, FP8_KV=True)
         signature = {p: runtime.get(p, "constexpr") for p in params}
         attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

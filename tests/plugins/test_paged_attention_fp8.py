@@ -331,5 +331,56 @@ def test_fp8_pool_whose_value_plane_is_not_contiguous_is_refused():
 
     pool = torch.zeros(3, 2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=F8).transpose(-1, -2)  # D-major plane
     with pytest.raises(ValueError, match="must be contiguous"):
-        fp8_constexprs(pool, 1.0, 1.0)
-    assert fp8_constexprs(pool.contiguous(), 0.5, 2.0) == dict(FP8_KV=True, K_SCALE=0.5, V_SCALE=2.0)
+        fp8_constexprs(pool)
+    assert fp8_constexprs(pool.contiguous()) == dict(FP8_KV=True)
+
+
+FP8_POOL_KERNELS = [  # every Triton kernel that writes or reads an FP8 pool (TensorRT's AOT kernels aside)
+    ("trtopt.plugins.paged_attention.attention", "_paged_attn_kernel"),
+    ("trtopt.plugins.paged_attention.write_kv", "_write_kv_kernel"),
+    ("trtopt.plugins.paged_attention.write_kv", "_rope_write_kv_kernel"),
+    ("trtopt.runtime.kernels.gemv_triton", "_gemv_rope_kv"),
+]
+
+
+@pytest.mark.parametrize("module,name", FP8_POOL_KERNELS)
+def test_fp8_scales_are_runtime_arguments_of_every_pool_kernel(module, name):
+    """Calibrated scales differ per layer. As constexprs they compiled each kernel once per layer (Gemma-3's first
+    pass with searched scales took 90-105 s on an H200, write_kv.py), so k_scale and v_scale are runtime
+    arguments; only FP8_KV (the pool's dtype) specialises."""
+    import importlib
+    import inspect
+
+    kernel = getattr(importlib.import_module(module), name)  # a JITFunction, or under the interpreter its wrapper
+    params = inspect.signature(kernel.fn).parameters
+    constexpr = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    assert {"k_scale", "v_scale"} <= params.keys() - constexpr and "FP8_KV" in constexpr
+    assert not {n for n in params if n.upper() in ("K_SCALE", "V_SCALE")} - {"k_scale", "v_scale"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+def test_layers_with_different_fp8_scales_share_one_compiled_kernel():
+    """The same step launched with several layers' scales compiles the attention and KV-write kernels once: Triton's
+    kernel cache for the device gains nothing after the first pair, and every result is still the reference's."""
+    from trtopt.plugins.paged_attention.attention import _paged_attn_kernel
+    from trtopt.plugins.paged_attention.kernel import paged_attention_triton
+    from trtopt.plugins.paged_attention.write_kv import _write_kv_kernel
+
+    def compiled() -> int:
+        device = torch.cuda.current_device()
+        return sum(len(k.device_caches[device][0]) for k in (_paged_attn_kernel, _write_kv_kernel))
+
+    CUDA = torch.device("cuda")
+    sizes = []
+    for k_scale, v_scale in [(0.5, 3.0), (0.0129, 0.0131), (2.0, 0.25), (0.037, 1.5)]:
+        step = fp8_step(0, *STEPS[0], k_scale=k_scale, v_scale=v_scale)
+        step["k"], step["v"] = on_fp8_grid(step["k"], k_scale, CUDA), on_fp8_grid(step["v"], v_scale, CUDA)
+        expected_out, expected_pool = run_ref(step, k_scale=k_scale, v_scale=v_scale)
+        args = [step[name].clone().cuda() for name in INPUT_NAMES]
+        out, pool = paged_attention_triton(*args, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                                           head_dim=HEAD_DIM, scale=SCALE, k_scale=k_scale, v_scale=v_scale)
+        assert torch.equal(pool.cpu().view(torch.uint8), expected_pool.view(torch.uint8))
+        torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-4, atol=1e-4)
+        sizes.append(compiled())
+    assert sizes[1:] == sizes[:1] * 3, sizes

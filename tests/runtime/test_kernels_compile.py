@@ -32,17 +32,18 @@ SCRIPT = textwrap.dedent("""
         p = "*" + dt
         rope = {n: p for n in ("Q", "K", "V", "Cos", "Sin", "QOut", "Cache")}
         rope["SlotMapping"] = "*i64"
+        rope.update(k_scale="fp32", v_scale="fp32")
         rope.update({n: "i32" for n in ("stride_qh", "stride_qt", "stride_qd", "stride_kh", "stride_kt", "stride_kd",
                                          "stride_vh", "stride_vt", "stride_vd", "stride_cos_t", "stride_cos_d",
                                          "stride_sin_t", "stride_sin_d", "stride_oh", "stride_ot", "stride_cb",
                                          "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
-        no_fp8 = dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)
+        no_fp8 = dict(FP8_KV=False)
         ptx(_rope_write_kv_kernel, rope, dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32,
                                               BLOCK_HKV=8, BLOCK_HALF=32, DTYPE=TL[dt], **no_fp8))
-        if dt != "fp32":  # the FP8 pool's write (kv_cache_dtype="fp8"), scales that are not 1
+        if dt != "fp32":  # the FP8 pool's write (kv_cache_dtype="fp8"); the scales are runtime fp32 arguments
             ptx(_rope_write_kv_kernel, {**rope, "Cache": "*fp8e4nv"},
                 dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32,
-                     DTYPE=TL[dt], FP8_KV=True, K_SCALE=0.05, V_SCALE=0.2))
+                     DTYPE=TL[dt], FP8_KV=True))
         ptx(_argmax_pieces, {"X": p, "Keys": "*i64", "Idx": "*i32", "V": "i32", "stride_x": "i32",
                              "num_pieces": "i32"}, dict(CHUNK=4096), warps=8)
     ptx(_argmax_rows, {"Keys": "*i64", "Idx": "*i32", "Out": "*i64", "num_pieces": "i32"}, dict(BLOCK=32), warps=1)
@@ -96,13 +97,13 @@ SCRIPT = textwrap.dedent("""
         for pairs in (1, 2):
             sig = {n: "*" + dt for n in ("X", "W", "Y", "Cos", "Sin", "Cache")}
             sig["SlotMapping"] = "*i64"
-            sig.update({n: "i32" for n in ("K", "stride_wn", "stride_cos_d", "stride_sin_d", "stride_cb",
+            sig.update(K="i32", k_scale="fp32", v_scale="fp32")
+            sig.update({n: "i32" for n in ("stride_wn", "stride_cos_d", "stride_sin_d", "stride_cb",
                                             "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
             for fp8 in (False, True):  # the pool in the model's dtype, and an FP8 pool
                 ptx(_gemv_rope_kv, {**sig, "Cache": "*fp8e4nv"} if fp8 else sig,
                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, POOL_BLOCK=16, BLOCK_P=pairs, BLOCK_K=2048,
-                         K_TILES=1, EVEN_K=True, DTYPE=TL[dt], FP8_KV=fp8, K_SCALE=0.05 if fp8 else 1.0,
-                         V_SCALE=0.2 if fp8 else 1.0))
+                         K_TILES=1, EVEN_K=True, DTYPE=TL[dt], FP8_KV=fp8))
     print(len(done))
 """)
 

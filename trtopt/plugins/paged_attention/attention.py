@@ -46,7 +46,7 @@ from trtopt.plugins.paged_attention.planning import (
 )
 from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
 from trtopt.plugins.paged_attention.write_kv import (
-    _rope_write_kv_kernel, _rope_write_kv_launch, _write_kv_launch, fp8_constexprs, rope_write_kv_triton,
+    _rope_write_kv_kernel, _rope_write_kv_launch, _write_kv_launch, fp8_constexprs, pool_scales, rope_write_kv_triton,
     write_kv_triton,
 )
 
@@ -181,9 +181,10 @@ def _attend_key_tiles(
     stride_cb, stride_ckv, stride_co, stride_cd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, k_scale, v_scale,
 ):
-    """Fold key tiles [start, end) (TILE_N-aligned) into the running softmax; keys >= key_end are never read."""
+    """Fold key tiles [start, end) (TILE_N-aligned) into the running softmax; keys >= key_end are never read.
+    k_scale, v_scale: an FP8 pool's (runtime values here, TensorRT's AOT kernel's constexprs)."""
     offs_t = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -209,7 +210,7 @@ def _attend_key_tiles(
         else:
             k = tl.load(kv_ptr)  # unmasked and unpadded: the loads vectorise freely
         if FP8_KV:  # e4m3 is exact in fp16/fp32; the scale goes on the [BLOCK_M, TILE_N] scores, not on each key
-            qk = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * K_SCALE
+            qk = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=DOT_PRECISION) * k_scale
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # qk: [BLOCK_M, TILE_N], unscaled
         if HAS_ALIBI:
@@ -238,7 +239,7 @@ def _attend_key_tiles(
         else:
             v = tl.load(kv_ptr + stride_ckv)
         if FP8_KV:  # as for k: the scale goes on the probabilities (l_i above summed them unscaled)
-            acc = acc * alpha[:, None] + tl.dot((p * V_SCALE).to(qd.dtype), v.to(qd.dtype),
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale).to(qd.dtype), v.to(qd.dtype),
                                                 input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -251,6 +252,7 @@ def _paged_attn_kernel(
     Q, Cache, BlockTables, SeqLens, QueryStartLoc, Alibi,
     Out, PartAcc, PartMax, PartSum, Counters,
     qk_scale,  # softmax scale · log2(e)
+    k_scale, v_scale,  # an FP8 pool's scales (write_kv.py pool_scales; 1.0 and unread for other pools)
     num_seqs, sliding_window,
     stride_qh, stride_qt, stride_qd,
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
@@ -260,7 +262,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
-    FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0, V_SCALE: tl.constexpr = 1.0,
+    FP8_KV: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -296,13 +298,13 @@ def _paged_attn_kernel(
         acc, l_i, m_i, q, k_head, table, seg_lo, split, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
         stride_cb, stride_ckv, stride_co, stride_cd,
         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, False, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
-        FP8_KV, K_SCALE, V_SCALE,
+        FP8_KV, k_scale, v_scale,
     )
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, k_head, table, split, seg_hi, seg_hi, pos, row_ok, slope, qk_scale, sliding_window,
         stride_cb, stride_ckv, stride_co, stride_cd,
         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N, True, IS_CAUSAL, HAS_ALIBI, HAS_WINDOW, DOT_PRECISION,
-        FP8_KV, K_SCALE, V_SCALE,
+        FP8_KV, k_scale, v_scale,
     )
 
     if NUM_SEGMENTS == 1:
@@ -548,7 +550,7 @@ def paged_attention_triton(
     attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
                                   part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch, block_d,
                                   group=group, head_dim=head_dim, causal=causal,
-                                  fp8=fp8_constexprs(kv_cache, k_scale, v_scale))
+                                  scales=pool_scales(kv_cache, k_scale, v_scale))
     state.launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
     merge = None
     if scratch and counters is None:
@@ -583,7 +585,7 @@ def _check_written_layout(q, k, v, rope_cos, num_heads, num_kv_heads, head_dim) 
 
 def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out, part_acc, part_max,
                       part_sum, counters, scale, S, sliding_window, launch, block_d, *, group, head_dim, causal,
-                      fp8: dict | None = None):
+                      scales: tuple[float, float] = (1.0, 1.0)):
     """(kernel, grid, args, constexprs) of the attention kernel; with counters (split-KV only) it merges the
     segments itself, else a split launch needs `_merge_launch` after it."""
     T = q.shape[2]
@@ -591,7 +593,7 @@ def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alib
         q, kv_cache, block_tables, seq_lens, query_start_loc,
         alibi_slopes if alibi_slopes is not None else q,
         out, part_acc, part_max, part_sum, counters if counters is not None else q,
-        scale * _LOG2E, S, sliding_window,
+        scale * _LOG2E, *scales, S, sliding_window,
         *q.stride()[1:], *kv_cache.stride(), block_tables.stride(0), *out.stride()[1:],
     ), dict(
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=launch.block_q,
@@ -599,7 +601,7 @@ def _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alib
         NUM_SEGMENTS=launch.num_segments, IS_CAUSAL=bool(causal), HAS_ALIBI=alibi_slopes is not None,
         HAS_WINDOW=sliding_window > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE=counters is not None, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **(fp8 or dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)),  # every constexpr passed: see fp8_constexprs
+        **fp8_constexprs(kv_cache),  # every constexpr passed: see fp8_constexprs
     )
 
 

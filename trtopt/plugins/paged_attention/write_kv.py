@@ -9,10 +9,12 @@ kernel also does the rotation of both (`_rope_write_kv_kernel`: the torch execut
 nodes into this op, fx_fusions.py).
 
 An FP8 pool (float8_e4m3fn) is written by either kernel with FP8_KV: x / scale in fp32, saturated to ±448, and
-the store's conversion rounds to the nearest even (reference.to_pool). The scales are constexprs, as the score scale
-is in TensorRT's AOT kernel: per-layer build-time constants (1.0 without calibration, one compilation for all). Its
-values go in transposed, value d of a token at d·block_size + offset of its block's value half (reference.
-pool_values; `value_offsets`).
+the store's conversion rounds to the nearest even (reference.to_pool). The scales are runtime arguments (k_scale,
+v_scale), so one compilation serves every layer. They were constexprs, and a plan with calibrated per-layer scales
+then compiled every kernel once per layer: on an H200, Gemma-3's first perplexity pass took 90-105 s with searched
+scales against 1.3 s at scale 1.0 (benchmarks/fp8_kv.py). TensorRT's AOT kernel keeps them constexprs (trt_aot.py:
+no float scalars), as it does the score scale. An FP8 pool's values go in transposed, value d of a token at
+d·block_size + offset of its block's value half (reference.pool_values; `value_offsets`).
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ def value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV: tl.constexpr, BL
 @triton.jit
 def _write_kv_kernel(
     K, V, Cache, SlotMapping,
+    k_scale, v_scale,  # an FP8 pool's scales (pool_scales; 1.0 and unread for other pools)
     stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0, V_SCALE: tl.constexpr = 1.0,
+    FP8_KV: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SlotMapping + t)
@@ -71,8 +74,8 @@ def _write_kv_kernel(
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     head = Cache + block * stride_cb + offs_h[:, None] * stride_ch
     if FP8_KV:  # quantize; the cast below rounds to nearest even
-        k = fp8_saturate(k, K_SCALE)
-        v = fp8_saturate(v, V_SCALE)
+        k = fp8_saturate(k, k_scale)
+        v = fp8_saturate(v, v_scale)
     tl.store(head + offset * stride_co + offs_d[None, :] * stride_cd, k.to(Cache.dtype.element_ty), mask=mask)
     tl.store(head + stride_ckv + value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV, BLOCK_SIZE)[None, :],
              v.to(Cache.dtype.element_ty), mask=mask)
@@ -81,12 +84,13 @@ def _write_kv_kernel(
 @triton.jit
 def _rope_write_kv_kernel(
     Q, K, V, Cos, Sin, QOut, Cache, SlotMapping,
+    k_scale, v_scale,  # as _write_kv_kernel's
     stride_qh, stride_qt, stride_qd, stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
     stride_cos_t, stride_cos_d, stride_sin_t, stride_sin_d, stride_oh, stride_ot,
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
-    FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0, V_SCALE: tl.constexpr = 1.0,
+    FP8_KV: tl.constexpr = False,
 ):
     """RoPE of q and k and the KV write in one launch (one program per token; cos/sin are one row per token,
     shared by every head): q_out[h, t] = rope(q[h, t]) for every query head, and for a token with slot >= 0
@@ -126,10 +130,10 @@ def _rope_write_kv_kernel(
         v1 = tl.load(v_src + offs[None, :] * stride_vd, mask=mk).to(DTYPE)
         v2 = tl.load(v_src + (offs + HALF)[None, :] * stride_vd, mask=mk).to(DTYPE)
         if FP8_KV:  # as _write_kv_kernel; the stores' cast rounds to nearest even
-            k1 = fp8_saturate(k1, K_SCALE)
-            k2 = fp8_saturate(k2, K_SCALE)
-            v1 = fp8_saturate(v1, V_SCALE)
-            v2 = fp8_saturate(v2, V_SCALE)
+            k1 = fp8_saturate(k1, k_scale)
+            k2 = fp8_saturate(k2, k_scale)
+            v1 = fp8_saturate(v1, v_scale)
+            v2 = fp8_saturate(v2, v_scale)
         offset = slot % BLOCK_SIZE
         head = Cache + (slot // BLOCK_SIZE) * stride_cb + hk[:, None] * stride_ch
         k_dst = head + offset * stride_co
@@ -142,18 +146,25 @@ def _rope_write_kv_kernel(
                  v2.to(Cache.dtype.element_ty), mask=mk)
 
 
-def fp8_constexprs(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> dict:
-    """The FP8_KV / K_SCALE / V_SCALE constexprs of a launch: an FP8 pool's (after checking that its values' plane
-    is contiguous, `value_offsets`), or the kernels' defaults for any other pool. Always all three: the launcher
-    keeps a compiled kernel (and prepares cuLaunchKernel launches) only for calls that pass every parameter, so
-    leaving a defaulted constexpr out sends each launch through Triton's dispatcher (plugins/launcher.py
-    `_launch_kept`)."""
+def fp8_constexprs(kv_cache: torch.Tensor) -> dict:
+    """The FP8_KV constexpr of a launch: True for an FP8 pool (after checking that its values' plane is contiguous,
+    `value_offsets`), else the kernels' default, passed all the same: the launcher keeps a compiled kernel (and
+    prepares cuLaunchKernel launches) only for calls that pass every parameter, so leaving a defaulted constexpr out
+    sends each launch through Triton's dispatcher (plugins/launcher.py `_launch_kept`)."""
     if kv_cache.dtype != FP8_POOL_DTYPE:
-        return dict(FP8_KV=False, K_SCALE=1.0, V_SCALE=1.0)
+        return dict(FP8_KV=False)
     if kv_cache.stride(-1) != 1 or kv_cache.stride(-2) != kv_cache.shape[-1]:
         raise ValueError("an FP8 pool stores each block's values as [head_dim, block_size] in its (block_size, "
                          f"head_dim) plane, which must be contiguous; got strides {kv_cache.stride()}")
-    return dict(FP8_KV=True, K_SCALE=float(k_scale), V_SCALE=float(v_scale))
+    return dict(FP8_KV=True)
+
+
+def pool_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The k_scale and v_scale arguments of a launch: an FP8 pool's, as floats; 1.0 for any other pool, whose
+    kernels never read them (so its launches key alike whatever scales the caller passed)."""
+    if kv_cache.dtype != FP8_POOL_DTYPE:
+        return 1.0, 1.0
+    return float(k_scale), float(v_scale)
 
 
 def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -161,12 +172,12 @@ def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, s
     """(kernel, grid, args, constexprs) of the KV write."""
     _, Hkv, T, D = k.shape
     return _write_kv_kernel, (T,), (
-        k, v, kv_cache, slot_mapping,
+        k, v, kv_cache, slot_mapping, *pool_scales(kv_cache, k_scale, v_scale),
         *k.stride()[1:], *v.stride()[1:], *kv_cache.stride(),
     ), dict(
         BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
         BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
-        num_warps=4 if Hkv * D >= 1024 else 1, **fp8_constexprs(kv_cache, k_scale, v_scale),
+        num_warps=4 if Hkv * D >= 1024 else 1, **fp8_constexprs(kv_cache),
     )
 
 
@@ -196,13 +207,13 @@ def _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping, k_sc
     half = D // 2
     block_hq, block_half = next_pow2(Hq), next_pow2(half)
     return _rope_write_kv_kernel, (T,), (
-        q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
+        q, k, v, cos, sin, q_out, kv_cache, slot_mapping, *pool_scales(kv_cache, k_scale, v_scale),
         *q.stride()[1:], *k.stride()[1:], *v.stride()[1:], *_row_strides(cos), *_row_strides(sin),
         *q_out.stride()[1:3], *kv_cache.stride(),
     ), dict(
         BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
         BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
-        num_warps=4 if block_hq * block_half >= 1024 else 1, **fp8_constexprs(kv_cache, k_scale, v_scale),
+        num_warps=4 if block_hq * block_half >= 1024 else 1, **fp8_constexprs(kv_cache),
         **no_fp_fusion(),
     )
 

@@ -37,7 +37,7 @@ import triton.language as tl
 from trtopt.plugins import launcher
 from trtopt.plugins.kernel_common import TL_DTYPES, next_pow2, no_fp_fusion
 from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE
-from trtopt.plugins.paged_attention.write_kv import fp8_constexprs, fp8_saturate, value_offsets
+from trtopt.plugins.paged_attention.write_kv import fp8_constexprs, fp8_saturate, pool_scales, value_offsets
 from trtopt.plugins.rope.kernel import rotate_half_rows
 
 MAX_ROWS = 4  # rows of x the kernels take: each row's product is held in registers beside the weight tile
@@ -91,12 +91,11 @@ def _gemv(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 
 
 @triton.jit
-def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_cos_d, stride_sin_d,
-                  stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
+def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, k_scale, v_scale, stride_wn, stride_cos_d,
+                  stride_sin_d, stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, POOL_BLOCK: tl.constexpr,
                   BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
-                  DTYPE: tl.constexpr, FP8_KV: tl.constexpr = False, K_SCALE: tl.constexpr = 1.0,
-                  V_SCALE: tl.constexpr = 1.0):
+                  DTYPE: tl.constexpr, FP8_KV: tl.constexpr = False):
     """One token's y = x · Wᵀ over the fused Q/K/V weight (rows: NUM_HEADS query heads, then NUM_KV_HEADS key heads,
     then as many value heads, 2·HALF rows each), with RoPE on q and k and the KV write as the epilogue.
 
@@ -154,7 +153,7 @@ def _gemv_rope_kv(X, W, Y, Cos, Sin, Cache, SlotMapping, K, stride_wn, stride_co
         kv_ok = ok & (head_p >= NUM_HEADS)
         # (new names: a runtime branch may not give y1/y2 another type, which the interpreter does not notice)
         if FP8_KV:
-            scale = tl.where(is_v, V_SCALE, K_SCALE)
+            scale = tl.where(is_v, v_scale, k_scale)
             pool1 = fp8_saturate(y1, scale)
             pool2 = fp8_saturate(y2, scale)
         else:
@@ -245,10 +244,11 @@ def gemv_rope_kv(x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor, sin: t
     tiles = -(-k // block_k)
     half = head_dim // 2
     launcher.launch(_gemv_rope_kv, (-(-(n // 2) // block_p),), x, w_qkv, y, cos, sin, kv_cache, slot_mapping, k,
-                    w_qkv.stride(0), cos.stride(-1), sin.stride(-1), *kv_cache.stride(),
+                    *pool_scales(kv_cache, k_scale, v_scale), w_qkv.stride(0), cos.stride(-1), sin.stride(-1),
+                    *kv_cache.stride(),
                     NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, POOL_BLOCK=kv_cache.shape[3],
                     BLOCK_P=block_p, BLOCK_K=block_k, K_TILES=tiles, EVEN_K=tiles * block_k == k,
-                    DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **fp8_constexprs(kv_cache, k_scale, v_scale),
+                    DTYPE=TL_DTYPES[x.dtype], num_warps=warps, **fp8_constexprs(kv_cache),
                     **no_fp_fusion())
     return y
 
