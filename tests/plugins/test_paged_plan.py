@@ -211,6 +211,37 @@ def test_gpu_plan_on_another_stream_and_in_a_captured_graph(rope):
     torch.testing.assert_close(pool, fpool, atol=0, rtol=0, equal_nan=True)
 
 
+
+FP8_LAYER_SCALES = [(0.5, 3.0), (0.0129, 0.0131), (2.0, 0.25), (0.0129, 0.0131)]  # calibrated: one pair a layer
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_fp8_layers_with_their_own_scales_share_one_plan(rope, kernel_device):
+    """A calibrated FP8 plan scales each layer's pool differently. The scales are runtime scalars of the launches
+    (write_kv.py), not part of the plan key: the first layer plans and every other layer is served by that plan,
+    launching with its own scales (set per call), bit for bit the full path given the same scales. A scale left
+    over from the layer before would differ: every pair differs from the one before it."""
+    from trtopt.plugins.paged_attention.reference import FP8_POOL_DTYPE, quantized_pool
+
+    state = pk.PagedLaunchState()
+    case = dataclasses.replace(CASES["decode_gqa4"], dtype=torch.bfloat16, seed=5)
+    step = make_step(case, kernel_device)
+    tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, kernel_device))) if rope else {}
+    launch = full_path_launch(step, kernel_device)
+    for i, (k_scale, v_scale) in enumerate(FP8_LAYER_SCALES):
+        pool = quantized_pool(step.kv_cache.float() * (1 + i / 8), k_scale, v_scale)
+        planned, full = ([x.clone() for x in (step.q, step.k, step.v, pool)] for _ in range(2))
+        got, _ = call(step, *planned, tables, state, k_scale=k_scale, v_scale=v_scale)
+        want, _ = call(step, *full, tables, state, k_scale=k_scale, v_scale=v_scale, launch=launch)
+        assert planned[3].dtype == FP8_POOL_DTYPE
+        torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+        assert torch.equal(planned[3].view(torch.uint8), full[3].view(torch.uint8))
+    assert len(state.plans) == 1 and plan_calls(state) == len(FP8_LAYER_SCALES) - 1
+    (plan,) = state.plans.values()
+    assert len(plan.scaled) == 2  # the KV write (or the RoPE-fused one) and the attention take the scales
+    if kernel_device.type == "cuda":
+        assert isinstance(plan.attention, launcher.DriverLaunch)
+
 # The tests above run on the CPU (interpreter) in `make test`; on a GPU, `pytest -m gpu` runs them through the
 # driver launches (and asserts that path is the one taken).
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -221,6 +252,13 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.mark.parametrize("name, rope", [(n, r) for n in CASES for r in (False, True) if not CASES[n].alibi])
 def test_gpu_planned_layers_equal_the_full_path(name, rope):
     test_planned_layers_equal_the_full_path(name, rope, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rope", [False, True])
+def test_gpu_fp8_layers_with_their_own_scales_share_one_plan(rope):
+    test_fp8_layers_with_their_own_scales_share_one_plan(rope, torch.device("cuda"))
 
 
 @pytest.mark.gpu

@@ -252,10 +252,10 @@ class DriverLaunch:
     and everything else the same)."""
 
     __slots__ = ("name", "device", "num_tensors", "_launch_kernel", "_success", "_function", "_dims", "_addresses",
-                 "_aligned", "_all_aligned", "_params", "_params_address", "_values")
+                 "_aligned", "_all_aligned", "_params", "_params_address", "_values", "_scalar_at")
 
     def __init__(self, compiled: Any, grid: tuple[int, ...], device: int, kinds: list[tuple[str, Any]],
-                 aligned: list[bool], hidden: int) -> None:
+                 aligned: list[bool], hidden: int, scalar_positions: Sequence[int] = ()) -> None:
         self.name = compiled.metadata.name
         self.device = device
         self._launch_kernel, self._success, function_type = _driver()
@@ -279,6 +279,8 @@ class DriverLaunch:
             values.append(ctypes.c_uint64(0))
             slots.append(ctypes.addressof(values[-1]))
         self._values = values  # keeps the scalars' storage alive
+        # argument position → its ctypes storage, for set_scalar (the scalars in `kinds` order)
+        self._scalar_at = dict(zip(scalar_positions, [v for kind, v in kinds if kind != "*"]))
         self._params = (ctypes.c_void_p * len(slots))(*slots)
         self._params_address = ctypes.addressof(self._params)
 
@@ -286,6 +288,13 @@ class DriverLaunch:
         """Launch on `stream` with these tensors in the kernel's order of tensor parameters; False (nothing
         launched) when an address's 16-byte alignment differs from the prepared one's."""
         return self.launch(stream, [t.data_ptr() for t in tensors])
+
+    def set_scalar(self, position: int, value: int | float) -> None:
+        """The runtime scalar at argument `position` (its index in the prepared call's args) takes `value` for the
+        launches that follow. cuLaunchKernel copies the parameters at each launch, so launches already queued or
+        captured into a CUDA graph keep theirs. For scalars that vary per call but not the kernel's specialisation
+        (an FP8 pool's per-layer scales: a float is never specialised on)."""
+        self._scalar_at[position].value = value
 
     def launch(self, stream: int, addresses: list[int]) -> bool:
         """`self(stream, *tensors)` with the tensors' addresses (data_ptr) already read: a caller that passes one
@@ -316,6 +325,10 @@ class Relaunch:
         self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
         self.args = [None if isinstance(a, torch.Tensor) else a for a in args]
         self._launch = launch_with if launch_with is not None else launch
+
+    def set_scalar(self, position: int, value: int | float) -> None:
+        """As DriverLaunch.set_scalar: the launches that follow pass `value` at argument `position`."""
+        self.args[position] = value
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> bool:
         args = self.args.copy()
@@ -361,7 +374,7 @@ def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
             or getattr(metadata, "profile_scratch_size", 0)
             or any(d != 1 for d in getattr(metadata, "cluster_dims", (1, 1, 1)))):
         return None
-    kinds, aligned = [], []
+    kinds, aligned, positions = [], [], []
     for i, (name, kind) in enumerate(signature.items()):
         value = args[i] if i < len(args) else kwargs.get(name)
         if kind == "constexpr":
@@ -375,6 +388,7 @@ def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
             aligned.append(value.data_ptr() % 16 == 0)
         elif kind in _SCALAR_CTYPES and isinstance(value, (int, float)):
             kinds.append((kind, _SCALAR_CTYPES[kind](value)))
+            positions.append(i)
         else:
             return None
     if sum(isinstance(a, torch.Tensor) for a in args) != len(aligned):
@@ -387,5 +401,5 @@ def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
         return None
     if not 0 <= hidden <= _MAX_HIDDEN_PARAMS:
         return None
-    return DriverLaunch(compiled, grid, torch.cuda.current_device(), kinds, aligned, hidden)
+    return DriverLaunch(compiled, grid, torch.cuda.current_device(), kinds, aligned, hidden, positions)
 

@@ -508,12 +508,10 @@ def paged_attention_triton(
         key = state.plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
                              num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin,
                              kv_written)
-        if fp8:
-            key = (*key, k_scale, v_scale)
         plan = state.plans.get(key)
         if plan is not None:
             result = plan(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
-                          rope_cos, rope_sin)
+                          rope_cos, rope_sin, k_scale, v_scale)
             if result is not None:
                 return result, kv_cache
 
@@ -640,10 +638,12 @@ class _PagedPlan:
     scalars, grids and constexprs were computed from, and each launch checks its tensors' 16-byte alignment (the
     kernels are specialised on it); a call with another alignment returns None and takes the full path (a KV write
     it already made is made again there, with the same values). Prepared by its state's `launcher`; the workspace
-    it keeps between calls is counted in its state's `budget`."""
+    it keeps between calls is counted in its state's `budget`. An FP8 pool's scales are not in the key: they are
+    runtime scalars of the launches (write_kv.py), set per call, so one plan serves every layer whatever its scales
+    (as it does a bf16 plan's)."""
 
     __slots__ = ("kv_write", "attention", "merge", "scratch", "counters", "counters_at", "out_shape", "dtype",
-                 "device", "cuda", "rope", "partials_at", "workspace_bytes", "owned", "calls", "budget")
+                 "device", "cuda", "rope", "partials_at", "workspace_bytes", "owned", "calls", "budget", "scaled")
 
     def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, counters: torch.Tensor | None, *,
                  device: torch.device, launcher: Launcher, budget: WorkspaceBudget) -> None:
@@ -656,6 +656,9 @@ class _PagedPlan:
         # None where there is no such launch (kv_write: the pool was written before the call, kv_written)
         self.kv_write, self.attention, self.merge = (None if x is None else next(slots)
                                                      for x in (kv_write, attention, merge))
+        # (launch, position of k_scale, of v_scale) of each launch that takes an FP8 pool's scales
+        self.scaled = [(run, x[0].arg_names.index("k_scale"), x[0].arg_names.index("v_scale"))
+                       for run, x in zip(prepared, launches) if x[3].get("FP8_KV")]
         self.scratch = scratch
         self.counters = counters  # the merge counters (`PagedLaunchState.merge_counters`), or None
         self.counters_at = counters.data_ptr() if counters is not None else None
@@ -672,9 +675,13 @@ class _PagedPlan:
         self.budget = budget
 
     def __call__(self, q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, alibi_slopes,
-                 cos, sin) -> torch.Tensor | None:
-        """The attention output of this layer's tensors, or None when a launch refused them (alignment)."""
+                 cos, sin, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor | None:
+        """The attention output of this layer's tensors (and, for an FP8 pool, its scales), or None when a launch
+        refused them (alignment)."""
         self.calls += 1
+        for run, k_at, v_at in self.scaled:
+            run.set_scalar(k_at, float(k_scale))
+            run.set_scalar(v_at, float(v_scale))
         if self.cuda is not None:
             return self._run_direct(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
                                     alibi_slopes, cos, sin)
