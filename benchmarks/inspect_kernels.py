@@ -2,6 +2,8 @@
 
     python benchmarks/inspect_kernels.py                 # CUDA: compiled specialisations, then a profile
     python benchmarks/inspect_kernels.py --offline-fp8   # no GPU: the FP8 paged decode kernel's resources on sm_90
+    python benchmarks/inspect_kernels.py --loop-mix [TILE_N SEGMENTS STAGES WARPS]
+                                                         # no GPU: its key loops' SASS instruction mix, bf16 vs FP8
 
 For each compiled specialisation: registers, spills, shared memory, and whether the matmuls became Hopper
 wgmma (PTX `wgmma.mma_async`) or the older mma.sync, and how wide the global loads are. Then a profiler
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -81,14 +84,10 @@ def main() -> None:
 FP8_DECODE_TILINGS = ((128, 1, 3), (128, 2, 3), (128, 32, 3), (64, 16, 3), (64, 64, 3))
 
 
-def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
-    """Compile `_paged_attn_kernel` over an FP8 pool for sm_90 (no GPU: PTX, then the bundled ptxas) at each tiling;
-    one dict of resources per tiling. Unit strides are constexpr 1 and the other strides and pointers divisible by
-    16, as a launch specialises them (otherwise every load is scalar and the PTX misleads)."""
-    import os
-    import subprocess
-    import tempfile
-
+def _compile_offline(tile_n: int, segments: int, stages: int, *, fp8: bool = True, warps: int = 4):
+    """`_paged_attn_kernel` compiled for sm_90 without a GPU (bf16 q, heads 32/8 x 128, block 16), over an FP8 pool
+    or a bf16 one. Unit strides are constexpr 1 and the other strides and pointers divisible by 16, as a launch
+    specialises them (otherwise every load is scalar and the PTX misleads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -97,33 +96,55 @@ def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
 
     fn = attention._paged_attn_kernel
     params = list(fn.arg_names)
-    runtime = dict(Q="*bf16", Cache="*fp8e4nv", BlockTables="*i32", SeqLens="*i32", QueryStartLoc="*i32",
-                   Alibi="*bf16", Out="*bf16", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32", Counters="*i32",
-                   qk_scale="fp32", k_scale="fp32", v_scale="fp32", num_seqs="i32", sliding_window="i32",
-                   stride_qh="i32", stride_qt="i32",
+    runtime = dict(Q="*bf16", Cache="*fp8e4nv" if fp8 else "*bf16", BlockTables="*i32", SeqLens="*i32",
+                   QueryStartLoc="*i32", Alibi="*bf16", Out="*bf16", PartAcc="*fp32", PartMax="*fp32",
+                   PartSum="*fp32", Counters="*i32", qk_scale="fp32", k_scale="fp32", v_scale="fp32",
+                   num_seqs="i32", sliding_window="i32", stride_qh="i32", stride_qt="i32",
                    stride_cb="i32", stride_ckv="i32", stride_ch="i32", stride_co="i32", stride_bt="i32",
                    stride_oh="i32", stride_ot="i32")
     aligned = {n for n, t in runtime.items() if t.startswith("*") or n.startswith("stride_")}
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    constexprs = dict(stride_qd=1, stride_cd=1, stride_od=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, HEAD_DIM=128,
+                      BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n, NUM_SEGMENTS=segments, IS_CAUSAL=True,
+                      HAS_ALIBI=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
+                      MERGE=1 < segments <= attention.FUSED_MERGE_MAX_SEGMENTS, FP8_KV=fp8)
+    signature = {p: runtime.get(p, "constexpr") for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def _ptxas(ptx: str, tmp: str, *, disassemble: bool = False) -> tuple[str, str]:
+    """(ptxas -v log, SASS or "") of `ptx` through the ptxas and nvdisasm Triton bundles."""
+    import os
+    import subprocess
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+    Path(path).write_text(ptx)
+    done = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", path, "-o", cubin],
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # e.g. a Triton whose PTX ISA is newer than the ptxas it bundles (3.9 here)
+        raise SystemExit(f"ptxas refused Triton {triton.__version__}'s PTX: {done.stderr.strip()[-300:]}")
+    sass = ""
+    if disassemble:
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return done.stderr, sass
+
+
+def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
+    """Each tiling's FP8 decode kernel for sm_90 (`_compile_offline`), through the bundled ptxas: one dict of
+    resources per tiling."""
+    import tempfile
+
     rows = []
     for tile_n, segments, stages in tilings:
-        constexprs = dict(stride_qd=1, stride_cd=1, stride_od=1, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, HEAD_DIM=128,
-                          BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n, NUM_SEGMENTS=segments, IS_CAUSAL=True,
-                          HAS_ALIBI=False, HAS_WINDOW=False, DOT_PRECISION="tf32",
-                          MERGE=1 < segments <= attention.FUSED_MERGE_MAX_SEGMENTS, FP8_KV=True)
-        signature = {p: runtime.get(p, "constexpr") for p in params}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=4, num_stages=stages))
+        compiled = _compile_offline(tile_n, segments, stages)
         ptx = compiled.asm["ptx"]
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.ptx")
-            Path(path).write_text(ptx)
-            done = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True)
-        if done.returncode != 0:  # e.g. a Triton whose PTX ISA is newer than the ptxas it bundles (3.9 here)
-            raise SystemExit(f"{ptxas} refused Triton {triton.__version__}'s PTX: {done.stderr.strip()[-300:]}")
-        log = done.stderr
+            log, _ = _ptxas(ptx, tmp)
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
         rows.append(dict(tile_n=tile_n, num_segments=segments, num_stages=stages, registers=regs, spill_bytes=spill,
@@ -133,6 +154,38 @@ def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
     return rows
 
 
+def sass_loops(sass: str) -> list[tuple[int, Counter]]:
+    """Each loop of a SASS listing (a label and the backward branch to it), innermost first as listed: its
+    instruction count and opcodes (without modifiers) by count."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\.(L_x_\d+):", line.strip()))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\(\.(L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            ops = Counter(m2.group(1).split(".")[0] for body in lines[labels[m.group(1)]:i + 1]
+                          if (m2 := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", body)))
+            loops.append((sum(ops.values()), ops))
+    return loops
+
+
+def loop_mix(tile_n: int = 128, segments: int = 1, stages: int = 3, warps: int = 4) -> None:
+    """The SASS instruction mix of the decode kernel's key loops, bf16 pool against FP8 pool, at one tiling: what
+    each warp issues per key tile (the FP8 kernel is issue-bound where bf16 is DRAM-bound: docs/benchmarks/NOTES.md)."""
+    import tempfile
+
+    for fp8 in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            compiled = _compile_offline(tile_n, segments, stages, fp8=fp8, warps=warps)
+            log, sass = _ptxas(compiled.asm["ptx"], tmp, disassemble=True)
+        regs = re.search(r"Used (\d+) registers", log).group(1)
+        print(f"{'FP8' if fp8 else 'bf16'} pool, tile_n={tile_n} num_segments={segments} num_stages={stages} "
+              f"num_warps={warps}: {regs} registers, {compiled.metadata.shared} B shared")
+        for count, ops in sass_loops(sass):
+            if count > 100:  # the key loops (unmasked, then masked), not the prologue's small ones
+                print(f"  loop of {count} instructions: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
+
+
 if __name__ == "__main__":
     if "--offline-fp8" in sys.argv[1:]:
         import triton
@@ -140,5 +193,7 @@ if __name__ == "__main__":
         print(f"FP8 paged decode kernel on sm_90, Triton {triton.__version__} (bf16 q, heads 32/8 x 128, block 16)")
         for row in offline_fp8_resources():
             print("  " + " ".join(f"{k}={v}" for k, v in row.items()))
+    elif "--loop-mix" in sys.argv[1:]:  # optional: tile_n num_segments num_stages num_warps
+        loop_mix(*(int(a) for a in sys.argv[sys.argv.index("--loop-mix") + 1:]))
     else:
         main()
