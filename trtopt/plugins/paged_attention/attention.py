@@ -503,7 +503,6 @@ def paged_attention_triton(
     owned = state is not None
     if not owned:
         state = PagedLaunchState()
-    fp8 = kv_cache.dtype == FP8_POOL_DTYPE
     if owned and launch is None and out is None and not state.launcher.dispatcher_only:
         key = state.plan_key(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, slot_mapping, num_heads,
                              num_kv_heads, head_dim, scale, causal, sliding_window, alibi_slopes, rope_cos, rope_sin,
