@@ -47,12 +47,16 @@ def layer_tensors(step, layers: int):
     return out
 
 
-def full_path_launch(step, device) -> pk.PagedLaunch:
-    """The tiling the plan picks for this step, passed explicitly: an explicit launch bypasses the plan."""
+def full_path_launch(step, device, pool: torch.Tensor | None = None) -> pk.PagedLaunch:
+    """The tiling the plan picks for this step over `pool` (default: the step's), passed explicitly: an explicit
+    launch bypasses the plan. An FP8 pool plans other tiles on a GPU (kv_bytes=1), the same ones under the
+    interpreter, so only the GPU run tells a pool-blind tiling here from the plan's."""
+    pool = step.kv_cache if pool is None else pool
     T, S = step.q.shape[2], step.seq_lens.shape[0]
     Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
-    return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, step.block_tables.shape[1] * step.kv_cache.shape[3],
-                                planning._device_sm_count(device), interpret=device.type != "cuda")
+    return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, step.block_tables.shape[1] * pool.shape[3],
+                                planning._device_sm_count(device), interpret=device.type != "cuda",
+                                kv_bytes=pool.element_size())
 
 
 def call(step, q, k, v, pool, rope, state, **extra):
@@ -227,9 +231,9 @@ def test_fp8_layers_with_their_own_scales_share_one_plan(rope, kernel_device):
     case = dataclasses.replace(CASES["decode_gqa4"], dtype=torch.bfloat16, seed=5)
     step = make_step(case, kernel_device)
     tables = dict(zip(("rope_cos", "rope_sin"), rope_tables(case, kernel_device))) if rope else {}
-    launch = full_path_launch(step, kernel_device)
     for i, (k_scale, v_scale) in enumerate(FP8_LAYER_SCALES):
         pool = quantized_pool(step.kv_cache.float() * (1 + i / 8), k_scale, v_scale)
+        launch = full_path_launch(step, kernel_device, pool)
         planned, full = ([x.clone() for x in (step.q, step.k, step.v, pool)] for _ in range(2))
         got, _ = call(step, *planned, tables, state, k_scale=k_scale, v_scale=v_scale)
         want, _ = call(step, *full, tables, state, k_scale=k_scale, v_scale=v_scale, launch=launch)
