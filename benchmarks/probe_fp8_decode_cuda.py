@@ -1,0 +1,346 @@
+"""Probe (session 33, not part of trtopt's runtime): a hand-written FP8 paged decode kernel (CUDA C++ through
+cuda-python's NVRTC), for issue 33's 1.7x attention target, which no Triton 3.6 variant reached
+(docs/benchmarks/NOTES.md). Not yet run on a GPU: its correctness is unchecked.
+
+Decode only (one query token a sequence), GROUP = 4 query heads a KV head, D = 128, block_size = 16, FP8 pool
+[num_blocks, 2, Hkv, 16, 128] with each block's values stored [D, 16]; no window, ALiBi or split-KV.
+
+    python benchmarks/probe_fp8_decode_cuda.py --offline   # no GPU: compile for sm_90a, registers, the loop's SASS
+    python benchmarks/probe_fp8_decode_cuda.py --out X.json  # GPU: check against the reference, time vs Triton
+
+--offline needs NVRTC (pip install cuda-bindings nvidia-cuda-nvrtc) and Triton's bundled nvdisasm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+SRC = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 widen2(u32 pair16) {  // two e4m3 (low 16 bits) -> f16x2, the low byte low
+    u32 out;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(out) : "r"(pair16));
+    return out;
+}
+__device__ __forceinline__ u32 widen2_hi(u32 word) {  // the high two e4m3 of a word -> f16x2
+    u32 out;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(out) : "r"(word));
+    return out;
+}
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 out;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 x) { return __uint_as_float(((u32)x) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+    u16 out;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(x));
+    return out;
+}
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+#define D 128
+#define BS 16
+#define GROUP 4
+#define WARPS 4
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ void mma4(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Transposed: S^T = K . q^T (keys are M: all 16 rows used; the 4 query heads are N, columns 0..3 of 8) and
+// O^T = V^T . P^T (d is M). Lane (g, t): g = lane / 4, t = lane % 4.
+// Key order inside a 16-key block: S^T row r holds key 4(r/2) + (r%2) for r < 8 and 4((r-8)/2) + 2 + (r%2) for
+// r >= 8, so that after the 8x8 transposes lane t's P^T pairs are keys 4t..4t+3, the 4 bytes it reads of a V row.
+// The d order of the QK dot: k-step ks, k 2t..2t+1 <-> d 32t + 4ks + {0,1}, k 2t+8..2t+9 <-> d 32t + 4ks + {2,3}.
+template <bool FULL>
+__device__ __forceinline__ void attend_block(
+    const unsigned char* kblock, const unsigned char* vblock, int key0, int seq_len, float score_scale,
+    const u32 (&qb)[8][2], float (&acc)[8][4], float (&m)[2], float (&l)[2], int g, int t)
+{
+    // K rows g and g + 8 of the block (keys kg, kg8), bytes [32t, 32t + 32)
+    const int kg = 4 * (g >> 1) + (g & 1), kg8 = kg + 2;
+    const uint4* pk = reinterpret_cast<const uint4*>(kblock + kg * D + 32 * t);
+    const uint4* pk8 = reinterpret_cast<const uint4*>(kblock + kg8 * D + 32 * t);
+    uint4 a_lo = pk[0], a_hi = pk[1], b_lo = pk8[0], b_hi = pk8[1];
+    // V rows d = 16 mt + g and + 8, bytes [4t, 4t + 4) = keys 4t..4t+3
+    const u32* pv = reinterpret_cast<const u32*>(vblock) + g * (BS / 4) + t;
+    u32 vw[8][2];
+    #pragma unroll
+    for (int mt = 0; mt < 8; ++mt) { vw[mt][0] = pv[(16 * mt) * (BS / 4)]; vw[mt][1] = pv[(16 * mt + 8) * (BS / 4)]; }
+    u32 wa[8] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
+    u32 wb[8] = {b_lo.x, b_lo.y, b_lo.z, b_lo.w, b_hi.x, b_hi.y, b_hi.z, b_hi.w};
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // (key row g: cols 2t, 2t+1), (key row g+8: cols 2t, 2t+1)
+    #pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+        mma4(s, widen2(wa[ks]), widen2(wb[ks]), widen2_hi(wa[ks]), widen2_hi(wb[ks]), qb[ks][0], qb[ks][1]);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        s[i] *= score_scale;
+        if (!FULL) s[i] = key0 + (i < 2 ? kg : kg8) < seq_len ? s[i] : NEG_INF;
+    }
+    // per column (query head 2t + c): max over the block's 16 keys (rows: lanes g, and within the thread)
+    float mx[2], alpha[2];
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        float x = fmaxf(s[c], s[c + 2]);
+        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 4));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 8));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 16));
+        mx[c] = fmaxf(m[c], x);
+        alpha[c] = ex2(m[c] - mx[c]);
+        m[c] = mx[c];
+        s[c] = ex2(s[c] - mx[c]);
+        s[c + 2] = ex2(s[c + 2] - mx[c]);
+        l[c] = l[c] * alpha[c] + s[c] + s[c + 2];  // this lane's part; summed over g at the end
+    }
+    #pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+        acc[mt][0] *= alpha[0]; acc[mt][1] *= alpha[1]; acc[mt][2] *= alpha[0]; acc[mt][3] *= alpha[1];
+    }
+    // P^T as the B fragment: transpose the two 8x8 f16 halves of S^T (rows 0..7, rows 8..15)
+    const u32 pb0 = transpose8x8(pack_f16x2(s[0], s[1]));
+    const u32 pb1 = transpose8x8(pack_f16x2(s[2], s[3]));
+    #pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+        u32 w0 = vw[mt][0], w1 = vw[mt][1];
+        if (!FULL) {  // bytes of keys at or past seq_len are zeroed (an unwritten slot may hold NaN)
+            const int valid = seq_len - (key0 + 4 * t);
+            const u32 keep = valid >= 4 ? 0xffffffffu : (valid <= 0 ? 0u : (0xffffffffu >> (8 * (4 - valid))));
+            w0 &= keep; w1 &= keep;
+        }
+        mma4(acc[mt], widen2(w0), widen2(w1), widen2_hi(w0), widen2_hi(w1), pb0, pb1);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
+    const u16* __restrict__ Q,            // bf16 [1, Hq, B, D]
+    const unsigned char* __restrict__ Cache,
+    const int* __restrict__ BlockTables, const int* __restrict__ SeqLens,
+    u16* __restrict__ Out,                // bf16 [1, Hq, B, D]
+    float score_scale,                    // softmax scale * log2(e) * k_scale
+    float v_scale, int num_seqs, int stride_bt, int stride_qh, long long stride_cb, int stride_ckv, int stride_ch)
+{
+    const int seq = blockIdx.x, kvh = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int seq_len = SeqLens[seq];
+    const int* table = BlockTables + (long long)seq * stride_bt;
+    const unsigned char* head = Cache + (long long)kvh * stride_ch;
+
+    // q^T's B fragments: column n = g is query head g (< 4); k 2t..2t+1 <-> d 32t + 4ks + {0,1}, 2t+8.. <-> {2,3}
+    u32 qb[8][2];
+    {
+        float qv[32];
+        if (g < GROUP) {
+            const u16* qrow = Q + (long long)(kvh * GROUP + g) * stride_qh + (long long)seq * D + 32 * t;
+            #pragma unroll
+            for (int i = 0; i < 32; i += 8) {
+                uint4 w = *reinterpret_cast<const uint4*>(qrow + i);
+                u32 ws[4] = {w.x, w.y, w.z, w.w};
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    qv[i + 2 * j] = bf16_to_f32(ws[j] & 0xffff);
+                    qv[i + 2 * j + 1] = bf16_to_f32(ws[j] >> 16);
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int i = 0; i < 32; ++i) qv[i] = 0.f;
+        }
+        #pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) qv[4 * ks + j] = fminf(fmaxf(qv[4 * ks + j], -65504.f), 65504.f);
+            qb[ks][0] = pack_f16x2(qv[4 * ks], qv[4 * ks + 1]);
+            qb[ks][1] = pack_f16x2(qv[4 * ks + 2], qv[4 * ks + 3]);
+        }
+    }
+    float acc[8][4];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
+
+    // warp w takes blocks w, w + 4, ...; the last (partial) block is masked
+    const int nblocks = (seq_len + BS - 1) / BS, full_blocks = seq_len / BS;
+    int b = warp;
+    for (; b < full_blocks; b += WARPS) {
+        const unsigned char* kb = head + (long long)table[b] * stride_cb;
+        attend_block<true>(kb, kb + stride_ckv, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
+    }
+    if (b < nblocks) {
+        const unsigned char* kb = head + (long long)table[b] * stride_cb;
+        attend_block<false>(kb, kb + stride_ckv, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
+    }
+
+    // column c of lane (g, t) is query head 2t + c (t < 2); acc[mt] = (d 16mt + g: c0, c1), (d 16mt + g + 8: c2, c3)
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        l[c] += __shfl_xor_sync(0xffffffff, l[c], 4);
+        l[c] += __shfl_xor_sync(0xffffffff, l[c], 8);
+        l[c] += __shfl_xor_sync(0xffffffff, l[c], 16);
+    }
+    __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
+    __shared__ float sm_acc[WARPS][GROUP][D];
+    if (t < 2) {
+        if (g == 0) {
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) { sm_m[warp][2 * t + c] = m[c]; sm_l[warp][2 * t + c] = l[c]; }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+            sm_acc[warp][2 * t][16 * mt + g] = acc[mt][0];
+            sm_acc[warp][2 * t + 1][16 * mt + g] = acc[mt][1];
+            sm_acc[warp][2 * t][16 * mt + g + 8] = acc[mt][2];
+            sm_acc[warp][2 * t + 1][16 * mt + g + 8] = acc[mt][3];
+        }
+    }
+    __syncthreads();
+    const int r = threadIdx.x >> 5, d0 = 4 * (threadIdx.x & 31);
+    float mm = -1e30f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w][r]);
+    float den = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const float f = ex2(sm_m[w][r] - mm);
+        den += f * sm_l[w][r];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] += f * sm_acc[w][r][d0 + i];
+    }
+    const float inv = den > 0.f ? v_scale / den : 0.f;
+    u16* orow = Out + (long long)(kvh * GROUP + r) * stride_qh + (long long)seq * D + d0;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) orow[i] = f32_to_bf16(o[i] * inv);
+}
+"""
+
+
+def compile_cubin(arch: str = "sm_90a") -> bytes:
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(SRC.encode(), b"fp8_decode.cu", 0, [], [])
+    (err,) = nvrtc.nvrtcCompileProgram(prog, 3, [f"-arch={arch}".encode(), b"--std=c++17", b"--use_fast_math"])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise SystemExit(log.decode(errors="replace"))
+    _, size = nvrtc.nvrtcGetCUBINSize(prog)
+    cubin = b" " * size
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    return cubin
+
+
+def offline() -> None:
+    import triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from inspect_kernels import sass_loops
+
+    cubin = compile_cubin()
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(path)], capture_output=True, text=True).stdout
+        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(path)], capture_output=True,
+                             text=True).stdout if (bin_dir / "cuobjdump").exists() else ""
+    print(re.findall(r"REG:\d+[^\n]*", res) or "(no cuobjdump: registers unknown)")
+    for count, ops in sass_loops(sass):
+        print(f"loop of {count} instructions: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+    Path("/tmp/cuda_fp8_decode.sass").write_text(sass)
+
+
+def on_gpu(out_path: str | None) -> None:
+    import functools
+
+    import torch
+    from cuda.bindings import driver
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_attention import amax_scales, bench_graph_ms, make_paged_decode, reference_rel_err
+
+    from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
+    from trtopt.plugins.paged_attention.reference import quantized_pool
+
+    torch.cuda.init()
+    cubin = compile_cubin()
+    err, module = driver.cuModuleLoadData(cubin)
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    err, fn = driver.cuModuleGetFunction(module, b"fp8_decode")
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    rows = []
+    for B, Hq, Hkv, L, D in ((64, 32, 8, 4096, 128), (16, 32, 8, 8192, 128), (3, 32, 8, 1000, 128)):
+        step = make_paged_decode(B, Hq, Hkv, L, D, torch.bfloat16, device="cuda")
+        attrs = dict(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, scale=D**-0.5)
+        k_scale, v_scale = amax_scales(step["kv_cache"])
+        fp8 = {**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)}
+        fp8["slot_mapping"] = torch.full_like(step["slot_mapping"], -1)  # the probe writes nothing
+        pool = fp8["kv_cache"].view(torch.uint8)
+        q = fp8["q"]
+        out = torch.empty_like(q)
+        tables, lens = fp8["block_tables"], fp8["seq_lens"]
+        scalars = [ctypes.c_float(D**-0.5 * 1.4426950408889634 * k_scale), ctypes.c_float(v_scale),
+                   ctypes.c_int(B), ctypes.c_int(tables.stride(0)), ctypes.c_int(q.stride(1)),
+                   ctypes.c_longlong(pool.stride(0)), ctypes.c_int(pool.stride(1)), ctypes.c_int(pool.stride(2))]
+        ptrs = [ctypes.c_uint64(x.data_ptr()) for x in (q, pool, tables, lens, out)]
+        values = ptrs + scalars
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+
+        def cuda_call():
+            (e,) = driver.cuLaunchKernel(fn, B, Hkv, 1, 128, 1, 1, 0, torch.cuda.current_stream().cuda_stream,
+                                         ctypes.addressof(params), 0)
+            assert e == driver.CUresult.CUDA_SUCCESS, e
+            return out, None
+
+        cuda_call()
+        torch.cuda.synchronize()
+        err_cuda = reference_rel_err(out, fp8, attrs, k_scale=k_scale, v_scale=v_scale)
+        triton_call = functools.partial(paged_attention_triton, **fp8, **attrs, k_scale=k_scale, v_scale=v_scale,
+                                        state=PagedLaunchState())
+        got, _ = triton_call()
+        err_triton = reference_rel_err(got, fp8, attrs, k_scale=k_scale, v_scale=v_scale)
+        bf16_call = functools.partial(paged_attention_triton, **{**step, "slot_mapping": fp8["slot_mapping"]},
+                                      **attrs, state=PagedLaunchState())
+        row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "cuda_rel_err": err_cuda, "triton_rel_err": err_triton,
+               "cuda_vs_triton": float((out.float() - got.float()).abs().max() / got.float().abs().max())}
+        if err_cuda < 0.01:
+            row.update(cuda_us=bench_graph_ms(cuda_call) * 1e3, triton_fp8_us=bench_graph_ms(triton_call) * 1e3,
+                       triton_bf16_us=bench_graph_ms(bf16_call) * 1e3)
+            row["cuda_speedup_vs_bf16"] = row["triton_bf16_us"] / row["cuda_us"]
+            row["triton_fp8_speedup_vs_bf16"] = row["triton_bf16_us"] / row["triton_fp8_us"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if out_path:
+        Path(out_path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if "--offline" in sys.argv:
+        offline()
+    else:
+        on_gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
