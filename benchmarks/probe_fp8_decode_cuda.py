@@ -142,10 +142,15 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
     const unsigned char* __restrict__ Cache,
     const int* __restrict__ BlockTables, const int* __restrict__ SeqLens,
     u16* __restrict__ Out,                // bf16 [1, Hq, B, D]
+    float* __restrict__ PartAcc, float* __restrict__ PartMax, float* __restrict__ PartSum,  // split-KV partials
     float score_scale,                    // softmax scale * log2(e) * k_scale
-    float v_scale, int num_seqs, int stride_bt, int stride_qh, long long stride_cb, int stride_ckv, int stride_ch)
+    float v_scale, int num_seqs, int stride_bt, int stride_qh, long long stride_cb, int stride_ckv, int stride_ch,
+    int num_heads)
 {
-    const int seq = blockIdx.x, kvh = blockIdx.y;
+    // grid (num_seqs, Hkv, segments): with more than one segment each CTA takes a range of blocks and writes its
+    // partials [seq, head, segment] (m in log2 units, l, and v_scale-scaled sums) as attention.py's
+    // _merge_segments_kernel reads them
+    const int seq = blockIdx.x, kvh = blockIdx.y, seg = blockIdx.z, segments = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int seq_len = SeqLens[seq];
     const int* table = BlockTables + (long long)seq * stride_bt;
@@ -184,14 +189,17 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
 
-    // warp w takes blocks w, w + 4, ...; the last (partial) block is masked
-    const int nblocks = (seq_len + BS - 1) / BS, full_blocks = seq_len / BS;
-    int b = warp;
-    for (; b < full_blocks; b += WARPS) {
+    // warp w takes blocks b_lo + w, b_lo + w + 4, ... of its segment; the last (partial) block is masked
+    const int nblocks = (seq_len + BS - 1) / BS;
+    const int per_seg = (nblocks + segments - 1) / segments;
+    const int b_lo = seg * per_seg, b_hi = min(b_lo + per_seg, nblocks);
+    const int full_end = min(seq_len / BS, b_hi);
+    int b = b_lo + warp;
+    for (; b < full_end; b += WARPS) {
         const unsigned char* kb = head + (long long)table[b] * stride_cb;
         attend_block<true>(kb, kb + stride_ckv, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
     }
-    if (b < nblocks) {
+    if (b < b_hi) {
         const unsigned char* kb = head + (long long)table[b] * stride_cb;
         attend_block<false>(kb, kb + stride_ckv, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
     }
@@ -230,6 +238,13 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
         den += f * sm_l[w][r];
         #pragma unroll
         for (int i = 0; i < 4; ++i) o[i] += f * sm_acc[w][r][d0 + i];
+    }
+    if (segments > 1) {
+        const long long part = ((long long)seq * num_heads + kvh * GROUP + r) * segments + seg;
+        if ((threadIdx.x & 31) == 0) { PartMax[part] = mm; PartSum[part] = den; }
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) PartAcc[part * D + d0 + i] = o[i] * v_scale;
+        return;
     }
     const float inv = den > 0.f ? v_scale / den : 0.f;
     u16* orow = Out + (long long)(kvh * GROUP + r) * stride_qh + (long long)seq * D + d0;
@@ -275,6 +290,11 @@ def offline() -> None:
     Path("/tmp/cuda_fp8_decode.sass").write_text(sass)
 
 
+# (B, Hq, Hkv, L, D, segments of the CUDA kernel): issue 33's three shapes, and a partial last block
+SHAPES = ((64, 32, 8, 4096, 128, 1), (16, 32, 8, 8192, 128, 1), (16, 32, 8, 8192, 128, 2),
+          (1, 32, 8, 32768, 128, 32), (1, 32, 8, 32768, 128, 64), (3, 32, 8, 1000, 128, 1), (3, 32, 8, 1000, 128, 3))
+
+
 def on_gpu(out_path: str | None) -> None:
     import functools
 
@@ -284,6 +304,7 @@ def on_gpu(out_path: str | None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_attention import amax_scales, bench_graph_ms, make_paged_decode, reference_rel_err
 
+    from trtopt.plugins.paged_attention.attention import _merge_segments_kernel
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
     from trtopt.plugins.paged_attention.reference import quantized_pool
 
@@ -293,42 +314,53 @@ def on_gpu(out_path: str | None) -> None:
     assert err == driver.CUresult.CUDA_SUCCESS, err
     err, fn = driver.cuModuleGetFunction(module, b"fp8_decode")
     assert err == driver.CUresult.CUDA_SUCCESS, err
-    rows = []
-    for B, Hq, Hkv, L, D in ((64, 32, 8, 4096, 128), (16, 32, 8, 8192, 128), (3, 32, 8, 1000, 128)):
-        step = make_paged_decode(B, Hq, Hkv, L, D, torch.bfloat16, device="cuda")
+    rows, made = [], {}
+    for B, Hq, Hkv, L, D, segments in SHAPES:
+        if (B, L) not in made:
+            made.clear()
+            step = make_paged_decode(B, Hq, Hkv, L, D, torch.bfloat16, device="cuda")
+            step["slot_mapping"] = torch.full_like(step["slot_mapping"], -1)  # the probe writes nothing
+            k_scale, v_scale = amax_scales(step["kv_cache"])
+            fp8 = {**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)}
+            made[(B, L)] = step, fp8, k_scale, v_scale
+        step, fp8, k_scale, v_scale = made[(B, L)]
         attrs = dict(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, scale=D**-0.5)
-        k_scale, v_scale = amax_scales(step["kv_cache"])
-        fp8 = {**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)}
-        fp8["slot_mapping"] = torch.full_like(step["slot_mapping"], -1)  # the probe writes nothing
         pool = fp8["kv_cache"].view(torch.uint8)
         q = fp8["q"]
         out = torch.empty_like(q)
+        part_acc = torch.empty(B * Hq * segments * D, dtype=torch.float32, device="cuda")
+        part_max = torch.empty(B * Hq * segments, dtype=torch.float32, device="cuda")
+        part_sum = torch.empty_like(part_max)
         tables, lens = fp8["block_tables"], fp8["seq_lens"]
         scalars = [ctypes.c_float(D**-0.5 * 1.4426950408889634 * k_scale), ctypes.c_float(v_scale),
                    ctypes.c_int(B), ctypes.c_int(tables.stride(0)), ctypes.c_int(q.stride(1)),
-                   ctypes.c_longlong(pool.stride(0)), ctypes.c_int(pool.stride(1)), ctypes.c_int(pool.stride(2))]
-        ptrs = [ctypes.c_uint64(x.data_ptr()) for x in (q, pool, tables, lens, out)]
+                   ctypes.c_longlong(pool.stride(0)), ctypes.c_int(pool.stride(1)), ctypes.c_int(pool.stride(2)),
+                   ctypes.c_int(Hq)]
+        ptrs = [ctypes.c_uint64(x.data_ptr()) for x in (q, pool, tables, lens, out, part_acc, part_max, part_sum)]
         values = ptrs + scalars
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
 
-        def cuda_call():
-            (e,) = driver.cuLaunchKernel(fn, B, Hkv, 1, 128, 1, 1, 0, torch.cuda.current_stream().cuda_stream,
-                                         ctypes.addressof(params), 0)
+        def cuda_call(params=params, B=B, Hkv=Hkv, Hq=Hq, segments=segments, out=out, parts=(part_acc, part_max,
+                                                                                             part_sum)):
+            (e,) = driver.cuLaunchKernel(fn, B, Hkv, segments, 128, 1, 1, 0,
+                                         torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
             assert e == driver.CUresult.CUDA_SUCCESS, e
+            if segments > 1:
+                _merge_segments_kernel[(B, Hq)](*parts, out, Hq, out.stride(1), out.stride(2), out.stride(3),
+                                                NUM_SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=D)
             return out, None
 
         cuda_call()
         torch.cuda.synchronize()
-        err_cuda = reference_rel_err(out, fp8, attrs, k_scale=k_scale, v_scale=v_scale)
+        row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "cuda_segments": segments,
+               "cuda_rel_err": reference_rel_err(out, fp8, attrs, k_scale=k_scale, v_scale=v_scale)}
         triton_call = functools.partial(paged_attention_triton, **fp8, **attrs, k_scale=k_scale, v_scale=v_scale,
                                         state=PagedLaunchState())
         got, _ = triton_call()
-        err_triton = reference_rel_err(got, fp8, attrs, k_scale=k_scale, v_scale=v_scale)
-        bf16_call = functools.partial(paged_attention_triton, **{**step, "slot_mapping": fp8["slot_mapping"]},
-                                      **attrs, state=PagedLaunchState())
-        row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "cuda_rel_err": err_cuda, "triton_rel_err": err_triton,
-               "cuda_vs_triton": float((out.float() - got.float()).abs().max() / got.float().abs().max())}
-        if err_cuda < 0.01:
+        row["triton_rel_err"] = reference_rel_err(got, fp8, attrs, k_scale=k_scale, v_scale=v_scale)
+        row["cuda_vs_triton"] = float((out.float() - got.float()).abs().max() / got.float().abs().max())
+        if row["cuda_rel_err"] < 0.01:
+            bf16_call = functools.partial(paged_attention_triton, **step, **attrs, state=PagedLaunchState())
             row.update(cuda_us=bench_graph_ms(cuda_call) * 1e3, triton_fp8_us=bench_graph_ms(triton_call) * 1e3,
                        triton_bf16_us=bench_graph_ms(bf16_call) * 1e3)
             row["cuda_speedup_vs_bf16"] = row["triton_bf16_us"] / row["cuda_us"]
