@@ -14,6 +14,7 @@ Decode only (one query token a sequence), GROUP = 4 query heads a KV head, D = 1
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import re
 import subprocess
@@ -77,23 +78,33 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
 // Key order inside a 16-key block: S^T row r holds key 4(r/2) + (r%2) for r < 8 and 4((r-8)/2) + 2 + (r%2) for
 // r >= 8, so that after the 8x8 transposes lane t's P^T pairs are keys 4t..4t+3, the 4 bytes it reads of a V row.
 // The d order of the QK dot: k-step ks, k 2t..2t+1 <-> d 32t + 4ks + {0,1}, k 2t+8..2t+9 <-> d 32t + 4ks + {2,3}.
-template <bool FULL>
-__device__ __forceinline__ void attend_block(
-    const unsigned char* kblock, const unsigned char* vblock, int key0, int seq_len, float score_scale,
-    const u32 (&qb)[8][2], float (&acc)[8][4], float (&m)[2], float (&l)[2], int g, int t)
-{
-    // K rows g and g + 8 of the block (keys kg, kg8), bytes [32t, 32t + 32)
+struct BlockRegs {  // one 16-key block's bytes as this lane's fragments need them
+    uint4 a_lo, a_hi, b_lo, b_hi;  // K rows g and g + 8, bytes [32t, 32t + 32)
+    u32 vw[8][2];                  // V rows d = 16 mt + g and + 8, bytes [4t, 4t + 4) = keys 4t..4t+3
+};
+
+__device__ __forceinline__ void load_block(BlockRegs& r, const unsigned char* kblock, const unsigned char* vblock,
+                                           int g, int t) {
     const int kg = 4 * (g >> 1) + (g & 1), kg8 = kg + 2;
     const uint4* pk = reinterpret_cast<const uint4*>(kblock + kg * D + 32 * t);
     const uint4* pk8 = reinterpret_cast<const uint4*>(kblock + kg8 * D + 32 * t);
-    uint4 a_lo = pk[0], a_hi = pk[1], b_lo = pk8[0], b_hi = pk8[1];
-    // V rows d = 16 mt + g and + 8, bytes [4t, 4t + 4) = keys 4t..4t+3
+    r.a_lo = pk[0]; r.a_hi = pk[1]; r.b_lo = pk8[0]; r.b_hi = pk8[1];
     const u32* pv = reinterpret_cast<const u32*>(vblock) + g * (BS / 4) + t;
-    u32 vw[8][2];
     #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) { vw[mt][0] = pv[(16 * mt) * (BS / 4)]; vw[mt][1] = pv[(16 * mt + 8) * (BS / 4)]; }
-    u32 wa[8] = {a_lo.x, a_lo.y, a_lo.z, a_lo.w, a_hi.x, a_hi.y, a_hi.z, a_hi.w};
-    u32 wb[8] = {b_lo.x, b_lo.y, b_lo.z, b_lo.w, b_hi.x, b_hi.y, b_hi.z, b_hi.w};
+    for (int mt = 0; mt < 8; ++mt) {
+        r.vw[mt][0] = pv[(16 * mt) * (BS / 4)];
+        r.vw[mt][1] = pv[(16 * mt + 8) * (BS / 4)];
+    }
+}
+
+template <bool FULL>
+__device__ __forceinline__ void attend_block(
+    const BlockRegs& r, int key0, int seq_len, float score_scale,
+    const u32 (&qb)[8][2], float (&acc)[8][4], float (&m)[2], float (&l)[2], int g, int t)
+{
+    const int kg = 4 * (g >> 1) + (g & 1), kg8 = kg + 2;
+    const u32 wa[8] = {r.a_lo.x, r.a_lo.y, r.a_lo.z, r.a_lo.w, r.a_hi.x, r.a_hi.y, r.a_hi.z, r.a_hi.w};
+    const u32 wb[8] = {r.b_lo.x, r.b_lo.y, r.b_lo.z, r.b_lo.w, r.b_hi.x, r.b_hi.y, r.b_hi.z, r.b_hi.w};
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // (key row g: cols 2t, 2t+1), (key row g+8: cols 2t, 2t+1)
     #pragma unroll
     for (int ks = 0; ks < 8; ++ks)
@@ -127,7 +138,7 @@ __device__ __forceinline__ void attend_block(
     const u32 pb1 = transpose8x8(pack_f16x2(s[2], s[3]));
     #pragma unroll
     for (int mt = 0; mt < 8; ++mt) {
-        u32 w0 = vw[mt][0], w1 = vw[mt][1];
+        u32 w0 = r.vw[mt][0], w1 = r.vw[mt][1];
         if (!FULL) {  // bytes of keys at or past seq_len are zeroed (an unwritten slot may hold NaN)
             const int valid = seq_len - (key0 + 4 * t);
             const u32 keep = valid >= 4 ? 0xffffffffu : (valid <= 0 ? 0u : (0xffffffffu >> (8 * (4 - valid))));
@@ -195,13 +206,42 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
     const int b_lo = seg * per_seg, b_hi = min(b_lo + per_seg, nblocks);
     const int full_end = min(seq_len / BS, b_hi);
     int b = b_lo + warp;
+    BlockRegs r0;
+#if PIPE
+    // two register sets: the next block's loads are in flight while this one is computed
+    BlockRegs r1;
+    if (b < full_end) {
+        const unsigned char* kb = head + (long long)table[b] * stride_cb;
+        load_block(r0, kb, kb + stride_ckv, g, t);
+    }
+    while (b < full_end) {
+        const int b1 = b + WARPS;
+        if (b1 < full_end) {
+            const unsigned char* kb = head + (long long)table[b1] * stride_cb;
+            load_block(r1, kb, kb + stride_ckv, g, t);
+        }
+        attend_block<true>(r0, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
+        b = b1;
+        if (b >= full_end) break;
+        const int b2 = b + WARPS;
+        if (b2 < full_end) {
+            const unsigned char* kb = head + (long long)table[b2] * stride_cb;
+            load_block(r0, kb, kb + stride_ckv, g, t);
+        }
+        attend_block<true>(r1, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
+        b = b2;
+    }
+#else
     for (; b < full_end; b += WARPS) {
         const unsigned char* kb = head + (long long)table[b] * stride_cb;
-        attend_block<true>(kb, kb + stride_ckv, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
+        load_block(r0, kb, kb + stride_ckv, g, t);
+        attend_block<true>(r0, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
     }
+#endif
     if (b < b_hi) {
         const unsigned char* kb = head + (long long)table[b] * stride_cb;
-        attend_block<false>(kb, kb + stride_ckv, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
+        load_block(r0, kb, kb + stride_ckv, g, t);
+        attend_block<false>(r0, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
     }
 
     // column c of lane (g, t) is query head 2t + c (t < 2); acc[mt] = (d 16mt + g: c0, c1), (d 16mt + g + 8: c2, c3)
@@ -254,11 +294,12 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
 """
 
 
-def compile_cubin(arch: str = "sm_90a") -> bytes:
+def compile_cubin(arch: str = "sm_90a", pipe: int = 0) -> bytes:
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(SRC.encode(), b"fp8_decode.cu", 0, [], [])
-    (err,) = nvrtc.nvrtcCompileProgram(prog, 3, [f"-arch={arch}".encode(), b"--std=c++17", b"--use_fast_math"])
+    options = [f"-arch={arch}".encode(), b"--std=c++17", b"--use_fast_math", f"-DPIPE={pipe}".encode()]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
@@ -271,23 +312,25 @@ def compile_cubin(arch: str = "sm_90a") -> bytes:
 
 
 def offline() -> None:
+    """Each variant's registers and the SASS mix of its loops (> 50 instructions), compiled for sm_90a."""
     import triton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from inspect_kernels import sass_loops
 
-    cubin = compile_cubin()
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(path)], capture_output=True, text=True).stdout
-        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(path)], capture_output=True,
-                             text=True).stdout if (bin_dir / "cuobjdump").exists() else ""
-    print(re.findall(r"REG:\d+[^\n]*", res) or "(no cuobjdump: registers unknown)")
-    for count, ops in sass_loops(sass):
-        print(f"loop of {count} instructions: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
-    Path("/tmp/cuda_fp8_decode.sass").write_text(sass)
+    for pipe in (0, 1):
+        cubin = compile_cubin(pipe=pipe)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "k.cubin"
+            path.write_bytes(cubin)
+            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(path)], capture_output=True, text=True).stdout
+            res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(path)], capture_output=True,
+                                 text=True).stdout
+        print(f"PIPE={pipe}: " + " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+", res)))
+        for count, ops in sass_loops(sass):
+            if count > 50:
+                print(f"  loop of {count} instructions: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
 
 
 # (B, Hq, Hkv, L, D, segments of the CUDA kernel): issue 33's three shapes, and a partial last block
@@ -309,13 +352,15 @@ def on_gpu(out_path: str | None) -> None:
     from trtopt.plugins.paged_attention.reference import quantized_pool
 
     torch.cuda.init()
-    cubin = compile_cubin()
-    err, module = driver.cuModuleLoadData(cubin)
-    assert err == driver.CUresult.CUDA_SUCCESS, err
-    err, fn = driver.cuModuleGetFunction(module, b"fp8_decode")
-    assert err == driver.CUresult.CUDA_SUCCESS, err
+    kernels = {}
+    for pipe in (0, 1):  # PIPE=1: the next block's loads in flight while this one computes (152 registers)
+        err, module = driver.cuModuleLoadData(compile_cubin(pipe=pipe))
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        err, kernels[pipe] = driver.cuModuleGetFunction(module, b"fp8_decode")
+        assert err == driver.CUresult.CUDA_SUCCESS, err
     rows, made = [], {}
-    for B, Hq, Hkv, L, D, segments in SHAPES:
+    for (B, Hq, Hkv, L, D, segments), pipe in itertools.product(SHAPES, (0, 1)):
+        fn = kernels[pipe]
         if (B, L) not in made:
             made.clear()
             step = make_paged_decode(B, Hq, Hkv, L, D, torch.bfloat16, device="cuda")
@@ -340,8 +385,8 @@ def on_gpu(out_path: str | None) -> None:
         values = ptrs + scalars
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
 
-        def cuda_call(params=params, B=B, Hkv=Hkv, Hq=Hq, segments=segments, out=out, parts=(part_acc, part_max,
-                                                                                             part_sum)):
+        def cuda_call(fn=fn, params=params, B=B, Hkv=Hkv, Hq=Hq, segments=segments, out=out,
+                      parts=(part_acc, part_max, part_sum)):
             (e,) = driver.cuLaunchKernel(fn, B, Hkv, segments, 128, 1, 1, 0,
                                          torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
             assert e == driver.CUresult.CUDA_SUCCESS, e
@@ -352,7 +397,7 @@ def on_gpu(out_path: str | None) -> None:
 
         cuda_call()
         torch.cuda.synchronize()
-        row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "cuda_segments": segments,
+        row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "cuda_segments": segments, "pipe": pipe,
                "cuda_rel_err": reference_rel_err(out, fp8, attrs, k_scale=k_scale, v_scale=v_scale)}
         triton_call = functools.partial(paged_attention_triton, **fp8, **attrs, k_scale=k_scale, v_scale=v_scale,
                                         state=PagedLaunchState())
