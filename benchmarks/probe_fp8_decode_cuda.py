@@ -333,6 +333,127 @@ def offline() -> None:
                 print(f"  loop of {count} instructions: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# --emulate: the kernel's fragment bookkeeping in numpy (lane by lane), against plain attention, on the CPU. It checks
+# the d and key orders, the transposes and the softmax reductions as the kernel writes them, given PTX's documented
+# m16n8k16 and movmatrix fragment layouts; it cannot check the PTX itself (the GPU run does).
+# ---------------------------------------------------------------------------------------------------------------------
+def _mma(c, a, b):
+    """c[lane][4] += A @ B from the 32 lanes' fragments (m16n8k16: a[lane][8], b[lane][4], c[lane][4])."""
+    import numpy as np
+
+    A, Bm = np.zeros((16, 16), np.float32), np.zeros((16, 8), np.float32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for i, (r, k) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
+                                    (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]):
+            A[r, k] = a[lane][i]
+        for i, (k, n) in enumerate([(2 * t, g), (2 * t + 1, g), (2 * t + 8, g), (2 * t + 9, g)]):
+            Bm[k, n] = b[lane][i]
+    C = A @ Bm
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for i, (r, n) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
+            c[lane][i] += C[r, n]
+
+
+def _movmatrix_trans(x):
+    """x[lane] = (M[g][2t], M[g][2t + 1]) of an 8x8 matrix -> the same of M^T."""
+    M = [[0.0] * 8 for _ in range(8)]
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        M[g][2 * t], M[g][2 * t + 1] = x[lane]
+    return [(M[2 * (lane & 3)][lane >> 2], M[2 * (lane & 3) + 1][lane >> 2]) for lane in range(32)]
+
+
+def emulate(seq_len: int = 100, warps: int = 4, seed: int = 0) -> float:
+    """One sequence and KV head through the kernel's steps; returns max |emulated - reference| / max |reference|."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    D_, BS_, G = 128, 16, 4
+    nblocks = -(-seq_len // BS_)
+    q = rng.standard_normal((G, D_)).astype(np.float16).astype(np.float32)
+    keys = rng.standard_normal((nblocks * BS_, D_)).astype(np.float16).astype(np.float32)  # as widened (exact)
+    vals = rng.standard_normal((nblocks * BS_, D_)).astype(np.float16).astype(np.float32)
+    scale = D_ ** -0.5 * 1.4426950408889634
+    s = (q @ keys[:seq_len].T) * scale
+    p = np.exp2(s - s.max(1, keepdims=True))
+    want = (p / p.sum(1, keepdims=True)) @ vals[:seq_len]
+
+    # q^T's B fragments: b[ks][lane] = (q[g][32t+4ks], +1, +2, +3) for g < 4
+    qb = [[(tuple(q[lane >> 2, 32 * (lane & 3) + 4 * ks + j] for j in range(4)) if lane >> 2 < G else (0.0,) * 4)
+           for lane in range(32)] for ks in range(8)]
+    kg = [4 * ((lane >> 2) >> 1) + ((lane >> 2) & 1) for lane in range(32)]  # S^T row g's key in the block
+    ms, ls, accs = [], [], []
+    for w in range(warps):
+        acc = [[0.0] * 4 for _ in range(8 * 32)]  # acc[mt * 32 + lane]
+        m, l = [[-1e30, -1e30] for _ in range(32)], [[0.0, 0.0] for _ in range(32)]
+        for b in range(w, nblocks, warps):
+            key0 = b * BS_
+            sc = [[0.0] * 4 for _ in range(32)]
+            for ks in range(8):
+                a = []
+                for lane in range(32):
+                    t = lane & 3
+                    d = 32 * t + 4 * ks
+                    ka, kb_ = keys[key0 + kg[lane]], keys[key0 + kg[lane] + 2]
+                    a.append((ka[d], ka[d + 1], kb_[d], kb_[d + 1], ka[d + 2], ka[d + 3], kb_[d + 2], kb_[d + 3]))
+                _mma(sc, a, qb[ks])
+            for lane in range(32):
+                for i in range(4):
+                    key = key0 + (kg[lane] if i < 2 else kg[lane] + 2)
+                    sc[lane][i] = sc[lane][i] * scale if key < seq_len else -np.inf
+            for c in range(2):  # per column: max over rows (lanes of the same t) and the thread's two rows
+                for t in range(4):
+                    lanes = [g * 4 + t for g in range(8)]
+                    mx = max(max(sc[x][c], sc[x][c + 2]) for x in lanes)
+                    for x in lanes:
+                        new = max(m[x][c], mx)
+                        alpha = 2.0 ** (m[x][c] - new)
+                        m[x][c] = new
+                        sc[x][c], sc[x][c + 2] = 2.0 ** (sc[x][c] - new), 2.0 ** (sc[x][c + 2] - new)
+                        l[x][c] = l[x][c] * alpha + sc[x][c] + sc[x][c + 2]
+                        for mt in range(8):
+                            acc[mt * 32 + x][c] *= alpha
+                            acc[mt * 32 + x][c + 2] *= alpha
+            f16 = lambda x: float(np.float16(x))  # noqa: E731 - the f16 pack of P
+            pb0 = _movmatrix_trans([(f16(sc[x][0]), f16(sc[x][1])) for x in range(32)])
+            pb1 = _movmatrix_trans([(f16(sc[x][2]), f16(sc[x][3])) for x in range(32)])
+            pb = [pb0[x] + pb1[x] for x in range(32)]
+            for mt in range(8):
+                a = []
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    kk = [key0 + 4 * t + j for j in range(4)]
+                    v0 = [vals[k, 16 * mt + g] if k < seq_len else 0.0 for k in kk]
+                    v1 = [vals[k, 16 * mt + g + 8] if k < seq_len else 0.0 for k in kk]
+                    a.append((v0[0], v0[1], v1[0], v1[1], v0[2], v0[3], v1[2], v1[3]))
+                sub = acc[mt * 32:(mt + 1) * 32]
+                _mma(sub, a, pb)
+        col_l = {}  # l summed over the lanes of a column
+        for t in range(2):
+            for c in range(2):
+                col_l[2 * t + c] = sum(l[g * 4 + t][c] for g in range(8))
+        ms.append({2 * t + c: m[t][c] for t in range(2) for c in range(2)})
+        ls.append(col_l)
+        out = np.zeros((G, D_))
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            if t < 2:
+                for mt in range(8):
+                    out[2 * t, 16 * mt + g], out[2 * t + 1, 16 * mt + g] = acc[mt * 32 + lane][0:2]
+                    out[2 * t, 16 * mt + g + 8], out[2 * t + 1, 16 * mt + g + 8] = acc[mt * 32 + lane][2:4]
+        accs.append(out)
+    got = np.zeros((G, D_))
+    for r in range(G):
+        mm = max(x[r] for x in ms)
+        f = [2.0 ** (x[r] - mm) for x in ms]
+        den = sum(fi * li[r] for fi, li in zip(f, ls))
+        got[r] = sum(fi * a[r] for fi, a in zip(f, accs)) / den
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
 # (B, Hq, Hkv, L, D, segments of the CUDA kernel): issue 33's three shapes, and a partial last block
 SHAPES = ((64, 32, 8, 4096, 128, 1), (16, 32, 8, 8192, 128, 1), (16, 32, 8, 8192, 128, 2),
           (1, 32, 8, 32768, 128, 32), (1, 32, 8, 32768, 128, 64), (3, 32, 8, 1000, 128, 1), (3, 32, 8, 1000, 128, 3))
@@ -419,5 +540,8 @@ def on_gpu(out_path: str | None) -> None:
 if __name__ == "__main__":
     if "--offline" in sys.argv:
         offline()
+    elif "--emulate" in sys.argv:
+        for n in (100, 16, 7, 64):
+            print(f"seq_len {n}: emulated kernel vs plain attention, max error / max = {emulate(n):.2e}")
     else:
         on_gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
