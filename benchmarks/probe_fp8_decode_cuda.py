@@ -129,9 +129,13 @@ __device__ __forceinline__ void attend_block(
         s[c + 2] = ex2(s[c + 2] - mx[c]);
         l[c] = l[c] * alpha[c] + s[c] + s[c + 2];  // this lane's part; summed over g at the end
     }
-    #pragma unroll
-    for (int mt = 0; mt < 8; ++mt) {
-        acc[mt][0] *= alpha[0]; acc[mt][1] *= alpha[1]; acc[mt][2] *= alpha[0]; acc[mt][3] *= alpha[1];
+    // the sums are rescaled only when some column's running max moved (exact: alpha is 1.0 otherwise); past the
+    // first blocks of a sequence that is rare, and it saves 32 multiplies a block
+    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        #pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+            acc[mt][0] *= alpha[0]; acc[mt][1] *= alpha[1]; acc[mt][2] *= alpha[0]; acc[mt][3] *= alpha[1];
+        }
     }
     // P^T as the B fragment: transpose the two 8x8 f16 halves of S^T (rows 0..7, rows 8..15)
     const u32 pb0 = transpose8x8(pack_f16x2(s[0], s[1]));
