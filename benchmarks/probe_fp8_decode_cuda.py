@@ -1,10 +1,12 @@
 """Probe (session 33, not part of trtopt's runtime): a hand-written FP8 paged decode kernel (CUDA C++ through
 cuda-python's NVRTC), for issue 33's 1.7x attention target, which no Triton 3.6 variant reached
-(docs/benchmarks/NOTES.md). Not yet run on a GPU: its correctness is unchecked.
+(docs/benchmarks/NOTES.md). Not yet run on a GPU: the CUDA is unchecked there; --emulate checks the design.
 
 Decode only (one query token a sequence), GROUP = 4 query heads a KV head, D = 128, block_size = 16, FP8 pool
-[num_blocks, 2, Hkv, 16, 128] with each block's values stored [D, 16]; no window, ALiBi or split-KV.
+[num_blocks, 2, Hkv, 16, 128] with each block's values stored [D, 16]; split-KV (partials merged by attention.py's
+merge kernel); no sliding window or ALiBi.
 
+    python benchmarks/probe_fp8_decode_cuda.py --emulate   # CPU: the fragment bookkeeping in numpy vs attention
     python benchmarks/probe_fp8_decode_cuda.py --offline   # no GPU: compile for sm_90a, registers, the loop's SASS
     python benchmarks/probe_fp8_decode_cuda.py --out X.json  # GPU: check against the reference, time vs Triton
 
@@ -20,13 +22,11 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 SRC = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 widen2(u32 pair16) {  // two e4m3 (low 16 bits) -> f16x2, the low byte low
     u32 out;
