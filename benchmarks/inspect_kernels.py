@@ -127,11 +127,17 @@ def _ptxas(ptx: str, tmp: str, *, disassemble: bool = False) -> tuple[str, str]:
                           capture_output=True, text=True)
     if done.returncode != 0:  # e.g. a Triton whose PTX ISA is newer than the ptxas it bundles (3.9 here)
         raise SystemExit(f"ptxas refused Triton {triton.__version__}'s PTX: {done.stderr.strip()[-300:]}")
-    sass = ""
-    if disassemble:
-        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    return done.stderr, sass
+    return done.stderr, nvdisasm(cubin) if disassemble else ""
+
+
+def nvdisasm(cubin: str) -> str:
+    """The SASS listing of a cubin file, through the nvdisasm Triton bundles."""
+    import subprocess
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    return subprocess.run([str(tool), "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
 def offline_fp8_resources(tilings=FP8_DECODE_TILINGS) -> list[dict]:
@@ -171,7 +177,7 @@ def sass_loops(sass: str) -> list[tuple[int, Counter]]:
 
 def loop_mix(tile_n: int = 128, segments: int = 1, stages: int = 3, warps: int = 4) -> None:
     """The SASS instruction mix of the decode kernel's key loops, bf16 pool against FP8 pool, at one tiling: what
-    each warp issues per key tile (the FP8 kernel is issue-bound where bf16 is DRAM-bound: docs/benchmarks/NOTES.md)."""
+    each warp issues per key tile (docs/benchmarks/NOTES.md: what the count did and did not predict of the speed)."""
     import tempfile
 
     for fp8 in (False, True):

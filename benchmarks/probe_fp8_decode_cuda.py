@@ -210,41 +210,34 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_decode(
     const int b_lo = seg * per_seg, b_hi = min(b_lo + per_seg, nblocks);
     const int full_end = min(seq_len / BS, b_hi);
     int b = b_lo + warp;
+    auto load = [&](BlockRegs& r, int block) {  // the sequence's block-th block of this head
+        const unsigned char* kb = head + (long long)table[block] * stride_cb;
+        load_block(r, kb, kb + stride_ckv, g, t);
+    };
     BlockRegs r0;
 #if PIPE
     // two register sets: the next block's loads are in flight while this one is computed
     BlockRegs r1;
-    if (b < full_end) {
-        const unsigned char* kb = head + (long long)table[b] * stride_cb;
-        load_block(r0, kb, kb + stride_ckv, g, t);
-    }
+    if (b < full_end) load(r0, b);
     while (b < full_end) {
         const int b1 = b + WARPS;
-        if (b1 < full_end) {
-            const unsigned char* kb = head + (long long)table[b1] * stride_cb;
-            load_block(r1, kb, kb + stride_ckv, g, t);
-        }
+        if (b1 < full_end) load(r1, b1);
         attend_block<true>(r0, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
         b = b1;
         if (b >= full_end) break;
         const int b2 = b + WARPS;
-        if (b2 < full_end) {
-            const unsigned char* kb = head + (long long)table[b2] * stride_cb;
-            load_block(r0, kb, kb + stride_ckv, g, t);
-        }
+        if (b2 < full_end) load(r0, b2);
         attend_block<true>(r1, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
         b = b2;
     }
 #else
     for (; b < full_end; b += WARPS) {
-        const unsigned char* kb = head + (long long)table[b] * stride_cb;
-        load_block(r0, kb, kb + stride_ckv, g, t);
+        load(r0, b);
         attend_block<true>(r0, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
     }
 #endif
     if (b < b_hi) {
-        const unsigned char* kb = head + (long long)table[b] * stride_cb;
-        load_block(r0, kb, kb + stride_ckv, g, t);
+        load(r0, b);
         attend_block<false>(r0, b * BS, seq_len, score_scale, qb, acc, m, l, g, t);
     }
 
@@ -320,17 +313,16 @@ def offline() -> None:
     import triton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from inspect_kernels import sass_loops
+    from inspect_kernels import nvdisasm, sass_loops
 
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     for pipe in (0, 1):
         cubin = compile_cubin(pipe=pipe)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "k.cubin"
             path.write_bytes(cubin)
-            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(path)], capture_output=True, text=True).stdout
-            res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(path)], capture_output=True,
-                                 text=True).stdout
+            sass = nvdisasm(str(path))
+            res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
         print(f"PIPE={pipe}: " + " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+", res)))
         for count, ops in sass_loops(sass):
             if count > 50:
