@@ -15,6 +15,7 @@ merge kernel); no sliding window or ALiBi.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import itertools
 import json
@@ -468,6 +469,8 @@ def on_gpu(out_path: str | None) -> None:
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
     from trtopt.plugins.paged_attention.reference import quantized_pool
 
+    if not torch.cuda.is_available():
+        raise SystemExit("the GPU run needs a CUDA GPU; here use --emulate (CPU) or --offline (compile only)")
     torch.cuda.init()
     kernels = {}
     for pipe in (0, 1):  # PIPE=1: the next block's loads in flight while this one computes (152 registers)
@@ -533,11 +536,21 @@ def on_gpu(out_path: str | None) -> None:
         Path(out_path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
 
 
-if __name__ == "__main__":
-    if "--offline" in sys.argv:
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--offline", action="store_true", help="compile for sm_90a and print the SASS mix (no GPU)")
+    mode.add_argument("--emulate", action="store_true", help="the fragment bookkeeping in numpy (CPU)")
+    ap.add_argument("--out", type=Path, help="GPU run: where to write the JSON results")
+    args = ap.parse_args()
+    if args.offline:
         offline()
-    elif "--emulate" in sys.argv:
+    elif args.emulate:
         for n in (100, 16, 7, 64):
             print(f"seq_len {n}: emulated kernel vs plain attention, max error / max = {emulate(n):.2e}")
     else:
-        on_gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
+        on_gpu(str(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
