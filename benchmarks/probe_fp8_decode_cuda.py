@@ -460,6 +460,9 @@ def on_gpu(out_path: str | None) -> None:
     import functools
 
     import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the GPU run needs a CUDA GPU; here use --emulate (CPU) or --offline (compile only)")
     from cuda.bindings import driver
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -469,8 +472,6 @@ def on_gpu(out_path: str | None) -> None:
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
     from trtopt.plugins.paged_attention.reference import quantized_pool
 
-    if not torch.cuda.is_available():
-        raise SystemExit("the GPU run needs a CUDA GPU; here use --emulate (CPU) or --offline (compile only)")
     torch.cuda.init()
     kernels = {}
     for pipe in (0, 1):  # PIPE=1: the next block's loads in flight while this one computes (152 registers)
