@@ -247,22 +247,25 @@ def current_stream(device: int) -> int:
 class DriverLaunch:
     """One compiled kernel and grid, launched through the CUDA driver (cuLaunchKernel, cuda-python) with its
     parameter buffer (a ctypes array of pointers to the values: cuLaunchKernel's kernelParams) built once: the
-    scalars are fixed, and each call writes only the tensors' addresses, as TensorRT launches a plugin's kernel. What `kernel[grid](*args)` would launch, for any tensors of the prepared dtypes and 16-byte
-    alignment (the call checks the alignment: it is part of the kernel's specialisation; the caller keeps the dtypes
-    and everything else the same)."""
+    scalars are fixed, and each call writes only the tensors' addresses, as TensorRT launches a plugin's kernel.
+    Prepared from a Triton kernel (`prepare`): what `kernel[grid](*args)` would launch, for any tensors of the
+    prepared dtypes and 16-byte alignment (the call checks the alignment: it is part of the kernel's
+    specialisation; the caller keeps the dtypes and everything else the same). Or from a kernel compiled by NVRTC
+    (paged_attention/decode_cuda.py), with the same contract."""
 
     __slots__ = ("name", "device", "num_tensors", "_launch_kernel", "_success", "_function", "_dims", "_addresses",
                  "_aligned", "_all_aligned", "_params", "_params_address", "_values", "_scalar_at")
 
-    def __init__(self, compiled: Any, grid: tuple[int, ...], device: int, kinds: list[tuple[str, Any]],
-                 aligned: list[bool], hidden: int, scalar_positions: Sequence[int] = ()) -> None:
-        self.name = compiled.metadata.name
+    def __init__(self, name: str, function: int, dims: tuple[int, ...], device: int, kinds: list[tuple[str, Any]],
+                 aligned: list[bool], hidden: int = 0, scalar_positions: Sequence[int] = ()) -> None:
+        """function: the raw CUfunction handle; dims: (grid x, y, z, threads x, y, z, dynamic shared bytes); kinds:
+        each parameter in order, ("*", None) for a pointer or (type, its ctypes value) for a scalar; aligned: each
+        pointer's 16-byte alignment as prepared; hidden: null pointers appended (Triton's scratch parameters)."""
+        self.name = name
         self.device = device
         self._launch_kernel, self._success, function_type = _driver()
-        self._function = function_type(compiled.function)
-        grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        threads = compiled.metadata.num_warps * getattr(compiled.metadata, "warp_size", 32)
-        self._dims = (*grid3, threads, 1, 1, compiled.metadata.shared)
+        self._function = function_type(function)
+        self._dims = dims
         self.num_tensors = num_pointers = len(aligned)
         self._addresses = (ctypes.c_uint64 * max(num_pointers, 1))()  # rewritten per call, one slice assignment
         self._aligned = aligned
@@ -401,5 +404,8 @@ def _prepare_direct(kernel: Any, grid: tuple[int, ...], args: Sequence[Any],
         return None
     if not 0 <= hidden <= _MAX_HIDDEN_PARAMS:
         return None
-    return DriverLaunch(compiled, grid, torch.cuda.current_device(), kinds, aligned, hidden, positions)
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    threads = metadata.num_warps * getattr(metadata, "warp_size", 32)
+    return DriverLaunch(metadata.name, compiled.function, (*grid3, threads, 1, 1, metadata.shared),
+                        torch.cuda.current_device(), kinds, aligned, hidden, positions)
 

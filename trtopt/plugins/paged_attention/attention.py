@@ -41,6 +41,7 @@ import triton.language as tl
 
 from trtopt.plugins.kernel_common import next_pow2
 from trtopt.plugins.launcher import DriverLaunch, Launcher, current_stream
+from trtopt.plugins.paged_attention import decode_cuda
 from trtopt.plugins.paged_attention.planning import (
     PagedLaunch, PagedLaunchState, WorkspaceBudget, _device_sm_count, _MetadataMemo, plan_paged_launch,
 )
@@ -467,7 +468,7 @@ def paged_attention_triton(
     causal: int = 1,
     sliding_window: int = 0,
     alibi_slopes: torch.Tensor | None = None,  # float32 [Hq]
-    launch: PagedLaunch | None = None,
+    launch: PagedLaunch | decode_cuda.CudaDecodePlan | None = None,
     out: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None,  # [.., T, D] broadcastable to [1, 1, T, D], q's dtype
     rope_sin: torch.Tensor | None = None,
@@ -479,7 +480,8 @@ def paged_attention_triton(
     """Write the new K/V at slot_mapping, then attend each new token over its sequence's cache.
 
     Returns (out [1, Hq, T, D] in q's dtype, kv_cache) — the same kv_cache object, written in place. `launch`
-    overrides the shape-derived tiling (benchmarks and tests use it to force split-KV or tile sizes); `out`, if
+    overrides the shape-derived tiling (benchmarks and tests use it to force split-KV or tile sizes; a
+    decode_cuda.CudaDecodePlan forces the CUDA decode kernel, and its segments); `out`, if
     given, is a preallocated [1, Hq, T, D] buffer to write (CUDA graphs need fixed addresses). With rope_cos and
     rope_sin, q and k are the tensors *before* RoPE: one kernel rotates both and writes the pool
     (rope_write_kv_triton), bit for bit what trtopt::Rope on each and then this op give, with two launches fewer;
@@ -497,7 +499,9 @@ def paged_attention_triton(
 
     An FP8 pool (float8_e4m3fn) stores k / k_scale and v / v_scale and is read × scale (reference.to_pool /
     from_pool), through the same planned launches; every write quantizes (the RoPE-fused one, and gemv_rope_kv's
-    before a kv_written call).
+    before a kv_written call). On a GPU its decode steps are attended by the CUDA kernel of decode_cuda.py where
+    that serves them (`decode_cuda.why_not`; `state.cuda_decode = False` keeps the Triton kernel), planned and
+    launched the same way.
     """
     key = None
     owned = state is not None
@@ -536,19 +540,42 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     block_size = kv_cache.shape[3]
     interpret = q.device.type != "cuda"
+    max_context = block_tables.shape[1] * block_size
+    # An FP8 pool's decode on a GPU takes the CUDA kernel (decode_cuda.py) where it serves the step; a
+    # CudaDecodePlan given as `launch` asks for it (benchmarks and tests), and it must then serve the step.
+    cuda = launch if isinstance(launch, decode_cuda.CudaDecodePlan) else None
+    if cuda is not None or (launch is None and state.cuda_decode and kv_cache.dtype == FP8_POOL_DTYPE
+                            and not interpret):
+        reason = decode_cuda.why_not(q, kv_cache, num_tokens=T, num_seqs=S, group=group, head_dim=head_dim,
+                                     alibi_slopes=alibi_slopes, launcher=state.launcher)
+        if reason is None and cuda is None:
+            cuda = decode_cuda.plan_cuda_decode(S, num_kv_heads, max_context, _device_sm_count(q.device))
+        elif reason is not None and cuda is not None:
+            raise ValueError(f"launch={cuda} asks for the CUDA decode kernel, which does not serve this step: "
+                             f"{reason}")
+        if cuda is not None:
+            launch = PagedLaunch(block_q=1, tile_n=block_size, num_segments=cuda.num_segments, num_warps=4,
+                                 num_stages=1)  # what the scratch and the merge are sized from
     if launch is None:
-        launch = plan_paged_launch(T, S, num_kv_heads, group, block_tables.shape[1] * block_size,
-                                   _device_sm_count(q.device), interpret=interpret, kv_bytes=kv_cache.element_size())
+        launch = plan_paged_launch(T, S, num_kv_heads, group, max_context, _device_sm_count(q.device),
+                                   interpret=interpret, kv_bytes=kv_cache.element_size())
     block_d = max(16, next_pow2(head_dim))
     scratch = _Scratch(T * num_heads * launch.num_segments, block_d) if launch.num_segments > 1 else None
     part_acc, part_max, part_sum = scratch.views(q.device) if scratch else (out, out, out)
     counters = (state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads)
-                if scratch and launch.num_segments <= FUSED_MERGE_MAX_SEGMENTS else None)
-    attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
-                                  part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch, block_d,
-                                  group=group, head_dim=head_dim, causal=causal,
-                                  scales=pool_scales(kv_cache, k_scale, v_scale))
-    state.launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
+                if scratch and cuda is None and launch.num_segments <= FUSED_MERGE_MAX_SEGMENTS else None)
+    if cuda is not None:
+        attention = decode_cuda.cuda_decode_launch(
+            q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum,
+            score_scale=scale * _LOG2E, causal=causal, sliding_window=sliding_window, plan=cuda, group=group,
+            head_dim=head_dim, part_stride=block_d, scales=pool_scales(kv_cache, k_scale, v_scale))
+        attention[0].prepare(*attention[1:])(current_stream(q.device.index), *_tensors(attention[2]))
+    else:
+        attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
+                                      part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch,
+                                      block_d, group=group, head_dim=head_dim, causal=causal,
+                                      scales=pool_scales(kv_cache, k_scale, v_scale))
+        state.launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
     merge = None
     if scratch and counters is None:
         merge = _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d)
@@ -610,6 +637,10 @@ def _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d):
     ), dict(NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
 
 
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
 class _Scratch:
     """The split-KV partials (acc [parts, block_d], max [parts], sum [parts], float32) in one allocation (an eager
     allocation is ~2 µs of host time), each view 16-byte aligned: block_d is a multiple of 16, and the sums start at
@@ -647,10 +678,16 @@ class _PagedPlan:
     def __init__(self, kv_write, attention, merge, scratch: _Scratch | None, counters: torch.Tensor | None, *,
                  device: torch.device, launcher: Launcher, budget: WorkspaceBudget) -> None:
         launches = [x for x in (kv_write, attention, merge) if x is not None]
-        prepared = [launcher.prepare(*x) for x in launches]
+
+        def prepare(x: tuple, direct: bool):  # the CUDA decode kernel prepares its own launch (decode_cuda.py)
+            if isinstance(x[0], decode_cuda.CudaDecode):
+                return x[0].prepare(*x[1:], direct=direct)
+            return launcher.prepare(*x, direct=direct)
+
+        prepared = [prepare(x, True) for x in launches]
         direct = all(isinstance(x, DriverLaunch) for x in prepared)
         if not direct:  # all through the driver, or none (a Relaunch needs no stream)
-            prepared = [launcher.prepare(*x, direct=False) for x in launches]
+            prepared = [prepare(x, False) for x in launches]
         slots = iter(prepared)
         # None where there is no such launch (kv_write: the pool was written before the call, kv_written)
         self.kv_write, self.attention, self.merge = (None if x is None else next(slots)

@@ -144,11 +144,14 @@ class PagedLaunchState:
       merge off (benchmarks' ablation; clear_plans() after changing it: plans hold their launches).
     - `launcher`: what its launches go through; `launcher.dispatcher_only = True` sends them through Triton's
       dispatcher and plans nothing (the A/B baseline; TRTOPT_TRITON_DISPATCH=1 when the state is made).
+    - `cuda_decode`: FP8 pools' decode steps take the CUDA kernel where it serves them (decode_cuda.py `why_not`);
+      False keeps them on the Triton kernel (benchmarks' A/B and tests; clear_plans() after changing it).
     """
 
     def __init__(self, *, merge_in_kernel: bool = True, launcher: Launcher | None = None, max_plans: int = 256,
-                 max_owned_bytes: int = 64 << 20, merge_counter_slots: int = 4096) -> None:
+                 max_owned_bytes: int = 64 << 20, merge_counter_slots: int = 4096, cuda_decode: bool = True) -> None:
         self.merge_in_kernel = merge_in_kernel
+        self.cuda_decode = cuda_decode
         self.launcher = launcher if launcher is not None else Launcher()
         self.max_plans = max_plans
         self.merge_counter_slots = merge_counter_slots

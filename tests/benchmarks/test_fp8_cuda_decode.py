@@ -1,6 +1,7 @@
-"""benchmarks/probe_fp8_decode_cuda.py's fragment bookkeeping (`emulate`: the kernel's d and key orders, 8x8
-transposes, masking and softmax merges, lane by lane in numpy under PTX's documented m16n8k16 and movmatrix layouts)
-against plain attention. The CUDA itself needs a GPU; this checks the design it implements."""
+"""The fragment bookkeeping of the CUDA decode kernel (decode_cuda.py), as benchmarks/fp8_cuda_decode.py emulates it
+(`emulate`: the d and key orders, 8x8 transposes, masking and softmax merges, lane by lane in numpy under PTX's
+documented m16n8k16 and movmatrix layouts), against plain attention. The CUDA itself needs a GPU
+(tests/plugins/test_paged_attention_cuda_decode.py); this checks the design it implements."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import probe_fp8_decode_cuda as probe  # noqa: E402
+import fp8_cuda_decode as probe  # noqa: E402
 
 
 @pytest.mark.parametrize("seq_len, warps", [(37, 4), (16, 4), (7, 4), (100, 2)])
