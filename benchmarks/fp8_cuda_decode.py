@@ -5,8 +5,8 @@ its compile offline, and a CPU emulation of its fragment bookkeeping.
     python benchmarks/fp8_cuda_decode.py --offline   # no GPU: compile for sm_90a; registers and the loops' SASS mix
     python benchmarks/fp8_cuda_decode.py --emulate   # CPU: the fragment bookkeeping in numpy vs plain attention
 
-The GPU sweep times, per decode shape, the kernel under every (segments, PIPE) pair that keeps >= 128 keys a
-segment, graph replays, with the Triton kernel over the same FP8 pool and over the bf16 pool in the same run, and
+The GPU sweep times, per decode shape, the kernel under every segment count that keeps >= 128 keys a segment,
+each with its next blocks' loads in flight in registers (PIPE) or in 2-4 cp.async stages or neither, graph replays, with the Triton kernel over the same FP8 pool and over the bf16 pool in the same run, and
 checks each against the fp32 reference. It is what `plan_cuda_decode` was chosen from; the planned cell is marked.
 --offline needs NVRTC (pip install cuda-bindings nvidia-cuda-nvrtc) and Triton's bundled nvdisasm.
 """
@@ -22,12 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONFIGS = ((128, 4, True, False), (128, 4, True, True), (64, 3, True, False), (256, 4, True, False))
+CONFIGS = ((128, 4, True, False, 0), (128, 4, True, True, 0), (128, 4, True, False, 3), (64, 3, True, False, 3),
+           (256, 4, True, False, 2))
 
 
 def offline() -> None:
     """Registers and the SASS mix of the loops (> 50 instructions) of some configurations (head_dim, group, bf16 q,
-    PIPE), compiled for sm_90a."""
+    PIPE, cp.async stages), compiled for sm_90a."""
     import triton
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,7 +44,7 @@ def offline() -> None:
             path.write_bytes(cubin)
             sass = nvdisasm(str(path))
             res = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
-        print(f"head_dim, group, bf16, PIPE = {config}: "
+        print(f"head_dim, group, bf16, PIPE, stages = {config}: "
               + " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+", res)))
         for count, ops in sass_loops(sass):
             if count > 50:
@@ -199,7 +200,7 @@ def on_gpu(out_path: str | None) -> None:
         k_scale, v_scale = amax_scales(step["kv_cache"])
         fp8 = {**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)}
         attrs = dict(num_heads=Hq, num_kv_heads=Hkv, head_dim=D, scale=D**-0.5)
-        planned = decode_cuda.plan_cuda_decode(B, Hkv, fp8["block_tables"].shape[1] * 16, sms)
+        planned = decode_cuda.plan_cuda_decode(B, Hkv, fp8["block_tables"].shape[1] * 16, sms, D)
         row = {"shape": f"B{B}·Hq{Hq}·Hkv{Hkv}·L{L}·D{D}", "planned": planned.__dict__, "cells": []}
         for name, s, cuda in (("bf16", step, False), ("triton_fp8", fp8, False), ("planned_fp8", fp8, True)):
             scales = dict(k_scale=k_scale, v_scale=v_scale) if s is fp8 else {}
@@ -208,13 +209,13 @@ def on_gpu(out_path: str | None) -> None:
             out, _ = call()
             row[name] = {"rel_err": reference_rel_err(out, s, attrs, **scales), "us": bench_graph_ms(call) * 1e3}
         segments = 1
-        while segments <= 128 and L >= segments * 128:
-            for pipe in (False, True):
-                plan = decode_cuda.CudaDecodePlan(num_segments=segments, pipe=pipe)
+        while segments <= 64 and L >= segments * 128:
+            for pipe, stages in ((False, 0), (True, 0), (False, 2), (False, 3), (False, 4)):
+                plan = decode_cuda.CudaDecodePlan(num_segments=segments, pipe=pipe, stages=stages)
                 call = functools.partial(paged_attention_triton, **fp8, **attrs, k_scale=k_scale, v_scale=v_scale,
                                          launch=plan, state=PagedLaunchState())
                 out, _ = call()
-                cell = {"segments": segments, "pipe": pipe, "planned": plan == planned,
+                cell = {"segments": segments, "pipe": pipe, "stages": stages, "planned": plan == planned,
                         "rel_err": reference_rel_err(out, fp8, attrs, k_scale=k_scale, v_scale=v_scale)}
                 if cell["rel_err"] < 0.01:
                     cell["us"] = bench_graph_ms(call) * 1e3

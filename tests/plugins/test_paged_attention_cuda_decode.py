@@ -22,20 +22,20 @@ def on_gpu(test):
                                               reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")(test))
 
 
-def test_plan_splits_small_grids_and_pipelines_them():
-    """Segments double while the grid stays within four CTAs an SM, each segment keeping >= 128 keys; pipelining
-    under three CTAs an SM (H200: 132 SMs)."""
-    def plan(*shape):
-        p = decode_cuda.plan_cuda_decode(*shape, 132)
-        return p.num_segments, p.pipe
+def test_plan_splits_small_grids_and_stages_their_loads():
+    """Segments double while the grid stays within three CTAs an SM, each segment keeping >= 128 keys, up to 64;
+    3 cp.async stages up to head_dim 128, register double-buffering above (H200: 132 SMs)."""
+    def plan(*shape, head_dim=128):
+        p = decode_cuda.plan_cuda_decode(*shape, 132, head_dim)
+        return p.num_segments, p.stages, p.pipe
 
-    assert plan(64, 8, 4096) == (1, False)  # 512 CTAs already
-    assert plan(16, 8, 8192) == (4, False)
-    assert plan(1, 8, 32768) == (64, False)
-    assert plan(32, 3, 2048) == (4, True)  # 384 CTAs
-    assert plan(1, 1, 1024) == (8, True)  # 128 keys a segment
-    assert plan(1, 8, 100) == (1, True)
-    assert plan(1, 1, 1 << 20) == (64, True)  # at most 64 segments
+    assert plan(64, 8, 4096) == (1, 3, False)  # 512 CTAs already
+    assert plan(16, 8, 8192) == (2, 3, False)
+    assert plan(1, 8, 32768) == (32, 3, False)
+    assert plan(32, 3, 2048, head_dim=64) == (4, 3, False)  # 384 CTAs
+    assert plan(3, 8, 1008) == (4, 3, False)  # 252 keys a segment
+    assert plan(1, 8, 100) == (1, 3, False)
+    assert plan(1, 1, 1 << 20, head_dim=256) == (64, 0, True)  # at most 64 segments
 
 
 def test_cpu_steps_are_not_served():
@@ -76,23 +76,32 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want).abs().max() / want.abs().max())
 
 
-# (Hq, Hkv, head_dim, q dtype, sliding window, causal, segments, pipe)
+P = decode_cuda.CudaDecodePlan
+# (Hq, Hkv, head_dim, q dtype, sliding window, causal, plan: segments, registers double-buffered, cp.async stages)
 CASES = [
-    (32, 8, 128, torch.bfloat16, 0, 1, 1, False),
-    (32, 8, 128, torch.bfloat16, 0, 1, 4, True),
-    (9, 3, 64, torch.bfloat16, 0, 1, 2, False),  # SmolLM2-135M's heads
-    (4, 1, 256, torch.bfloat16, 48, 1, 1, True),  # Gemma-3-270m's, with a window ending mid-block
-    (4, 1, 256, torch.float16, 48, 1, 8, False),
-    (16, 2, 192, torch.float16, 0, 0, 2, True),  # not causal; group 8
-    (6, 6, 64, torch.bfloat16, 20, 0, 1, False),  # MHA (group 1), a window without causality
+    (32, 8, 128, torch.bfloat16, 0, 1, P(1)),
+    (32, 8, 128, torch.bfloat16, 0, 1, P(4, pipe=True)),
+    (32, 8, 128, torch.bfloat16, 0, 1, P(2, stages=3)),
+    (9, 3, 64, torch.bfloat16, 0, 1, P(2)),  # SmolLM2-135M's heads
+    (9, 3, 64, torch.bfloat16, 0, 1, P(1, stages=4)),
+    (4, 1, 256, torch.bfloat16, 48, 1, P(1, pipe=True)),  # Gemma-3-270m's, with a window ending mid-block
+    (4, 1, 256, torch.float16, 48, 1, P(8, stages=2)),
+    (16, 2, 192, torch.float16, 0, 0, P(2, pipe=True)),  # not causal; group 8
+    (16, 2, 192, torch.float16, 0, 0, P(1, stages=2)),
+    (6, 6, 64, torch.bfloat16, 20, 0, P(1)),  # MHA (group 1), a window without causality
 ]
 
 
+def case_id(case) -> str:
+    *head, plan = case
+    return "-".join(map(str, head)).replace("torch.", "") + f"-s{plan.num_segments}p{int(plan.pipe)}a{plan.stages}"
+
+
 @on_gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.02)])
 def test_cuda_decode_equals_the_reference(case, scales):
-    Hq, Hkv, D, dtype, window, causal, segments, pipe = case
+    Hq, Hkv, D, dtype, window, causal, plan = case
     k_scale, v_scale = scales
     contexts = [1, 16, 17, 100, 257, 1000]  # one key, a whole block, a block and one, partial last blocks
     step = fp8_decode_step(3, contexts, [1] * len(contexts), num_heads=Hq, num_kv_heads=Hkv, head_dim=D,
@@ -104,7 +113,6 @@ def test_cuda_decode_equals_the_reference(case, scales):
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
 
     args = [step[name].clone().cuda() for name in INPUT_NAMES]
-    plan = decode_cuda.CudaDecodePlan(num_segments=segments, pipe=pipe)
     out, pool = paged_attention_triton(*args, **attrs, launch=plan, state=PagedLaunchState())
     assert torch.equal(pool.cpu().view(torch.uint8), want_pool.view(torch.uint8))  # the write is Triton's
     # q and the probabilities are held in fp16 for the dots (as the Triton kernel's FP8 path does): within 1% of
@@ -125,10 +133,9 @@ def test_tokens_split_unevenly_over_sequences():
                            dtype=torch.bfloat16, k_scale=0.5, v_scale=0.25)
     attrs = dict(num_heads=8, num_kv_heads=2, head_dim=128, scale=0.1, k_scale=0.5, v_scale=0.25)
     want, _ = reference(step, attrs)
-    for segments in (1, 2):
+    for plan in (P(1), P(2), P(2, stages=3)):
         args = [step[name].clone().cuda() for name in INPUT_NAMES]
-        out, _ = paged_attention_triton(*args, **attrs, state=PagedLaunchState(),
-                                        launch=decode_cuda.CudaDecodePlan(num_segments=segments, pipe=False))
+        out, _ = paged_attention_triton(*args, **attrs, state=PagedLaunchState(), launch=plan)
         assert rel_err(out, want) < 1e-2
 
 

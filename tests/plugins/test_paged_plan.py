@@ -58,7 +58,7 @@ def full_path_launch(step, device, pool: torch.Tensor | None = None):
                            alibi_slopes=step.alibi_slopes, launcher=launcher.Launcher()) is None:
         # an FP8 pool's decode step on a GPU: the plan takes the CUDA kernel
         return decode_cuda.plan_cuda_decode(S, Hkv, step.block_tables.shape[1] * pool.shape[3],
-                                            planning._device_sm_count(device))
+                                            planning._device_sm_count(device), step.attrs["head_dim"])
     return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, step.block_tables.shape[1] * pool.shape[3],
                                 planning._device_sm_count(device), interpret=device.type != "cuda",
                                 kv_bytes=pool.element_size())

@@ -549,7 +549,7 @@ def paged_attention_triton(
         reason = decode_cuda.why_not(q, kv_cache, num_tokens=T, num_seqs=S, group=group, head_dim=head_dim,
                                      alibi_slopes=alibi_slopes, launcher=state.launcher)
         if reason is None and cuda is None:
-            cuda = decode_cuda.plan_cuda_decode(S, num_kv_heads, max_context, _device_sm_count(q.device))
+            cuda = decode_cuda.plan_cuda_decode(S, num_kv_heads, max_context, _device_sm_count(q.device), head_dim)
         elif reason is not None and cuda is not None:
             raise ValueError(f"launch={cuda} asks for the CUDA decode kernel, which does not serve this step: "
                              f"{reason}")

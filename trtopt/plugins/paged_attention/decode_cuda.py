@@ -40,7 +40,7 @@ SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// compiled with -DHEAD_DIM=.. -DGROUP=.. -DQ_BF16=0|1 -DPIPE=0|1
+// compiled with -DHEAD_DIM=.. -DGROUP=.. -DQ_BF16=0|1 -DPIPE=0|1 -DASYNC=0|1 -DSTAGES=..
 #define BS 16                      // tokens a KV block: the dots' K (scores) and M (keys) size
 #define WARPS 4
 #define KS (HEAD_DIM / 16)         // k-steps of the QK dot, m-tiles of the PV dot
@@ -90,6 +90,10 @@ __device__ __forceinline__ void mma4(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(global) : "memory");
 }
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
     u32 y;
@@ -212,7 +216,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
     const unsigned char* head = Cache + kvh * stride_ch;
     const float ss = score_scale * k_scale;
     __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
-    __shared__ float sm_acc[WARPS][GROUP][HEAD_DIM];
+    // dynamic: ASYNC's staging ([WARPS][STAGES][2][BS * HEAD_DIM] bytes), then (aliased) the warps' sums
+    extern __shared__ __align__(16) unsigned char dyn[];
+    float (*sm_acc)[GROUP][HEAD_DIM] = reinterpret_cast<float (*)[GROUP][HEAD_DIM]>(dyn);
 
     for (int tok = tok_begin; tok < tok_end; ++tok) {
         const int pos = seq_len - (tok_end - tok);  // this token's position
@@ -267,7 +273,37 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
         auto phys_of = [&](int block) { return block < full_hi ? table[block] : 0; };
         int b = full_lo + warp;
         BlockRegs r0;
-#if PIPE
+#if ASYNC
+        // cp.async into STAGES per-warp stages: STAGES - 1 blocks in flight while one is computed, in no registers
+        {
+            unsigned char* stages = dyn + warp * (STAGES * 2 * BS * HEAD_DIM);
+            const int n = full_hi > b ? (full_hi - b + WARPS - 1) / WARPS : 0;
+            auto issue = [&](int i) {
+                if (i < n) {
+                    const unsigned char* kb = head + table[b + WARPS * i] * stride_cb;
+                    unsigned char* dst = stages + (i % STAGES) * (2 * BS * HEAD_DIM);
+                    #pragma unroll
+                    for (int j = lane; j < BS * HEAD_DIM / 16; j += 32) {
+                        cp_async16(dst + 16 * j, kb + 16 * j);
+                        cp_async16(dst + BS * HEAD_DIM + 16 * j, kb + stride_ckv + 16 * j);
+                    }
+                }
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            };
+            #pragma unroll
+            for (int i = 0; i < STAGES - 1; ++i) issue(i);
+            for (int i = 0; i < n; ++i) {
+                issue(i + STAGES - 1);
+                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+                __syncwarp();
+                const unsigned char* kb = stages + (i % STAGES) * (2 * BS * HEAD_DIM);
+                load_block(r0, kb, kb + BS * HEAD_DIM, g, t);
+                __syncwarp();  // every lane has read the stage before the next issue overwrites it
+                attend_block<true>(r0, (b + WARPS * i) * BS, lo, hi, ss, qb, acc, m, l, g, t);
+            }
+            asm volatile("cp.async.wait_all;" ::: "memory");
+        }
+#elif PIPE
         BlockRegs r1;  // two register sets: the next block's loads are in flight while this one is computed
         int ahead = phys_of(b + WARPS);
         if (b < full_hi) load(r0, table[b]);
@@ -305,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
             attend_block<false>(r0, tail_blk * BS, lo, hi, ss, qb, acc, m, l, g, t);
         }
 
+        __syncthreads();  // the sums alias ASYNC's stages: every warp is done with them
         // column c of lane (g, t) is query head 2t + c; acc[mt] = (d 16mt + g: c0, c1), (d 16mt + g + 8: c2, c3)
         #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -358,7 +395,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
 HEAD_DIMS = (64, 128, 192, 256)
 MAX_GROUP = 8  # the query heads of a KV head are the dots' N = 8 columns
 BLOCK_SIZE = 16
-THREADS = 128
+WARPS = 4
+THREADS = 32 * WARPS
 # The kernel's parameters in order: the 11 pointers of the Triton attention kernel's launch (attention.py
 # `_attention_launch`, so that a plan passes both the same addresses), then its scalars.
 ARG_NAMES = ("q", "kv_cache", "block_tables", "seq_lens", "query_start_loc", "alibi_slopes", "out", "part_acc",
@@ -373,23 +411,33 @@ _SCALAR_TYPES = {"score_scale": ctypes.c_float, "k_scale": ctypes.c_float, "v_sc
 @dataclass(frozen=True)
 class CudaDecodePlan:
     """How one decode step is launched: key-range segments (flash-decoding; merged by attention.py's merge
-    kernel), and whether each warp double-buffers its blocks' registers (PIPE)."""
+    kernel), and how each warp keeps its next blocks' loads in flight: `stages` > 1 stages them in shared memory
+    through cp.async (stages - 1 blocks in flight), else `pipe` double-buffers them in registers, else none."""
 
     num_segments: int
-    pipe: bool
+    pipe: bool = False
+    stages: int = 0
 
 
-def plan_cuda_decode(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int) -> CudaDecodePlan:
-    """Segments and pipelining from shapes. The H200 sweep (docs/benchmarks/fp8_cuda_decode_sweep_h200.json: 8
-    shapes × every segment count × PIPE, graph replays) ran fastest at about four CTAs an SM (4 fit, at <= 128
-    registers): split the key range while the grid stays within that, each segment keeping >= 128 keys, up to 64
-    segments; then double-buffer only grids under three CTAs an SM (PIPE's 150 registers fit 3, which a fuller grid
-    pays for in a second wave)."""
+def shared_bytes(head_dim: int, group: int, stages: int) -> int:
+    """The kernel's dynamic shared memory: the cp.async stages, which the warps' sums alias after the loop."""
+    return max(WARPS * stages * 2 * BLOCK_SIZE * head_dim, WARPS * group * head_dim * 4)
+
+
+def plan_cuda_decode(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int,
+                     head_dim: int = 128) -> CudaDecodePlan:
+    """Segments and how loads stay in flight, from shapes. The H200 sweep (docs/benchmarks/
+    fp8_cuda_decode_sweep_h200.json: 8 shapes × every segment count × registers, PIPE or 2-4 cp.async stages,
+    graph replays) ran fastest, or within 2% of it, at 3 cp.async stages for head_dim <= 128 (PIPE for larger
+    heads, whose stages would take 96 KB a CTA) and with the key range split while the grid stays within three
+    CTAs an SM, each segment keeping >= 128 keys, up to 64 segments."""
     ctas = max(num_seqs * num_kv_heads, 1)
     segments = 1
-    while segments < 64 and ctas * segments * 2 <= 4 * sm_count and max_context >= segments * 2 * 128:
+    while segments < 64 and ctas * segments * 2 <= 3 * sm_count and max_context >= segments * 2 * 128:
         segments *= 2
-    return CudaDecodePlan(num_segments=segments, pipe=ctas * segments < 3 * sm_count)
+    if head_dim <= 128:
+        return CudaDecodePlan(num_segments=segments, stages=3)
+    return CudaDecodePlan(num_segments=segments, pipe=True)
 
 
 def why_not(q: torch.Tensor, kv_cache: torch.Tensor, *, num_tokens: int, num_seqs: int, group: int, head_dim: int,
@@ -430,13 +478,14 @@ def _nvrtc_error() -> str | None:
 
 
 @functools.cache
-def compile_cubin(arch: str, head_dim: int, group: int, q_bf16: bool, pipe: bool) -> bytes:
+def compile_cubin(arch: str, head_dim: int, group: int, q_bf16: bool, pipe: bool, stages: int = 0) -> bytes:
     """The kernel for one configuration, compiled by NVRTC for `arch` (e.g. sm_90a): once a process."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"fp8_paged_decode.cu", 0, [], [])
     options = [f"-arch={arch}".encode(), b"--std=c++17", f"-DHEAD_DIM={head_dim}".encode(),
-               f"-DGROUP={group}".encode(), f"-DQ_BF16={int(q_bf16)}".encode(), f"-DPIPE={int(pipe)}".encode()]
+               f"-DGROUP={group}".encode(), f"-DQ_BF16={int(q_bf16)}".encode(), f"-DPIPE={int(pipe)}".encode(),
+               f"-DASYNC={int(stages > 1)}".encode(), f"-DSTAGES={max(stages, 1)}".encode()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -451,19 +500,23 @@ def compile_cubin(arch: str, head_dim: int, group: int, q_bf16: bool, pipe: bool
 
 
 @functools.cache
-def _loaded(device: int, head_dim: int, group: int, q_bf16: bool, pipe: bool) -> tuple[object, object]:
+def _loaded(device: int, head_dim: int, group: int, q_bf16: bool, pipe: bool, stages: int) -> tuple[object, object]:
     """(CUmodule, CUfunction) of one configuration in `device`'s primary context (torch's, current here): a memo of
     the driver's answer, loaded once a process (the module is kept with its function)."""
     from cuda.bindings import driver
 
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-    err, module = driver.cuModuleLoadData(compile_cubin(arch, head_dim, group, q_bf16, pipe))
+    err, module = driver.cuModuleLoadData(compile_cubin(arch, head_dim, group, q_bf16, pipe, stages))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuModuleLoadData failed for fp8_paged_decode: {err!r}")
     err, function = driver.cuModuleGetFunction(module, b"fp8_paged_decode")
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuModuleGetFunction failed for fp8_paged_decode: {err!r}")
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (err,) = driver.cuFuncSetAttribute(function, attribute, shared_bytes(head_dim, group, stages))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuFuncSetAttribute failed for fp8_paged_decode: {err!r}")
     return module, function
 
 
@@ -474,8 +527,9 @@ class CudaDecode:
 
     arg_names = ARG_NAMES
 
-    def __init__(self, head_dim: int, group: int, q_bf16: bool, pipe: bool) -> None:
-        self.config = (head_dim, group, q_bf16, pipe)
+    def __init__(self, head_dim: int, group: int, q_bf16: bool, plan: CudaDecodePlan) -> None:
+        self.config = (head_dim, group, q_bf16, plan.pipe, plan.stages)
+        self.shared = shared_bytes(head_dim, group, plan.stages)
 
     def prepare(self, grid: tuple[int, int, int], args: tuple, kwargs: dict, *,
                 direct: bool = True) -> DriverLaunch | "OnCurrentStream":
@@ -490,8 +544,9 @@ class CudaDecode:
                 kinds.append(("s", _SCALAR_TYPES.get(name, ctypes.c_int64)(value)))
                 positions.append(i)
         aligned = [True] * sum(kind == "*" for kind, _ in kinds)
-        run = DriverLaunch("fp8_paged_decode", int(_loaded(device, *self.config)[1]), (*grid, THREADS, 1, 1, 0), device,
-                           kinds, aligned, 0, positions)
+        function = int(_loaded(device, *self.config)[1])
+        run = DriverLaunch("fp8_paged_decode", function, (*grid, THREADS, 1, 1, self.shared), device, kinds, aligned,
+                           0, positions)
         return run if direct else OnCurrentStream(run)
 
 
@@ -516,7 +571,7 @@ def cuda_decode_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out
                        head_dim: int, part_stride: int, scales: tuple[float, float]) -> tuple:
     """(CudaDecode, grid, args, constexprs) of one step, in attention.py `_attention_launch`'s form; score_scale is
     the softmax scale × log2(e), as that kernel takes it."""
-    kernel = CudaDecode(head_dim, group, q.dtype == torch.bfloat16, plan.pipe)
+    kernel = CudaDecode(head_dim, group, q.dtype == torch.bfloat16, plan)
     grid = (seq_lens.shape[0], kv_cache.shape[2], plan.num_segments)
     args = (q, kv_cache, block_tables, seq_lens, query_start_loc, q, out, part_acc, part_max, part_sum, q,
             score_scale, *scales, int(causal), int(sliding_window), q.stride(1), q.stride(2),
