@@ -363,17 +363,24 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
                      device: torch.device = torch.device("cuda"),
                      dtype: torch.dtype = torch.bfloat16, max_model_len: int = 0, sweep: bool = False) -> list[dict]:
     """Decode through PagedAttention with a pool of the model's dtype (bf16) and the same pool in FP8, per shape.
-    Each row holds a cell per pool ("bf16", "fp8"; the smoke run's base is "fp32") and fp8_speedup_vs_bf16.
+    Each row holds a cell per pool ("bf16", "fp8"; the smoke run's base is "fp32") and fp8_speedup_vs_bf16. On a
+    GPU the FP8 pool's planned call takes the CUDA decode kernel where it serves the step (decode_cuda.py;
+    `fp8_kernel` says which ran, `launch` its plan), and a third cell ("fp8_triton", fp8_triton_speedup_vs_bf16)
+    times the same pool through the Triton kernel.
 
     The calls go through one PagedLaunchState with no launch given, so the kernel plans each step as the runtime's
     executor does (plan_paged_launch: split-KV for long contexts at small batch). max_model_len > 0 pads the block
     tables to its blocks, as the runtime's CUDA graphs pad them (the plan reads the tables' width). sweep: time the
     FP8 pool under other tilings too (fp8_tiling_sweep), graph replays against the planned call's graph replay."""
+    from trtopt.plugins.launcher import Launcher
+    from trtopt.plugins.paged_attention import decode_cuda
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton, plan_paged_launch
     from trtopt.plugins.paged_attention.planning import _device_sm_count
     from trtopt.plugins.paged_attention.reference import quantized_pool
 
     paged = functools.partial(paged_attention_triton, state=PagedLaunchState())
+    # the FP8 pool through the Triton kernel too (decode_cuda.py's CUDA kernel takes FP8 decode steps on a GPU)
+    paged_triton = functools.partial(paged_attention_triton, state=PagedLaunchState(cuda_decode=False))
     base = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     rows = []
     for B, Hq, Hkv, L, D in shapes:
@@ -389,12 +396,20 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
                "head_dim": D, "block_size": BLOCK_SIZE, "planned_max_context": width, "launch": plan.__dict__,
                "split_kv": plan.num_segments > 1, "k_scale": k_scale, "v_scale": v_scale, "copy_tbs": copy_tbs,
                "baseline": base}
-        cells = {base: (step, {}),
-                 "fp8": ({**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)},
-                         dict(k_scale=k_scale, v_scale=v_scale))}
+        fp8_step = {**step, "kv_cache": quantized_pool(step["kv_cache"], k_scale, v_scale)}
+        fp8_scales = dict(k_scale=k_scale, v_scale=v_scale)
+        cells = {base: (step, {}), "fp8": (fp8_step, fp8_scales)}
+        if device.type == "cuda":
+            cells["fp8_triton"] = (fp8_step, fp8_scales)
+            cuda_plan = decode_cuda.plan_cuda_decode(B, Hkv, width, _device_sm_count(device), D)
+            served = decode_cuda.why_not(step["q"], fp8_step["kv_cache"], num_tokens=B, num_seqs=B, group=Hq // Hkv,
+                                         head_dim=D, alibi_slopes=None, launcher=Launcher()) is None
+            row["fp8_kernel"] = "cuda" if served else "triton"
+            if served:
+                row["launch"] = cuda_plan.__dict__
         outs = {}
         for name, (s, scales) in cells.items():
-            call = functools.partial(paged, **s, **attrs, **scales)
+            call = functools.partial(paged_triton if name == "fp8_triton" else paged, **s, **attrs, **scales)
             outs[name], _ = call()
             kv_bytes = 2 * B * Hkv * L * D * s["kv_cache"].element_size()
             cell = {"pool_dtype": str(s["kv_cache"].dtype).removeprefix("torch."), "kv_bytes": kv_bytes,
@@ -409,6 +424,9 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
         row[f"fp8_rel_diff_vs_{base}"] = float((outs["fp8"].float() - outs[base].float()).abs().max()
                                                / outs[base].float().abs().max().clamp_min(1e-30))
         row.update(fp8_speedups(row, base))
+        if "fp8_triton" in row and "ms" in row["fp8_triton"] and "ms" in row[base]:
+            key = "graph_ms" if "graph_ms" in row["fp8_triton"] else "ms"
+            row[f"fp8_triton_speedup_vs_{base}"] = row[base][key] / row["fp8_triton"][key]
         if sweep and "ms" in row["fp8"]:
             fp8_step, scales = cells["fp8"]
             row["fp8_sweep"] = fp8_tiling_sweep(functools.partial(paged, **fp8_step, **attrs, **scales), outs["fp8"],
