@@ -438,7 +438,7 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
                 if ref_ms:
                     row[f"fp8_best_sweep_speedup_vs_{base}"] = ref_ms / row["fp8_best_sweep"]["ms"]
         rows.append(row)
-        print(f"decode_fp8 {row['shape']}: plan {plan} (max context {width}); "
+        print(f"decode_fp8 {row['shape']}: {row.get('fp8_kernel', 'triton')} plan {row['launch']} (max context {width}); "
               + "; ".join(f"{n} {row[n].get('tbs', float('nan')):.2f} TB/s {row[n].get('tokens_per_s', 0) / 1e6:.1f} "
                           f"Mtok/s (graph {row[n].get('graph_tbs', float('nan')):.2f} TB/s), err "
                           f"{row[n]['rel_err_vs_ref']:.2g}" for n in cells)
@@ -571,17 +571,24 @@ def plot_decode_fp8(ax, data: dict) -> None:
         speedup = r.get(f"fp8_speedup_vs_{base}")
         if speedup is None:
             continue
-        bar = ax.bar(x, speedup, 0.6, color="C1" if r["meets_target"] else "C0")
+        triton = r.get(f"fp8_triton_speedup_vs_{base}")
+        width = 0.6 if triton is None else 0.4
+        bar = ax.bar(x - (0 if triton is None else 0.2), speedup, width, color="C1" if r["meets_target"] else "C0",
+                     label=None if x else f"FP8 pool, {r.get('fp8_kernel', 'triton')} kernel (planned)")
         fp8 = r["fp8"]
         ax.bar_label(bar, [f"{speedup:.2f}x\n{base} {ms(r[base]) * 1e3:.1f} µs\nfp8 {ms(fp8) * 1e3:.1f} µs\n"
                            f"{fp8.get('graph_tbs', fp8.get('tbs', 0.0)):.2f} TB/s"], fontsize=7)
+        if triton is not None:
+            tbar = ax.bar(x + 0.2, triton, width, color="0.7", label=None if x else "FP8 pool, Triton kernel")
+            ax.bar_label(tbar, [f"{triton:.2f}x"], fontsize=7)
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.axhline(FP8_SPEEDUP_TARGET, color="C3", linestyle="--", label=f"target {FP8_SPEEDUP_TARGET}x")
     labels = []
     for r in rows:
         launch = r["launch"]
-        labels.append(f"B{r['batch']}·L{r['context']}·D{r['head_dim']}\n"
-                      f"{launch['num_segments']} seg × {launch['tile_n']} keys")
+        tiling = (f"{launch['num_segments']} seg × {launch['tile_n']} keys" if "tile_n" in launch
+                  else f"CUDA: {launch['num_segments']} seg, {launch.get('stages', 0)} stages")
+        labels.append(f"B{r['batch']}·L{r['context']}·D{r['head_dim']}\n{tiling}")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel(f"FP8 pool speedup over {base} (time ratio)")
     ax.set_title(f"Decode: PagedAttention, FP8 vs {base} KV pool (Hq32·Hkv8)")
