@@ -438,7 +438,8 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
                 if ref_ms:
                     row[f"fp8_best_sweep_speedup_vs_{base}"] = ref_ms / row["fp8_best_sweep"]["ms"]
         rows.append(row)
-        print(f"decode_fp8 {row['shape']}: {row.get('fp8_kernel', 'triton')} plan {row['launch']} (max context {width}); "
+        print(f"decode_fp8 {row['shape']}: {row.get('fp8_kernel', 'triton')} plan {row['launch']} "
+              f"(max context {width}); "
               + "; ".join(f"{n} {row[n].get('tbs', float('nan')):.2f} TB/s {row[n].get('tokens_per_s', 0) / 1e6:.1f} "
                           f"Mtok/s (graph {row[n].get('graph_tbs', float('nan')):.2f} TB/s), err "
                           f"{row[n]['rel_err_vs_ref']:.2g}" for n in cells)
