@@ -6,9 +6,8 @@ its compile offline, and a CPU emulation of its fragment bookkeeping.
     python benchmarks/fp8_cuda_decode.py --emulate   # CPU: the fragment bookkeeping in numpy vs plain attention
 
 The GPU sweep times, per decode shape, the kernel under every segment count that keeps >= 128 keys a segment,
-each with its next blocks' loads in flight in registers (PIPE) or in 2-3 cp.async stages or neither, and split
-ranges merged in a second launch or in the kernel; graph replays, with the Triton kernel over the same FP8 pool
-and over the bf16 pool in the same run, each checked against the fp32 reference. It is what `plan_cuda_decode` was chosen from; the planned cell is marked.
+each with its next blocks' loads in flight in registers (PIPE) or in 2-4 cp.async stages or neither, graph replays, with the Triton kernel over the same FP8 pool and over the bf16 pool in the same run, and
+checks each against the fp32 reference. It is what `plan_cuda_decode` was chosen from; the planned cell is marked.
 --offline needs NVRTC (pip install cuda-bindings nvidia-cuda-nvrtc) and Triton's bundled nvdisasm.
 """
 
@@ -211,16 +210,12 @@ def on_gpu(out_path: str | None) -> None:
             row[name] = {"rel_err": reference_rel_err(out, s, attrs, **scales), "us": bench_graph_ms(call) * 1e3}
         segments = 1
         while segments <= 64 and L >= segments * 128:
-            for pipe, stages, fused in ((False, 0, False), (True, 0, False), (False, 2, False), (False, 3, False),
-                                        (False, 3, True), (True, 0, True)):
-                if fused and segments == 1:
-                    continue
-                plan = decode_cuda.CudaDecodePlan(num_segments=segments, pipe=pipe, stages=stages, fused_merge=fused)
+            for pipe, stages in ((False, 0), (True, 0), (False, 2), (False, 3), (False, 4)):
+                plan = decode_cuda.CudaDecodePlan(num_segments=segments, pipe=pipe, stages=stages)
                 call = functools.partial(paged_attention_triton, **fp8, **attrs, k_scale=k_scale, v_scale=v_scale,
                                          launch=plan, state=PagedLaunchState())
                 out, _ = call()
-                cell = {"segments": segments, "pipe": pipe, "stages": stages, "fused_merge": fused,
-                        "planned": plan == planned,
+                cell = {"segments": segments, "pipe": pipe, "stages": stages, "planned": plan == planned,
                         "rel_err": reference_rel_err(out, fp8, attrs, k_scale=k_scale, v_scale=v_scale)}
                 if cell["rel_err"] < 0.01:
                     cell["us"] = bench_graph_ms(call) * 1e3

@@ -27,7 +27,6 @@ def test_plan_splits_small_grids_and_stages_their_loads():
     3 cp.async stages up to head_dim 128, register double-buffering above (H200: 132 SMs)."""
     def plan(*shape, head_dim=128):
         p = decode_cuda.plan_cuda_decode(*shape, 132, head_dim)
-        assert p.fused_merge == (p.num_segments > 1)  # a split range merges in the kernel
         return p.num_segments, p.stages, p.pipe
 
     assert plan(64, 8, 4096) == (1, 3, False)  # 512 CTAs already
@@ -83,9 +82,7 @@ CASES = [
     (32, 8, 128, torch.bfloat16, 0, 1, P(1)),
     (32, 8, 128, torch.bfloat16, 0, 1, P(4, pipe=True)),
     (32, 8, 128, torch.bfloat16, 0, 1, P(2, stages=3)),
-    (32, 8, 128, torch.bfloat16, 0, 1, P(8, stages=3, fused_merge=True)),
-    (4, 1, 256, torch.bfloat16, 0, 1, P(64, pipe=True, fused_merge=True)),
-    (9, 3, 64, torch.bfloat16, 0, 1, P(2, fused_merge=True)),  # SmolLM2-135M's heads
+    (9, 3, 64, torch.bfloat16, 0, 1, P(2)),  # SmolLM2-135M's heads
     (9, 3, 64, torch.bfloat16, 0, 1, P(1, stages=4)),
     (4, 1, 256, torch.bfloat16, 48, 1, P(1, pipe=True)),  # Gemma-3-270m's, with a window ending mid-block
     (4, 1, 256, torch.float16, 48, 1, P(8, stages=2)),
@@ -97,8 +94,7 @@ CASES = [
 
 def case_id(case) -> str:
     *head, plan = case
-    return ("-".join(map(str, head)).replace("torch.", "")
-            + f"-s{plan.num_segments}p{int(plan.pipe)}a{plan.stages}m{int(plan.fused_merge)}")
+    return "-".join(map(str, head)).replace("torch.", "") + f"-s{plan.num_segments}p{int(plan.pipe)}a{plan.stages}"
 
 
 @on_gpu
@@ -137,7 +133,7 @@ def test_tokens_split_unevenly_over_sequences():
                            dtype=torch.bfloat16, k_scale=0.5, v_scale=0.25)
     attrs = dict(num_heads=8, num_kv_heads=2, head_dim=128, scale=0.1, k_scale=0.5, v_scale=0.25)
     want, _ = reference(step, attrs)
-    for plan in (P(1), P(2), P(2, stages=3), P(4, stages=3, fused_merge=True)):
+    for plan in (P(1), P(2), P(2, stages=3)):
         args = [step[name].clone().cuda() for name in INPUT_NAMES]
         out, _ = paged_attention_triton(*args, **attrs, state=PagedLaunchState(), launch=plan)
         assert rel_err(out, want) < 1e-2

@@ -562,14 +562,11 @@ def paged_attention_triton(
     block_d = max(16, next_pow2(head_dim))
     scratch = _Scratch(T * num_heads * launch.num_segments, block_d) if launch.num_segments > 1 else None
     part_acc, part_max, part_sum = scratch.views(q.device) if scratch else (out, out, out)
-    if cuda is not None:  # the CUDA kernel merges in-launch where its plan says so: a counter per (token, KV head)
-        counters = state.merge_counters(q.device, T * num_kv_heads) if scratch and cuda.fused_merge else None
-    else:
-        counters = (state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads)
-                    if scratch and launch.num_segments <= FUSED_MERGE_MAX_SEGMENTS else None)
+    counters = (state.merge_counters(q.device, (T // launch.block_q + S) * num_kv_heads)
+                if scratch and cuda is None and launch.num_segments <= FUSED_MERGE_MAX_SEGMENTS else None)
     if cuda is not None:
         attention = decode_cuda.cuda_decode_launch(
-            q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum, counters,
+            q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum,
             score_scale=scale * _LOG2E, causal=causal, sliding_window=sliding_window, plan=cuda, group=group,
             head_dim=head_dim, part_stride=block_d, scales=pool_scales(kv_cache, k_scale, v_scale))
         attention[0].prepare(*attention[1:])(current_stream(q.device.index), *_tensors(attention[2]))

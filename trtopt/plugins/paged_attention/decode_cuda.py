@@ -199,11 +199,11 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
     const void* unused_alibi,
     u16* __restrict__ Out,                     // [1, Hq, T, HEAD_DIM], q's dtype
     float* __restrict__ PartAcc, float* __restrict__ PartMax, float* __restrict__ PartSum,
-    int* __restrict__ Counters,                // fused merge: one zeroed counter per (token, KV head)
+    const void* unused_counters,
     float score_scale,                         // softmax scale * log2(e)
     float k_scale, float v_scale, int causal, int window,
     long long stride_qh, long long stride_qt, long long stride_cb, long long stride_ckv, long long stride_ch,
-    long long stride_bt, long long stride_oh, long long stride_ot, int num_heads, int part_stride, int fused_merge)
+    long long stride_bt, long long stride_oh, long long stride_ot, int num_heads, int part_stride)
 {
     // grid (sequences, Hkv, segments). With more than one segment each CTA takes its part of every token's key
     // range and writes the partials [token, head, segment] (max in log2 units, sum, v_scale-scaled acc at
@@ -387,39 +387,6 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
                 for (int i = 0; i < 4; ++i) orow[i] = f32_to_q(o[i] * inv);
             }
         }
-        if (segments > 1 && fused_merge) {
-            // The last of the row's segments to finish merges them (the counter, then the partials read past L1),
-            // and resets the counter for the next launch: no merge launch.
-            __shared__ int is_last;
-            __threadfence();
-            __syncthreads();
-            int* counter = Counters + (long long)tok * gridDim.y + kvh;
-            if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == segments - 1;
-            __syncthreads();
-            if (is_last) {
-                __threadfence();
-                for (int idx = threadIdx.x; idx < GROUP * (HEAD_DIM / 4); idx += WARPS * 32) {
-                    const int r = idx / (HEAD_DIM / 4), d0 = 4 * (idx % (HEAD_DIM / 4));
-                    const long long part0 = ((long long)tok * num_heads + kvh * GROUP + r) * segments;
-                    float mm = -1e30f;
-                    for (int sg = 0; sg < segments; ++sg) mm = fmaxf(mm, __ldcg(PartMax + part0 + sg));
-                    float den = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-                    #pragma unroll 8
-                    for (int sg = 0; sg < segments; ++sg) {
-                        const float f = ex2(__ldcg(PartMax + part0 + sg) - mm);
-                        den += f * __ldcg(PartSum + part0 + sg);
-                        const float4 a = __ldcg(reinterpret_cast<const float4*>(PartAcc + (part0 + sg) * part_stride
-                                                                                + d0));
-                        o[0] += f * a.x; o[1] += f * a.y; o[2] += f * a.z; o[3] += f * a.w;
-                    }
-                    const float inv = den > 0.f ? 1.f / den : 0.f;
-                    u16* orow = Out + (kvh * GROUP + r) * stride_oh + tok * stride_ot + d0;
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) orow[i] = f32_to_q(o[i] * inv);
-                }
-                if (threadIdx.x == 0) *counter = 0;
-            }
-        }
         __syncthreads();  // the next token reuses the shared partials
     }
 }
@@ -435,23 +402,21 @@ THREADS = 32 * WARPS
 ARG_NAMES = ("q", "kv_cache", "block_tables", "seq_lens", "query_start_loc", "alibi_slopes", "out", "part_acc",
              "part_max", "part_sum", "counters", "score_scale", "k_scale", "v_scale", "causal", "window",
              "stride_qh", "stride_qt", "stride_cb", "stride_ckv", "stride_ch", "stride_bt", "stride_oh",
-             "stride_ot", "num_heads", "part_stride", "fused_merge")
+             "stride_ot", "num_heads", "part_stride")
 _SCALAR_TYPES = {"score_scale": ctypes.c_float, "k_scale": ctypes.c_float, "v_scale": ctypes.c_float,
                  "causal": ctypes.c_int32, "window": ctypes.c_int32, "num_heads": ctypes.c_int32,
-                 "part_stride": ctypes.c_int32, "fused_merge": ctypes.c_int32}  # the strides are int64
+                 "part_stride": ctypes.c_int32}  # the strides are int64
 
 
 @dataclass(frozen=True)
 class CudaDecodePlan:
     """How one decode step is launched: key-range segments (flash-decoding; merged by attention.py's merge
-    kernel, or in the kernel with `fused_merge` where the state has merge counters), and how each warp keeps its next
-    blocks' loads in flight: `stages` > 1 stages them in shared memory
+    kernel), and how each warp keeps its next blocks' loads in flight: `stages` > 1 stages them in shared memory
     through cp.async (stages - 1 blocks in flight), else `pipe` double-buffers them in registers, else none."""
 
     num_segments: int
     pipe: bool = False
     stages: int = 0
-    fused_merge: bool = False  # split-KV: the last segment of a row merges (a counter per row), no merge launch
 
 
 def shared_bytes(head_dim: int, group: int, stages: int) -> int:
@@ -465,16 +430,14 @@ def plan_cuda_decode(num_seqs: int, num_kv_heads: int, max_context: int, sm_coun
     fp8_cuda_decode_sweep_h200.json: 8 shapes × every segment count × registers, PIPE or 2-4 cp.async stages,
     graph replays) ran fastest, or within 2% of it, at 3 cp.async stages for head_dim <= 128 (PIPE for larger
     heads, whose stages would take 96 KB a CTA) and with the key range split while the grid stays within three
-    CTAs an SM, each segment keeping >= 128 keys, up to 64 segments; a split range is merged in the kernel (the
-    last segment of a row merges) rather than by a second launch."""
+    CTAs an SM, each segment keeping >= 128 keys, up to 64 segments."""
     ctas = max(num_seqs * num_kv_heads, 1)
     segments = 1
     while segments < 64 and ctas * segments * 2 <= 3 * sm_count and max_context >= segments * 2 * 128:
         segments *= 2
-    fused = segments > 1
     if head_dim <= 128:
-        return CudaDecodePlan(num_segments=segments, stages=3, fused_merge=fused)
-    return CudaDecodePlan(num_segments=segments, pipe=True, fused_merge=fused)
+        return CudaDecodePlan(num_segments=segments, stages=3)
+    return CudaDecodePlan(num_segments=segments, pipe=True)
 
 
 def why_not(q: torch.Tensor, kv_cache: torch.Tensor, *, num_tokens: int, num_seqs: int, group: int, head_dim: int,
@@ -603,17 +566,15 @@ class OnCurrentStream:
         return self.run.launch(current_stream(self.run.device), [t.data_ptr() for t in tensors])
 
 
-def cuda_decode_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum,
-                       counters: torch.Tensor | None, *,
+def cuda_decode_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum, *,
                        score_scale: float, causal: int, sliding_window: int, plan: CudaDecodePlan, group: int,
                        head_dim: int, part_stride: int, scales: tuple[float, float]) -> tuple:
     """(CudaDecode, grid, args, constexprs) of one step, in attention.py `_attention_launch`'s form; score_scale is
     the softmax scale × log2(e), as that kernel takes it."""
     kernel = CudaDecode(head_dim, group, q.dtype == torch.bfloat16, plan)
     grid = (seq_lens.shape[0], kv_cache.shape[2], plan.num_segments)
-    args = (q, kv_cache, block_tables, seq_lens, query_start_loc, q, out, part_acc, part_max, part_sum,
-            counters if counters is not None else q,
+    args = (q, kv_cache, block_tables, seq_lens, query_start_loc, q, out, part_acc, part_max, part_sum, q,
             score_scale, *scales, int(causal), int(sliding_window), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0), out.stride(1),
-            out.stride(2), q.shape[1], part_stride, int(counters is not None))
+            out.stride(2), q.shape[1], part_stride)
     return kernel, grid, args, {"FP8_KV": True}
