@@ -207,3 +207,28 @@ def test_steps_it_does_not_serve_take_the_triton_kernel():
         paged_attention_triton(*args, num_heads=8, num_kv_heads=2, head_dim=128, scale=0.1, state=PagedLaunchState(),
                                alibi_slopes=torch.zeros(8, device="cuda"),
                                launch=decode_cuda.CudaDecodePlan(num_segments=1, pipe=False))
+
+
+@on_gpu
+def test_metadata_at_any_alignment():
+    """The kernel reads the step metadata as ints: views that start 4 bytes into a buffer (as a caller's padded
+    metadata may) are attended like aligned ones, on the planned path and on the full path."""
+    from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
+
+    step = fp8_decode_step(9, [70, 300, 5], [1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64,
+                           dtype=torch.bfloat16, k_scale=0.5, v_scale=0.25, nan_past_end=False)
+    step["slot_mapping"] = torch.full_like(step["slot_mapping"], -1)  # written already: calls repeat alike
+    attrs = dict(num_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, k_scale=0.5, v_scale=0.25)
+    want, _ = reference(step, attrs)
+    aligned = {name: step[name].cuda() for name in INPUT_NAMES}
+    shifted = dict(aligned)
+    for name in ("seq_lens", "query_start_loc"):
+        x = aligned[name]
+        shifted[name] = torch.cat([x[:1], x])[1:]  # the same values, 4 bytes into their buffer
+        assert shifted[name].data_ptr() % 16 != 0
+    state = PagedLaunchState()
+    for tensors in (aligned, shifted, shifted, aligned):  # plans, then the plan refuses, plans again, and back
+        out, _ = paged_attention_triton(**tensors, **attrs, state=state)
+        assert rel_err(out, want) < 1e-2
+    out, _ = paged_attention_triton(**shifted, **attrs)  # no state: the full path alone
+    assert rel_err(out, want) < 1e-2

@@ -546,13 +546,9 @@ def paged_attention_triton(
     cuda = launch if isinstance(launch, decode_cuda.CudaDecodePlan) else None
     if cuda is not None or (launch is None and state.cuda_decode and kv_cache.dtype == FP8_POOL_DTYPE
                             and not interpret):
-        reason = decode_cuda.why_not(q, kv_cache, num_tokens=T, num_seqs=S, group=group, head_dim=head_dim,
-                                     alibi_slopes=alibi_slopes, launcher=state.launcher)
-        if reason is None and cuda is None:
-            cuda = decode_cuda.plan_cuda_decode(S, num_kv_heads, max_context, _device_sm_count(q.device), head_dim)
-        elif reason is not None and cuda is not None:
-            raise ValueError(f"launch={cuda} asks for the CUDA decode kernel, which does not serve this step: "
-                             f"{reason}")
+        cuda = decode_cuda.choose(q, kv_cache, num_tokens=T, num_seqs=S, group=group, head_dim=head_dim,
+                                  alibi_slopes=alibi_slopes, launcher=state.launcher, max_context=max_context,
+                                  sm_count=_device_sm_count(q.device), forced=cuda)
         if cuda is not None:
             launch = PagedLaunch(block_q=1, tile_n=block_size, num_segments=cuda.num_segments, num_warps=4,
                                  num_stages=1)  # what the scratch and the merge are sized from
@@ -569,7 +565,8 @@ def paged_attention_triton(
             q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum,
             score_scale=scale * _LOG2E, causal=causal, sliding_window=sliding_window, plan=cuda, group=group,
             head_dim=head_dim, part_stride=block_d, scales=pool_scales(kv_cache, k_scale, v_scale))
-        attention[0].prepare(*attention[1:])(current_stream(q.device.index), *_tensors(attention[2]))
+        if not attention[0].prepare(*attention[1:])(current_stream(q.device.index), *_tensors(attention[2])):
+            raise AssertionError("fp8_paged_decode refused the tensors it was prepared from")  # a bug, not input
     else:
         attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
                                       part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch,

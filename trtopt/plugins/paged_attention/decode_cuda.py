@@ -466,6 +466,28 @@ def why_not(q: torch.Tensor, kv_cache: torch.Tensor, *, num_tokens: int, num_seq
     return None
 
 
+def choose(q: torch.Tensor, kv_cache: torch.Tensor, *, num_tokens: int, num_seqs: int, group: int, head_dim: int,
+           alibi_slopes: torch.Tensor | None, launcher: Launcher, max_context: int, sm_count: int,
+           forced: CudaDecodePlan | None = None) -> CudaDecodePlan | None:
+    """The plan this kernel attends the step with (`forced`, else `plan_cuda_decode`'s), or None where the Triton
+    kernel does: where `why_not` gives a reason, or where this configuration does not compile or load (an NVRTC
+    that does not know the GPU). A forced plan the kernel cannot serve is a ValueError saying why."""
+    reason = why_not(q, kv_cache, num_tokens=num_tokens, num_seqs=num_seqs, group=group, head_dim=head_dim,
+                     alibi_slopes=alibi_slopes, launcher=launcher)
+    plan = forced if forced is not None else plan_cuda_decode(num_seqs, kv_cache.shape[2], max_context, sm_count,
+                                                                head_dim)
+    if reason is None:
+        try:
+            _loaded(q.device.index, head_dim, group, q.dtype == torch.bfloat16, plan.pipe, plan.stages)
+        except RuntimeError as e:
+            reason = str(e)
+    if reason is None:
+        return plan
+    if forced is not None:
+        raise ValueError(f"launch={forced} asks for the CUDA decode kernel, which does not serve this step: {reason}")
+    return None
+
+
 @functools.cache
 def _nvrtc_error() -> str | None:
     try:
@@ -543,7 +565,9 @@ class CudaDecode:
             else:
                 kinds.append(("s", _SCALAR_TYPES.get(name, ctypes.c_int64)(value)))
                 positions.append(i)
-        aligned = [True] * sum(kind == "*" for kind, _ in kinds)
+        # the kernel's own needs (q and the pool 16-byte aligned) are why_not's; the launch compares each address's
+        # alignment with the prepared one's, so a later call whose metadata sits otherwise is prepared anew
+        aligned = [a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)]
         function = int(_loaded(device, *self.config)[1])
         run = DriverLaunch("fp8_paged_decode", function, (*grid, THREADS, 1, 1, self.shared), device, kinds, aligned,
                            0, positions)
