@@ -38,6 +38,13 @@ def test_plan_splits_small_grids_and_stages_their_loads():
     assert plan(1, 1, 1 << 20, head_dim=256) == (64, 0, True)  # at most 64 segments
 
 
+@pytest.mark.parametrize("bad", [dict(num_segments=3), dict(num_segments=0), dict(num_segments=256),
+                                 dict(num_segments=2, stages=1), dict(num_segments=1, pipe=True, stages=3)])
+def test_plans_the_kernel_cannot_take_are_refused(bad):
+    with pytest.raises(ValueError, match="num_segments|stages"):
+        decode_cuda.CudaDecodePlan(**bad)
+
+
 def test_cpu_steps_are_not_served():
     q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
     pool = torch.zeros(2, 2, 1, 16, 128, dtype=torch.float8_e4m3fn)

@@ -418,6 +418,14 @@ class CudaDecodePlan:
     pipe: bool = False
     stages: int = 0
 
+    def __post_init__(self) -> None:
+        # the merge kernel takes a power of two segments; stages and registers are two ways to the same end
+        if self.num_segments < 1 or self.num_segments & (self.num_segments - 1) or self.num_segments > 128:
+            raise ValueError(f"num_segments must be a power of two in [1, 128]; got {self.num_segments}")
+        if self.stages not in (0, 2, 3, 4) or (self.pipe and self.stages):
+            raise ValueError(f"stages must be 0 (none), 2, 3 or 4, and not with pipe; got stages={self.stages}, "
+                             f"pipe={self.pipe}")
+
 
 def shared_bytes(head_dim: int, group: int, stages: int) -> int:
     """The kernel's dynamic shared memory: the cp.async stages, which the warps' sums alias after the loop."""
