@@ -401,11 +401,11 @@ def bench_decode_fp8(copy_tbs: float, *, shapes=FP8_DECODE_SHAPES,
         cells = {base: (step, {}), "fp8": (fp8_step, fp8_scales)}
         if device.type == "cuda":
             cells["fp8_triton"] = (fp8_step, fp8_scales)
-            cuda_plan = decode_cuda.plan_cuda_decode(B, Hkv, width, _device_sm_count(device), D)
-            served = decode_cuda.why_not(step["q"], fp8_step["kv_cache"], num_tokens=B, num_seqs=B, group=Hq // Hkv,
-                                         head_dim=D, alibi_slopes=None, launcher=Launcher()) is None
-            row["fp8_kernel"] = "cuda" if served else "triton"
-            if served:
+            cuda_plan = decode_cuda.choose(step["q"], fp8_step["kv_cache"], num_tokens=B, num_seqs=B, group=Hq // Hkv,
+                                           head_dim=D, alibi_slopes=None, launcher=Launcher(), max_context=width,
+                                           sm_count=_device_sm_count(device))  # the planned call's own choice
+            row["fp8_kernel"] = "cuda" if cuda_plan is not None else "triton"
+            if cuda_plan is not None:
                 row["launch"] = cuda_plan.__dict__
         outs = {}
         for name, (s, scales) in cells.items():

@@ -6,8 +6,9 @@ its compile offline, and a CPU emulation of its fragment bookkeeping.
     python benchmarks/fp8_cuda_decode.py --emulate   # CPU: the fragment bookkeeping in numpy vs plain attention
 
 The GPU sweep times, per decode shape, the kernel under every segment count that keeps >= 128 keys a segment,
-each with its next blocks' loads in flight in registers (PIPE) or in 2-4 cp.async stages or neither, graph replays, with the Triton kernel over the same FP8 pool and over the bf16 pool in the same run, and
-checks each against the fp32 reference. It is what `plan_cuda_decode` was chosen from; the planned cell is marked.
+each with its next blocks' loads in flight in registers (PIPE) or in 2-4 cp.async stages or neither; graph
+replays, with the Triton kernel over the same FP8 pool and over the bf16 pool in the same run, each checked against
+the fp32 reference. It is what `plan_cuda_decode` was chosen from; the planned cell is marked.
 --offline needs NVRTC (pip install cuda-bindings nvidia-cuda-nvrtc) and Triton's bundled nvdisasm.
 """
 

@@ -49,19 +49,20 @@ def layer_tensors(step, layers: int):
 
 def full_path_launch(step, device, pool: torch.Tensor | None = None):
     """The tiling the plan picks for this step over `pool` (default: the step's), passed explicitly: an explicit
-    launch bypasses the plan (the CUDA decode kernel's plan where the step takes it). An FP8 pool plans other tiles on a GPU (kv_bytes=1), the same ones under the
-    interpreter, so only the GPU run tells a pool-blind tiling here from the plan's."""
+    launch bypasses the plan (where an FP8 pool's decode step takes the CUDA kernel, that kernel's plan). An FP8
+    pool plans other tiles on a GPU (kv_bytes=1), the same ones under the interpreter, so only the GPU run tells a
+    pool-blind tiling here from the plan's."""
     pool = step.kv_cache if pool is None else pool
     T, S = step.q.shape[2], step.seq_lens.shape[0]
     Hq, Hkv = step.attrs["num_heads"], step.attrs["num_kv_heads"]
-    if decode_cuda.why_not(step.q, pool, num_tokens=T, num_seqs=S, group=Hq // Hkv, head_dim=step.attrs["head_dim"],
-                           alibi_slopes=step.alibi_slopes, launcher=launcher.Launcher()) is None:
-        # an FP8 pool's decode step on a GPU: the plan takes the CUDA kernel
-        return decode_cuda.plan_cuda_decode(S, Hkv, step.block_tables.shape[1] * pool.shape[3],
-                                            planning._device_sm_count(device), step.attrs["head_dim"])
-    return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, step.block_tables.shape[1] * pool.shape[3],
-                                planning._device_sm_count(device), interpret=device.type != "cuda",
-                                kv_bytes=pool.element_size())
+    max_context = step.block_tables.shape[1] * pool.shape[3]
+    cuda = decode_cuda.choose(step.q, pool, num_tokens=T, num_seqs=S, group=Hq // Hkv, head_dim=step.attrs["head_dim"],
+                              alibi_slopes=step.alibi_slopes, launcher=launcher.Launcher(), max_context=max_context,
+                              sm_count=planning._device_sm_count(device))
+    if cuda is not None:
+        return cuda
+    return pk.plan_paged_launch(T, S, Hkv, Hq // Hkv, max_context, planning._device_sm_count(device),
+                                interpret=device.type != "cuda", kv_bytes=pool.element_size())
 
 
 def call(step, q, k, v, pool, rope, state, **extra):
