@@ -89,10 +89,12 @@ CASES = [
     (32, 8, 128, torch.bfloat16, 0, 1, P(1)),
     (32, 8, 128, torch.bfloat16, 0, 1, P(4, pipe=True)),
     (32, 8, 128, torch.bfloat16, 0, 1, P(2, stages=3)),
+    (32, 8, 128, torch.bfloat16, 0, 1, P(8, stages=3, pdl=False)),  # serialized launches
     (9, 3, 64, torch.bfloat16, 0, 1, P(2)),  # SmolLM2-135M's heads
     (9, 3, 64, torch.bfloat16, 0, 1, P(1, stages=4)),
     (4, 1, 256, torch.bfloat16, 48, 1, P(1, pipe=True)),  # Gemma-3-270m's, with a window ending mid-block
     (4, 1, 256, torch.float16, 48, 1, P(8, stages=2)),
+    (4, 1, 256, torch.bfloat16, 0, 1, P(64, pipe=True)),  # 64 segments: more than the merge's loads ahead
     (16, 2, 192, torch.float16, 0, 0, P(2, pipe=True)),  # not causal; group 8
     (16, 2, 192, torch.float16, 0, 0, P(1, stages=2)),
     (6, 6, 64, torch.bfloat16, 20, 0, P(1)),  # MHA (group 1), a window without causality
@@ -101,7 +103,8 @@ CASES = [
 
 def case_id(case) -> str:
     *head, plan = case
-    return "-".join(map(str, head)).replace("torch.", "") + f"-s{plan.num_segments}p{int(plan.pipe)}a{plan.stages}"
+    return ("-".join(map(str, head)).replace("torch.", "")
+            + f"-s{plan.num_segments}p{int(plan.pipe)}a{plan.stages}" + ("" if plan.pdl else "-serial"))
 
 
 @on_gpu
@@ -144,6 +147,33 @@ def test_tokens_split_unevenly_over_sequences():
         args = [step[name].clone().cuda() for name in INPUT_NAMES]
         out, _ = paged_attention_triton(*args, **attrs, state=PagedLaunchState(), launch=plan)
         assert rel_err(out, want) < 1e-2
+
+
+@on_gpu
+def test_programmatic_dependent_launches_equal_serialized_ones():
+    """With pdl (the default) the attention launch may start while the KV write runs, and the split-KV merge while
+    the attention runs; each waits for its predecessor's end before reading what it wrote. Step after step, each
+    writing its tokens' keys into the blocks the attention then reads (what a missing wait would read stale), the
+    output is bit for bit that of serialized launches, and the merge is the CUDA one."""
+    from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
+
+    attrs = dict(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5, k_scale=0.5, v_scale=0.25)
+    for seed in range(8):
+        step = fp8_decode_step(seed, [16, 17, 2048, 4000], [1, 1, 1, 1], num_heads=32, num_kv_heads=8,
+                               head_dim=128, dtype=torch.bfloat16, k_scale=0.5, v_scale=0.25)
+        outs = []
+        for plan in (P(16, stages=3), P(16, stages=3, pdl=False)):
+            state = PagedLaunchState()
+            for _ in range(2):  # eager, then through the state's plan
+                out, pool = paged_attention_triton(*[step[name].clone().cuda() for name in INPUT_NAMES], **attrs,
+                                                   launch=plan, state=state)
+                outs.append((out, pool))
+            merge = next(iter(state.plans.values())).merge
+            assert merge.name == "fp8_merge_segments"
+        for out, pool in outs[1:]:
+            assert torch.equal(out, outs[0][0]) and torch.equal(pool.view(torch.uint8), outs[0][1].view(torch.uint8))
+        want, _ = reference(step, attrs)
+        assert rel_err(outs[0][0], want) < 1e-2
 
 
 @on_gpu

@@ -37,13 +37,19 @@ SCRIPT = textwrap.dedent("""
                                          "stride_vh", "stride_vt", "stride_vd", "stride_cos_t", "stride_cos_d",
                                          "stride_sin_t", "stride_sin_d", "stride_oh", "stride_ot", "stride_cb",
                                          "stride_ckv", "stride_ch", "stride_co", "stride_cd")})
-        no_fp8 = dict(FP8_KV=False)
+        no_fp8 = dict(FP8_KV=False, ALLOW_DEPENDENTS=False)
         ptx(_rope_write_kv_kernel, rope, dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32,
                                               BLOCK_HKV=8, BLOCK_HALF=32, DTYPE=TL[dt], **no_fp8))
         if dt != "fp32":  # the FP8 pool's write (kv_cache_dtype="fp8"); the scales are runtime fp32 arguments
             ptx(_rope_write_kv_kernel, {**rope, "Cache": "*fp8e4nv"},
                 dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=32,
-                     DTYPE=TL[dt], FP8_KV=True))
+                     DTYPE=TL[dt], FP8_KV=True, ALLOW_DEPENDENTS=False))
+            # and the form that lets decode_cuda.py's kernel, a programmatic dependent launch, start early
+            kernel = compile_ptx(_rope_write_kv_kernel, {**rope, "Cache": "*fp8e4nv"},
+                                 dict(BLOCK_SIZE=16, NUM_HEADS=32, NUM_KV_HEADS=8, HALF=32, BLOCK_HQ=32, BLOCK_HKV=8,
+                                      BLOCK_HALF=32, DTYPE=TL[dt], FP8_KV=True, ALLOW_DEPENDENTS=True),
+                                 num_warps=4, num_stages=3, target=("cuda", 90, 32))
+            assert "griddepcontrol.launch_dependents" in kernel.ptx
         ptx(_argmax_pieces, {"X": p, "Keys": "*i64", "Idx": "*i32", "V": "i32", "stride_x": "i32",
                              "num_pieces": "i32"}, dict(CHUNK=4096), warps=8)
     ptx(_argmax_rows, {"Keys": "*i64", "Idx": "*i32", "Out": "*i64", "num_pieces": "i32"}, dict(BLOCK=32), warps=1)

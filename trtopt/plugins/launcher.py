@@ -234,6 +234,22 @@ def _driver() -> tuple[Any, Any, Any] | None:
     return driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS, driver.CUfunction
 
 
+def _pdl_config(dims: tuple[int, ...]) -> Any:
+    """A cuLaunchKernelEx configuration of these dims with programmatic stream serialization allowed (its stream
+    is set per launch)."""
+    from cuda.bindings import driver
+
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY, config.blockDimZ,
+     config.sharedMemBytes) = dims
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
+
+
 @functools.cache
 def _stream_getter() -> Any:
     return triton.runtime.driver.active.get_current_stream
@@ -254,18 +270,24 @@ class DriverLaunch:
     (paged_attention/decode_cuda.py), with the same contract."""
 
     __slots__ = ("name", "device", "num_tensors", "_launch_kernel", "_success", "_function", "_dims", "_addresses",
-                 "_aligned", "_all_aligned", "_params", "_params_address", "_values", "_scalar_at")
+                 "_aligned", "_all_aligned", "_params", "_params_address", "_values", "_scalar_at", "_config")
 
     def __init__(self, name: str, function: int, dims: tuple[int, ...], device: int, kinds: list[tuple[str, Any]],
-                 aligned: list[bool], hidden: int = 0, scalar_positions: Sequence[int] = ()) -> None:
+                 aligned: list[bool], hidden: int = 0, scalar_positions: Sequence[int] = (), *,
+                 pdl: bool = False) -> None:
         """function: the raw CUfunction handle; dims: (grid x, y, z, threads x, y, z, dynamic shared bytes); kinds:
         each parameter in order, ("*", None) for a pointer or (type, its ctypes value) for a scalar; aligned: each
-        pointer's 16-byte alignment as prepared; hidden: null pointers appended (Triton's scratch parameters)."""
+        pointer's 16-byte alignment as prepared; hidden: null pointers appended (Triton's scratch parameters).
+
+        pdl: launch as a programmatic dependent launch (cuLaunchKernelEx with programmatic stream serialization):
+        the kernel may start before the previous kernel on the stream has finished, so it must execute
+        `griddepcontrol.wait` before it reads anything that kernel wrote (decode_cuda.py's kernels do, first)."""
         self.name = name
         self.device = device
         self._launch_kernel, self._success, function_type = _driver()
         self._function = function_type(function)
         self._dims = dims
+        self._config = _pdl_config(dims) if pdl else None
         self.num_tensors = num_pointers = len(aligned)
         self._addresses = (ctypes.c_uint64 * max(num_pointers, 1))()  # rewritten per call, one slice assignment
         self._aligned = aligned
@@ -308,7 +330,13 @@ class DriverLaunch:
                 else [a % 16 == 0 for a in addresses] != self._aligned):
             return False
         self._addresses[:len(addresses)] = addresses
-        (result,) = self._launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
+        if self._config is not None:
+            from cuda.bindings import driver
+
+            self._config.hStream = driver.CUstream(stream)
+            (result,) = driver.cuLaunchKernelEx(self._config, self._function, self._params_address, 0)
+        else:
+            (result,) = self._launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
         if result != self._success:
             raise RuntimeError(f"cuLaunchKernel failed for {self.name}: {result!r}")
         return True

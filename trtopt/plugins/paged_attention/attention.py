@@ -574,7 +574,12 @@ def paged_attention_triton(
                                       scales=pool_scales(kv_cache, k_scale, v_scale))
         state.launcher.launch(attention[0], attention[1], *attention[2], **attention[3])
     merge = None
-    if scratch and counters is None:
+    if scratch and cuda is not None:
+        merge = decode_cuda.cuda_merge_launch(part_acc, part_max, part_sum, out, plan=cuda, group=group,
+                                              head_dim=head_dim, part_stride=block_d)
+        if not merge[0].prepare(*merge[1:])(current_stream(q.device.index), *_tensors(merge[2])):
+            raise AssertionError("fp8_merge_segments refused the tensors it was prepared from")  # a bug, not input
+    elif scratch and counters is None:
         merge = _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d)
         state.launcher.launch(merge[0], merge[1], *merge[2], **merge[3])
     if key is not None:
@@ -676,8 +681,8 @@ class _PagedPlan:
                  device: torch.device, launcher: Launcher, budget: WorkspaceBudget) -> None:
         launches = [x for x in (kv_write, attention, merge) if x is not None]
 
-        def prepare(x: tuple, direct: bool):  # the CUDA decode kernel prepares its own launch (decode_cuda.py)
-            if isinstance(x[0], decode_cuda.CudaDecode):
+        def prepare(x: tuple, direct: bool):  # the CUDA decode kernels prepare their own launches (decode_cuda.py)
+            if isinstance(x[0], decode_cuda.NvrtcKernel):
                 return x[0].prepare(*x[1:], direct=direct)
             return launcher.prepare(*x, direct=direct)
 

@@ -101,6 +101,20 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
     return y;
 }
 
+// Programmatic dependent launch (sm_90+; launcher.DriverLaunch pdl=True): a kernel so launched may start while the
+// previous one on its stream runs, and waits here, before its first read, until that kernel has ended and its
+// writes are visible; allow_dependents lets the next such launch start early. Both return at once otherwise.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Lane (g, t): g = lane / 4, t = lane % 4. S^T row r holds key 4(r/2) + (r%2) for r < 8 and 4((r-8)/2) + 2 + (r%2)
 // for r >= 8, so that after the 8x8 transposes lane t's P^T pairs are keys 4t..4t+3: the 4 bytes it reads of a
 // value row. The QK dot's d order: k-step ks, k 2t..2t+1 <-> d (HEAD_DIM/4)t + 4ks + {0,1}, k 2t+8..2t+9 <-> + {2,3}.
@@ -225,6 +239,52 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
         const int hi = causal ? pos + 1 : seq_len;
         const int lo = window > 0 ? max(pos - window + 1, 0) : 0;
 
+        // blocks [blk_lo, blk_hi) hold keys [lo, hi), split evenly over the segments; those wholly inside [lo, hi)
+        // are walked by the warps in turn, the (at most two) partial ones at the ends are masked
+        const int blk_lo = lo / BS, blk_hi = (hi + BS - 1) / BS;
+        const int per_seg = (blk_hi - blk_lo + segments - 1) / segments;
+        const int s_lo = blk_lo + seg * per_seg, s_hi = min(s_lo + per_seg, blk_hi);
+        const int full_lo = max(s_lo, (lo + BS - 1) / BS), full_hi = min(s_hi, hi / BS);
+        auto load = [&](BlockRegs& r, int phys) {  // the bytes of physical block `phys` of this KV head
+            const unsigned char* kb = head + phys * stride_cb;
+            load_block(r, kb, kb + stride_ckv, g, t);
+        };
+        // Each warp reads the table entry of its block after next ahead of time: its latency overlaps this block's
+        // loads, instead of coming before them on every block.
+        auto phys_of = [&](int block) { return block < full_hi ? table[block] : 0; };
+        int b = full_lo + warp;
+        BlockRegs r0;
+        // Up to here the kernel has read only the step's metadata, which no kernel writes right before this one;
+        // q and the pool come after the previous kernel's end (the KV write: the pool's newest slot, and the
+        // rotated q when RoPE is folded into it), when launched as a programmatic dependent.
+#if ASYNC
+        // cp.async into STAGES per-warp stages: STAGES - 1 blocks in flight while one is computed, in no registers.
+        // The first STAGES - 1 blocks' table entries are read before the wait, and their loads issued before q is
+        // read, so that those latencies overlap the previous kernel and q's.
+        unsigned char* stages = dyn + warp * (STAGES * 2 * BS * HEAD_DIM);
+        const int n = full_hi > b ? (full_hi - b + WARPS - 1) / WARPS : 0;
+        auto issue_from = [&](int i, int phys) {
+            if (i < n) {
+                const unsigned char* kb = head + phys * stride_cb;
+                unsigned char* dst = stages + (i % STAGES) * (2 * BS * HEAD_DIM);
+                #pragma unroll
+                for (int j = lane; j < BS * HEAD_DIM / 16; j += 32) {
+                    cp_async16(dst + 16 * j, kb + 16 * j);
+                    cp_async16(dst + BS * HEAD_DIM + 16 * j, kb + stride_ckv + 16 * j);
+                }
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        };
+        auto issue = [&](int i) { issue_from(i, i < n ? table[b + WARPS * i] : 0); };
+        int first[STAGES - 1];
+        #pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) first[i] = i < n ? table[b + WARPS * i] : 0;
+        grid_dependency_wait();
+        #pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) issue_from(i, first[i]);
+#else
+        grid_dependency_wait();
+#endif
         // q^T's B fragments: column n = g is query head g (< GROUP); k 2t..2t+1 <-> d (HEAD_DIM/4)t + 4ks + {0,1}
         u32 qb[KS][2];
         {
@@ -257,52 +317,17 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
         #pragma unroll
         for (int i = 0; i < KS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
         float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
-
-        // blocks [blk_lo, blk_hi) hold keys [lo, hi), split evenly over the segments; those wholly inside [lo, hi)
-        // are walked by the warps in turn, the (at most two) partial ones at the ends are masked
-        const int blk_lo = lo / BS, blk_hi = (hi + BS - 1) / BS;
-        const int per_seg = (blk_hi - blk_lo + segments - 1) / segments;
-        const int s_lo = blk_lo + seg * per_seg, s_hi = min(s_lo + per_seg, blk_hi);
-        const int full_lo = max(s_lo, (lo + BS - 1) / BS), full_hi = min(s_hi, hi / BS);
-        auto load = [&](BlockRegs& r, int phys) {  // the bytes of physical block `phys` of this KV head
-            const unsigned char* kb = head + phys * stride_cb;
-            load_block(r, kb, kb + stride_ckv, g, t);
-        };
-        // Each warp reads the table entry of its block after next ahead of time: its latency overlaps this block's
-        // loads, instead of coming before them on every block.
-        auto phys_of = [&](int block) { return block < full_hi ? table[block] : 0; };
-        int b = full_lo + warp;
-        BlockRegs r0;
 #if ASYNC
-        // cp.async into STAGES per-warp stages: STAGES - 1 blocks in flight while one is computed, in no registers
-        {
-            unsigned char* stages = dyn + warp * (STAGES * 2 * BS * HEAD_DIM);
-            const int n = full_hi > b ? (full_hi - b + WARPS - 1) / WARPS : 0;
-            auto issue = [&](int i) {
-                if (i < n) {
-                    const unsigned char* kb = head + table[b + WARPS * i] * stride_cb;
-                    unsigned char* dst = stages + (i % STAGES) * (2 * BS * HEAD_DIM);
-                    #pragma unroll
-                    for (int j = lane; j < BS * HEAD_DIM / 16; j += 32) {
-                        cp_async16(dst + 16 * j, kb + 16 * j);
-                        cp_async16(dst + BS * HEAD_DIM + 16 * j, kb + stride_ckv + 16 * j);
-                    }
-                }
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            };
-            #pragma unroll
-            for (int i = 0; i < STAGES - 1; ++i) issue(i);
-            for (int i = 0; i < n; ++i) {
-                issue(i + STAGES - 1);
-                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
-                __syncwarp();
-                const unsigned char* kb = stages + (i % STAGES) * (2 * BS * HEAD_DIM);
-                load_block(r0, kb, kb + BS * HEAD_DIM, g, t);
-                __syncwarp();  // every lane has read the stage before the next issue overwrites it
-                attend_block<true>(r0, (b + WARPS * i) * BS, lo, hi, ss, qb, acc, m, l, g, t);
-            }
-            asm volatile("cp.async.wait_all;" ::: "memory");
+        for (int i = 0; i < n; ++i) {
+            issue(i + STAGES - 1);
+            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+            __syncwarp();
+            const unsigned char* kb = stages + (i % STAGES) * (2 * BS * HEAD_DIM);
+            load_block(r0, kb, kb + BS * HEAD_DIM, g, t);
+            __syncwarp();  // every lane has read the stage before the next issue overwrites it
+            attend_block<true>(r0, (b + WARPS * i) * BS, lo, hi, ss, qb, acc, m, l, g, t);
         }
+        asm volatile("cp.async.wait_all;" ::: "memory");
 #elif PIPE
         BlockRegs r1;  // two register sets: the next block's loads are in flight while this one is computed
         int ahead = phys_of(b + WARPS);
@@ -341,6 +366,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
             attend_block<false>(r0, tail_blk * BS, lo, hi, ss, qb, acc, m, l, g, t);
         }
 
+        allow_dependents();  // the merge launch may start (it waits for this grid to end before reading)
         __syncthreads();  // the sums alias ASYNC's stages: every warp is done with them
         // column c of lane (g, t) is query head 2t + c; acc[mt] = (d 16mt + g: c0, c1), (d 16mt + g + 8: c2, c3)
         #pragma unroll
@@ -390,6 +416,84 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
         __syncthreads();  // the next token reuses the shared partials
     }
 }
+
+// The split-KV merge of fp8_paged_decode's partials, as attention.py's _merge_segments_kernel computes it (one CTA
+// a token and query head): out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s. Launched as a programmatic
+// dependent of the attention launch, so that its launch overlaps that kernel's end. Every load is issued before
+// the first is used (thread s reads segment s's max and sum; the threads' stripes read 16-byte pieces of up to
+// MERGE_AHEAD segments' acc rows each), so that the merge waits about one L2 round trip.
+#define MERGE_THREADS 128
+#define MERGE_AHEAD 16
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS) fp8_merge_segments(
+    const float* __restrict__ PartAcc, const float* __restrict__ PartMax, const float* __restrict__ PartSum,
+    u16* __restrict__ Out, int num_heads, long long stride_oh, long long stride_ot, int segments, int part_stride)
+{
+    constexpr int D4 = HEAD_DIM / 4, STRIPES = MERGE_THREADS / D4;  // a stripe's threads hold a row's d / 4
+    __shared__ float sm_w[MERGE_THREADS];                              // segments <= 128: segment s's weight
+    __shared__ float sm_red[2][MERGE_THREADS / 32];
+    __shared__ float4 sm_o[STRIPES][D4];
+    const int s = threadIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int col = threadIdx.x % D4, stripe = threadIdx.x / D4;
+    grid_dependency_wait();
+    const long long tok = blockIdx.x;
+    const int h = blockIdx.y;
+    const long long base = (tok * num_heads + h) * segments;
+    const float ms = s < segments ? __ldcg(PartMax + base + s) : NEG_INF;
+    const float ls = s < segments ? __ldcg(PartSum + base + s) : 0.f;
+    float4 ahead[MERGE_AHEAD];
+    #pragma unroll
+    for (int i = 0; i < MERGE_AHEAD; ++i) {
+        const int si = stripe + i * STRIPES;
+        ahead[i] = stripe < STRIPES && si < segments
+            ? __ldcg(reinterpret_cast<const float4*>(PartAcc + (base + si) * part_stride) + col)
+            : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float x = ms;
+    #pragma unroll
+    for (int k = 16; k > 0; k >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, k));
+    if (lane == 0) sm_red[0][warp] = x;
+    __syncthreads();
+    float mx = sm_red[0][0];
+    #pragma unroll
+    for (int w = 1; w < MERGE_THREADS / 32; ++w) mx = fmaxf(mx, sm_red[0][w]);
+    const float ws = s < segments ? ex2(ms - mx) : 0.f;
+    float y = ws * ls;
+    #pragma unroll
+    for (int k = 16; k > 0; k >>= 1) y += __shfl_xor_sync(0xffffffff, y, k);
+    if (lane == 0) sm_red[1][warp] = y;
+    sm_w[s] = ws;
+    __syncthreads();
+    float total = 0.f;
+    #pragma unroll
+    for (int w = 0; w < MERGE_THREADS / 32; ++w) total += sm_red[1][w];
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (stripe < STRIPES) {
+        #pragma unroll
+        for (int i = 0; i < MERGE_AHEAD; ++i) {
+            const int si = stripe + i * STRIPES;
+            const float wi = si < segments ? sm_w[si] : 0.f;
+            o.x += wi * ahead[i].x; o.y += wi * ahead[i].y; o.z += wi * ahead[i].z; o.w += wi * ahead[i].w;
+        }
+        for (int si = stripe + MERGE_AHEAD * STRIPES; si < segments; si += STRIPES) {
+            const float4 a = __ldcg(reinterpret_cast<const float4*>(PartAcc + (base + si) * part_stride) + col);
+            const float wi = sm_w[si];
+            o.x += wi * a.x; o.y += wi * a.y; o.z += wi * a.z; o.w += wi * a.w;
+        }
+        sm_o[stripe][col] = o;
+    }
+    __syncthreads();
+    if (stripe == 0) {
+        #pragma unroll
+        for (int k = 1; k < STRIPES; ++k) {
+            const float4 b = sm_o[k][col];
+            o.x += b.x; o.y += b.y; o.z += b.z; o.w += b.w;
+        }
+        const float den = total == 0.f ? 1.f : total;
+        u16* orow = Out + h * stride_oh + tok * stride_ot + 4 * col;
+        orow[0] = f32_to_q(o.x / den); orow[1] = f32_to_q(o.y / den);
+        orow[2] = f32_to_q(o.z / den); orow[3] = f32_to_q(o.w / den);
+    }
+}
 """
 
 HEAD_DIMS = (64, 128, 192, 256)
@@ -403,20 +507,28 @@ ARG_NAMES = ("q", "kv_cache", "block_tables", "seq_lens", "query_start_loc", "al
              "part_max", "part_sum", "counters", "score_scale", "k_scale", "v_scale", "causal", "window",
              "stride_qh", "stride_qt", "stride_cb", "stride_ckv", "stride_ch", "stride_bt", "stride_oh",
              "stride_ot", "num_heads", "part_stride")
+# fp8_merge_segments's parameters (the merge's 4 pointers as attention.py's merge launch passes them, then scalars)
+MERGE_ARG_NAMES = ("part_acc", "part_max", "part_sum", "out", "num_heads", "stride_oh", "stride_ot", "segments",
+                   "part_stride")
+MERGE_THREADS = 128
 _SCALAR_TYPES = {"score_scale": ctypes.c_float, "k_scale": ctypes.c_float, "v_scale": ctypes.c_float,
                  "causal": ctypes.c_int32, "window": ctypes.c_int32, "num_heads": ctypes.c_int32,
-                 "part_stride": ctypes.c_int32}  # the strides are int64
+                 "part_stride": ctypes.c_int32, "segments": ctypes.c_int32}  # the strides are int64
 
 
 @dataclass(frozen=True)
 class CudaDecodePlan:
-    """How one decode step is launched: key-range segments (flash-decoding; merged by attention.py's merge
-    kernel), and how each warp keeps its next blocks' loads in flight: `stages` > 1 stages them in shared memory
-    through cp.async (stages - 1 blocks in flight), else `pipe` double-buffers them in registers, else none."""
+    """How one decode step is launched: key-range segments (flash-decoding; merged by fp8_merge_segments, a second
+    launch), how each warp keeps its next blocks' loads in flight (`stages` > 1 stages them in shared memory through
+    cp.async, stages - 1 blocks in flight, else `pipe` double-buffers them in registers, else none), and whether
+    the launches are programmatic dependent launches (`pdl`)."""
 
     num_segments: int
     pipe: bool = False
     stages: int = 0
+    # Launch the attention kernel and the split-KV merge as programmatic dependent launches (sm_90+): each starts
+    # while the kernel before it ends, and waits before its first read (launcher.DriverLaunch `pdl`).
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         # the merge kernel takes a power of two segments; stages and registers are two ways to the same end
@@ -530,9 +642,11 @@ def compile_cubin(arch: str, head_dim: int, group: int, q_bf16: bool, pipe: bool
 
 
 @functools.cache
-def _loaded(device: int, head_dim: int, group: int, q_bf16: bool, pipe: bool, stages: int) -> tuple[object, object]:
-    """(CUmodule, CUfunction) of one configuration in `device`'s primary context (torch's, current here): a memo of
-    the driver's answer, loaded once a process (the module is kept with its function)."""
+def _loaded(device: int, head_dim: int, group: int, q_bf16: bool, pipe: bool,
+            stages: int) -> tuple[object, object, object]:
+    """(CUmodule, the attention's CUfunction, the merge's) of one configuration in `device`'s primary context
+    (torch's, current here): a memo of the driver's answer, loaded once a process (the module is kept with its
+    functions)."""
     from cuda.bindings import driver
 
     major, minor = torch.cuda.get_device_capability(device)
@@ -540,26 +654,32 @@ def _loaded(device: int, head_dim: int, group: int, q_bf16: bool, pipe: bool, st
     err, module = driver.cuModuleLoadData(compile_cubin(arch, head_dim, group, q_bf16, pipe, stages))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuModuleLoadData failed for fp8_paged_decode: {err!r}")
-    err, function = driver.cuModuleGetFunction(module, b"fp8_paged_decode")
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuModuleGetFunction failed for fp8_paged_decode: {err!r}")
+    functions = []
+    for name in (b"fp8_paged_decode", b"fp8_merge_segments"):
+        err, function = driver.cuModuleGetFunction(module, name)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuModuleGetFunction failed for {name.decode()}: {err!r}")
+        functions.append(function)
     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    (err,) = driver.cuFuncSetAttribute(function, attribute, shared_bytes(head_dim, group, stages))
+    (err,) = driver.cuFuncSetAttribute(functions[0], attribute, shared_bytes(head_dim, group, stages))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuFuncSetAttribute failed for fp8_paged_decode: {err!r}")
-    return module, function
+    return module, *functions
 
 
-class CudaDecode:
-    """The kernel of one configuration as attention.py's launch tuples hold kernels: (CudaDecode, grid, args,
-    constexprs). `prepare` makes the DriverLaunch; `arg_names` and the FP8_KV flag let a plan set each call's
-    scales (attention.py `_PagedPlan.scaled`)."""
+class NvrtcKernel:
+    """One of this module's kernels, of one configuration, as attention.py's launch tuples hold kernels:
+    (kernel, grid, args, constexprs). `prepare` makes the DriverLaunch; `arg_names` lets a plan set each call's
+    scales (attention.py `_PagedPlan.scaled`, for launches whose constexprs hold FP8_KV)."""
 
-    arg_names = ARG_NAMES
+    arg_names: tuple[str, ...]
+    function_index: int  # in `_loaded`'s answer
+    threads: int
 
     def __init__(self, head_dim: int, group: int, q_bf16: bool, plan: CudaDecodePlan) -> None:
         self.config = (head_dim, group, q_bf16, plan.pipe, plan.stages)
-        self.shared = shared_bytes(head_dim, group, plan.stages)
+        self.shared = 0
+        self.pdl = plan.pdl
 
     def prepare(self, grid: tuple[int, int, int], args: tuple, kwargs: dict, *,
                 direct: bool = True) -> DriverLaunch | "OnCurrentStream":
@@ -567,7 +687,7 @@ class CudaDecode:
         plan's Relaunches do)."""
         device = torch.cuda.current_device()
         kinds, positions = [], []
-        for i, (name, value) in enumerate(zip(ARG_NAMES, args)):
+        for i, (name, value) in enumerate(zip(self.arg_names, args)):
             if isinstance(value, torch.Tensor):
                 kinds.append(("*", None))
             else:
@@ -576,10 +696,33 @@ class CudaDecode:
         # the kernel's own needs (q and the pool 16-byte aligned) are why_not's; the launch compares each address's
         # alignment with the prepared one's, so a later call whose metadata sits otherwise is prepared anew
         aligned = [a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)]
-        function = int(_loaded(device, *self.config)[1])
-        run = DriverLaunch("fp8_paged_decode", function, (*grid, THREADS, 1, 1, self.shared), device, kinds, aligned,
-                           0, positions)
+        function = int(_loaded(device, *self.config)[self.function_index])
+        pdl = self.pdl and torch.cuda.get_device_capability(device)[0] >= 9
+        run = DriverLaunch(self.name, function, (*grid, self.threads, 1, 1, self.shared), device, kinds, aligned,
+                           0, positions, pdl=pdl)
         return run if direct else OnCurrentStream(run)
+
+
+class CudaDecode(NvrtcKernel):
+    """fp8_paged_decode: the attention."""
+
+    name = "fp8_paged_decode"
+    arg_names = ARG_NAMES
+    function_index = 1
+    threads = THREADS
+
+    def __init__(self, head_dim: int, group: int, q_bf16: bool, plan: CudaDecodePlan) -> None:
+        super().__init__(head_dim, group, q_bf16, plan)
+        self.shared = shared_bytes(head_dim, group, plan.stages)
+
+
+class CudaMerge(NvrtcKernel):
+    """fp8_merge_segments: the split-KV merge after a CudaDecode of more than one segment."""
+
+    name = "fp8_merge_segments"
+    arg_names = MERGE_ARG_NAMES
+    function_index = 2
+    threads = MERGE_THREADS
 
 
 class OnCurrentStream:
@@ -610,3 +753,14 @@ def cuda_decode_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, out
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0), out.stride(1),
             out.stride(2), q.shape[1], part_stride)
     return kernel, grid, args, {"FP8_KV": True}
+
+
+def cuda_merge_launch(part_acc, part_max, part_sum, out, *, plan: CudaDecodePlan, group: int, head_dim: int,
+                      part_stride: int) -> tuple:
+    """(CudaMerge, grid, args, constexprs) of the merge after `cuda_decode_launch`'s split launch (the same
+    configuration's module: out is q's dtype)."""
+    kernel = CudaMerge(head_dim, group, out.dtype == torch.bfloat16, plan)
+    T, num_heads = out.shape[2], out.shape[1]
+    args = (part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), plan.num_segments,
+            part_stride)
+    return kernel, (T, num_heads, 1), args, {}

@@ -41,6 +41,22 @@ def fp8_saturate(x, scale):
 
 
 @triton.jit
+def allow_dependents():
+    """Let the next kernel on the stream start now, if it was launched as a programmatic dependent (decode_cuda.py's
+    FP8 decode kernel is, and waits for this kernel's end before it reads q or the pool): a no-op otherwise."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+def dependents_constexpr(kv_cache: torch.Tensor) -> dict:
+    """ALLOW_DEPENDENTS of a KV write launch: True for an FP8 pool on a GPU of compute capability >= 9.0 (where
+    decode_cuda.py's kernel, a programmatic dependent launch, may follow), else False (passed all the same, as
+    fp8_constexprs says why)."""
+    return dict(ALLOW_DEPENDENTS=kv_cache.dtype == FP8_POOL_DTYPE and kv_cache.device.type == "cuda"
+                and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9)
+
+
+@triton.jit
 def value_offsets(offset, offs_d, stride_co, stride_cd, FP8_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Where value d of the token at ``offset`` in its block goes, from the block's value half: offset·stride_co +
     d·stride_cd, or in an FP8 pool, whose values are stored [D, block_size] (a contiguous plane: the launches check),
@@ -58,8 +74,10 @@ def _write_kv_kernel(
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8_KV: tl.constexpr = False,
+    FP8_KV: tl.constexpr = False, ALLOW_DEPENDENTS: tl.constexpr = False,
 ):
+    if ALLOW_DEPENDENTS:
+        allow_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SlotMapping + t)
     if slot < 0:
@@ -90,13 +108,15 @@ def _rope_write_kv_kernel(
     stride_cb, stride_ckv, stride_ch, stride_co, stride_cd,
     BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, DTYPE: tl.constexpr,
-    FP8_KV: tl.constexpr = False,
+    FP8_KV: tl.constexpr = False, ALLOW_DEPENDENTS: tl.constexpr = False,
 ):
     """RoPE of q and k and the KV write in one launch (one program per token; cos/sin are one row per token,
     shared by every head): q_out[h, t] = rope(q[h, t]) for every query head, and for a token with slot >= 0
     pool[slot] = (rope(k[:, t]), v[:, t]). The rotation is rope/kernel.py's, so the result is bit for bit that of
     two Rope launches and the plain KV write (three launches per layer, one here), FP8 pools included: the rotated
     k is rounded to DTYPE first, then quantized as _write_kv_kernel quantizes."""
+    if ALLOW_DEPENDENTS:
+        allow_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_ok = offs < HALF
@@ -177,7 +197,7 @@ def _write_kv_launch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, s
     ), dict(
         BLOCK_SIZE=kv_cache.shape[3], NUM_KV_HEADS=Hkv, HEAD_DIM=D,
         BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D),
-        num_warps=4 if Hkv * D >= 1024 else 1, **fp8_constexprs(kv_cache),
+        num_warps=4 if Hkv * D >= 1024 else 1, **fp8_constexprs(kv_cache), **dependents_constexpr(kv_cache),
     )
 
 
@@ -214,7 +234,7 @@ def _rope_write_kv_launch(q, k, v, cos, sin, q_out, kv_cache, slot_mapping, k_sc
         BLOCK_SIZE=kv_cache.shape[3], NUM_HEADS=Hq, NUM_KV_HEADS=Hkv, HALF=half, BLOCK_HQ=block_hq,
         BLOCK_HKV=next_pow2(Hkv), BLOCK_HALF=block_half, DTYPE=TL_DTYPES[q.dtype],
         num_warps=4 if block_hq * block_half >= 1024 else 1, **fp8_constexprs(kv_cache),
-        **no_fp_fusion(),
+        **dependents_constexpr(kv_cache), **no_fp_fusion(),
     )
 
 
