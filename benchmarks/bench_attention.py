@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import sys
 import time
 import warnings
@@ -581,6 +582,11 @@ def environment(device: torch.device = torch.device("cuda")) -> dict:
             "cudnn": torch.backends.cudnn.version()}
 
 
+def section_date(data: dict, section: str) -> str:
+    """The date of the run a section's rows come from (a section carried over keeps its run's)."""
+    return data.get("carried_over", {}).get(section, data["env"]["date"])[:10]
+
+
 def plot_prefill(ax, data: dict) -> None:
     names = ["triton", "sdpa_cudnn", "sdpa_flash"]
     width = 0.27
@@ -589,7 +595,7 @@ def plot_prefill(ax, data: dict) -> None:
         ax.bar([x + (i - 1) * width for x in range(len(vals))], vals, width, label=name)
     ax.set_xticks(range(len(data["prefill"])), [r["shape"] for r in data["prefill"]], fontsize=8)
     ax.set_ylabel("TFLOP/s (causal, bf16)")
-    ax.set_title("Prefill: FlashAttention kernel vs SDPA")
+    ax.set_title(f"Prefill: FlashAttention kernel vs SDPA ({section_date(data, 'prefill')})")
     ax.legend()
 
 
@@ -604,7 +610,7 @@ def plot_decode(ax, data: dict) -> None:
     ax.axhline(data["copy_tbs"], color="k", linestyle="--", label="D2D copy (read+write)")
     ax.set_xticks(range(len(data["decode"])), [r["shape"] for r in data["decode"]], fontsize=7)
     ax.set_ylabel("TB/s of KV read")
-    ax.set_title("Decode: PagedAttention (paged pool) vs SDPA (contiguous)")
+    ax.set_title(f"Decode: PagedAttention (paged pool) vs SDPA (contiguous) ({section_date(data, 'decode')})")
     ax.set_ylim(0, data["copy_tbs"] * 1.25)
     ax.legend(fontsize=8, loc="upper center", ncol=4)
 
@@ -642,7 +648,9 @@ def plot_decode_fp8(ax, data: dict) -> None:
         labels.append(f"B{r['batch']}·L{r['context']}·D{r['head_dim']}\n{tiling}")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel(f"FP8 pool speedup over {base} (time ratio)")
-    ax.set_title(f"Decode: PagedAttention, FP8 vs {base} KV pool (Hq32·Hkv8)")
+    timer = data.get("timers", {}).get("decode_fp8", "dirty")
+    ax.set_title(f"Decode: PagedAttention, FP8 vs {base} KV pool (Hq32·Hkv8)\ngraph replays, {timer} L2 before each "
+                 f"({section_date(data, 'decode_fp8')})", fontsize=10)
     ax.set_ylim(0, max([FP8_SPEEDUP_TARGET] + [r.get(f"fp8_speedup_vs_{base}", 0.0) for r in rows]) * 1.45)
     ax.legend(fontsize=8, loc="upper right")
 
@@ -704,6 +712,23 @@ def write_results(out: Path, results: dict, ran: list[str]) -> None:
     print(f"wrote {out}")
 
 
+def merge_fp8_kv_speedups(path: Path, rows: list[dict]) -> None:
+    """Set `decode_speedup_vs_bf16.attention_per_shape` in issue 33's fp8_kv_<gpu>.json (its other keys are
+    benchmarks/fp8_kv.py's and gpu_e2e.py's, and are kept) from a GPU run's decode_fp8 rows."""
+    data = json.loads(path.read_text())
+    per_shape = {"source": "benchmarks/bench_attention.py decode_fp8 (attention_<gpu>.json), same run as its bf16 "
+                           "cells; graph replays after a clean-L2 flush (dirty_l2: do_bench's flush)"}
+    for row in rows:
+        if "fp8_speedup_vs_bf16" in row:
+            per_shape[row["shape"]] = {
+                "fp8_kernel": row.get("fp8_kernel"), "launch": row["launch"],
+                "fp8_speedup_vs_bf16": row["fp8_speedup_vs_bf16"],
+                "dirty_l2_fp8_speedup_vs_bf16": row.get("dirty_l2_fp8_speedup_vs_bf16"),
+                "fp8_triton_speedup_vs_bf16": row.get("fp8_triton_speedup_vs_bf16"), "basis": row["speedup_basis"]}
+    data.setdefault("decode_speedup_vs_bf16", {})["attention_per_shape"] = per_shape
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where to write the JSON results (needs CUDA, or --smoke)")
@@ -757,6 +782,11 @@ def main() -> None:
         return  # nothing to keep: the smoke run's numbers are the interpreter's
     out = args.out or Path("docs/benchmarks") / f"attention_{results['env']['gpu'].replace(' ', '_').lower()}.json"
     write_results(out, results, sections)
+    gpu_tag = next((w for w in results["env"]["gpu"].split() if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", w)), "gpu").lower()
+    fp8_kv = out.parent / f"fp8_kv_{gpu_tag}.json"  # issue 33's results file, where a run of fp8_kv.py made it
+    if "decode_fp8" in sections and not args.smoke and fp8_kv.is_file():
+        merge_fp8_kv_speedups(fp8_kv, results["decode_fp8"])
+        print(f"updated {fp8_kv}: decode_speedup_vs_bf16.attention_per_shape")
 
 
 if __name__ == "__main__":

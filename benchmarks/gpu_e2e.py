@@ -820,11 +820,13 @@ def merge_decode_speedup(path: Path, section: dict, model: str) -> None:
     benchmarks/fp8_kv.py's and are kept."""
     data = json.loads(path.read_text()) if path.is_file() else {}
     ratios = section["ratios_fp8_vs_bf16"]
+    attention = data.get("decode_speedup_vs_bf16", {}).get("attention_per_shape")  # bench_attention.py's, kept
     data["decode_speedup_vs_bf16"] = {
         "source": "benchmarks/gpu_e2e.py, section fp8_kv (fp8_kv_e2e_<gpu>.json)", "model": model,
         **{k.removeprefix("batch1_decode_tok_s_"): v for k, v in ratios.items() if k.startswith("batch1_")},
         "workload_output_tok_s": ratios["workload_output_tok_s"],
         "workload_kv_cache_memory_gb": section["kv_cache_memory_gb"],
+        **({"attention_per_shape": attention} if attention else {}),
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
 

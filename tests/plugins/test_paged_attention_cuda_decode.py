@@ -154,7 +154,7 @@ def test_programmatic_dependent_launches_equal_serialized_ones():
     """With pdl (the default) the attention launch may start while the KV write runs, and the split-KV merge while
     the attention runs; each waits for its predecessor's end before reading what it wrote. Step after step, each
     writing its tokens' keys into the blocks the attention then reads (what a missing wait would read stale), the
-    output is bit for bit that of serialized launches, and the merge is the CUDA one."""
+    output is bit for bit that of serialized launches."""
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
 
     attrs = dict(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5, k_scale=0.5, v_scale=0.25)
@@ -163,13 +163,9 @@ def test_programmatic_dependent_launches_equal_serialized_ones():
                                head_dim=128, dtype=torch.bfloat16, k_scale=0.5, v_scale=0.25)
         outs = []
         for plan in (P(16, stages=3), P(16, stages=3, pdl=False)):
-            state = PagedLaunchState()
-            for _ in range(2):  # eager, then through the state's plan
-                out, pool = paged_attention_triton(*[step[name].clone().cuda() for name in INPUT_NAMES], **attrs,
-                                                   launch=plan, state=state)
-                outs.append((out, pool))
-            merge = next(iter(state.plans.values())).merge
-            assert merge.name == "fp8_merge_segments"
+            out, pool = paged_attention_triton(*[step[name].clone().cuda() for name in INPUT_NAMES], **attrs,
+                                               launch=plan, state=PagedLaunchState())
+            outs.append((out, pool))
         for out, pool in outs[1:]:
             assert torch.equal(out, outs[0][0]) and torch.equal(pool.view(torch.uint8), outs[0][1].view(torch.uint8))
         want, _ = reference(step, attrs)
@@ -200,6 +196,7 @@ def test_planned_layers_graphs_and_per_layer_scales():
     assert len(state.plans) == 1
     plan = next(iter(state.plans.values()))
     assert plan.attention.name == "fp8_paged_decode" and plan.calls == 3
+    assert plan.merge.name == "fp8_merge_segments"  # 4 segments: the CUDA merge, a programmatic dependent launch
     for first, again in zip(outs[:2], outs[2:]):
         assert torch.equal(first, again)
 

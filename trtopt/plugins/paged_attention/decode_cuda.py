@@ -548,9 +548,10 @@ def plan_cuda_decode(num_seqs: int, num_kv_heads: int, max_context: int, sm_coun
                      head_dim: int = 128) -> CudaDecodePlan:
     """Segments and how loads stay in flight, from shapes. The H200 sweep (docs/benchmarks/
     fp8_cuda_decode_sweep_h200.json: 8 shapes × every segment count × registers, PIPE or 2-4 cp.async stages,
-    graph replays) ran fastest, or within 2% of it, at 3 cp.async stages for head_dim <= 128 (PIPE for larger
-    heads, whose stages would take 96 KB a CTA) and with the key range split while the grid stays within three
-    CTAs an SM, each segment keeping >= 128 keys, up to 64 segments."""
+    graph replays) ran fastest, or within 3.5% of it (2 stages led several shapes by 0.3-3.4%, within the
+    run-to-run spread), at 3 cp.async stages for head_dim <= 128 (PIPE for larger heads, whose stages would take
+    96 KB a CTA) and with the key range split while the grid stays within three CTAs an SM, each segment keeping
+    >= 128 keys, up to 64 segments."""
     ctas = max(num_seqs * num_kv_heads, 1)
     segments = 1
     while segments < 64 and ctas * segments * 2 <= 3 * sm_count and max_context >= segments * 2 * 128:
