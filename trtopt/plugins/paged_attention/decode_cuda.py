@@ -24,6 +24,12 @@ blocks, and the warps' softmax partials are merged in shared memory at the end):
 It serves decode-shaped steps: one grid row per sequence, whose tokens (one in a decode step; any number is
 computed right, one after another) attend causally or not, with a sliding window or not. ALiBi, block sizes other
 than 16, head sizes other than 64/128/192/256, groups over 8 and fp32 models take the Triton kernel.
+
+A split-KV step's partials are merged by the module's second kernel, fp8_merge_segments. On sm_90+ the step's
+launches chain as programmatic dependent launches (`CudaDecodePlan.pdl`): the KV write (write_kv.py,
+ALLOW_DEPENDENTS) lets the attention start at once, the attention reads only the step's metadata before
+`griddepcontrol.wait` and lets the merge start after its loop, and the merge waits before its first read. At
+B1·L32K that took the step from 1.58x to 1.73x bf16 (docs/benchmarks/l2_state_h200.json, NOTES.md).
 """
 
 from __future__ import annotations
@@ -221,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) fp8_paged_decode(
 {
     // grid (sequences, Hkv, segments). With more than one segment each CTA takes its part of every token's key
     // range and writes the partials [token, head, segment] (max in log2 units, sum, v_scale-scaled acc at
-    // part_stride floats a part) as attention.py's _merge_segments_kernel reads them.
+    // part_stride floats a part) as fp8_merge_segments (below) reads them.
     const int seq = blockIdx.x, kvh = blockIdx.y, seg = blockIdx.z, segments = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tok_begin = QueryStartLoc[seq], tok_end = QueryStartLoc[seq + 1];
@@ -531,7 +537,8 @@ class CudaDecodePlan:
     pdl: bool = True
 
     def __post_init__(self) -> None:
-        # the merge kernel takes a power of two segments; stages and registers are two ways to the same end
+        # the merge kernel takes at most 128 segments (a thread each), the plans make powers of two; stages and
+        # registers are two ways to the same end
         if self.num_segments < 1 or self.num_segments & (self.num_segments - 1) or self.num_segments > 128:
             raise ValueError(f"num_segments must be a power of two in [1, 128]; got {self.num_segments}")
         if self.stages not in (0, 2, 3, 4) or (self.pipe and self.stages):
