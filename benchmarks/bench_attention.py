@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import platform
-import re
 import sys
 import time
 import warnings
@@ -122,8 +121,8 @@ def bench_ms(fn, l2: str = "clean") -> float:
     return float(times[len(times) // 2])
 
 
-def bench_graph_ms(fn, l2: str = "clean") -> float:
-    """Time fn as a replayed CUDA graph: what the runtime's decode path does, with no host launch overhead."""
+def graphed(fn):
+    """fn captured into a CUDA graph (after three warm-up calls on a side stream): its replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -133,7 +132,12 @@ def bench_graph_ms(fn, l2: str = "clean") -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench_ms(graph.replay, l2)
+    return graph.replay
+
+
+def bench_graph_ms(fn, l2: str = "clean") -> float:
+    """Time fn as a replayed CUDA graph: what the runtime's decode path does, with no host launch overhead."""
+    return bench_ms(graphed(fn), l2)
 
 
 def host_ms(fn, reps: int = 2) -> float:
@@ -783,8 +787,9 @@ def main() -> None:
         return  # nothing to keep: the smoke run's numbers are the interpreter's
     out = args.out or Path("docs/benchmarks") / f"attention_{results['env']['gpu'].replace(' ', '_').lower()}.json"
     write_results(out, results, sections)
-    gpu_tag = next((w for w in results["env"]["gpu"].split() if re.fullmatch(r"[A-Z]+\d+[A-Za-z]*", w)), "gpu").lower()
-    fp8_kv = out.parent / f"fp8_kv_{gpu_tag}.json"  # issue 33's results file, where a run of fp8_kv.py made it
+    from gpu_e2e import device_tag
+
+    fp8_kv = out.parent / f"fp8_kv_{device_tag(results['env']['gpu'])}.json"  # issue 33's results file, where a run of fp8_kv.py made it
     if "decode_fp8" in sections and not args.smoke and fp8_kv.is_file():
         merge_fp8_kv_speedups(fp8_kv, results["decode_fp8"])
         print(f"updated {fp8_kv}: decode_speedup_vs_bf16.attention_per_shape")

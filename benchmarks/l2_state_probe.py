@@ -68,19 +68,6 @@ def profile_kernels(replay, label: str, reps: int = 20) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 
 
-def graphed(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON here")
@@ -88,7 +75,7 @@ def main() -> None:
                     help="print each kernel's GPU time in the B1·L32K layers graphs (torch.profiler) and stop")
     args = ap.parse_args()
 
-    from bench_attention import amax_scales, make_paged_decode
+    from bench_attention import amax_scales, graphed, make_paged_decode
     from trtopt.plugins.paged_attention import decode_cuda
     from trtopt.plugins.paged_attention.kernel import PagedLaunchState, paged_attention_triton
     from trtopt.plugins.paged_attention.planning import _device_sm_count

@@ -234,9 +234,9 @@ def _driver() -> tuple[Any, Any, Any] | None:
     return driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS, driver.CUfunction
 
 
-def _pdl_config(dims: tuple[int, ...]) -> Any:
-    """A cuLaunchKernelEx configuration of these dims with programmatic stream serialization allowed (its stream
-    is set per launch)."""
+def _pdl_config(dims: tuple[int, ...]) -> tuple[Any, Any, Any]:
+    """(a cuLaunchKernelEx configuration of these dims with programmatic stream serialization allowed, whose stream
+    is set per launch; cuLaunchKernelEx; CUstream), read once, not per launch."""
     from cuda.bindings import driver
 
     attribute = driver.CUlaunchAttribute()
@@ -247,7 +247,7 @@ def _pdl_config(dims: tuple[int, ...]) -> Any:
      config.sharedMemBytes) = dims
     config.attrs = [attribute]
     config.numAttrs = 1
-    return config
+    return config, driver.cuLaunchKernelEx, driver.CUstream
 
 
 @functools.cache
@@ -331,10 +331,9 @@ class DriverLaunch:
             return False
         self._addresses[:len(addresses)] = addresses
         if self._config is not None:
-            from cuda.bindings import driver
-
-            self._config.hStream = driver.CUstream(stream)
-            (result,) = driver.cuLaunchKernelEx(self._config, self._function, self._params_address, 0)
+            config, launch_ex, stream_type = self._config
+            config.hStream = stream_type(stream)
+            (result,) = launch_ex(config, self._function, self._params_address, 0)
         else:
             (result,) = self._launch_kernel(self._function, *self._dims, stream, self._params_address, 0)
         if result != self._success:

@@ -565,8 +565,7 @@ def paged_attention_triton(
             q, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_max, part_sum,
             score_scale=scale * _LOG2E, causal=causal, sliding_window=sliding_window, plan=cuda, group=group,
             head_dim=head_dim, part_stride=block_d, scales=pool_scales(kv_cache, k_scale, v_scale))
-        if not attention[0].prepare(*attention[1:])(current_stream(q.device.index), *_tensors(attention[2])):
-            raise AssertionError("fp8_paged_decode refused the tensors it was prepared from")  # a bug, not input
+        attention[0].launch(*attention[1:])
     else:
         attention = _attention_launch(q, kv_cache, block_tables, seq_lens, query_start_loc, alibi_slopes, out,
                                       part_acc, part_max, part_sum, counters, scale, S, sliding_window, launch,
@@ -577,8 +576,7 @@ def paged_attention_triton(
     if scratch and cuda is not None:
         merge = decode_cuda.cuda_merge_launch(part_acc, part_max, part_sum, out, plan=cuda, group=group,
                                               head_dim=head_dim, part_stride=block_d)
-        if not merge[0].prepare(*merge[1:])(current_stream(q.device.index), *_tensors(merge[2])):
-            raise AssertionError("fp8_merge_segments refused the tensors it was prepared from")  # a bug, not input
+        merge[0].launch(*merge[1:])
     elif scratch and counters is None:
         merge = _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d)
         state.launcher.launch(merge[0], merge[1], *merge[2], **merge[3])
@@ -637,10 +635,6 @@ def _merge_launch(part_acc, part_max, part_sum, out, launch, head_dim, block_d):
     return _merge_segments_kernel, (T, num_heads), (
         part_acc, part_max, part_sum, out, num_heads, out.stride(1), out.stride(2), out.stride(3),
     ), dict(NUM_SEGMENTS=launch.num_segments, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
-
-
-def _tensors(args: tuple) -> list[torch.Tensor]:
-    return [a for a in args if isinstance(a, torch.Tensor)]
 
 
 class _Scratch:

@@ -710,6 +710,12 @@ class NvrtcKernel:
                            0, positions, pdl=pdl)
         return run if direct else OnCurrentStream(run)
 
+    def launch(self, grid: tuple[int, int, int], args: tuple, kwargs: dict) -> None:
+        """Prepare and launch once on the current stream, with args' own tensors (an eager call)."""
+        run = self.prepare(grid, args, kwargs)
+        if not run(current_stream(run.device), *[a for a in args if isinstance(a, torch.Tensor)]):
+            raise AssertionError(f"{self.name} refused the tensors it was prepared from")  # a bug, not input
+
 
 class CudaDecode(NvrtcKernel):
     """fp8_paged_decode: the attention."""
